@@ -1,0 +1,183 @@
+"""Where the logits come from: finding the output head, and which positions are predictions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from headwatch._errors import HeadwatchError
+
+HEAD_NAMES = ("lm_head", "output", "head")
+"""Leaf module names taken as the output head when the model has no ``get_output_embeddings()``."""
+
+
+def _describe(name: str, module: nn.Module) -> str:
+    if isinstance(module, nn.Linear):
+        return f"{name or '<root>'} (Linear {module.in_features} -> {module.out_features})"
+    if isinstance(module, nn.Embedding):
+        return f"{name or '<root>'} (Embedding {module.num_embeddings} x {module.embedding_dim})"
+    return f"{name or '<root>'} ({type(module).__name__})"
+
+
+def _name_of(model: nn.Module, target: nn.Module) -> str | None:
+    for name, module in model.named_modules(remove_duplicate=False):
+        if module is target:
+            return name
+    return None
+
+
+def find_output_head(model: nn.Module, head: str | nn.Module | None = None) -> tuple[str, nn.Module]:
+    """Find the module whose output is the logits ``(..., vocab_size)``.
+
+    Search order, the first rule that gives exactly one module wins:
+
+    1. ``head`` if given: a submodule of ``model`` or its dotted name (``"model.lm_head"``);
+    2. Hugging Face ``get_output_embeddings()`` on ``model`` or any submodule;
+    3. a submodule with a 2-D ``weight`` whose own name is ``lm_head``, ``output`` or ``head``;
+    4. the single ``nn.Linear`` whose ``out_features`` equals an input embedding's
+       ``num_embeddings``.
+
+    Args:
+        model: the LightningModule (or any ``nn.Module``) being trained.
+        head: optional explicit head, a module or a dotted name.
+
+    Returns:
+        ``(dotted_name, module)``.
+
+    Raises:
+        HeadwatchError: ``head`` names no submodule; or no rule, or a rule with several
+            matches, decides. The message lists the candidates and how to pass ``head=``.
+    """
+    if isinstance(head, nn.Module):
+        name = _name_of(model, head)
+        if name is None:
+            raise HeadwatchError(
+                f"`head` is a {type(head).__name__} that is not a submodule of {type(model).__name__}; "
+                "pass a module of the model being trained, or its dotted name"
+            )
+        return name, head
+    if isinstance(head, str):
+        try:
+            return head, model.get_submodule(head)
+        except AttributeError as err:
+            raise HeadwatchError(
+                f"`head={head!r}` names no submodule of {type(model).__name__}: {err}. "
+                f"Linear layers found: {_linear_list(model)}"
+            ) from err
+    if head is not None:
+        raise HeadwatchError(f"`head` must be None, an nn.Module or a dotted name (str), got {type(head).__name__}")
+
+    # 2. Hugging Face models say which module is their head.
+    found: dict[int, tuple[str, nn.Module]] = {}
+    for _, module in model.named_modules():
+        getter = getattr(module, "get_output_embeddings", None)
+        if callable(getter):
+            try:
+                out = getter()
+            except Exception:  # noqa: BLE001 - a model's own getter may fail; fall through to other rules
+                out = None
+            if isinstance(out, nn.Module):
+                name = _name_of(model, out)
+                if name is not None:
+                    found[id(out)] = (name, out)
+    if len(found) == 1:
+        return next(iter(found.values()))
+    if len(found) > 1:
+        _raise_ambiguous(model, list(found.values()), "several get_output_embeddings() results")
+
+    # 3. Conventional names.
+    named = [
+        (n, m)
+        for n, m in model.named_modules()
+        if n and n.rsplit(".", 1)[-1] in HEAD_NAMES and _has_matrix_weight(m)
+    ]
+    if len(named) == 1:
+        return named[0]
+    if len(named) > 1:
+        _raise_ambiguous(model, named, f"several modules named like {'/'.join(HEAD_NAMES)}")
+
+    # 4. A Linear layer producing one score per vocabulary entry.
+    vocab_sizes = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    linears = [
+        (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features in vocab_sizes
+    ]
+    if len(linears) == 1:
+        return linears[0]
+    if len(linears) > 1:
+        _raise_ambiguous(model, linears, "several Linear layers with out_features equal to an embedding's size")
+    raise HeadwatchError(
+        f"could not find the output head (lm_head) of {type(model).__name__}: no get_output_embeddings(), "
+        f"no module named {'/'.join(HEAD_NAMES)}, and no nn.Linear whose out_features equals an "
+        f"nn.Embedding's num_embeddings (embeddings: {sorted(vocab_sizes) or 'none'}). "
+        f"Linear layers found: {_linear_list(model)}. Pass the head explicitly, "
+        "e.g. LogitStatsMonitor(head='model.lm_head') or head=<the module>."
+    )
+
+
+def _has_matrix_weight(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, Tensor) and weight.ndim == 2
+
+
+def _linear_list(model: nn.Module, limit: int = 20) -> str:
+    items = [_describe(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not items:
+        return "none"
+    more = f", ... ({len(items) - limit} more)" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def _raise_ambiguous(model: nn.Module, candidates: list[tuple[str, nn.Module]], why: str) -> None:
+    listing = ", ".join(_describe(n, m) for n, m in candidates)
+    raise HeadwatchError(
+        f"the output head of {type(model).__name__} is ambiguous ({why}): {listing}. "
+        f"Pass one explicitly, e.g. LogitStatsMonitor(head={candidates[0][0]!r})."
+    )
+
+
+def _field(batch: Any, key: str) -> Any:
+    if isinstance(batch, Mapping):
+        return batch.get(key)
+    if isinstance(batch, (tuple, list)):
+        return None
+    return getattr(batch, key, None)
+
+
+def positions_from_batch(
+    batch: Any, shift_labels: bool = True, ignore_index: int = -100
+) -> tuple[Tensor | None, Tensor | None]:
+    """Which logits positions are predictions, and their targets, from a training batch.
+
+    Reads ``labels`` and ``attention_mask`` from a mapping (dict, Hugging Face
+    ``BatchEncoding``) or attributes of an object; other batches (tuples) give
+    ``(None, None)``: every position is measured, no target statistics.
+
+    With ``shift_labels`` (the Hugging Face causal-LM convention: the model shifts inside,
+    logits at position ``t`` predict ``labels[t + 1]``), targets are ``labels[..., 1:]``
+    followed by ``ignore_index`` for the last position. Without it, ``labels`` are already
+    aligned with the logits.
+
+    Returns:
+        ``(mask (B, T) bool or None, targets (B, T) long or None)``: the mask is
+        ``attention_mask != 0`` when present (positions with ``ignore_index`` targets are
+        excluded by the statistics themselves).
+    """
+    labels = _field(batch, "labels")
+    attention = _field(batch, "attention_mask")
+    targets = None
+    if isinstance(labels, Tensor) and labels.ndim >= 1 and not labels.is_floating_point():
+        labels = labels.long()
+        if shift_labels:
+            pad = torch.full_like(labels[..., :1], ignore_index)
+            targets = torch.cat([labels[..., 1:], pad], dim=-1)
+        else:
+            targets = labels
+    mask = attention != 0 if isinstance(attention, Tensor) else None
+    return mask, targets
+
+
+MaskFn = Callable[[Any], Tensor]
+TargetsFn = Callable[[Any], Tensor]

@@ -1,0 +1,113 @@
+"""torchmetrics ``Metric`` classes: sums and counts on the device, exact under DDP reduction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+from torchmetrics.utilities import dim_zero_cat
+
+from headwatch._errors import HeadwatchError
+from headwatch.functional.logits import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    LogitStatSums,
+    _logit_stats_compute,
+    _logit_stats_update,
+    logit_statistics,
+)
+
+ENTROPY_QUANTILES = (0.05, 0.50, 0.95)
+"""Quantiles of per-position entropy reported by :class:`LogitStatsMetric` (p05, p50, p95)."""
+
+
+def quantiles(values: Tensor, qs: tuple[float, ...]) -> Tensor:
+    """Quantiles of a 1-D tensor with linear interpolation (NumPy's default ``"linear"`` method).
+
+    Unlike ``torch.quantile`` there is no limit on the input size. Returns ``(len(qs),)``
+    float64, NaN for an empty input.
+    """
+    if values.numel() == 0:
+        return torch.full((len(qs),), float("nan"), dtype=torch.float64, device=values.device)
+    v = values.reshape(-1).double().sort().values
+    pos = torch.tensor(qs, dtype=torch.float64, device=v.device) * (v.numel() - 1)
+    lo = pos.floor().long()
+    hi = pos.ceil().long()
+    frac = pos - lo
+    return v[lo] + (v[hi] - v[lo]) * frac
+
+
+class LogitStatsMetric(Metric):
+    """Entropy and sharpness of next-token distributions, accumulated over batches.
+
+    State is float64 sums and counts (``dist_reduce_fx="sum"``) plus, when
+    ``keep_entropies`` is True, the per-position entropies (``"cat"``) for exact
+    quantiles; so the values computed on N processes equal those of one process on the
+    same global batch.
+
+    Args:
+        ignore_index: target value marking positions that are not predictions.
+        max_chunk_bytes: working-memory bound per chunk, see
+            :func:`headwatch.functional.logit_statistics`.
+        keep_entropies: keep every valid position's entropy for quantiles and histograms
+            (4 bytes a position).
+
+    ``update(logits (..., V), mask (...) bool | None, targets (...) int | None)``;
+    ``compute()`` returns a dict of float64 scalars: ``entropy``, ``kl_to_uniform``,
+    ``kl_from_uniform``, ``max_prob``, ``target_nll``, ``target_argmax_rate`` (means over
+    valid positions, NaN when there were none; nats except the last two), ``positions``,
+    ``nonfinite_positions``, ``invalid_target_positions`` (counts), ``entropy_p05``,
+    ``entropy_p50``, ``entropy_p95``, and ``entropy_values`` (the 1-D tensor of
+    per-position entropies) when ``keep_entropies``.
+    """
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = None
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        keep_entropies: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(ignore_index, int):
+            raise HeadwatchError(f"`ignore_index` must be an int, got {ignore_index!r}")
+        if not isinstance(max_chunk_bytes, int) or max_chunk_bytes <= 0:
+            raise HeadwatchError(f"`max_chunk_bytes` must be a positive int, got {max_chunk_bytes!r}")
+        self.ignore_index = ignore_index
+        self.max_chunk_bytes = max_chunk_bytes
+        self.keep_entropies = keep_entropies
+        for name in LogitStatSums._fields:
+            self.add_state(name, default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        if keep_entropies:
+            self.add_state("entropies", default=[], dist_reduce_fx="cat")
+
+    def update(self, logits: Tensor, mask: Tensor | None = None, targets: Tensor | None = None) -> None:
+        stats = logit_statistics(
+            logits, mask=mask, targets=targets, ignore_index=self.ignore_index, max_chunk_bytes=self.max_chunk_bytes
+        )
+        self.update_from_statistics(stats)
+
+    def update_from_statistics(self, stats: Any) -> None:
+        """Add per-position statistics already computed by :func:`logit_statistics` (no host sync)."""
+        sums = _logit_stats_update(stats)
+        for name, value in sums._asdict().items():
+            setattr(self, name, getattr(self, name) + value)
+        if self.keep_entropies:
+            # Boolean indexing syncs on accelerators; keep NaN-padded rows and drop them at compute.
+            self.entropies.append(stats.entropy.reshape(-1).float())
+
+    def compute(self) -> dict[str, Tensor]:
+        sums = LogitStatSums(**{name: getattr(self, name) for name in LogitStatSums._fields})
+        out = _logit_stats_compute(sums)
+        if self.keep_entropies:
+            values = dim_zero_cat(self.entropies) if len(self.entropies) else torch.zeros(0, device=sums.positions.device)
+            values = values[~torch.isnan(values)]  # invalid positions are NaN
+            for q, v in zip(ENTROPY_QUANTILES, quantiles(values, ENTROPY_QUANTILES)):
+                out[f"entropy_p{round(q * 100):02d}"] = v
+            out["entropy_values"] = values
+        return out
