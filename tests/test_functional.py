@@ -13,7 +13,13 @@ from hypothesis.extra import numpy as hnp
 from scipy import special, stats
 
 from headwatch import HeadwatchError
-from headwatch.functional import entropy, kl_from_uniform, kl_to_uniform, logit_statistics
+from headwatch.functional import (
+    entropy,
+    kl_from_uniform,
+    kl_to_uniform,
+    logit_statistics,
+    logit_statistics_from_hidden,
+)
 from headwatch.functional.logits import _logit_stats_compute, _logit_stats_update, rows_per_chunk
 
 NINF = float("-inf")
@@ -281,3 +287,24 @@ def test_entropy_bounds_and_identity(x, neg_inf_fraction):
     assert (got.kl_to_uniform >= 0).all() and (got.kl_from_uniform >= 0).all()
     torch.testing.assert_close(H + got.kl_to_uniform.double(), torch.full_like(H, log_v), rtol=0, atol=1e-5)
     assert ((got.max_prob > 0) & (got.max_prob <= 1)).all()
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_from_hidden_states_equals_from_logits(with_bias):
+    """The fused-cross-entropy path: statistics of hidden @ W.T + b, never holding the logits."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 9, 16, generator=g).to(torch.bfloat16)
+    weight = torch.randn(300, 16, generator=g)
+    bias = torch.randn(300, generator=g) if with_bias else None
+    targets = torch.randint(0, 300, (2, 9), generator=g)
+    mask = torch.rand(2, 9, generator=g) > 0.2
+    logits = hidden.double() @ weight.double().T + (bias.double() if with_bias else 0)
+    got = logit_statistics_from_hidden(hidden, weight, bias, mask, targets, max_chunk_bytes=4 * 300 * 4 * 3)
+    assert_matches(got, reference(logits, mask, targets), rtol=1e-4, atol=1e-4)
+
+
+def test_from_hidden_shape_errors():
+    with pytest.raises(HeadwatchError, match=r"hidden of shape \[..., d_model\]"):
+        logit_statistics_from_hidden(torch.zeros(2, 5), torch.zeros(10, 4))
+    with pytest.raises(HeadwatchError, match=r"bias of shape \(10,\)"):
+        logit_statistics_from_hidden(torch.zeros(2, 4), torch.zeros(10, 4), torch.zeros(9))

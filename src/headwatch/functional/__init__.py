@@ -11,6 +11,7 @@ from headwatch.functional.logits import (
     kl_from_uniform,
     kl_to_uniform,
     logit_statistics,
+    logit_statistics_from_hidden,
 )
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "kl_from_uniform",
     "kl_to_uniform",
     "logit_statistics",
+    "logit_statistics_from_hidden",
 ]

@@ -174,10 +174,81 @@ def logit_statistics(
     after Kullback and Leibler (1951).
     """
     _check_inputs(logits, mask, targets, max_chunk_bytes)
-    lead = logits.shape[:-1]
     V = logits.shape[-1]
+    rows = rows_per_chunk(V, logits.dtype, logits.device, max_chunk_bytes)
+    return _statistics_from_blocks(
+        _row_blocks(logits, rows), logits.shape[:-1], V, logits.device, rows, mask, targets, ignore_index
+    )
+
+
+@torch.no_grad()
+def logit_statistics_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    mask: Tensor | None = None,
+    targets: Tensor | None = None,
+    ignore_index: int = -100,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> LogitStatistics:
+    """:func:`logit_statistics` of ``hidden @ weight.T + bias`` without materialising the logits.
+
+    For models trained with a fused linear cross-entropy (Liger Kernel, Cut
+    Cross-Entropy) that never hold logits: each chunk of rows is projected by the head
+    in float32, measured, and dropped, so memory stays under ``max_chunk_bytes``.
+
+    Args:
+        hidden: ``(..., d_model)`` final hidden states (any floating dtype).
+        weight: ``(V, d_model)`` head weight, as stored by ``nn.Linear(d_model, V)``.
+        bias: optional ``(V,)`` head bias.
+        mask, targets, ignore_index, max_chunk_bytes: as in :func:`logit_statistics`.
+
+    Returns:
+        :class:`LogitStatistics`, each field of shape ``(...)``.
+
+    Raises:
+        HeadwatchError: shapes do not agree (``hidden``'s last dimension is not
+            ``weight``'s second, ``bias`` is not ``(V,)``), or as :func:`logit_statistics`.
+    """
+    if not isinstance(hidden, Tensor) or not isinstance(weight, Tensor):
+        raise HeadwatchError("expected `hidden` and `weight` to be torch.Tensors")
+    if weight.ndim != 2 or hidden.ndim < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise HeadwatchError(
+            f"expected hidden of shape [..., d_model] and weight of shape [vocab_size, d_model], got "
+            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}"
+        )
+    V = weight.shape[0]
+    if bias is not None and tuple(bias.shape) != (V,):
+        raise HeadwatchError(f"expected bias of shape ({V},), got {tuple(bias.shape)}")
+    lead = hidden.shape[:-1]
+    _check_inputs(hidden.new_empty(()).expand(*lead, V), mask, targets, max_chunk_bytes)
+    # one more float32 (rows, V) buffer than logit_statistics: the projected block
+    rows = rows_per_chunk(V, torch.bfloat16, hidden.device, max_chunk_bytes)
+    w = weight.detach().float()
+    b = bias.detach().float() if bias is not None else None
+    flat = hidden.detach().reshape(-1, hidden.shape[-1])
+
+    def blocks() -> Iterator[tuple[int, Tensor]]:
+        for start in range(0, flat.shape[0], rows):
+            h = flat[start : start + rows].float()  # (n, d)
+            x = h @ w.T if b is None else torch.addmm(b, h, w.T)  # (n, V)
+            yield start, x
+
+    return _statistics_from_blocks(blocks(), lead, V, hidden.device, rows, mask, targets, ignore_index)
+
+
+def _statistics_from_blocks(
+    blocks: Iterator[tuple[int, Tensor]],
+    lead: torch.Size,
+    V: int,
+    device: torch.device,
+    rows: int,
+    mask: Tensor | None,
+    targets: Tensor | None,
+    ignore_index: int,
+) -> LogitStatistics:
+    """The one-pass row math, over ``(offset, (n, V) logits)`` blocks covering ``prod(lead)`` rows."""
     N = math.prod(lead)
-    device = logits.device
     log_v = math.log(V)
 
     entropy = torch.empty(N, dtype=torch.float32, device=device)
@@ -197,10 +268,9 @@ def logit_statistics(
         # would be a device-side assert on a GPU and kill the run.
         flat_targets = torch.where(in_range, flat_targets, torch.zeros_like(flat_targets))
 
-    rows = rows_per_chunk(V, logits.dtype, device, max_chunk_bytes)
     s_buf = torch.empty(min(rows, max(N, 1)), V, dtype=torch.float32, device=device)
     e_buf = torch.empty_like(s_buf)
-    for start, block in _row_blocks(logits, rows):
+    for start, block in blocks:
         n = block.shape[0]
         x = block if block.dtype == torch.float32 else block.float()  # (n, V) float32
         m = x.amax(dim=-1, keepdim=True)  # (n, 1)
