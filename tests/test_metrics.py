@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from headwatch import HeadwatchError, LogitStatsMetric
-from headwatch.metrics import quantiles
+from headwatch.functional.quantiles import quantiles
 from tests.test_functional import reference
 
 

@@ -117,6 +117,72 @@ def find_output_head(model: nn.Module, head: str | nn.Module | None = None) -> t
     )
 
 
+EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embedding", "embeddings")
+"""Leaf names taken as the input embedding when the model has no ``get_input_embeddings()``."""
+
+
+def find_input_embedding(
+    model: nn.Module, embedding: str | nn.Module | None = None, vocab_size: int | None = None
+) -> tuple[str, nn.Module]:
+    """Find the input token embedding, an ``nn.Embedding``-like module with a ``(V, d_model)`` weight.
+
+    Search order, the first rule that gives exactly one module wins:
+
+    1. ``embedding`` if given: a submodule of ``model`` or its dotted name;
+    2. Hugging Face ``get_input_embeddings()`` on ``model`` or any submodule;
+    3. an ``nn.Embedding`` named ``embed_tokens``, ``wte``, ``tok_embeddings``,
+       ``word_embeddings``, ``embedding`` or ``embeddings``;
+    4. the single ``nn.Embedding`` (or the single one with ``num_embeddings == vocab_size``
+       when ``vocab_size``, typically the head's ``out_features``, is given).
+
+    Returns:
+        ``(dotted_name, module)``.
+
+    Raises:
+        HeadwatchError: no rule or a rule with several matches decides; the message lists
+            the embeddings found and how to pass ``embedding=``.
+    """
+    if embedding is not None:
+        name, module = find_output_head(model, embedding)  # same resolution of a module or a dotted name
+        if not _has_matrix_weight(module):
+            raise HeadwatchError(f"`embedding={name!r}` has no 2-D `weight` (got {_describe(name, module)})")
+        return name, module
+    found: dict[int, tuple[str, nn.Module]] = {}
+    for _, module in model.named_modules():
+        getter = getattr(module, "get_input_embeddings", None)
+        if callable(getter):
+            try:
+                out = getter()
+            except Exception:  # noqa: BLE001 - fall through to the other rules
+                out = None
+            if isinstance(out, nn.Module) and _has_matrix_weight(out):
+                name = _name_of(model, out)
+                if name is not None:
+                    found[id(out)] = (name, out)
+    if len(found) == 1:
+        return next(iter(found.values()))
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    if len(found) > 1:
+        _raise_ambiguous(model, list(found.values()), "several get_input_embeddings() results", "embedding")
+    named = [(n, m) for n, m in embeddings if n.rsplit(".", 1)[-1] in EMBEDDING_NAMES]
+    if len(named) == 1:
+        return named[0]
+    if len(named) > 1:
+        _raise_ambiguous(model, named, f"several embeddings named like {'/'.join(EMBEDDING_NAMES)}", "embedding")
+    sized = [(n, m) for n, m in embeddings if vocab_size is None or m.num_embeddings == vocab_size]
+    if len(sized) == 1:
+        return sized[0]
+    if len(sized) > 1:
+        _raise_ambiguous(model, sized, "several nn.Embedding modules", "embedding")
+    listing = ", ".join(_describe(n, m) for n, m in embeddings) or "none"
+    raise HeadwatchError(
+        f"could not find the input embedding of {type(model).__name__}: no get_input_embeddings(), no "
+        f"nn.Embedding named {'/'.join(EMBEDDING_NAMES)}"
+        + (f", no nn.Embedding with num_embeddings == {vocab_size}" if vocab_size is not None else "")
+        + f". Embeddings found: {listing}. Pass it explicitly, e.g. embedding='model.embed_tokens'."
+    )
+
+
 def _has_matrix_weight(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return isinstance(weight, Tensor) and weight.ndim == 2
@@ -130,11 +196,14 @@ def _linear_list(model: nn.Module, limit: int = 20) -> str:
     return ", ".join(items[:limit]) + more
 
 
-def _raise_ambiguous(model: nn.Module, candidates: list[tuple[str, nn.Module]], why: str) -> None:
+def _raise_ambiguous(
+    model: nn.Module, candidates: list[tuple[str, nn.Module]], why: str, argument: str = "head"
+) -> None:
     listing = ", ".join(_describe(n, m) for n, m in candidates)
+    what = "output head" if argument == "head" else "input embedding"
     raise HeadwatchError(
-        f"the output head of {type(model).__name__} is ambiguous ({why}): {listing}. "
-        f"Pass one explicitly, e.g. LogitStatsMonitor(head={candidates[0][0]!r})."
+        f"the {what} of {type(model).__name__} is ambiguous ({why}): {listing}. "
+        f"Pass one explicitly, e.g. {argument}={candidates[0][0]!r}."
     )
 
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
+from headwatch._base import HeadwatchCallback, check_bool
 from headwatch._capture import MaskFn, TargetsFn, find_output_head, positions_from_batch
 from headwatch._errors import HeadwatchError
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
@@ -33,7 +33,7 @@ SCALAR_KEYS = (
 )
 
 
-class LogitStatsMonitor(Callback):
+class LogitStatsMonitor(HeadwatchCallback):
     """Log the entropy and sharpness of the model's next-token distributions while it trains.
 
     Add it to a Trainer and change nothing else::
@@ -106,20 +106,11 @@ class LogitStatsMonitor(Callback):
         prefix: str = "headwatch",
         strict: bool = False,
     ) -> None:
+        super().__init__(log_every_n_steps, prefix, strict)
         if head is not None and not isinstance(head, (str, nn.Module)):
             raise HeadwatchError(f"`head` must be None, a module or a dotted name, got {type(head).__name__}")
-        if log_every_n_steps is not None and (
-            not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1
-        ):
-            raise HeadwatchError(f"`log_every_n_steps` must be None or an int >= 1, got {log_every_n_steps!r}")
-        for name, value in (
-            ("shift_labels", shift_labels),
-            ("validation", validation),
-            ("log_histogram", log_histogram),
-            ("strict", strict),
-        ):
-            if not isinstance(value, bool):
-                raise HeadwatchError(f"`{name}` must be a bool, got {value!r}")
+        for name, value in (("shift_labels", shift_labels), ("validation", validation), ("log_histogram", log_histogram)):
+            check_bool(name, value)
         if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
             raise HeadwatchError(f"`ignore_index` must be an int, got {ignore_index!r}")
         for name, fn in (("mask_fn", mask_fn), ("targets_fn", targets_fn)):
@@ -127,11 +118,8 @@ class LogitStatsMonitor(Callback):
                 raise HeadwatchError(f"`{name}` must be None or a callable taking the batch, got {fn!r}")
         if not isinstance(max_chunk_bytes, int) or isinstance(max_chunk_bytes, bool) or max_chunk_bytes < 1:
             raise HeadwatchError(f"`max_chunk_bytes` must be a positive int, got {max_chunk_bytes!r}")
-        if not isinstance(prefix, str) or not prefix or prefix.endswith("/"):
-            raise HeadwatchError(f"`prefix` must be a non-empty string not ending in '/', got {prefix!r}")
 
         self.head = head
-        self.log_every_n_steps = log_every_n_steps
         self.shift_labels = shift_labels
         self.ignore_index = ignore_index
         self.mask_fn = mask_fn
@@ -139,46 +127,35 @@ class LogitStatsMonitor(Callback):
         self.validation = validation
         self.log_histogram = log_histogram
         self.max_chunk_bytes = max_chunk_bytes
-        self.prefix = prefix
-        self.strict = strict
 
         self._train = LogitStatsMetric(ignore_index=ignore_index, max_chunk_bytes=max_chunk_bytes)
         self._val = LogitStatsMetric(ignore_index=ignore_index, max_chunk_bytes=max_chunk_bytes)
         self._sink: LogitStatsMetric | None = None  # where the hook sends logits; None: do nothing
         self._positions: tuple[Tensor | None, Tensor | None] = (None, None)
         self._pending_step: int | None = None
-        self._every = 0
         self._head_module: nn.Module | None = None
         self._head_name = ""
         self._hook_handle: Any = None
-        self._warned: set[str] = set()
         # Run totals kept in checkpoints.
         self._logged_steps = 0
         self._total_positions = 0.0
         self._total_nonfinite = 0.0
         self._total_invalid_target = 0.0
-        self._failures = 0
         self._skipped_forwards = 0
 
     # ------------------------------------------------------------------ set-up
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(prefix=self.prefix)
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         name, module = find_output_head(pl_module, self.head)
         if module is not self._head_module:
             self._remove_hook()
             self._hook_handle = module.register_forward_hook(self._on_head_forward)
             self._head_module, self._head_name = module, name
-        self._every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
+        self._resolve_every(trainer)
         if not trainer.loggers:
             rank_zero_warn(
                 "LogitStatsMonitor: the Trainer has no logger, so headwatch metrics go only to "
                 "`trainer.callback_metrics`. Pass `logger=TensorBoardLogger(...)` to chart them."
             )
-        if self._every == 0:
-            rank_zero_warn("LogitStatsMonitor: log_every_n_steps is 0, training steps are not measured.")
         rank_zero_info(
             f"headwatch: measuring the logits of `{name}` ({type(module).__name__}) every {self._every} steps"
         )
@@ -241,21 +218,6 @@ class LogitStatsMonitor(Callback):
             f"skip:{why}", f"LogitStatsMonitor skipped a forward of `{self._head_name}`: {why}. (warned once)"
         )
 
-    def _fail(self, err: Exception, where: str) -> None:
-        if self.strict:
-            raise HeadwatchError(f"LogitStatsMonitor failed while {where}: {type(err).__name__}: {err}") from err
-        self._failures += 1
-        self._warn_once(
-            f"fail:{where}",
-            f"LogitStatsMonitor failed while {where} ({type(err).__name__}: {err}); training goes on and "
-            "this measurement is skipped. Pass strict=True to raise instead. (warned once)",
-        )
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            rank_zero_warn(message)
-
     def _batch_positions(self, batch: Any) -> tuple[Tensor | None, Tensor | None]:
         try:
             mask, targets = positions_from_batch(batch, self.shift_labels, self.ignore_index)
@@ -274,9 +236,6 @@ class LogitStatsMonitor(Callback):
             return None, None
 
     # ------------------------------------------------------------------ training
-    def _is_logging_step(self, step: int) -> bool:
-        return self._every > 0 and (step + 1) % self._every == 0
-
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if self._is_logging_step(step):
@@ -306,7 +265,7 @@ class LogitStatsMonitor(Callback):
         if values is None or step is None:
             return
         self._logged_steps += 1
-        self._publish(trainer, f"{self.prefix}/logits", values, step, direct=True)
+        self._publish_values(trainer, f"{self.prefix}/logits", values, step, direct=True)
 
     # ------------------------------------------------------------------ validation
     def _measuring_validation(self, trainer: pl.Trainer) -> bool:
@@ -338,7 +297,9 @@ class LogitStatsMonitor(Callback):
             return
         values = self._compute(self._val)
         if values is not None:
-            self._publish(trainer, f"{self.prefix}/val/logits", values, trainer.global_step, direct=False, pl_module=pl_module)
+            self._publish_values(
+                trainer, f"{self.prefix}/val/logits", values, trainer.global_step, direct=False, pl_module=pl_module
+            )
 
     # ------------------------------------------------------------------ logging
     def _compute(self, metric: LogitStatsMetric) -> dict[str, Tensor] | None:
@@ -354,7 +315,7 @@ class LogitStatsMonitor(Callback):
         finally:
             metric.reset()
 
-    def _publish(
+    def _publish_values(
         self,
         trainer: pl.Trainer,
         group: str,
@@ -364,21 +325,17 @@ class LogitStatsMonitor(Callback):
         pl_module: pl.LightningModule | None = None,
     ) -> None:
         try:
-            keys = [k for k in SCALAR_KEYS if k in values]
-            numbers = torch.stack([values[k].double() for k in keys]).cpu().tolist()  # one sync, logging steps only
-            scalars = {f"{group}/{k}": v for k, v in zip(keys, numbers)}
-            self._record_totals(group, scalars)
+            scalars = {f"{group}/{k}": values[k] for k in SCALAR_KEYS if k in values}
             if direct:
-                for logger in trainer.loggers:
-                    logger.log_metrics(scalars, step=step)
-                trainer.callback_metrics.update({k: torch.tensor(v) for k, v in scalars.items()})
+                numbers = self._publish(trainer, scalars, step)
             else:
-                assert pl_module is not None
-                for k, v in scalars.items():
+                numbers = dict(zip(scalars, torch.stack([v.double() for v in scalars.values()]).cpu().tolist()))
+                for k, v in numbers.items():
                     # identical on every rank already; sync_dist averages equal values (and silences Lightning's warning)
-                    pl_module.log(k, v, on_step=False, on_epoch=True, sync_dist=True)
+                    pl_module.log(k, v, on_step=False, on_epoch=True, sync_dist=True)  # type: ignore[union-attr]
+            self._record_totals(group, numbers)
             entropies = values.get("entropy_values")
-            if self.log_histogram and entropies is not None and entropies.numel() > 0:
+            if self.log_histogram and entropies is not None:
                 self._write_histogram(trainer, f"{group}/entropy_histogram", entropies, step)
         except Exception as err:  # noqa: BLE001
             self._fail(err, "logging the statistics")
@@ -409,14 +366,6 @@ class LogitStatsMonitor(Callback):
                 f"headwatch: no valid position in {group} at this step (every position masked, ignored or "
                 "non-finite); the means are logged as NaN. (warned once)",
             )
-
-    @rank_zero_only
-    def _write_histogram(self, trainer: pl.Trainer, tag: str, values: Tensor, step: int) -> None:
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_histogram(tag, values.detach().float().cpu(), global_step=step)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

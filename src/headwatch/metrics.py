@@ -10,6 +10,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
 from headwatch._errors import HeadwatchError
+from headwatch.functional.quantiles import quantiles
 from headwatch.functional.logits import (
     DEFAULT_MAX_CHUNK_BYTES,
     LogitStatSums,
@@ -20,22 +21,6 @@ from headwatch.functional.logits import (
 
 ENTROPY_QUANTILES = (0.05, 0.50, 0.95)
 """Quantiles of per-position entropy reported by :class:`LogitStatsMetric` (p05, p50, p95)."""
-
-
-def quantiles(values: Tensor, qs: tuple[float, ...]) -> Tensor:
-    """Quantiles of a 1-D tensor with linear interpolation (NumPy's default ``"linear"`` method).
-
-    Unlike ``torch.quantile`` there is no limit on the input size. Returns ``(len(qs),)``
-    float64, NaN for an empty input.
-    """
-    if values.numel() == 0:
-        return torch.full((len(qs),), float("nan"), dtype=torch.float64, device=values.device)
-    v = values.reshape(-1).double().sort().values
-    pos = torch.tensor(qs, dtype=torch.float64, device=v.device) * (v.numel() - 1)
-    lo = pos.floor().long()
-    hi = pos.ceil().long()
-    frac = pos - lo
-    return v[lo] + (v[hi] - v[lo]) * frac
 
 
 class LogitStatsMetric(Metric):

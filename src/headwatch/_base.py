@@ -1,0 +1,113 @@
+"""Plumbing shared by headwatch's callbacks: argument checks, schedule, failure policy, publishing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from torch import Tensor
+
+from headwatch._errors import HeadwatchError
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise HeadwatchError(f"`{name}` must be a bool, got {value!r}")
+
+
+def check_every(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise HeadwatchError(f"`{name}` must be None or an int >= 1, got {value!r}")
+
+
+def check_prefix(value: Any) -> None:
+    if not isinstance(value, str) or not value or value.endswith("/"):
+        raise HeadwatchError(f"`prefix` must be a non-empty string not ending in '/', got {value!r}")
+
+
+class HeadwatchCallback(Callback):
+    """Base of headwatch's monitors.
+
+    - measures on the steps Lightning logs (``(step + 1) % every == 0``, ``step`` being
+      ``trainer.global_step`` before the step);
+    - a failure to measure warns once and is counted, unless ``strict`` (then it raises
+      :class:`HeadwatchError`);
+    - scalars go to every logger at once (one host sync) and into
+      ``trainer.callback_metrics``; histograms go to TensorBoard loggers, rank zero only.
+    """
+
+    def __init__(self, log_every_n_steps: int | None, prefix: str, strict: bool) -> None:
+        check_every("log_every_n_steps", log_every_n_steps)
+        check_prefix(prefix)
+        check_bool("strict", strict)
+        self.log_every_n_steps = log_every_n_steps
+        self.prefix = prefix
+        self.strict = strict
+        self._every = 0
+        self._warned: set[str] = set()
+        self._failures = 0
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(prefix=self.prefix)
+
+    def _resolve_every(self, trainer: pl.Trainer) -> None:
+        self._every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
+        if self._every == 0:
+            rank_zero_warn(f"{type(self).__name__}: log_every_n_steps is 0, training steps are not measured.")
+
+    def _is_logging_step(self, step: int) -> bool:
+        return self._every > 0 and (step + 1) % self._every == 0
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message)
+
+    def _fail(self, err: Exception, where: str) -> None:
+        name = type(self).__name__
+        if self.strict:
+            raise HeadwatchError(f"{name} failed while {where}: {type(err).__name__}: {err}") from err
+        self._failures += 1
+        self._warn_once(
+            f"fail:{where}",
+            f"{name} failed while {where} ({type(err).__name__}: {err}); training goes on and "
+            "this measurement is skipped. Pass strict=True to raise instead. (warned once)",
+        )
+
+    def _publish(self, trainer: pl.Trainer, scalars: dict[str, Tensor | float], step: int) -> dict[str, float]:
+        """Write scalars to every logger at ``step`` and to ``trainer.callback_metrics``; returns them as floats."""
+        keys = list(scalars)
+        if not keys:
+            return {}
+        devices = [v.device for v in scalars.values() if isinstance(v, Tensor) and v.device.type != "cpu"]
+        device = devices[0] if devices else torch.device("cpu")
+        stacked = torch.stack([torch.as_tensor(scalars[k], dtype=torch.float64, device=device).reshape(()) for k in keys])
+        numbers = dict(zip(keys, stacked.tolist()))  # the one host sync of a logging step
+        for logger in trainer.loggers:
+            logger.log_metrics(numbers, step=step)
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in numbers.items()})
+        return numbers
+
+    @staticmethod
+    @rank_zero_only
+    def _write_histogram(trainer: pl.Trainer, tag: str, values: Tensor, step: int) -> None:
+        if values.numel() == 0:
+            return
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_histogram(tag, values.detach().float().cpu(), global_step=step)
+
+    @staticmethod
+    @rank_zero_only
+    def _write_text(trainer: pl.Trainer, tag: str, text: str, step: int) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text(tag, text, global_step=step)

@@ -1,0 +1,174 @@
+"""Per-row statistics of vocabulary-sized matrices ``(V, d_model)``: gradients, updates, weights.
+
+Definitions, for a matrix ``G`` of shape ``(V, d_model)`` (row ``i`` belongs to token ``i``)
+and a boolean ``valid`` of shape ``(V,)`` (rows that can occur; padded vocabulary and
+``padding_idx`` rows are not valid):
+
+- row L2 norm ``||G_i||_2 = sqrt(sum_j G_ij^2)``, in the matrix's units (gradient
+  units for gradients, weight units for updates ``W_after - W_before``);
+- row density ``|{i valid : G_i != 0}| / |{i valid}|``: the fraction of valid rows with
+  any non-zero entry (exact zero test, no tolerance);
+- lookup (embedding-path) gradient of an embedding read at ids ``x`` with output
+  gradient ``g`` of shape ``(N, d_model)``: ``E_i = sum_{n : x_n = i} g_n``
+  (the backward of ``nn.Embedding``; rows at ``padding_idx`` get no gradient);
+- per-row cosine ``cos_i = <A_i, B_i> / (||A_i|| ||B_i||)`` on rows where both are non-zero;
+- Spearman's rank correlation ``rho`` (Spearman, 1904): Pearson's correlation of the
+  tie-averaged ranks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from headwatch._errors import HeadwatchError
+from headwatch.functional.quantiles import quantiles
+
+
+def _check_matrix(matrix: Tensor, name: str = "matrix") -> None:
+    if not isinstance(matrix, Tensor) or matrix.ndim != 2:
+        shape = tuple(matrix.shape) if isinstance(matrix, Tensor) else type(matrix).__name__
+        raise HeadwatchError(f"expected {name} of shape [vocab_size, d_model], got {shape}")
+
+
+def dense_rows(matrix: Tensor) -> Tensor:
+    """A dense view of a ``(V, d_model)`` gradient: sparse (``nn.Embedding(sparse=True)``) ones are densified."""
+    _check_matrix(matrix)
+    return matrix.to_dense() if matrix.is_sparse else matrix
+
+
+def row_norms(matrix: Tensor) -> Tensor:
+    """L2 norm of every row, ``(V, d_model) -> (V,)`` float32 (float64 inputs stay float64).
+
+    Sparse COO inputs are accepted (duplicate indices are summed first).
+    """
+    m = dense_rows(matrix)
+    dtype = torch.float64 if m.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(m, dim=1, dtype=dtype)
+
+
+def row_nonzero(matrix: Tensor) -> Tensor:
+    """Whether each row has any non-zero entry, ``(V, d_model) -> (V,)`` bool."""
+    return (dense_rows(matrix) != 0).any(dim=1)
+
+
+def row_density(nonzero: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Fraction of valid rows that are non-zero: ``sum(nonzero & valid) / sum(valid)``, float64 scalar.
+
+    NaN when there is no valid row.
+    """
+    if valid is None:
+        valid = torch.ones_like(nonzero)
+    if nonzero.shape != valid.shape:
+        raise HeadwatchError(f"expected nonzero and valid of the same shape (V,), got {tuple(nonzero.shape)} and {tuple(valid.shape)}")
+    n = valid.sum(dtype=torch.float64)
+    return torch.where(n > 0, (nonzero & valid).sum(dtype=torch.float64) / n.clamp(min=1), torch.nan)
+
+
+def lookup_gradient(
+    ids: Tensor, grad_output: Tensor, num_rows: int, padding_idx: int | None = None, out: Tensor | None = None
+) -> Tensor:
+    """The embedding-path gradient ``E_i = sum_{n : ids_n = i} grad_output_n``.
+
+    Args:
+        ids: ``(...)`` integer token ids that were looked up.
+        grad_output: ``(..., d_model)`` gradient of the loss at the embedding's output.
+        num_rows: ``V``, rows of the embedding.
+        padding_idx: row that gets no gradient (as ``nn.Embedding(padding_idx=...)``).
+        out: optional ``(V, d_model)`` float32 accumulator to add into (for micro-batches).
+
+    Returns:
+        ``(V, d_model)`` float32.
+
+    Raises:
+        HeadwatchError: shapes disagree or an id is outside ``[0, V)``.
+    """
+    if grad_output.shape[:-1] != ids.shape:
+        raise HeadwatchError(
+            f"expected grad_output of shape {tuple(ids.shape)} + (d_model,), got {tuple(grad_output.shape)}"
+        )
+    d = grad_output.shape[-1]
+    flat_ids = ids.reshape(-1).long()
+    g = grad_output.reshape(-1, d).float()
+    if padding_idx is not None:
+        g = g * (flat_ids != padding_idx).unsqueeze(-1)
+    if out is None:
+        out = torch.zeros(num_rows, d, dtype=torch.float32, device=grad_output.device)
+    if out.shape != (num_rows, d):
+        raise HeadwatchError(f"expected out of shape ({num_rows}, {d}), got {tuple(out.shape)}")
+    return out.index_add_(0, flat_ids, g)
+
+
+def row_cosine(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row cosine of two ``(V, d_model)`` matrices, and where it is defined.
+
+    Returns:
+        ``(cosine (V,) float32, both_nonzero (V,) bool)``; cosine is 0 where undefined.
+    """
+    _check_matrix(a, "a")
+    _check_matrix(b, "b")
+    if a.shape != b.shape:
+        raise HeadwatchError(f"expected two matrices of the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    af, bf = a.float(), b.float()
+    na = torch.linalg.vector_norm(af, dim=1)
+    nb = torch.linalg.vector_norm(bf, dim=1)
+    both = (af != 0).any(1) & (bf != 0).any(1) & (na > 0) & (nb > 0)
+    cos = torch.linalg.vecdot(af, bf) / (na * nb).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.where(both, cos.clamp(-1.0, 1.0), torch.zeros_like(cos)), both
+
+
+class Summary(NamedTuple):
+    """Mean, max, median and 95th percentile of selected values (NaN when none is selected)."""
+
+    mean: Tensor
+    max: Tensor
+    p50: Tensor
+    p95: Tensor
+    count: Tensor
+
+
+def summarize(values: Tensor, select: Tensor | None = None) -> Summary:
+    """Summary statistics of ``values[select]`` as float64 scalars (syncs: call on logging steps)."""
+    v = values if select is None else values[select]
+    v = v.double()
+    n = torch.tensor(float(v.numel()), dtype=torch.float64, device=values.device)
+    if v.numel() == 0:
+        nan = torch.tensor(float("nan"), dtype=torch.float64, device=values.device)
+        return Summary(nan, nan, nan, nan, n)
+    p50, p95 = quantiles(v, (0.5, 0.95))
+    return Summary(v.mean(), v.max(), p50, p95, n)
+
+
+def rankdata(values: Tensor) -> Tensor:
+    """Ranks ``1..n`` of a 1-D tensor with ties given their average rank (``scipy.stats.rankdata``)."""
+    if values.ndim != 1:
+        raise HeadwatchError(f"expected a 1-D tensor, got shape {tuple(values.shape)}")
+    n = values.numel()
+    if n == 0:
+        return values.double()
+    sorted_vals, order = torch.sort(values)
+    _, inverse, counts = torch.unique_consecutive(sorted_vals, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()  # 1-based rank of each tie group's last member
+    average = ends - (counts.double() - 1) / 2
+    ranks = torch.empty(n, dtype=torch.float64, device=values.device)
+    ranks[order] = average[inverse]
+    return ranks
+
+
+def spearman(x: Tensor, y: Tensor) -> Tensor:
+    """Spearman's rank correlation of two 1-D tensors, float64 scalar (NaN if undefined).
+
+    Undefined when there are fewer than 2 values or either input is constant.
+    """
+    if x.shape != y.shape or x.ndim != 1:
+        raise HeadwatchError(f"expected two 1-D tensors of the same length, got {tuple(x.shape)} and {tuple(y.shape)}")
+    if x.numel() < 2:
+        return torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
+    rx = rankdata(x)
+    ry = rankdata(y)
+    rx = rx - rx.mean()
+    ry = ry - ry.mean()
+    denom = torch.sqrt((rx * rx).sum() * (ry * ry).sum())
+    return torch.where(denom > 0, (rx * ry).sum() / denom, torch.nan)
