@@ -1,6 +1,7 @@
 """Run by tests/test_ddp.py: log headwatch metrics on N CPU processes (gloo) and dump them.
 
 usage: python tests/ddp_logit_stats.py OUT_DIR DEVICES GLOBAL_BATCH
+The model is tied, so the gradient split (lookup / scoring) is reduced across processes too.
 Each rank writes OUT_DIR/rank{r}.json: {"train": {step: {metric: value}}, "val": {...}}.
 """
 
@@ -15,9 +16,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning.pytorch as pl  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
-from headwatch import LogitStatsMonitor  # noqa: E402
+from headwatch import GradientDensityMonitor, LogitStatsMonitor, TokenFrequency  # noqa: E402
 from tests.helpers import TinyCausalLM, loader  # noqa: E402
 
+GRAD_KEYS = (
+    "grad/embedding_row_density",
+    "grad/head_row_density",
+    "grad/shared_row_density",
+    "grad/tied_flow_rows",
+    "grad/tail/embedding_row_density",
+    "grad/unseen/embedding_row_density",
+    "tokens/total",
+    "tokens/seen_fraction",
+    "tokens/rare_count",
+)
 KEYS = ("entropy", "kl_to_uniform", "kl_from_uniform", "entropy_p05", "entropy_p50", "entropy_p95",
         "max_prob", "target_nll", "target_argmax_rate", "positions")
 
@@ -28,7 +40,11 @@ class Recorder(pl.Callback):
         self.val: dict[int, dict[str, float]] = {}
 
     def _grab(self, trainer, group):
-        return {k: float(trainer.callback_metrics[f"headwatch/{group}/{k}"]) for k in KEYS}
+        values = {k: float(trainer.callback_metrics[f"headwatch/{group}/{k}"]) for k in KEYS}
+        values.update({k: float(trainer.callback_metrics[f"headwatch/{k}"]) for k in GRAD_KEYS})
+        tracker = next(c for c in trainer.callbacks if isinstance(c, TokenFrequency))
+        values["counts"] = tracker.snapshot(trainer).counts.tolist()
+        return values
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.train[trainer.global_step - 1] = self._grab(trainer, "logits")
@@ -41,8 +57,9 @@ class Recorder(pl.Callback):
 
 def main() -> None:
     out, devices, global_batch = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0, verbose=False)
-    model = TinyCausalLM(lr=0.0)  # fixed weights: every step sees the same model on 1 or N processes
+    model = TinyCausalLM(lr=0.0, tie_weights=True)  # fixed weights: every step sees the same model on 1 or N processes
     recorder = Recorder()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -54,10 +71,10 @@ def main() -> None:
         limit_val_batches=2,
         num_sanity_val_steps=0,
         logger=False,
-        enable_checkpointing=False,
+        default_root_dir=out,  # a checkpoint is saved at the end: TokenFrequency.state_dict sums across ranks
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[LogitStatsMonitor(), recorder],
+        callbacks=[TokenFrequency(), LogitStatsMonitor(), GradientDensityMonitor(), recorder],
         use_distributed_sampler=False,  # Lightning's sampler would shuffle the training set
     )
     per_rank = global_batch // devices
@@ -71,7 +88,14 @@ def main() -> None:
 
     trainer.fit(model, data(48, 0), data(32, 1))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps({"train": recorder.train, "val": recorder.val}))
+    ckpt = trainer.checkpoint_callback.best_model_path
+    trainer.strategy.barrier()
+    import torch
+
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    counts = next(v["counts"] for k, v in saved.items() if k.startswith("TokenFrequency")).tolist()
+    result = {"train": recorder.train, "val": recorder.val, "saved_counts": counts}
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

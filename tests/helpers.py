@@ -82,3 +82,20 @@ class TokenDataset(Dataset):
 
 def loader(n: int = 32, batch_size: int = 8, **kw) -> DataLoader:
     return DataLoader(TokenDataset(n=n, **kw), batch_size=batch_size, shuffle=False)
+
+
+class IdsDataset(Dataset):
+    """Fixed token sequences (B, T): labels equal the inputs, no padding."""
+
+    def __init__(self, input_ids: torch.Tensor):
+        self.input_ids = input_ids
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.input_ids[i], "labels": self.input_ids[i]}
+
+
+def ids_loader(input_ids: torch.Tensor, batch_size: int) -> DataLoader:
+    return DataLoader(IdsDataset(input_ids), batch_size=batch_size, shuffle=False)

@@ -1,4 +1,5 @@
-"""Two CPU processes (DDP, gloo) log the same numbers as one process on the same global batches."""
+"""Two CPU processes (DDP, gloo) log the same numbers as one process on the same global batches:
+logit statistics, token counts, and gradient densities of a tied matrix."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
     for step, values in single["train"].items():
         for key, value in values.items():
             assert ddp["train"][step][key] == pytest.approx(value, rel=1e-5), (step, key)
+    last = single["train"]["2"]
+    assert last["tokens/total"] == sum(last["counts"]) > 0  # token counts summed over both processes
+    assert 0 < last["grad/embedding_row_density"] < 1 and last["grad/head_row_density"] == 1.0
+    # the checkpoint holds the counts of both processes, not rank zero's alone
+    assert single["saved_counts"] == ddp["saved_counts"] == last["counts"]
     assert single["train"]["0"]["positions"] > 0
     assert single["val"] and single["val"].keys() == ddp["val"].keys()
     for step, values in single["val"].items():

@@ -16,14 +16,28 @@ _LAZY = {
     "LogitStatsMonitor": "headwatch.logit_stats",
     "LogitStatsMetric": "headwatch.metrics",
     "find_output_head": "headwatch._capture",
+    "find_input_embedding": "headwatch._capture",
+    "GradientDensityMonitor": "headwatch.gradient_density",
+    "TokenFrequency": "headwatch.frequency",
 }
 
 if TYPE_CHECKING:
-    from headwatch._capture import find_output_head
+    from headwatch._capture import find_input_embedding, find_output_head
+    from headwatch.frequency import TokenFrequency
+    from headwatch.gradient_density import GradientDensityMonitor
     from headwatch.logit_stats import LogitStatsMonitor
     from headwatch.metrics import LogitStatsMetric
 
-__all__ = ["HeadwatchError", "LogitStatsMetric", "LogitStatsMonitor", "__version__", "find_output_head"]
+__all__ = [
+    "GradientDensityMonitor",
+    "HeadwatchError",
+    "LogitStatsMetric",
+    "LogitStatsMonitor",
+    "TokenFrequency",
+    "__version__",
+    "find_input_embedding",
+    "find_output_head",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -8,10 +8,10 @@ from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
+from headwatch._base import HeadwatchCallback
 from headwatch._capture import find_input_embedding
 from headwatch._errors import HeadwatchError
 
@@ -101,7 +101,7 @@ def _field(batch: Any, key: str) -> Any:
     return getattr(batch, key, None)
 
 
-class TokenFrequency(Callback):
+class TokenFrequency(HeadwatchCallback):
     """Count every token id in the training inputs, once per step, for all headwatch monitors.
 
     Monitors that need frequencies find the instance in ``trainer.callbacks`` (or add one
@@ -144,7 +144,9 @@ class TokenFrequency(Callback):
         rare_max_count: int | None = None,
         rare_fraction: float = 0.5,
         log_every_n_steps: int | None = None,
+        prefix: str = "headwatch",
     ) -> None:
+        super().__init__(log_every_n_steps, prefix, strict=False)
         if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1):
             raise HeadwatchError(f"`vocab_size` must be None or an int >= 1, got {vocab_size!r}")
         if valid_token_mask is not None and (
@@ -157,15 +159,12 @@ class TokenFrequency(Callback):
             raise HeadwatchError(f"`rare_max_count` must be None or an int >= 1, got {rare_max_count!r}")
         if not isinstance(rare_fraction, (int, float)) or not 0.0 < rare_fraction <= 1.0:
             raise HeadwatchError(f"`rare_fraction` must be in (0, 1], got {rare_fraction!r}")
-        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
-            raise HeadwatchError(f"`log_every_n_steps` must be None or an int >= 1, got {log_every_n_steps!r}")
         self.vocab_size = vocab_size
         self.valid_token_mask = valid_token_mask
         self.embedding = embedding
         self.ids_fn = ids_fn
         self.rare_max_count = rare_max_count
         self.rare_fraction = float(rare_fraction)
-        self.log_every_n_steps = log_every_n_steps
 
         self.num_rows = 0
         self.padding_idx: int | None = None
@@ -175,8 +174,8 @@ class TokenFrequency(Callback):
         self._restored_out_of_range = 0
         self._batches = 0
         self._cache: tuple[tuple[int, int], FrequencySnapshot] | None = None
-        self._every = 0
         self._trainer: pl.Trainer | None = None
+        self._step_at_start = 0
 
     # ----------------------------------------------------------- sharing
     @classmethod
@@ -196,10 +195,6 @@ class TokenFrequency(Callback):
         if tracker.num_rows == 0:
             tracker.setup(trainer, pl_module, stage)
         return tracker
-
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         name, module = find_input_embedding(pl_module, self.embedding)
@@ -222,7 +217,7 @@ class TokenFrequency(Callback):
         self._trainer = trainer
         pad = getattr(module, "padding_idx", None)
         self.padding_idx = int(pad) if isinstance(pad, int) else None
-        self._every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
+        self._resolve_every(trainer)
 
     def valid_rows(self, device: torch.device | None = None) -> Tensor:
         """``(V,)`` bool: rows that can occur."""
@@ -247,6 +242,7 @@ class TokenFrequency(Callback):
         return ids, attention
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_at_start = trainer.global_step
         ids, attention = self._batch_ids(batch)
         if ids is None:
             if self._batches == 0:
@@ -308,19 +304,21 @@ class TokenFrequency(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step - 1  # the step just taken
-        if self._every <= 0 or (step + 1) % self._every != 0 or not trainer.loggers:
-            return
-        snap = self.snapshot(trainer)
-        valid = snap.valid.sum().item()
-        scalars = {
-            "headwatch/tokens/seen_fraction": snap.seen.sum().item() / max(valid, 1),
-            "headwatch/tokens/total": float(snap.counts.sum().item()),
-            "headwatch/tokens/rare_count": float(snap.rare.sum().item()),
-            "headwatch/tokens/out_of_range": float(self._out_of_range_total(trainer)),
-        }
-        for logger in trainer.loggers:
-            logger.log_metrics(scalars, step=step)
+        step = self._step_at_start
+        if trainer.global_step == step or not self._is_logging_step(step):
+            return  # still accumulating, or not a logging step
+        try:
+            snap = self.snapshot(trainer)
+            t = f"{self.prefix}/tokens"
+            scalars = {
+                f"{t}/seen_fraction": snap.seen.sum(dtype=torch.float64) / snap.valid.sum(dtype=torch.float64).clamp(min=1),
+                f"{t}/total": snap.counts.sum(dtype=torch.float64),
+                f"{t}/rare_count": snap.rare.sum(dtype=torch.float64),
+                f"{t}/out_of_range": float(self._out_of_range_total(trainer)),
+            }
+            self._publish(trainer, scalars, step)
+        except Exception as err:  # noqa: BLE001
+            self._fail(err, "logging token counts")
 
     # ----------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -42,7 +42,9 @@ def dense_rows(matrix: Tensor) -> Tensor:
 def row_norms(matrix: Tensor) -> Tensor:
     """L2 norm of every row, ``(V, d_model) -> (V,)`` float32 (float64 inputs stay float64).
 
-    Sparse COO inputs are accepted (duplicate indices are summed first).
+    Sparse COO inputs are accepted (duplicate indices are summed first). In float32 a
+    row whose entries are all below about 1e-19 has norm 0 (the squares underflow): use
+    :func:`row_nonzero` to tell zero rows from tiny ones.
     """
     m = dense_rows(matrix)
     dtype = torch.float64 if m.dtype == torch.float64 else torch.float32
