@@ -38,6 +38,18 @@ class FrequencySnapshot(NamedTuple):
         return self.valid & (self.counts > 0)
 
 
+def _count_order(counts: Tensor, seen: Tensor) -> Tensor:
+    """Token ids by count, highest first, ties by ascending id; unseen last."""
+    # float64 keys are exact for counts below 2**53, and sort far faster than int64 on the CPU
+    key = torch.where(seen, counts.double(), torch.full_like(counts, -1, dtype=torch.float64))
+    return torch.sort(-key, stable=True).indices
+
+
+def _rank_of(order: Tensor) -> Tensor:
+    """Inverse permutation: ``rank[order[i]] = i``."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
 def frequency_buckets(counts: Tensor, valid: Tensor) -> Tensor:
     """Bucket of every row by count rank among seen valid tokens.
 
@@ -57,11 +69,8 @@ def frequency_buckets(counts: Tensor, valid: Tensor) -> Tensor:
         raise HeadwatchError(f"expected counts and valid of shape (V,), got {tuple(counts.shape)} and {tuple(valid.shape)}")
     V = counts.numel()
     seen = valid & (counts > 0)
-    key = torch.where(seen, counts.long(), torch.full_like(counts.long(), -1))
-    # stable sort of -count: ties keep ascending token id
-    order = torch.sort(-key, stable=True).indices
-    rank = torch.empty(V, dtype=torch.long, device=counts.device)
-    rank[order] = torch.arange(V, device=counts.device)
+    order = _count_order(counts, seen)
+    rank = _rank_of(order)
     n = int(seen.sum())
     bucket = torch.full((V,), BUCKETS.index("tail"), dtype=torch.long, device=counts.device)
     for index in reversed(range(len(_BUCKET_EDGES))):
@@ -86,10 +95,8 @@ def rare_tokens(counts: Tensor, valid: Tensor, max_count: int | None = None, fra
     if max_count is not None:
         return seen & (counts <= max_count)
     n = int(seen.sum())
-    key = torch.where(seen, counts.long(), torch.full_like(counts.long(), -1))
-    order = torch.sort(-key, stable=True).indices
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(counts.numel(), device=counts.device)
+    order = _count_order(counts, seen)
+    rank = _rank_of(order)
     return seen & (rank >= math.ceil((1.0 - fraction) * n))
 
 

@@ -116,6 +116,7 @@ class GradientDensityMonitor(HeadwatchCallback):
         self._pending: dict[str, Tensor | float] = {}
         self._snapshot: FrequencySnapshot | None = None
         self._histograms: dict[str, Tensor] = {}
+        self._scratch_buffers: dict[str, Tensor] = {}
         self._logged_steps = 0
 
     # ---------------------------------------------------------------- set-up
@@ -152,6 +153,23 @@ class GradientDensityMonitor(HeadwatchCallback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._reset_step()
+        self._scratch_buffers = {}
+
+    def _scratch(self, name: str, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """A ``(V, d_model)`` work buffer for a logging step.
+
+        On the CPU it is kept between logging steps: a fresh allocation of hundreds of MB
+        is page-faulted in on first touch, which costs more than the statistics. On an
+        accelerator the caching allocator makes a fresh one cheap, so nothing is held
+        between logging steps.
+        """
+        dtype = dtype or like.dtype
+        buf = self._scratch_buffers.get(name)
+        if buf is None or buf.shape != like.shape or buf.dtype != dtype or buf.device != like.device:
+            buf = torch.empty(like.shape, dtype=dtype, device=like.device)
+            if like.device.type == "cpu":
+                self._scratch_buffers[name] = buf
+        return buf
 
     def _reset_step(self) -> None:
         self._active = False
@@ -184,7 +202,8 @@ class GradientDensityMonitor(HeadwatchCallback):
             V = self._emb.weight.shape[0]  # type: ignore[union-attr]
             pad = getattr(self._emb, "padding_idx", None)
             if self._lookup is None:
-                self._lookup = torch.zeros(V, grad.shape[-1], dtype=torch.float32, device=grad.device)
+                like = grad.new_empty(()).expand(V, grad.shape[-1])
+                self._lookup = self._scratch("lookup", like, torch.float32).zero_()
             lookup_gradient(ids.to(grad.device), grad, V, pad if isinstance(pad, int) else None, out=self._lookup)
         except Exception as err:  # noqa: BLE001
             self._fail(err, "capturing the embedding-path gradient")
@@ -210,7 +229,9 @@ class GradientDensityMonitor(HeadwatchCallback):
         try:
             self._pending = self._gradient_stats(trainer)
             if self.update_density:
-                self._before = {name: w.detach().clone() for name, w in self._matrices().items()}
+                self._before = {
+                    name: self._scratch(f"before:{name}", w).copy_(w.detach()) for name, w in self._matrices().items()
+                }
         except Exception as err:  # noqa: BLE001
             self._fail(err, "measuring gradients")
             self._pending = {}
@@ -255,7 +276,8 @@ class GradientDensityMonitor(HeadwatchCallback):
             lookup = lookup / scaler.get_scale()  # captured from the scaled loss; .grad is unscaled already
         if trainer.world_size > 1:
             lookup = trainer.strategy.reduce(lookup.clone(), reduce_op="mean")  # as DDP averages .grad
-        return {"embedding": lookup, "head": total - lookup, "shared": total}
+        scoring = torch.sub(total, lookup, out=self._scratch("scoring", total, torch.float32))
+        return {"embedding": lookup, "head": scoring, "shared": total}
 
     def _gradient_stats(self, trainer: pl.Trainer) -> dict[str, Tensor | float]:
         assert self._freq is not None
@@ -318,7 +340,7 @@ class GradientDensityMonitor(HeadwatchCallback):
             before = self._before.get(name)
             if before is None:
                 continue
-            delta = weight.detach() - before
+            delta = before.sub_(weight.detach())  # W_before - W_after, in place: same row norms and zeros
             valid = snap.valid.to(delta.device) if snap is not None else None
             out[f"{u}/{name}_row_density"] = row_density(row_nonzero(delta), valid)
             out.update(_summary(f"{u}/{name}_row_norm", row_norms(delta), valid))
