@@ -19,11 +19,13 @@ _LAZY = {
     "find_input_embedding": "headwatch._capture",
     "GradientDensityMonitor": "headwatch.gradient_density",
     "TokenFrequency": "headwatch.frequency",
+    "SynonymCollisionMonitor": "headwatch.collision",
 }
 
 if TYPE_CHECKING:
     from headwatch._capture import find_input_embedding, find_output_head
     from headwatch.frequency import TokenFrequency
+    from headwatch.collision import SynonymCollisionMonitor
     from headwatch.gradient_density import GradientDensityMonitor
     from headwatch.logit_stats import LogitStatsMonitor
     from headwatch.metrics import LogitStatsMetric
@@ -33,6 +35,7 @@ __all__ = [
     "HeadwatchError",
     "LogitStatsMetric",
     "LogitStatsMonitor",
+    "SynonymCollisionMonitor",
     "TokenFrequency",
     "__version__",
     "find_input_embedding",

@@ -294,15 +294,28 @@ class TokenFrequency(HeadwatchCallback):
         total = trainer.strategy.reduce(local.clone(), reduce_op="sum")
         if self._restored.numel():
             total = total + self._restored.to(device)
-        valid = self.valid_rows(device)
-        snap = FrequencySnapshot(
-            counts=total,
-            valid=valid,
-            bucket=frequency_buckets(total, valid),
-            rare=rare_tokens(total, valid, self.rare_max_count, self.rare_fraction),
-        )
+        snap = self._derive(total)
         self._cache = (key, snap)
         return snap
+
+    def latest_snapshot(self) -> FrequencySnapshot:
+        """The last snapshot summed over processes; before the first one, this process's counts.
+
+        Not a collective: safe inside a forward hook.
+        """
+        if self._cache is not None:
+            return self._cache[1]
+        local = self._local if self._local is not None else torch.zeros(self.num_rows, dtype=torch.long)
+        return self._derive(local + self._restored.to(local.device) if self._restored.numel() else local)
+
+    def _derive(self, counts: Tensor) -> FrequencySnapshot:
+        valid = self.valid_rows(counts.device)
+        return FrequencySnapshot(
+            counts=counts,
+            valid=valid,
+            bucket=frequency_buckets(counts, valid),
+            rare=rare_tokens(counts, valid, self.rare_max_count, self.rare_fraction),
+        )
 
     def _out_of_range_total(self, trainer: pl.Trainer) -> int:
         local = self._out_of_range if self._out_of_range is not None else torch.zeros((), dtype=torch.long)

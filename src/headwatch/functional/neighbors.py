@@ -1,0 +1,194 @@
+"""Exact nearest neighbours of vocabulary rows by cosine similarity, in bounded memory.
+
+For a matrix ``W`` of shape ``(V, d_model)`` (head or embedding rows) and a set of valid
+rows, the nearest-neighbour cosine of row ``r`` is
+
+    ``nn_cos(r) = max_{j valid, j != r} cos(W_r, W_j)``,  ``cos(a, b) = <a, b> / (||a|| ||b||)``
+
+(a zero row has cosine 0 with every row). Row ``r`` *collides* when ``nn_cos(r) >= tau``:
+the model can barely tell token ``r`` from token ``nn(r)`` (as an input, or when
+predicting). Computed exactly by chunked float32 matrix products with a running max, on
+the device; the largest temporary is one ``(queries, keys)`` similarity chunk within
+``max_chunk_bytes``, never a ``V x V`` matrix.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from headwatch._errors import HeadwatchError
+from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
+
+
+class Neighbours(NamedTuple):
+    """Nearest valid neighbour of each query row."""
+
+    cosine: Tensor
+    """``(Q,)`` float32, ``nn_cos`` of each query (-inf if it has no other valid row)."""
+    index: Tensor
+    """``(Q,)`` int64, row id of the nearest neighbour (-1 if none)."""
+
+
+def _chunk_sizes(num_queries: int, num_keys: int, d: int, max_chunk_bytes: int) -> tuple[int, int]:
+    """Query and key rows per chunk.
+
+    Working set, float32: similarities ``(q, k)``, normalised keys ``(k, d)`` and queries
+    ``(q, d)``. Matrix products need both sides large to run at full speed (measured on
+    the CPU: ``q = 1024, k = 8192`` at d_model 512 runs at the speed of one big product),
+    so keys start at 8192 and halve until at least ``min(Q, 1024)`` queries fit.
+    """
+
+    def queries_that_fit(k: int) -> int:
+        return (max_chunk_bytes - 4 * k * d) // (4 * (k + d))
+
+    k = max(1, min(num_keys, 8192))
+    while k > 1 and queries_that_fit(k) < min(num_queries, 1024):
+        k //= 2
+    q = min(num_queries, max(1, queries_that_fit(k)))
+    return q, k
+
+
+@torch.no_grad()
+def nearest_neighbours(
+    matrix: Tensor,
+    queries: Tensor,
+    valid: Tensor | None = None,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> Neighbours:
+    """Nearest neighbour by cosine, among the other valid rows, of each query row.
+
+    Args:
+        matrix: ``(V, d_model)`` rows (any floating dtype; math in float32).
+        queries: ``(Q,)`` int64 row ids to find neighbours for.
+        valid: ``(V,)`` bool, rows that may be neighbours (default: all). Queries need not
+            be valid themselves; a query is never its own neighbour.
+        max_chunk_bytes: bound on the working memory (default 64 MiB).
+
+    Returns:
+        :class:`Neighbours` with ``(Q,)`` tensors.
+
+    Raises:
+        HeadwatchError: ``matrix`` is not 2-D floating, ``queries``/``valid`` have the
+            wrong shape or dtype, or a query id is outside ``[0, V)``.
+    """
+    if not isinstance(matrix, Tensor) or matrix.ndim != 2 or not matrix.is_floating_point():
+        shape = tuple(matrix.shape) if isinstance(matrix, Tensor) else type(matrix).__name__
+        raise HeadwatchError(f"expected a floating matrix of shape [vocab_size, d_model], got {shape}")
+    V, d = matrix.shape
+    if not isinstance(queries, Tensor) or queries.ndim != 1 or queries.is_floating_point():
+        raise HeadwatchError("expected `queries` to be a 1-D integer tensor of row ids")
+    if valid is None:
+        valid = torch.ones(V, dtype=torch.bool, device=matrix.device)
+    if valid.shape != (V,) or valid.dtype != torch.bool:
+        raise HeadwatchError(f"expected `valid` of shape ({V},) and dtype bool, got {tuple(valid.shape)} {valid.dtype}")
+    if not isinstance(max_chunk_bytes, int) or max_chunk_bytes < 1:
+        raise HeadwatchError(f"`max_chunk_bytes` must be a positive int, got {max_chunk_bytes!r}")
+    device = matrix.device
+    queries = queries.to(device).long()
+    if queries.numel() and (int(queries.min()) < 0 or int(queries.max()) >= V):
+        raise HeadwatchError(f"query row ids must be in [0, {V}), got values from {int(queries.min())} to {int(queries.max())}")
+    Q = queries.numel()
+    best = torch.full((Q,), float("-inf"), dtype=torch.float32, device=device)
+    best_idx = torch.full((Q,), -1, dtype=torch.long, device=device)
+    key_ids = valid.to(device).nonzero().flatten()  # (K,) sorted ascending
+    K = key_ids.numel()
+    if Q == 0 or K == 0:
+        return Neighbours(best, best_idx)
+
+    w = matrix.detach()
+    tiny = torch.finfo(torch.float32).tiny
+    qc, kc = _chunk_sizes(Q, K, d, max_chunk_bytes)
+    # position of each query among the keys (for excluding itself), -1 when not a key
+    pos = torch.searchsorted(key_ids, queries)
+    is_key = (pos < K) & (key_ids[pos.clamp(max=K - 1)] == queries)
+    self_pos = torch.where(is_key, pos, torch.full_like(pos, -1))
+    neg_inf = torch.tensor(float("-inf"), device=device)
+    for k0 in range(0, K, kc):
+        ids = key_ids[k0 : k0 + kc]
+        keys = w.index_select(0, ids).float()  # (k, d)
+        keys = keys / torch.linalg.vector_norm(keys, dim=1, keepdim=True).clamp(min=tiny)
+        for q0 in range(0, Q, qc):
+            q_rows = w.index_select(0, queries[q0 : q0 + qc]).float()  # (q, d)
+            q_rows = q_rows / torch.linalg.vector_norm(q_rows, dim=1, keepdim=True).clamp(min=tiny)
+            sims = q_rows @ keys.T  # (q, k)
+            local = self_pos[q0 : q0 + qc] - k0  # the query itself, if it is in this key chunk
+            inside = (local >= 0) & (local < ids.numel())
+            rows = torch.arange(sims.shape[0], device=device)
+            sims[rows, local.clamp(0, ids.numel() - 1)] = torch.where(
+                inside, neg_inf, sims[rows, local.clamp(0, ids.numel() - 1)]
+            )
+            value, arg = sims.max(dim=1)
+            better = value > best[q0 : q0 + qc]
+            best[q0 : q0 + qc] = torch.where(better, value, best[q0 : q0 + qc])
+            best_idx[q0 : q0 + qc] = torch.where(better, ids[arg], best_idx[q0 : q0 + qc])
+    return Neighbours(best.clamp(max=1.0), best_idx)
+
+
+def pair_cosine(matrix: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``cos(W_a[i], W_b[i])`` for id pairs, ``(P,), (P,) -> (P,)`` float32 (0 for a zero row)."""
+    if a.shape != b.shape or a.ndim != 1:
+        raise HeadwatchError(f"expected two 1-D id tensors of the same length, got {tuple(a.shape)} and {tuple(b.shape)}")
+    wa = matrix.detach().index_select(0, a.to(matrix.device).long()).float()
+    wb = matrix.detach().index_select(0, b.to(matrix.device).long()).float()
+    tiny = torch.finfo(torch.float32).tiny
+    na = torch.linalg.vector_norm(wa, dim=1).clamp(min=tiny)
+    nb = torch.linalg.vector_norm(wb, dim=1).clamp(min=tiny)
+    return (torch.linalg.vecdot(wa, wb) / (na * nb)).clamp(-1.0, 1.0)
+
+
+def synonym_table(groups: list[list[int]], vocab_size: int) -> Tensor:
+    """``(V, G)`` int64 table: row ``t`` lists the other members of ``t``'s synonym group(s), padded with -1.
+
+    Raises:
+        HeadwatchError: an id outside ``[0, vocab_size)``.
+    """
+    members: dict[int, set[int]] = {}
+    for group in groups:
+        ids = [int(i) for i in group]
+        for i in ids:
+            if not 0 <= i < vocab_size:
+                raise HeadwatchError(f"synonym group {group} has id {i} outside [0, {vocab_size})")
+        for i in ids:
+            members.setdefault(i, set()).update(j for j in ids if j != i)
+    width = max((len(v) for v in members.values()), default=0)
+    table = torch.full((vocab_size, max(width, 1)), -1, dtype=torch.long)
+    for i, others in members.items():
+        if others:
+            table[i, : len(others)] = torch.tensor(sorted(others))
+    return table
+
+
+def synonym_confusion(logits: Tensor, targets: Tensor, table: Tensor, eligible: Tensor) -> tuple[Tensor, Tensor]:
+    """How often a synonym of the target scores at least as high as the target.
+
+    At positions whose target ``t`` is ``eligible`` (e.g. rare and in a synonym group),
+    the position is *confused* when ``max_{s in syn(t)} logits[s] >= logits[t]``.
+
+    Args:
+        logits: ``(..., V)``.
+        targets: ``(...)`` integer ids aligned with ``logits``; ids outside ``[0, V)``
+            (``ignore_index``) are not eligible.
+        table: ``(V, G)`` from :func:`synonym_table`.
+        eligible: ``(V,)`` bool.
+
+    Returns:
+        ``(eligible positions, confused positions)`` as float64 scalars (no host sync).
+    """
+    V = logits.shape[-1]
+    if table.shape[0] != V or eligible.shape != (V,):
+        raise HeadwatchError(f"expected a synonym table with {V} rows and eligible of shape ({V},)")
+    flat = logits.detach().reshape(-1, V)
+    t = targets.reshape(-1).long().to(flat.device)
+    in_range = (t >= 0) & (t < V)
+    tc = t.clamp(0, V - 1)
+    syn = table.to(flat.device).index_select(0, tc)  # (N, G)
+    has_syn = syn >= 0
+    ok = in_range & eligible.to(flat.device).index_select(0, tc) & has_syn.any(dim=1)
+    target_logit = flat.gather(1, tc.unsqueeze(1)).float()  # (N, 1)
+    syn_logits = flat.gather(1, syn.clamp(min=0)).float()  # (N, G)
+    syn_logits = torch.where(has_syn, syn_logits, torch.tensor(float("-inf"), device=flat.device))
+    confused = ok & (syn_logits.amax(dim=1) >= target_logit.squeeze(1))
+    return ok.sum(dtype=torch.float64), confused.sum(dtype=torch.float64)

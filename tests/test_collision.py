@@ -1,0 +1,241 @@
+"""Synonym collision: nearest neighbours against float64 brute force, planted duplicates, monitor runs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from headwatch import HeadwatchError, SynonymCollisionMonitor, TokenFrequency
+from headwatch.collision import decode_token
+from headwatch.frequency import FrequencySnapshot, frequency_buckets, rare_tokens
+from headwatch.functional.neighbors import nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
+from tests.helpers import TinyCausalLM, ids_loader
+from tests.test_monitor import make_trainer
+
+
+def brute_force(w: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor):
+    x = w.double().numpy()
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    xn = np.divide(x, norms, out=np.zeros_like(x), where=norms > 0)
+    sims = xn[queries.numpy()] @ xn.T
+    sims[:, ~valid.numpy()] = -np.inf
+    sims[np.arange(len(queries)), queries.numpy()] = -np.inf
+    return sims.max(axis=1), sims.argmax(axis=1)
+
+
+@pytest.mark.parametrize("budget", [2_000, 50_000, 64 * 2**20])
+def test_nearest_neighbours_match_brute_force(budget):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 24, generator=g)
+    w[17] = 0.0  # a zero row: cosine 0 with everything
+    valid = torch.rand(300, generator=g) > 0.2
+    queries = torch.tensor([0, 5, 17, 299, 150, 151, 3])
+    got = nearest_neighbours(w, queries, valid, max_chunk_bytes=budget)
+    cos, idx = brute_force(w, queries, valid)
+    np.testing.assert_allclose(got.cosine.double().numpy(), cos, atol=1e-6)
+    finite = [i for i, q in enumerate(queries.tolist()) if q != 17]  # the zero row ties everywhere at 0
+    assert got.index[finite].tolist() == idx[finite].tolist()
+
+
+def test_nearest_neighbours_in_low_precision_and_edge_cases():
+    w = torch.randn(50, 8, generator=torch.Generator().manual_seed(1))
+    got = nearest_neighbours(w.to(torch.bfloat16), torch.arange(50))
+    cos, _ = brute_force(w.to(torch.bfloat16).float(), torch.arange(50), torch.ones(50, dtype=torch.bool))
+    np.testing.assert_allclose(got.cosine.double().numpy(), cos, atol=1e-6)
+    only_self = torch.zeros(50, dtype=torch.bool)
+    only_self[4] = True
+    lonely = nearest_neighbours(w, torch.tensor([4]), only_self)
+    assert lonely.cosine.item() == -math.inf and lonely.index.item() == -1
+    assert nearest_neighbours(w, torch.tensor([], dtype=torch.long)).cosine.numel() == 0
+    with pytest.raises(HeadwatchError, match=r"query row ids must be in \[0, 50\)"):
+        nearest_neighbours(w, torch.tensor([50]))
+    with pytest.raises(HeadwatchError, match="vocab_size, d_model"):
+        nearest_neighbours(torch.zeros(3), torch.tensor([0]))
+
+
+def planted(V: int = 2048, d: int = 256, tau: float = 0.9, eps: float = 1e-3, seed: int = 0):
+    """Gaussian rows, with row 1000 + i planted at cosine tau +/- eps to row i."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, d, generator=g, dtype=torch.float64)
+    plants = {}
+    for i, target in enumerate([tau + eps, tau - eps, tau + eps, 0.99, tau - eps]):
+        u = w[i] / w[i].norm()
+        v = torch.randn(d, generator=g, dtype=torch.float64)
+        v = v - (v @ u) * u
+        v = v / v.norm()
+        w[1000 + i] = (target * u + math.sqrt(1 - target**2) * v) * 3.0
+        plants[1000 + i] = (i, target)
+    return w.float(), plants
+
+
+def test_planted_duplicates_are_found_exactly_at_the_threshold_edges():
+    w, plants = planted()
+    queries = torch.tensor(sorted(plants))
+    got = nearest_neighbours(w, queries)
+    for q, cos, idx in zip(queries.tolist(), got.cosine.tolist(), got.index.tolist()):
+        partner, target = plants[q]
+        assert idx == partner
+        assert cos == pytest.approx(target, abs=1e-5)
+        assert (cos >= 0.9) == (target > 0.9)
+
+
+def test_random_gaussian_rows_do_not_collide_at_default_tau():
+    w = torch.randn(8192, 256, generator=torch.Generator().manual_seed(2))
+    got = nearest_neighbours(w, torch.arange(8192))
+    assert got.cosine.max().item() < 0.4  # far below the default tau = 0.9
+    assert (got.cosine >= 0.9).sum().item() == 0
+
+
+def _snapshot(counts: torch.Tensor, valid: torch.Tensor, max_count: int | None = None) -> FrequencySnapshot:
+    return FrequencySnapshot(counts, valid, frequency_buckets(counts, valid), rare_tokens(counts, valid, max_count))
+
+
+def test_monitor_measure_planted_rates_and_padded_rows():
+    w, plants = planted(V=2048, d=64)
+    counts = torch.zeros(2048, dtype=torch.long)
+    counts[:1000] = 1000  # frequent
+    counts[1000:1100] = 1  # rare: the planted rows and 95 others
+    valid = torch.ones(2048, dtype=torch.bool)
+    valid[2000:] = False  # padded vocabulary
+    w[2001] = w[1010]  # an exact duplicate in the padding must not count
+    monitor = SynonymCollisionMonitor(tau=0.9)
+    monitor.tied = True
+    monitor._head = torch.nn.Linear(64, 2048, bias=False)
+    monitor._emb = monitor._head
+    monitor._head.weight.data = w
+    scalars, tables = monitor.measure(_snapshot(counts, valid, max_count=1))
+    # colliding: rows 1000 (tau + eps), 1002 (tau + eps), 1003 (0.99) of the 100 rare rows
+    assert scalars["headwatch/collision/rare_rate_head"].item() == pytest.approx(3 / 100)
+    assert scalars["headwatch/collision/rare_count"] == 100
+    assert scalars["headwatch/collision/rare_sample_size"] == 100
+    assert scalars["headwatch/collision/invalid_count"] == 48
+    assert scalars["headwatch/collision/unseen_count"] == 900
+    pairs = monitor.last_result["head"]["pairs"]
+    assert pairs[0][:2] == (1003, 3)  # most similar first; the two others tie at tau + eps
+    assert {p[:2] for p in pairs[1:]} == {(1000, 0), (1002, 2)}
+    assert "| 1003 `'1003'` | 1 | 3 `'3'` | 1000 | 0.9900 |" in tables["headwatch/collision/top_pairs_head"]
+    assert "headwatch/collision/rare/head_nn_cosine_mean" in scalars
+    assert "headwatch/collision/rare_rate_embedding" not in scalars  # tied: measured once
+
+
+def test_rare_sample_is_seeded_and_sized():
+    w = torch.randn(600, 16, generator=torch.Generator().manual_seed(3))
+    counts = torch.ones(600, dtype=torch.long)
+    counts[:100] = 50
+    snap = _snapshot(counts, torch.ones(600, dtype=torch.bool))
+    monitor = SynonymCollisionMonitor(max_rare=64)
+    monitor.tied = True
+    monitor._head = monitor._emb = torch.nn.Linear(16, 600, bias=False)
+    monitor._head.weight.data = w
+    scalars, _ = monitor.measure(snap, step=7)
+    first = monitor.last_result["rare_sample"].clone()
+    assert scalars["headwatch/collision/rare_count"] == snap.rare.sum().item() > 64
+    assert scalars["headwatch/collision/rare_sample_size"] == 64
+    monitor.measure(snap, step=7)
+    assert torch.equal(monitor.last_result["rare_sample"], first)  # same seed and step, same sample
+    assert snap.rare[first].all()
+
+
+def test_supervised_pairs_and_table():
+    w, _ = planted(V=2048, d=64)
+    counts = torch.zeros(2048, dtype=torch.long)
+    counts[:1000] = 1000
+    counts[1000:1100] = 1
+    snap = _snapshot(counts, torch.ones(2048, dtype=torch.bool), max_count=1)
+    # (1000, 0) collide (tau + eps); (1001, 1) do not (tau - eps); 1500 is unseen, so its pair is not rare
+    monitor = SynonymCollisionMonitor(synonym_groups=[[1000, 0], [1001, 1], [1500, 7]])
+    monitor.tied = True
+    monitor._head = monitor._emb = torch.nn.Linear(64, 2048, bias=False)
+    monitor._head.weight.data = w
+    monitor._group_ids = [[1000, 0], [1001, 1], [1500, 7]]
+    scalars, _ = monitor.measure(snap)
+    assert scalars["headwatch/collision/synonym_pairs"] == 2
+    assert scalars["headwatch/collision/synonym_pair_rate_head"].item() == pytest.approx(0.5)
+    table = synonym_table([[1, 2, 3], [3, 4]], 6)
+    assert table.tolist() == [[-1, -1, -1], [2, 3, -1], [1, 3, -1], [1, 2, 4], [3, -1, -1], [-1, -1, -1]]
+    with pytest.raises(HeadwatchError, match="outside"):
+        synonym_table([[1, 9]], 6)
+    assert pair_cosine(w, torch.tensor([1000]), torch.tensor([0])).item() == pytest.approx(0.901, abs=1e-5)
+
+
+def test_prediction_confusion_on_hand_built_logits():
+    V = 6
+    table = synonym_table([[1, 2], [3, 4]], V)
+    eligible = torch.tensor([False, True, False, True, False, False])  # rare and grouped: 1 and 3
+    logits = torch.tensor(
+        [
+            [0.0, 5.0, 4.0, 0.0, 0.0, 0.0],  # target 1, synonym 2 lower: not confused
+            [0.0, 4.0, 4.0, 0.0, 0.0, 0.0],  # target 1, synonym 2 equal: confused
+            [0.0, 0.0, 0.0, 1.0, 2.0, 0.0],  # target 3, synonym 4 higher: confused
+            [0.0, 0.0, 9.0, 0.0, 0.0, 0.0],  # target 2: not eligible (not rare)
+            [0.0, 0.0, 9.0, 0.0, 0.0, 0.0],  # ignore_index
+        ]
+    )
+    targets = torch.tensor([1, 1, 3, 2, -100])
+    n, confused = synonym_confusion(logits, targets, table, eligible)
+    assert (n.item(), confused.item()) == (3, 2)
+
+
+def test_decoding():
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "cat": 1, "kitten": 2, "dog": 3}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    assert decode_token(tok, 2) == "kitten"
+    assert decode_token(lambda i: f"<{i}>", 3) == "<3>"
+    assert decode_token(None, 3) == "3"
+    from headwatch.collision import _encode_group
+
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    assert _encode_group(tok, ["cat", "kitten", 3]) == [1, 2, 3]
+    with pytest.raises(HeadwatchError, match="pass tokenizer="):
+        _encode_group(None, ["cat"])
+
+
+def _collision_run(tmp_path, tie: bool, groups=None, tokenizer=None):
+    V = 64
+    torch.manual_seed(0)
+    model = TinyCausalLM(vocab_size=V, tie_weights=tie, lr=0.0)
+    with torch.no_grad():
+        w = model.lm_head.weight
+        w[40] = w[2] * 2.0  # rare token 40 duplicates frequent token 2 in the head
+        if not tie:
+            model.embed_tokens.weight[41] = -model.embed_tokens.weight[5]  # opposite: no collision
+    frequent = torch.tensor([2, 3, 5, 7, 11, 13] * 4)
+    rare = torch.tensor([40, 41, 40, 41, 42, 43, 40, 41])  # counts 3, 3, 1, 1: all rare (<= 3)
+    ids = torch.stack([torch.cat([frequent[i : i + 8], rare[i : i + 1]]) for i in range(8)])
+    monitor = SynonymCollisionMonitor(every_n_steps=2, synonym_groups=groups, tokenizer=tokenizer)
+    trainer = make_trainer(tmp_path, [TokenFrequency(rare_max_count=3), monitor], max_steps=4, log_every_n_steps=1)
+    trainer.fit(model, ids_loader(ids, 2))
+    return trainer, monitor
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_monitor_in_a_training_run(tmp_path, tie):
+    trainer, monitor = _collision_run(tmp_path, tie, groups=[[40, 2], [41, 5]])
+    m = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert m["headwatch/collision/rare_count"] == 4
+    assert m["headwatch/collision/rare_rate_head"] == pytest.approx(1 / 4)  # token 40
+    assert ("headwatch/collision/rare_rate_embedding" in m) == (not tie)
+    if not tie:
+        assert m["headwatch/collision/rare_rate_embedding"] == 0.0
+    assert m["headwatch/collision/synonym_pair_rate_head"] == pytest.approx(0.5)
+    assert 0 <= m["headwatch/collision/synonym_confusion_rate"] <= 1
+    assert m["headwatch/collision/synonym_confusion_positions"] > 0
+    acc = EventAccumulator(trainer.logger.log_dir)
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("headwatch/collision/rare_rate_head")] == [1, 3]  # the epoch ends at step 3
+    assert "headwatch/collision/top_pairs_head/text_summary" in acc.Tags()["tensors"]
+    assert monitor.state_dict()["measurements"] == 2
+
+
+def test_bad_arguments():
+    with pytest.raises(HeadwatchError, match="tau"):
+        SynonymCollisionMonitor(tau=1.5)
+    with pytest.raises(HeadwatchError, match="max_rare"):
+        SynonymCollisionMonitor(max_rare=0)
+    with pytest.raises(HeadwatchError, match="synonym_groups"):
+        SynonymCollisionMonitor(synonym_groups="cat dog")
