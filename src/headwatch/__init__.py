@@ -20,21 +20,26 @@ _LAZY = {
     "GradientDensityMonitor": "headwatch.gradient_density",
     "TokenFrequency": "headwatch.frequency",
     "SynonymCollisionMonitor": "headwatch.collision",
+    "SharpnessCollapseAlert": "headwatch.alerts",
+    "Alert": "headwatch.alerts",
 }
 
 if TYPE_CHECKING:
     from headwatch._capture import find_input_embedding, find_output_head
     from headwatch.frequency import TokenFrequency
+    from headwatch.alerts import Alert, SharpnessCollapseAlert
     from headwatch.collision import SynonymCollisionMonitor
     from headwatch.gradient_density import GradientDensityMonitor
     from headwatch.logit_stats import LogitStatsMonitor
     from headwatch.metrics import LogitStatsMetric
 
 __all__ = [
+    "Alert",
     "GradientDensityMonitor",
     "HeadwatchError",
     "LogitStatsMetric",
     "LogitStatsMonitor",
+    "SharpnessCollapseAlert",
     "SynonymCollisionMonitor",
     "TokenFrequency",
     "__version__",

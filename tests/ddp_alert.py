@@ -1,0 +1,63 @@
+"""Run by tests/test_alerts.py: 2 CPU processes (gloo) where only rank 1's rule fires.
+
+usage: python tests/ddp_alert.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning.pytorch as pl  # noqa: E402
+
+from headwatch import LogitStatsMonitor, SharpnessCollapseAlert  # noqa: E402
+from headwatch.alerts import CollapseRules  # noqa: E402
+from tests.helpers import TinyCausalLM, loader  # noqa: E402
+
+
+class RankRules(CollapseRules):
+    """Fires the floor rule on rank 1 only, from step 3."""
+
+    rank = 0
+    fired_locally: list = []
+
+    def observe_train(self, step, entropy, kl):
+        fired = super().observe_train(step, entropy, kl)
+        if self.rank == 1 and step >= 3 and not self.states["entropy_floor"].open:
+            self.states["entropy_floor"].open = True
+            fired = ["entropy_floor"]
+        if fired:
+            type(self).fired_locally.append(step)
+        return fired
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(0, verbose=False)
+    alert = SharpnessCollapseAlert(entropy_floor=-1.0, entropy_drop=None, stop_training=True, jsonl=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=20,
+        log_every_n_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[LogitStatsMonitor(validation=False), alert],
+    )
+    rules = RankRules(entropy_floor=-1.0, entropy_drop=None)
+    rules.rank = trainer.global_rank
+    alert.rules = rules
+    trainer.fit(TinyCausalLM(), loader(n=320, batch_size=4))
+    result = {"global_step": trainer.global_step, "alerts": len(alert.alerts), "fired_locally": RankRules.fired_locally}
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
