@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor
 
 from headwatch._errors import HeadwatchError
+from headwatch.dashboard import flush_tensorboard
 
 
 def check_bool(name: str, value: Any) -> None:
@@ -54,6 +55,14 @@ class HeadwatchCallback(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(prefix=self.prefix)
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from headwatch.dashboard import write_layout
+
+        try:
+            write_layout(trainer, self.prefix)
+        except Exception as err:  # noqa: BLE001
+            self._fail(err, "writing the TensorBoard dashboard layout")
+
     def _resolve_every(self, trainer: pl.Trainer) -> None:
         self._every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
         if self._every == 0:
@@ -90,6 +99,7 @@ class HeadwatchCallback(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(numbers, step=step)
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in numbers.items()})
+        flush_tensorboard(trainer)  # live charts: TensorBoardLogger alone flushes every 120 s
         return numbers
 
     @staticmethod
@@ -102,6 +112,7 @@ class HeadwatchCallback(Callback):
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_histogram(tag, values.detach().float().cpu(), global_step=step)
+                logger.experiment.flush()
 
     @staticmethod
     @rank_zero_only
@@ -111,3 +122,4 @@ class HeadwatchCallback(Callback):
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text(tag, text, global_step=step)
+                logger.experiment.flush()
