@@ -340,6 +340,15 @@ def test_html_png_charts(logdir, tmp_path):
     assert "data:image/png;base64," in text and "https://" not in text
 
 
+def test_png_without_matplotlib(logdir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("headwatch.report._have_matplotlib", lambda: False)
+    assert main(["report", str(logdir), "--html", str(tmp_path / "x.html"), "--charts", "png"]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "x.html").exists()
+    assert main(["report", str(logdir), "--html", str(tmp_path / "y.html")]) == 0  # auto falls back to SVG
+    assert "<svg" in (tmp_path / "y.html").read_text(encoding="utf-8")
+
+
 def test_svg_chart_edge_cases():
     colors = {"a": "#000", "b": "#111"}
     svg = render_svg_chart({"a": [(0, 1.0)], "b": [(0, 2.0), (5, float("nan")), (10, 3.0), (20, 4.0)]}, colors)

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from headwatch._base import HeadwatchCallback, check_bool
 from headwatch._capture import find_input_embedding, find_output_head, positions_from_batch
 from headwatch._errors import HeadwatchError
+from headwatch.figures import check_figure_argument, matplotlib_available
 from headwatch.frequency import BUCKETS, FrequencySnapshot, TokenFrequency
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
@@ -106,6 +107,9 @@ class SynonymCollisionMonitor(HeadwatchCallback):
         head, embedding: modules or dotted names; found automatically if None.
         seed: base seed of the samples.
         max_chunk_bytes: working-memory bound of the neighbour search (default 64 MiB).
+        figures: at each measurement, an image of nearest-neighbour cosine histograms of
+            rare vs frequent tokens (``headwatch/collision/nn_similarity_<m>``); ``"auto"``:
+            when matplotlib is installed.
         prefix: first component of every metric name.
         strict: raise on a failure to measure instead of warning once.
 
@@ -136,10 +140,15 @@ class SynonymCollisionMonitor(HeadwatchCallback):
         embedding: str | nn.Module | None = None,
         seed: int = 0,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        figures: bool | str = "auto",
         prefix: str = "headwatch",
         strict: bool = False,
     ) -> None:
         super().__init__(every_n_steps, prefix, strict)
+        if figures not in (True, False, "auto"):
+            raise HeadwatchError(f"`figures` must be True, False or 'auto', got {figures!r}")
+        if figures is True:
+            check_figure_argument(1, "figures")
         if not isinstance(tau, (int, float)) or isinstance(tau, bool) or not -1.0 <= tau <= 1.0:
             raise HeadwatchError(f"`tau` must be a cosine in [-1, 1], got {tau!r}")
         check_bool("on_epoch_end", on_epoch_end)
@@ -164,6 +173,7 @@ class SynonymCollisionMonitor(HeadwatchCallback):
         self.embedding = embedding
         self.seed = seed
         self.max_chunk_bytes = max_chunk_bytes
+        self.figures = figures
 
         self.tied = False
         self._head: nn.Module | None = None
@@ -276,9 +286,20 @@ class SynonymCollisionMonitor(HeadwatchCallback):
             self._publish(trainer, scalars, step)
             for tag, text in tables.items():
                 self._write_text(trainer, tag, text, step)
+            if self.figures is True or (self.figures == "auto" and matplotlib_available()):
+                self._similarity_figure(trainer, step)
             self._measurements += 1
         except Exception as err:  # noqa: BLE001
             self._fail(err, "measuring synonym collision")
+
+    def _similarity_figure(self, trainer: pl.Trainer, step: int) -> None:
+        from headwatch import figures
+
+        for name, by_bucket in self.last_result.get("bucket_cosines", {}).items():
+            shown = {b: by_bucket[b] for b in ("top1", "top10", "rare") if b in by_bucket}
+            title = f"{name}: nearest-neighbour cosine, rare vs frequent tokens"
+            fig = figures.nn_similarity_by_bucket(shown, self.tau, title)
+            figures.add_figure(trainer, f"{self.prefix}/collision/nn_similarity_{name}", fig, step)
 
     # ---------------------------------------------------------------- math
     @torch.no_grad()
@@ -308,7 +329,9 @@ class SynonymCollisionMonitor(HeadwatchCallback):
             for i, name in enumerate(BUCKETS)
         }
         bucket_rows["rare"] = sample
+        result["bucket_cosines"] = {}
         for name, weight in self._matrices().items():
+            result["bucket_cosines"][name] = {}
             dev = weight.device
             nn_rare = nearest_neighbours(weight, sample.to(dev), valid.to(dev), self.max_chunk_bytes)
             colliding = nn_rare.cosine >= self.tau
@@ -320,6 +343,7 @@ class SynonymCollisionMonitor(HeadwatchCallback):
                     cos = nn_rare.cosine
                 else:
                     cos = nearest_neighbours(weight, rows.to(dev), valid.to(dev), self.max_chunk_bytes).cosine
+                result["bucket_cosines"][name][bucket] = cos.cpu()
                 finite = cos[torch.isfinite(cos)]
                 scalars[f"{c}/{bucket}/{name}_nn_cosine_mean"] = finite.double().mean() if finite.numel() else math.nan
             pairs = self._top_pairs(sample.to(dev), nn_rare, colliding)

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from headwatch._base import HeadwatchCallback, check_bool
 from headwatch._capture import find_input_embedding, find_output_head
 from headwatch._errors import HeadwatchError
+from headwatch.figures import check_figure_argument, resolve_figure_interval
 from headwatch.frequency import BUCKETS, FrequencySnapshot, TokenFrequency
 from headwatch.functional.rows import (
     dense_rows,
@@ -53,6 +54,10 @@ class GradientDensityMonitor(HeadwatchCallback):
         update_density: also measure which rows the optimizer step changed (copies the
             ``(V, d_model)`` matrices on logging steps only).
         log_histogram: with a ``TensorBoardLogger``, histograms of per-row gradient norms.
+        figure_every_n_steps: every this many steps, an image of per-row gradient norm
+            against token frequency rank, log-log, both flows in one figure
+            (``headwatch/grad/row_norm_vs_frequency``); ``"auto"``: ten logging intervals
+            if matplotlib is installed, else off; 0/None: off.
         prefix: first component of every metric name.
         strict: raise on a failure to measure instead of warning once and skipping.
 
@@ -89,10 +94,12 @@ class GradientDensityMonitor(HeadwatchCallback):
         log_every_n_steps: int | None = None,
         update_density: bool = True,
         log_histogram: bool = True,
+        figure_every_n_steps: int | str | None = "auto",
         prefix: str = "headwatch",
         strict: bool = False,
     ) -> None:
         super().__init__(log_every_n_steps, prefix, strict)
+        check_figure_argument(figure_every_n_steps)
         for name, value in (("head", head), ("embedding", embedding)):
             if value is not None and not isinstance(value, (str, nn.Module)):
                 raise HeadwatchError(f"`{name}` must be None, a module or a dotted name, got {type(value).__name__}")
@@ -102,6 +109,8 @@ class GradientDensityMonitor(HeadwatchCallback):
         self.embedding = embedding
         self.update_density = update_density
         self.log_histogram = log_histogram
+        self.figure_every_n_steps = figure_every_n_steps
+        self._figure_every = 0
 
         self.tied = False
         self._head: nn.Module | None = None
@@ -116,6 +125,7 @@ class GradientDensityMonitor(HeadwatchCallback):
         self._pending: dict[str, Tensor | float] = {}
         self._snapshot: FrequencySnapshot | None = None
         self._histograms: dict[str, Tensor] = {}
+        self._full_norms: dict[str, Tensor] = {}
         self._scratch_buffers: dict[str, Tensor] = {}
         self._logged_steps = 0
 
@@ -141,6 +151,7 @@ class GradientDensityMonitor(HeadwatchCallback):
             self._hook_handle = emb.register_forward_hook(self._on_embedding_forward)
         self._head, self._emb = head, emb
         self._resolve_every(trainer)
+        self._figure_every = resolve_figure_interval(self.figure_every_n_steps, self._every)
         text = (
             f"`{emb_name}` and `{head_name}` are TIED: one Parameter of shape {tuple(head_weight.shape)}; its "
             "gradient is split into the lookup (embedding) and scoring (head) flows"
@@ -180,6 +191,7 @@ class GradientDensityMonitor(HeadwatchCallback):
         self._pending = {}
         self._snapshot = None
         self._histograms = {}
+        self._full_norms = {}
 
     # ---------------------------------------------------------------- capture (tied)
     def _on_embedding_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -251,6 +263,8 @@ class GradientDensityMonitor(HeadwatchCallback):
                 self._publish(trainer, scalars, step)
                 self._logged_steps += 1
                 self._write_histograms(trainer, step)
+                if self._figure_every > 0 and (step + 1) % self._figure_every == 0:
+                    self._norm_figure(trainer, step)
         except Exception as err:  # noqa: BLE001
             self._fail(err, "logging gradient statistics")
         finally:
@@ -286,6 +300,7 @@ class GradientDensityMonitor(HeadwatchCallback):
         g = f"{self.prefix}/grad"
         out: dict[str, Tensor | float] = {f"{g}/tied": 1.0 if self.tied else 0.0}
         self._histograms = {}
+        self._full_norms: dict[str, Tensor] = {}
         flows = self._flows(trainer)
         for flow, grad in flows.items():
             if grad is None:
@@ -313,6 +328,8 @@ class GradientDensityMonitor(HeadwatchCallback):
                 out[f"{g}/rare/{flow}_row_norm_mean"] / out[f"{g}/top1/{flow}_row_norm_mean"]  # type: ignore[operator]
             )
             self._histograms[f"{g}/{flow}_row_norm_histogram"] = norms[valid]
+            if flow != "shared":
+                self._full_norms[flow] = norms
         if self.tied and flows.get("embedding") is not None:
             cosine, both = row_cosine(flows["embedding"], flows["head"])  # type: ignore[arg-type]
             rows = both & snap.valid.to(cosine.device)
@@ -345,6 +362,17 @@ class GradientDensityMonitor(HeadwatchCallback):
             out[f"{u}/{name}_row_density"] = row_density(row_nonzero(delta), valid)
             out.update(_summary(f"{u}/{name}_row_norm", row_norms(delta), valid))
         return out
+
+    def _norm_figure(self, trainer: pl.Trainer, step: int) -> None:
+        from headwatch import figures
+
+        snap = self._snapshot
+        norms = {k.rsplit("/", 1)[-1].replace("_row_norm_histogram", ""): v for k, v in self._full_norms.items()}
+        if snap is None or not norms:
+            return
+        title = "gradient row norm vs token frequency" + (" (tied: lookup and scoring flows)" if self.tied else "")
+        fig = figures.norm_vs_frequency_rank(snap.counts, snap.valid, norms, title)
+        figures.add_figure(trainer, f"{self.prefix}/grad/row_norm_vs_frequency", fig, step)
 
     def _write_histograms(self, trainer: pl.Trainer, step: int) -> None:
         if self.log_histogram:

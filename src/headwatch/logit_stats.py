@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from headwatch._base import HeadwatchCallback, check_bool
 from headwatch._capture import MaskFn, TargetsFn, find_output_head, positions_from_batch
 from headwatch._errors import HeadwatchError
+from headwatch.figures import check_figure_argument, resolve_figure_interval
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.metrics import LogitStatsMetric
 
@@ -66,11 +67,15 @@ class LogitStatsMonitor(HeadwatchCallback):
             per-position entropy at every logging step and validation epoch.
         max_chunk_bytes: bound on the working memory of the statistics (default 64 MiB).
         prefix: first component of every metric name.
+        figure_every_n_steps: every this many steps, an image of the per-position entropy
+            distribution at every logging step so far (``headwatch/logits/entropy_over_run``);
+            ``"auto"``: ten logging intervals if matplotlib is installed, else off; 0/None: off.
         strict: raise on a failure to measure instead of warning once and skipping.
 
     Raises:
-        HeadwatchError: in ``__init__`` for invalid arguments; in ``setup`` when the head
-            cannot be found or is ambiguous (the message lists the candidates).
+        HeadwatchError: in ``__init__`` for invalid arguments (an explicit figure interval
+            without matplotlib says how to install it); in ``setup`` when the head cannot
+            be found or is ambiguous (the message lists the candidates).
 
     Logged metrics (``<split>`` is ``logits`` for training steps, ``val/logits`` for
     validation epochs; means are over measured positions):
@@ -103,10 +108,12 @@ class LogitStatsMonitor(HeadwatchCallback):
         validation: bool = True,
         log_histogram: bool = True,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        figure_every_n_steps: int | str | None = "auto",
         prefix: str = "headwatch",
         strict: bool = False,
     ) -> None:
         super().__init__(log_every_n_steps, prefix, strict)
+        check_figure_argument(figure_every_n_steps)
         if head is not None and not isinstance(head, (str, nn.Module)):
             raise HeadwatchError(f"`head` must be None, a module or a dotted name, got {type(head).__name__}")
         for name, value in (("shift_labels", shift_labels), ("validation", validation), ("log_histogram", log_histogram)):
@@ -127,6 +134,11 @@ class LogitStatsMonitor(HeadwatchCallback):
         self.validation = validation
         self.log_histogram = log_histogram
         self.max_chunk_bytes = max_chunk_bytes
+        self.figure_every_n_steps = figure_every_n_steps
+        self.max_figure_history = 1000
+        self._figure_every = 0
+        self._vocab_size = 0
+        self._entropy_history: list[tuple[int, Tensor]] = []
 
         self._train = LogitStatsMetric(ignore_index=ignore_index, max_chunk_bytes=max_chunk_bytes)
         self._val = LogitStatsMetric(ignore_index=ignore_index, max_chunk_bytes=max_chunk_bytes)
@@ -151,6 +163,7 @@ class LogitStatsMonitor(HeadwatchCallback):
             self._hook_handle = module.register_forward_hook(self._on_head_forward)
             self._head_module, self._head_name = module, name
         self._resolve_every(trainer)
+        self._figure_every = resolve_figure_interval(self.figure_every_n_steps, self._every)
         if not trainer.loggers:
             rank_zero_warn(
                 "LogitStatsMonitor: the Trainer has no logger, so headwatch metrics go only to "
@@ -208,6 +221,7 @@ class LogitStatsMonitor(HeadwatchCallback):
                 targets = targets.to(logits.device, non_blocking=True)
             if sink.device != logits.device:
                 sink.to(logits.device)
+            self._vocab_size = logits.shape[-1]
             sink.update(logits.detach(), mask, targets)
         except Exception as err:  # noqa: BLE001 - a monitoring failure must not stop training
             self._fail(err, "measuring the logits")
@@ -266,6 +280,25 @@ class LogitStatsMonitor(HeadwatchCallback):
             return
         self._logged_steps += 1
         self._publish_values(trainer, f"{self.prefix}/logits", values, step, direct=True)
+        if self._figure_every > 0:
+            self._entropy_figure(trainer, values.get("entropy_values"), step)
+
+    def _entropy_figure(self, trainer: pl.Trainer, entropies: Tensor | None, step: int) -> None:
+        """Keep a binned entropy distribution per logging step; draw them all every figure interval."""
+        try:
+            from headwatch import figures
+
+            if entropies is None or self._vocab_size == 0:
+                return
+            top = figures.log_v(self._vocab_size)
+            self._entropy_history.append((step, figures.entropy_histogram(entropies, top)))
+            del self._entropy_history[: -self.max_figure_history]
+            if (step + 1) % self._figure_every == 0:
+                steps = [s for s, _ in self._entropy_history]
+                hists = [h for _, h in self._entropy_history]
+                figures.add_figure(trainer, f"{self.prefix}/logits/entropy_over_run", figures.entropy_over_run(steps, hists, top), step)
+        except Exception as err:  # noqa: BLE001
+            self._fail(err, "drawing the entropy figure")
 
     # ------------------------------------------------------------------ validation
     def _measuring_validation(self, trainer: pl.Trainer) -> bool:
@@ -377,6 +410,7 @@ class LogitStatsMonitor(HeadwatchCallback):
             "total_invalid_target_positions": self._total_invalid_target,
             "failures": self._failures,
             "skipped_forwards": self._skipped_forwards,
+            "entropy_history": [(step, hist.tolist()) for step, hist in self._entropy_history],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -386,3 +420,6 @@ class LogitStatsMonitor(HeadwatchCallback):
         self._total_invalid_target = float(state_dict.get("total_invalid_target_positions", 0.0))
         self._failures = int(state_dict.get("failures", 0))
         self._skipped_forwards = int(state_dict.get("skipped_forwards", 0))
+        self._entropy_history = [
+            (int(step), torch.tensor(hist, dtype=torch.float64)) for step, hist in state_dict.get("entropy_history", [])
+        ]

@@ -403,6 +403,8 @@ def format_number(x: float | None, signed: bool = False) -> str:
         return MISSING
     if not math.isfinite(x):
         return "nan" if math.isnan(x) else ("+inf" if x > 0 else "-inf")
+    if x == 0.0:
+        return "0"
     sign = "+" if signed else ""
     if x == int(x) and abs(x) < 1e9:
         return f"{int(x):{sign}d}"
@@ -523,7 +525,7 @@ def _text_table(
         g = tag_group(tag, prefix)
         if g != group:
             group = g
-            out.append(row(f"[{g}]", ["" for _ in names]))
+            out.append(row(f"[{g}]", [" " * block_w for _ in names]))
         cells = []
         for name in names:
             if g == "alerts":
@@ -671,30 +673,25 @@ def render_png_chart(
     import io
 
     try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: leaves the global backend alone
     except ImportError as err:
         raise HeadwatchError("PNG charts need matplotlib: pip install matplotlib (or use --charts svg)") from err
-    fig, ax = plt.subplots(figsize=(4.8, 2.6), dpi=100)
-    try:
-        for name, pts in series.items():
-            steps = [s for s, _ in pts]
-            values = [v if math.isfinite(v) else float("nan") for _, v in pts]
-            marker = "o" if len(pts) <= 3 else None
-            ax.plot(steps, values, color=colors[name], label=name, linewidth=1.4, marker=marker, markersize=4)
-            for step in (alert_steps or {}).get(name, []):
-                ax.axvline(step, color=colors[name], linestyle="--", alpha=0.6, linewidth=1)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-    finally:
-        plt.close(fig)
+    fig = Figure(figsize=(4.8, 2.6), dpi=100)
+    ax = fig.subplots()
+    for name, pts in series.items():
+        steps = [s for s, _ in pts]
+        values = [v if math.isfinite(v) else float("nan") for _, v in pts]
+        marker = "o" if len(pts) <= 3 else None
+        ax.plot(steps, values, color=colors[name], label=name, linewidth=1.4, marker=marker, markersize=4)
+        for step in (alert_steps or {}).get(name, []):
+            ax.axvline(step, color=colors[name], linestyle="--", alpha=0.6, linewidth=1)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     data = base64.b64encode(buf.getvalue()).decode("ascii")
     return f'<img alt="{html.escape(title)}" src="data:image/png;base64,{data}"/>'
 
@@ -905,6 +902,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown command {args.command!r}")
     if args.width < 40:
         parser.error(f"--width must be at least 40, got {args.width}")
+    if args.html and args.charts == "png" and not _have_matplotlib():
+        print("headwatch report: error: --charts png needs matplotlib: pip install matplotlib (or use --charts svg)", file=sys.stderr)
+        return 2
     try:
         found = discover_runs(args.logdirs)
         runs = {name: read_scalars(run.path) for name, run in found.items()}

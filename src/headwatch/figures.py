@@ -1,0 +1,139 @@
+"""Pictures for TensorBoard's IMAGES tab. matplotlib is optional: ``pip install "headwatch[figures]"``.
+
+Figures are ``matplotlib.figure.Figure`` objects built without pyplot (no global backend,
+no GUI), so they are safe in training processes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor
+
+from headwatch._errors import HeadwatchError
+
+INSTALL_HINT = 'matplotlib is needed for headwatch figures: pip install "headwatch[figures]" (or pip install matplotlib)'
+
+
+def matplotlib_available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def resolve_figure_interval(value: int | str | None, log_every: int, name: str = "figure_every_n_steps") -> int:
+    """Steps between figures: ``"auto"`` is ten logging intervals when matplotlib is installed, else 0 (off).
+
+    Raises:
+        HeadwatchError: an explicit interval without matplotlib (with the install hint), or a bad value.
+    """
+    if value is None or value == 0:
+        return 0
+    if value == "auto":
+        return 10 * log_every if matplotlib_available() and log_every > 0 else 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise HeadwatchError(f"`{name}` must be 'auto', None, or an int >= 0, got {value!r}")
+    if not matplotlib_available():
+        raise HeadwatchError(INSTALL_HINT)
+    return value
+
+
+def check_figure_argument(value: Any, name: str = "figure_every_n_steps") -> None:
+    if value not in (None, "auto") and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise HeadwatchError(f"`{name}` must be 'auto', None, or an int >= 0, got {value!r}")
+    if isinstance(value, int) and value > 0 and not matplotlib_available():
+        raise HeadwatchError(INSTALL_HINT)
+
+
+def _figure(width: float = 6.4, height: float = 4.2) -> Any:
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def norm_vs_frequency_rank(counts: Tensor, valid: Tensor, norms: dict[str, Tensor], title: str) -> Any:
+    """Per-row norm against frequency rank (1 = most frequent), log-log, one series per matrix.
+
+    Args:
+        counts: ``(V,)`` token counts; valid: ``(V,)`` bool; norms: name -> ``(V,)`` row norms.
+    """
+    fig = _figure()
+    ax = fig.add_subplot()
+    c = counts.detach().double().cpu()
+    ok = valid.detach().cpu() & (c > 0)
+    order = torch.argsort(-c.masked_fill(~ok, -1.0), stable=True)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(1, c.numel() + 1))
+    for (name, values), marker in zip(norms.items(), ("o", "s", "^", "x")):
+        v = values.detach().double().cpu()
+        sel = ok & (v > 0)
+        ax.scatter(rank[sel].numpy(), v[sel].numpy(), s=4, alpha=0.5, marker=marker, label=f"{name} ({int(sel.sum())} rows)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("token frequency rank (1 = most frequent; seen tokens)")
+    ax.set_ylabel("row L2 norm")
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    return fig
+
+
+def entropy_over_run(steps: list[int], histograms: list[Tensor], max_entropy: float) -> Any:
+    """Heat map of the per-position entropy distribution at each logging step (columns sum to 1)."""
+    fig = _figure(7.2, 4.2)
+    ax = fig.add_subplot()
+    h = torch.stack([x.detach().double().cpu() for x in histograms], dim=1)  # (bins, steps)
+    h = h / h.sum(dim=0, keepdim=True).clamp(min=1)
+    bins = h.shape[0]
+    x0, x1 = (steps[0], steps[-1] + 1) if len(steps) > 1 else (steps[0] - 0.5, steps[0] + 0.5)
+    image = ax.imshow(h.numpy(), origin="lower", aspect="auto", extent=(x0, x1, 0.0, max_entropy), cmap="viridis")
+    ax.set_xlabel("step")
+    ax.set_ylabel("entropy (nats)")
+    ax.set_title(f"distribution of per-position entropy over the run ({bins} bins, max log V = {max_entropy:.2f})")
+    fig.colorbar(image, ax=ax, label="fraction of positions")
+    return fig
+
+
+def nn_similarity_by_bucket(cosines: dict[str, Tensor], tau: float, title: str) -> Any:
+    """Histograms of nearest-neighbour cosine, one per frequency bucket, with the threshold tau."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    edges = torch.linspace(-1, 1, 81).numpy()
+    for name, values in cosines.items():
+        v = values.detach().double().cpu()
+        v = v[torch.isfinite(v)]
+        if v.numel():
+            ax.hist(v.numpy(), bins=edges, histtype="step", density=True, label=f"{name} (n={v.numel()})")
+    ax.axvline(tau, color="red", linestyle="--", label=f"tau = {tau}")
+    ax.set_xlabel("cosine with the nearest other row")
+    ax.set_ylabel("density")
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize=8)
+    return fig
+
+
+def entropy_histogram(values: Tensor, max_entropy: float, bins: int = 50) -> Tensor:
+    """Counts of per-position entropies in ``bins`` equal bins over ``[0, max_entropy]``, ``(bins,)`` float64."""
+    v = values.detach().float().reshape(-1)
+    v = v[torch.isfinite(v)]
+    if v.numel() == 0:
+        return torch.zeros(bins, dtype=torch.float64)
+    return torch.histc(v.cpu(), bins=bins, min=0.0, max=max(max_entropy, 1e-6)).double()
+
+
+@rank_zero_only
+def add_figure(trainer: pl.Trainer, tag: str, figure: Any, step: int) -> None:
+    """Write a figure to every TensorBoard logger (rank zero), then close it."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_figure(tag, figure, global_step=step, close=False)
+            logger.experiment.flush()
+    figure.clear()
+
+
+def log_v(vocab_size: int) -> float:
+    return math.log(vocab_size) if vocab_size > 0 else 0.0
