@@ -1,0 +1,530 @@
+"""Train a tiny GPT on CPU in about two minutes and watch its output head with headwatch.
+
+What the example shows: the one line headwatch asks of a training job,
+``Trainer(callbacks=[LogitStatsMonitor()])``, added to an ordinary Lightning run of a
+nanoGPT-style causal language model, with the input embedding (``embed_tokens``) and
+the output head (``lm_head``) tied or untied (``--tie-weights`` / ``--no-tie-weights``).
+While it trains, TensorBoard charts ``train_loss``, ``val_loss`` and the headwatch
+scalars, among them the entropy of the next-token distribution
+(``headwatch/logits/entropy``, nats) and its distance from uniform
+(``headwatch/logits/kl_to_uniform = log V - entropy``, nats), for training steps and
+(under ``headwatch/val/...``) for validation epochs. Run it twice, tied and untied,
+and compare the two runs in one TensorBoard.
+
+Nothing is downloaded. The corpus is, by default, the source code of the running
+Python's standard library (the first ``--max-corpus-mb`` megabytes of its ``*.py``
+files, in sorted order); ``--data`` trains on your own text files or folders instead.
+A byte-level BPE tokenizer is trained on the corpus first (``tokenizers`` library) and
+saved next to the TensorBoard logs. The last ``--val-fraction`` of the token stream is
+held out for validation; the validation loss is measured before training starts and
+after it ends, and both are printed.
+
+Usage::
+
+    pip install -e ".[examples]"
+    python examples/train_tiny_lm.py                    # tied, about 2 minutes on 2 CPU cores
+    python examples/train_tiny_lm.py --no-tie-weights   # untied, for comparison
+    tensorboard --logdir runs
+
+On Linux, ``MALLOC_MMAP_THRESHOLD_=4000000000 python examples/train_tiny_lm.py`` runs
+about 10% faster on CPU: glibc otherwise maps and unmaps every (B, T, V) logits buffer
+(32 MiB here) at each step, and the page faults cost system time.
+
+Tests import :func:`main` and call it with small settings, e.g.
+``main(["--max-steps", "5", "--max-corpus-mb", "0.2", "--vocab-size", "512"])``; it
+returns the summary as a dict (see :func:`main`).
+"""
+
+from __future__ import annotations
+
+import time
+
+_T_IMPORT = time.perf_counter()  # the imports below (torch, Lightning) take seconds: report them
+
+import argparse
+import math
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+from headwatch import (
+    GradientDensityMonitor,
+    LogitStatsMonitor,
+    SharpnessCollapseAlert,
+    SynonymCollisionMonitor,
+    TokenFrequency,
+)
+
+_EXAMPLES_DIR = str(Path(__file__).resolve().parent)
+if _EXAMPLES_DIR not in sys.path:  # tiny_lm.py sits next to this file
+    sys.path.insert(0, _EXAMPLES_DIR)
+from tiny_lm import (  # noqa: E402
+    TinyLM,
+    TinyLMConfig,
+    TokenDataModule,
+    collect_text_files,
+    encode_documents,
+    read_corpus,
+    stdlib_source_files,
+    train_tokenizer,
+)
+
+IMPORT_TIME_S = time.perf_counter() - _T_IMPORT
+"""Seconds this module spent importing torch, Lightning, headwatch and tiny_lm."""
+
+HEADWATCH_KEYS = {
+    "entropy": "headwatch/logits/entropy",
+    "kl_to_uniform": "headwatch/logits/kl_to_uniform",
+    "val_entropy": "headwatch/val/logits/entropy",
+    "val_kl_to_uniform": "headwatch/val/logits/kl_to_uniform",
+    "embedding_row_density": "headwatch/grad/embedding_row_density",
+    "head_row_density": "headwatch/grad/head_row_density",
+    "update_embedding_row_density": "headwatch/update/embedding_row_density",
+    "update_head_row_density": "headwatch/update/head_row_density",
+    "update_shared_row_density": "headwatch/update/shared_row_density",
+    "tied_flow_cosine_mean": "headwatch/grad/tied_flow_cosine_mean",
+    "tied_flow_conflict_fraction": "headwatch/grad/tied_flow_conflict_fraction",
+    "rare_rate_head": "headwatch/collision/rare_rate_head",
+    "rare_rate_embedding": "headwatch/collision/rare_rate_embedding",
+    "rare_count": "headwatch/collision/rare_count",
+}
+"""Summary field -> headwatch scalar name."""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (the help text says what None means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _int_or_float(text: str) -> int | float:
+    """Lightning's convention for batch limits: an int is a count, a float a fraction."""
+    return float(text) if any(c in text for c in ".eE") else int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface; ``--help`` documents every option."""
+    parser = argparse.ArgumentParser(
+        prog="train_tiny_lm.py",
+        description=(
+            "Train a tiny GPT-style causal LM on CPU (about 2 minutes with the defaults on 2 cores) "
+            "with headwatch's LogitStatsMonitor attached, then print initial and final validation "
+            "loss and the final logit entropy. Watch it live with: tensorboard --logdir runs"
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    data = parser.add_argument_group("data and tokenizer")
+    data.add_argument(
+        "--data",
+        nargs="+",
+        metavar="PATH",
+        default=None,
+        help="text files or folders (read recursively; files that are not UTF-8 text are skipped) "
+        "to train on instead of the standard library's *.py files",
+    )
+    data.add_argument(
+        "--max-corpus-mb",
+        type=float,
+        default=3.0,
+        help="read files in sorted order until this many megabytes (MiB) of text",
+    )
+    data.add_argument("--vocab-size", type=int, default=8192, help="target size of the byte-level BPE vocabulary")
+    data.add_argument(
+        "--pad-vocab-multiple",
+        type=int,
+        default=64,
+        help="pad the model's vocabulary (embed_tokens and lm_head rows) up to a multiple of this "
+        "(nanoGPT does, for efficiency; padded rows never occur in the data); 1 disables",
+    )
+    data.add_argument("--val-fraction", type=float, default=0.05, help="last fraction of the token stream held out")
+
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--tie-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share one matrix between embed_tokens and lm_head (lm_head.weight = embed_tokens.weight)",
+    )
+    model.add_argument("--d-model", type=int, default=128, help="hidden size")
+    model.add_argument("--n-layer", type=int, default=2, help="transformer blocks")
+    model.add_argument("--n-head", type=int, default=4, help="attention heads (must divide --d-model)")
+    model.add_argument("--block-size", type=int, default=128, help="context length in tokens")
+    model.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
+
+    optim = parser.add_argument_group("optimisation")
+    optim.add_argument("--max-steps", type=int, default=600, help="optimizer steps")
+    optim.add_argument("--batch-size", type=int, default=8, help="sequences per batch")
+    optim.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    optim.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak (cosine decay)")
+    optim.add_argument("--warmup-steps", type=int, default=20, help="linear warmup steps")
+    optim.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices")
+    optim.add_argument("--seed", type=int, default=0, help="seed for Python, NumPy and torch")
+
+    run = parser.add_argument_group("trainer and logging")
+    run.add_argument("--accelerator", default="auto", help='Lightning accelerator: "cpu", "gpu", "auto", ...')
+    run.add_argument("--devices", default="1", help="Lightning devices (a count, a list like 0,1, or auto)")
+    run.add_argument("--precision", default="32-true", help='Lightning precision, e.g. "32-true", "bf16-mixed"')
+    run.add_argument("--val-check-interval", type=int, default=100, help="validate every this many training steps")
+    run.add_argument(
+        "--limit-val-batches",
+        type=_int_or_float,
+        default=1.0,
+        help="validation batches per validation: a fraction of the split (a float, e.g. 0.5) or a count (an int)",
+    )
+    run.add_argument("--log-every-n-steps", type=int, default=10, help="log training scalars every this many steps")
+    run.add_argument("--logdir", default="runs", help="TensorBoard save_dir")
+    run.add_argument(
+        "--run-name",
+        default=None,
+        help='TensorBoard run name (default: "tied" or "untied"); runs/<name>/version_<n>/ holds the logs',
+    )
+    watch = parser.add_argument_group("headwatch")
+    watch.add_argument(
+        "--induce-collapse",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="from STEP on, add the mean prediction entropy to the training loss (times --collapse-weight): "
+        "the predictions collapse to a few tokens and SharpnessCollapseAlert fires (a demonstration)",
+    )
+    watch.add_argument("--collapse-weight", type=float, default=1.0, help="weight of the entropy term of --induce-collapse")
+    watch.add_argument(
+        "--stop-on-collapse",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="save a checkpoint and stop training when the collapse alert fires",
+    )
+    watch.add_argument(
+        "--alert-warmup-steps", type=int, default=100, help="steps the collapse alert ignores (the fast fall from log V)"
+    )
+    watch.add_argument("--collision-every", type=int, default=100, help="measure synonym collision every this many steps")
+    run.add_argument(
+        "--headwatch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="attach headwatch's monitors and alert (--no-headwatch to measure their overhead)",
+    )
+    run.add_argument(
+        "--checkpoint",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="save a checkpoint (model, optimizer, callbacks' state) to <run dir>/checkpoints/last.ckpt at the end",
+    )
+    run.add_argument(
+        "--progress-bar", action=argparse.BooleanOptionalAction, default=True, help="show Lightning's progress bar"
+    )
+    return parser
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    positive = ("vocab_size", "pad_vocab_multiple", "d_model", "n_layer", "n_head", "block_size", "max_steps",
+                "batch_size", "val_check_interval", "log_every_n_steps")
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.vocab_size < 257:
+        parser.error(f"--vocab-size must be >= 257 (256 bytes + <|endoftext|>), got {args.vocab_size}")
+    if args.d_model % args.n_head:
+        parser.error(f"--d-model must be a multiple of --n-head, got {args.d_model} and {args.n_head}")
+    if not args.max_corpus_mb > 0:
+        parser.error(f"--max-corpus-mb must be > 0, got {args.max_corpus_mb}")
+    if not 0.0 < args.val_fraction < 1.0:
+        parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+    if args.warmup_steps < 0 or args.lr <= 0 or not 0.0 <= args.min_lr_ratio <= 1.0:
+        parser.error("--warmup-steps must be >= 0, --lr > 0 and --min-lr-ratio in [0, 1]")
+    if not 0.0 <= args.dropout < 1.0:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    limit = args.limit_val_batches
+    if (isinstance(limit, int) and limit < 1) or (isinstance(limit, float) and not 0.0 < limit <= 1.0):
+        parser.error(f"--limit-val-batches must be an int >= 1 or a float in (0, 1], got {limit}")
+
+
+class ValLossHistory(Callback):
+    """Records ``(global_step, val_loss)`` at the end of every validation run."""
+
+    def __init__(self) -> None:
+        self.history: list[tuple[int, float]] = []
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
+            self.history.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
+
+
+def _metric(metrics: dict[str, Any], key: str) -> float | None:
+    """``key`` (or its ``_step`` / ``_epoch`` variant) from a Lightning metrics dict, as a float."""
+    for name in (key, f"{key}_step", f"{key}_epoch"):
+        if name in metrics:
+            return float(metrics[name])
+    return None
+
+
+def last_scalars(log_dir: str | Path, tags: list[str]) -> dict[str, float]:
+    """The last value of each of ``tags`` in the TensorBoard event files under ``log_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    available = set(accumulator.Tags().get("scalars", []))
+    return {tag: accumulator.Scalars(tag)[-1].value for tag in tags if tag in available}
+
+
+def _pad(n: int, multiple: int) -> int:
+    return math.ceil(n / multiple) * multiple
+
+
+def _fmt(value: float | None, unit: str = "nats") -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.3f} {unit}".rstrip()
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """Human-readable end-of-run report of the dict :func:`main` returns."""
+    tying = "tied (lm_head.weight is embed_tokens.weight)" if s["tie_weights"] else "untied (two matrices)"
+    saved = s["vocab_size"] * s["d_model"]
+    other = (
+        f"untied: {s['total_params'] + saved:,}" if s["tie_weights"] else f"tied: {s['total_params'] - saved:,}"
+    )
+    params = (
+        f"{s['total_params']:,} parameters ({other}); tying saves vocab_size * d_model = "
+        f"{s['vocab_size']:,} * {s['d_model']} = {saved:,}"
+    )
+    lines = [
+        "",
+        f"=== headwatch example: tiny GPT, {tying} ===",
+        f"corpus          {s['corpus_bytes'] / 2**20:.2f} MiB from {s['corpus_files']} files -> "
+        f"{s['train_tokens']:,} train / {s['val_tokens']:,} val tokens",
+        f"tokenizer       byte-level BPE, {s['tokenizer_vocab_size']:,} tokens (model rows: {s['vocab_size']:,}) "
+        f"-> {s['tokenizer_path']}",
+        f"model           {params}",
+        f"val loss        {_fmt(s['initial_val_loss'])} before training -> {_fmt(s['final_val_loss'])} "
+        f"after {s['steps']} steps (uniform would be log V = {math.log(s['vocab_size']):.3f})",
+        f"train loss      {_fmt(s['final_train_loss'])} (last logged step)",
+    ]
+    if s["headwatch"]:
+        lines += [
+            f"logit entropy   train {_fmt(s['entropy'])}, val {_fmt(s['val_entropy'])} (max log V)",
+            f"kl_to_uniform   train {_fmt(s['kl_to_uniform'])}, val {_fmt(s['val_kl_to_uniform'])} "
+            "(KL(p || U) = log V - entropy)",
+            f"grad density    embedding {_fmt(s['embedding_row_density'], 'of rows')}, head "
+            f"{_fmt(s['head_row_density'], 'of rows')} (rows with a non-zero gradient, last logged step)",
+            "update density  "
+            + (
+                f"shared matrix {_fmt(s['update_shared_row_density'], 'of rows')}"
+                if s["tie_weights"]
+                else f"embedding {_fmt(s['update_embedding_row_density'], 'of rows')}, head "
+                f"{_fmt(s['update_head_row_density'], 'of rows')}"
+            )
+            + " (rows the AdamW step moved)",
+        ]
+        if s["tie_weights"]:
+            lines.append(
+                f"tied flows      cosine(lookup, scoring) mean {_fmt(s['tied_flow_cosine_mean'], '')}, "
+                f"conflicting rows {_fmt(s['tied_flow_conflict_fraction'], '')}"
+            )
+        lines.append(
+            f"collision       rare tokens colliding (nn cosine >= 0.9): head {_fmt(s['rare_rate_head'], '')}"
+            + ("" if s["tie_weights"] else f", embedding {_fmt(s['rare_rate_embedding'], '')}")
+            + f" of {int(s['rare_count'] or 0)} rare tokens"
+        )
+        alerts = s.get("alerts") or []
+        lines.append(
+            f"alerts          {len(alerts)}"
+            + "".join(f"\n                step {a['step']}: {a['message']}" for a in alerts[:3])
+            + (f"\n                log: {s['alerts_file']}" if alerts else "")
+        )
+    else:
+        lines.append("headwatch       off (--no-headwatch)")
+    lines += [
+        f"wall time       {s['wall_time_s']:.1f} s in main(), of which training {s['fit_time_s']:.1f} s "
+        f"(+ {s['import_time_s']:.1f} s importing torch and Lightning)",
+        f"logs            {s['log_dir']}",
+        *([f"checkpoint      {s['checkpoint_path']}"] if s["checkpoint_path"] else []),
+        f"watch it:       tensorboard --logdir {s['logdir']}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the example job with command-line ``argv`` (``sys.argv[1:]`` when None).
+
+    Returns:
+        The summary: ``tie_weights`` (bool), ``initial_val_loss``, ``final_val_loss``,
+        ``final_train_loss`` (nats/token), ``entropy``, ``kl_to_uniform``,
+        ``val_entropy``, ``val_kl_to_uniform`` (nats; None when not logged, e.g. with
+        ``--no-headwatch``), ``val_history`` (list of ``(step, val_loss)``),
+        ``total_params``, ``params_saved_by_tying`` (``vocab_size * d_model``),
+        ``vocab_size`` (model rows), ``tokenizer_vocab_size``, ``d_model``, ``steps``,
+        ``corpus_files``, ``corpus_bytes``, ``train_tokens``, ``val_tokens``,
+        ``log_dir``, ``tokenizer_path``, ``checkpoint_path`` (None without
+        ``--checkpoint``), ``logdir``, ``headwatch`` (bool),
+        ``wall_time_s`` (seconds since ``main`` started), ``fit_time_s`` (in
+        ``trainer.fit``), ``import_time_s`` (this module's imports, once per process).
+    """
+    t_main = time.perf_counter()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    # The data live in memory: worker processes would only add start-up time.
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*", category=PossibleUserWarning)
+    pl.seed_everything(args.seed, workers=True, verbose=False)
+
+    # --- corpus and tokenizer
+    try:
+        files = collect_text_files(args.data) if args.data else stdlib_source_files()
+    except FileNotFoundError as err:
+        parser.error(str(err))
+    docs = read_corpus(files, max_bytes=int(args.max_corpus_mb * 2**20))
+    if not docs:
+        parser.error(f"no UTF-8 text found in {args.data or 'the standard library'}")
+    tokenizer = train_tokenizer(docs, vocab_size=args.vocab_size)
+    tokens = encode_documents(tokenizer, docs)  # (N,) int64
+    vocab_size = _pad(tokenizer.get_vocab_size(), args.pad_vocab_multiple)
+    datamodule = TokenDataModule(
+        tokens, block_size=args.block_size, batch_size=args.batch_size, val_fraction=args.val_fraction
+    )
+    if len(datamodule.train_set) < args.batch_size:
+        parser.error(
+            f"only {len(datamodule.train_set)} training windows of {args.block_size} tokens, fewer than "
+            f"--batch-size {args.batch_size}: raise --max-corpus-mb or lower --batch-size / --block-size"
+        )
+
+    # --- model, logger, trainer
+    config = TinyLMConfig(
+        vocab_size=vocab_size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        d_model=args.d_model,
+        dropout=args.dropout,
+        tie_weights=args.tie_weights,
+    )
+    model = TinyLM(
+        config,
+        learning_rate=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        max_steps=args.max_steps,
+        min_lr_ratio=args.min_lr_ratio,
+    )
+    model.collapse_from_step = args.induce_collapse
+    model.collapse_weight = args.collapse_weight
+    logger = TensorBoardLogger(
+        save_dir=args.logdir,
+        name=args.run_name or ("tied" if args.tie_weights else "untied"),
+        default_hp_metric=False,  # no placeholder "hp_metric" chart
+    )
+    log_dir = Path(logger.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer_path = log_dir / "tokenizer.json"
+    tokenizer.save(str(tokenizer_path))
+
+    history = ValLossHistory()
+    callbacks: list[Callback] = [history]
+    alert = None
+    if args.headwatch:
+        alert = SharpnessCollapseAlert(
+            entropy_floor=1.0,  # nats: the predictions sit on a handful of tokens
+            entropy_drop=0.3,  # or the smoothed entropy lost 30% over the last 5 logged values...
+            window=5,
+            warmup_steps=args.alert_warmup_steps,  # ...after the fast initial fall from log V
+            stop_training=args.stop_on_collapse,
+            save_checkpoint=args.stop_on_collapse,
+        )
+        callbacks += [
+            # the tokenizer's own size: rows padded beyond it can never occur
+            TokenFrequency(vocab_size=tokenizer.get_vocab_size()),
+            LogitStatsMonitor(),
+            GradientDensityMonitor(),
+            SynonymCollisionMonitor(every_n_steps=args.collision_every, tokenizer=tokenizer),
+            alert,  # after the monitors whose metrics it reads
+        ]
+    devices: Any = args.devices if args.devices == "auto" or "," in args.devices else int(args.devices)
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=devices,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        val_check_interval=args.val_check_interval,
+        check_val_every_n_epoch=None,  # count val_check_interval in steps across epochs
+        limit_val_batches=args.limit_val_batches,
+        num_sanity_val_steps=0,  # the full validation below replaces the sanity check
+        log_every_n_steps=args.log_every_n_steps,
+        logger=logger,
+        callbacks=callbacks,
+        enable_checkpointing=False,  # --checkpoint saves once, at the end, below
+        enable_progress_bar=args.progress_bar,
+        enable_model_summary=args.progress_bar,
+        default_root_dir=args.logdir,
+    )
+
+    # --- validate, train, validate
+    trainer.validate(model, datamodule=datamodule, verbose=False)  # the starting point, logged at step 0
+    t_fit = time.perf_counter()
+    trainer.fit(model, datamodule=datamodule)
+    fit_time = time.perf_counter() - t_fit
+    metrics = {k: v for k, v in trainer.callback_metrics.items()}
+    if not history.history or history.history[-1][0] != trainer.global_step:
+        # The last scheduled validation did not fall on the last step: measure the end point.
+        trainer.validate(model, datamodule=datamodule, verbose=False)
+        metrics.update(trainer.callback_metrics)
+    checkpoint_path = None
+    if args.checkpoint:
+        checkpoint_path = log_dir / "checkpoints" / "last.ckpt"
+        trainer.save_checkpoint(checkpoint_path)
+    logger.finalize("success")
+
+    # Headwatch values: from the callback metrics when the callback logs through Lightning,
+    # else from the event files (a callback may write straight to the logger).
+    found = {field: _metric(metrics, key) for field, key in HEADWATCH_KEYS.items()}
+    missing = [HEADWATCH_KEYS[f] for f, v in found.items() if v is None]
+    if args.headwatch and missing:
+        from_events = last_scalars(log_dir, missing)
+        for field, key in HEADWATCH_KEYS.items():
+            if found[field] is None and key in from_events:
+                found[field] = from_events[key]
+    train_loss = _metric(metrics, "train_loss")
+    if train_loss is None:
+        train_loss = last_scalars(log_dir, ["train_loss"]).get("train_loss")
+
+    summary: dict[str, Any] = {
+        "tie_weights": model.tie_weights,
+        "initial_val_loss": history.history[0][1] if history.history else None,
+        "final_val_loss": history.history[-1][1] if history.history else None,
+        "final_train_loss": train_loss,
+        **found,
+        "val_history": list(history.history),
+        "total_params": model.num_parameters(),
+        "params_saved_by_tying": vocab_size * args.d_model,
+        "vocab_size": vocab_size,
+        "tokenizer_vocab_size": tokenizer.get_vocab_size(),
+        "d_model": args.d_model,
+        "steps": trainer.global_step,
+        "corpus_files": len(docs),
+        "corpus_bytes": sum(len(d.encode("utf-8")) for d in docs),
+        "train_tokens": len(datamodule.train_tokens),
+        "val_tokens": len(datamodule.val_tokens),
+        "log_dir": str(log_dir),
+        "tokenizer_path": str(tokenizer_path),
+        "checkpoint_path": None if checkpoint_path is None else str(checkpoint_path),
+        "logdir": args.logdir,
+        "headwatch": args.headwatch,
+        "alerts": [] if alert is None else [{"step": a.step, "rule": a.rule, "message": a.message} for a in alert.alerts],
+        "alerts_file": None if alert is None or alert.jsonl_path is None else str(alert.jsonl_path),
+        "wall_time_s": time.perf_counter() - t_main,
+        "fit_time_s": fit_time,
+        "import_time_s": IMPORT_TIME_S,
+    }
+    print(format_summary(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
