@@ -19,6 +19,7 @@ from headwatch.functional.rows import (
     row_cosine,
     row_density,
     row_nonzero,
+    row_nonzero_given_norms,
     row_norms,
     spearman,
     summarize,
@@ -37,6 +38,18 @@ def test_row_norms_and_nonzero_dense_and_sparse():
     sparse = torch.sparse_coo_tensor(torch.tensor([[1, 1, 3]]), torch.tensor([[1.0, 0, 0], [0, 2.0, 0], [0, 0, 5.0]]), (6, 3))
     assert row_norms(sparse).tolist() == pytest.approx([0, math.sqrt(5), 0, 5, 0, 0])
     assert row_nonzero(sparse).tolist() == [False, True, False, True, False, False]
+
+
+@pytest.mark.parametrize("zero_rows", [0, 2, 5])
+def test_row_nonzero_given_norms_is_exact(zero_rows):
+    g = torch.randn(8, 4, generator=torch.Generator().manual_seed(zero_rows))
+    g[:zero_rows] = 0.0
+    if zero_rows:
+        g[0, 1] = 1e-30  # its float32 norm underflows to 0, yet the row is not zero
+    g[7, 0] = float("nan")
+    norms = row_norms(g)
+    want = [bool((row != 0).any()) for row in g]
+    assert row_nonzero_given_norms(g, norms).tolist() == want == row_nonzero(g).tolist()
 
 
 def test_row_density_hand_computed():

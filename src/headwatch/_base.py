@@ -20,8 +20,20 @@ def check_bool(name: str, value: Any) -> None:
 
 
 def check_every(name: str, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise HeadwatchError(f"`{name}` must be None or an int >= 1, got {value!r}")
+    if value is not None:
+        check_positive_int(name, value)
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise HeadwatchError(f"`{name}` must be an int >= 1, got {value!r}")
+
+
+def check_module_or_name(name: str, value: Any) -> None:
+    from torch import nn
+
+    if value is not None and not isinstance(value, (str, nn.Module)):
+        raise HeadwatchError(f"`{name}` must be None, an nn.Module or its dotted name, got {type(value).__name__}")
 
 
 def check_prefix(value: Any) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +27,23 @@ def _name_of(model: nn.Module, target: nn.Module) -> str | None:
         if module is target:
             return name
     return None
+
+
+def _from_getter(model: nn.Module, getter_name: str) -> dict[int, tuple[str, nn.Module]]:
+    """Distinct submodules returned by a Hugging Face getter on ``model`` or any submodule."""
+    found: dict[int, tuple[str, nn.Module]] = {}
+    for _, module in model.named_modules():
+        getter = getattr(module, getter_name, None)
+        if callable(getter):
+            try:
+                out = getter()
+            except Exception:  # noqa: BLE001 - a model's own getter may fail; fall through to other rules
+                out = None
+            if isinstance(out, nn.Module):
+                name = _name_of(model, out)
+                if name is not None:
+                    found[id(out)] = (name, out)
+    return found
 
 
 def find_output_head(model: nn.Module, head: str | nn.Module | None = None) -> tuple[str, nn.Module]:
@@ -71,18 +88,7 @@ def find_output_head(model: nn.Module, head: str | nn.Module | None = None) -> t
         raise HeadwatchError(f"`head` must be None, an nn.Module or a dotted name (str), got {type(head).__name__}")
 
     # 2. Hugging Face models say which module is their head.
-    found: dict[int, tuple[str, nn.Module]] = {}
-    for _, module in model.named_modules():
-        getter = getattr(module, "get_output_embeddings", None)
-        if callable(getter):
-            try:
-                out = getter()
-            except Exception:  # noqa: BLE001 - a model's own getter may fail; fall through to other rules
-                out = None
-            if isinstance(out, nn.Module):
-                name = _name_of(model, out)
-                if name is not None:
-                    found[id(out)] = (name, out)
+    found = _from_getter(model, "get_output_embeddings")
     if len(found) == 1:
         return next(iter(found.values()))
     if len(found) > 1:
@@ -147,18 +153,7 @@ def find_input_embedding(
         if not _has_matrix_weight(module):
             raise HeadwatchError(f"`embedding={name!r}` has no 2-D `weight` (got {_describe(name, module)})")
         return name, module
-    found: dict[int, tuple[str, nn.Module]] = {}
-    for _, module in model.named_modules():
-        getter = getattr(module, "get_input_embeddings", None)
-        if callable(getter):
-            try:
-                out = getter()
-            except Exception:  # noqa: BLE001 - fall through to the other rules
-                out = None
-            if isinstance(out, nn.Module) and _has_matrix_weight(out):
-                name = _name_of(model, out)
-                if name is not None:
-                    found[id(out)] = (name, out)
+    found = {k: v for k, v in _from_getter(model, "get_input_embeddings").items() if _has_matrix_weight(v[1])}
     if len(found) == 1:
         return next(iter(found.values()))
     embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
@@ -181,6 +176,38 @@ def find_input_embedding(
         + (f", no nn.Embedding with num_embeddings == {vocab_size}" if vocab_size is not None else "")
         + f". Embeddings found: {listing}. Pass it explicitly, e.g. embedding='model.embed_tokens'."
     )
+
+
+class HeadAndEmbedding(NamedTuple):
+    head_name: str
+    head: nn.Module
+    embedding_name: str
+    embedding: nn.Module
+    tied: bool
+    """``head.weight is embedding.weight``: one Parameter."""
+
+
+def find_head_and_embedding(
+    model: nn.Module, head: str | nn.Module | None = None, embedding: str | nn.Module | None = None
+) -> HeadAndEmbedding:
+    """The output head and the input embedding, both ``(vocab_size, d_model)`` matrices.
+
+    Raises:
+        HeadwatchError: either cannot be found, the head has no 2-D ``weight``, or the two
+            weights differ in shape (a vocabulary mismatch).
+    """
+    head_name, head_module = find_output_head(model, head)
+    weight = getattr(head_module, "weight", None)
+    if not isinstance(weight, Tensor) or weight.ndim != 2:
+        raise HeadwatchError(f"the output head `{head_name}` has no 2-D `weight`; pass head= explicitly")
+    emb_name, emb = find_input_embedding(model, embedding, vocab_size=weight.shape[0])
+    if emb.weight.shape != weight.shape:
+        raise HeadwatchError(
+            f"vocabulary mismatch: the input embedding `{emb_name}` has weight {tuple(emb.weight.shape)} but "
+            f"the output head `{head_name}` has weight {tuple(weight.shape)}; per-row comparisons need "
+            "both to be (vocab_size, d_model)"
+        )
+    return HeadAndEmbedding(head_name, head_module, emb_name, emb, emb.weight is weight)
 
 
 def _has_matrix_weight(module: nn.Module) -> bool:

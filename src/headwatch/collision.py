@@ -11,8 +11,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-from headwatch._base import HeadwatchCallback, check_bool
-from headwatch._capture import find_input_embedding, find_output_head, positions_from_batch
+from headwatch._base import HeadwatchCallback, check_bool, check_module_or_name, check_positive_int
+from headwatch._capture import find_head_and_embedding, positions_from_batch
 from headwatch._errors import HeadwatchError
 from headwatch.figures import check_figure_argument, matplotlib_available
 from headwatch.frequency import BUCKETS, FrequencySnapshot, TokenFrequency
@@ -152,15 +152,19 @@ class SynonymCollisionMonitor(HeadwatchCallback):
         if not isinstance(tau, (int, float)) or isinstance(tau, bool) or not -1.0 <= tau <= 1.0:
             raise HeadwatchError(f"`tau` must be a cosine in [-1, 1], got {tau!r}")
         check_bool("on_epoch_end", on_epoch_end)
-        for name, value in (("max_rare", max_rare), ("max_per_bucket", max_per_bucket), ("top_pairs", top_pairs)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise HeadwatchError(f"`{name}` must be an int >= 1, got {value!r}")
+        for name, value in (
+            ("max_rare", max_rare),
+            ("max_per_bucket", max_per_bucket),
+            ("top_pairs", top_pairs),
+            ("max_chunk_bytes", max_chunk_bytes),
+        ):
+            check_positive_int(name, value)
+        check_module_or_name("head", head)
+        check_module_or_name("embedding", embedding)
         if synonym_groups is not None and (
             isinstance(synonym_groups, (str, bytes)) or not all(isinstance(g, (list, tuple)) for g in synonym_groups)
         ):
             raise HeadwatchError("`synonym_groups` must be a list of groups, each a list of token ids or strings")
-        if not isinstance(max_chunk_bytes, int) or max_chunk_bytes < 1:
-            raise HeadwatchError(f"`max_chunk_bytes` must be a positive int, got {max_chunk_bytes!r}")
         self.tau = float(tau)
         self.every_n_steps = every_n_steps
         self.on_epoch_end = on_epoch_end
@@ -191,17 +195,8 @@ class SynonymCollisionMonitor(HeadwatchCallback):
 
     # ---------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        head_name, head = find_output_head(pl_module, self.head)
-        weight = getattr(head, "weight", None)
-        if not isinstance(weight, Tensor) or weight.ndim != 2:
-            raise HeadwatchError(f"the output head `{head_name}` has no 2-D `weight`; pass head= explicitly")
-        emb_name, emb = find_input_embedding(pl_module, self.embedding, vocab_size=weight.shape[0])
-        if emb.weight.shape[0] != weight.shape[0]:
-            raise HeadwatchError(
-                f"vocabulary mismatch: the input embedding `{emb_name}` has {emb.weight.shape[0]} rows, the "
-                f"output head `{head_name}` {weight.shape[0]}"
-            )
-        self.tied = emb.weight is weight
+        _, head, _, emb, self.tied = find_head_and_embedding(pl_module, self.head, self.embedding)
+        weight = head.weight
         self._head, self._emb = head, emb
         self._freq = TokenFrequency.attach(trainer, pl_module, stage)
         self._resolve_every(trainer)

@@ -10,8 +10,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-from headwatch._base import HeadwatchCallback, check_bool
-from headwatch._capture import find_input_embedding, find_output_head
+from headwatch._base import HeadwatchCallback, check_bool, check_module_or_name
+from headwatch._capture import find_head_and_embedding
 from headwatch._errors import HeadwatchError
 from headwatch.figures import check_figure_argument, resolve_figure_interval
 from headwatch.frequency import BUCKETS, FrequencySnapshot, TokenFrequency
@@ -20,10 +20,10 @@ from headwatch.functional.rows import (
     lookup_gradient,
     row_cosine,
     row_density,
-    row_nonzero,
+    row_nonzero_given_norms,
     row_norms,
     spearman,
-    summarize,
+    summarize_groups,
 )
 
 STATS = ("mean", "max", "p50", "p95")
@@ -100,9 +100,8 @@ class GradientDensityMonitor(HeadwatchCallback):
     ) -> None:
         super().__init__(log_every_n_steps, prefix, strict)
         check_figure_argument(figure_every_n_steps)
-        for name, value in (("head", head), ("embedding", embedding)):
-            if value is not None and not isinstance(value, (str, nn.Module)):
-                raise HeadwatchError(f"`{name}` must be None, a module or a dotted name, got {type(value).__name__}")
+        check_module_or_name("head", head)
+        check_module_or_name("embedding", embedding)
         check_bool("update_density", update_density)
         check_bool("log_histogram", log_histogram)
         self.head = head
@@ -131,18 +130,8 @@ class GradientDensityMonitor(HeadwatchCallback):
 
     # ---------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        head_name, head = find_output_head(pl_module, self.head)
-        head_weight = getattr(head, "weight", None)
-        if not isinstance(head_weight, Tensor) or head_weight.ndim != 2:
-            raise HeadwatchError(f"the output head `{head_name}` has no 2-D `weight`; pass head= explicitly")
-        emb_name, emb = find_input_embedding(pl_module, self.embedding, vocab_size=head_weight.shape[0])
-        if emb.weight.shape != head_weight.shape:
-            raise HeadwatchError(
-                f"vocabulary mismatch: the input embedding `{emb_name}` has weight {tuple(emb.weight.shape)} but "
-                f"the output head `{head_name}` has weight {tuple(head_weight.shape)}; per-row comparisons need "
-                "both to be (vocab_size, d_model)"
-            )
-        self.tied = emb.weight is head_weight
+        head_name, head, emb_name, emb, self.tied = find_head_and_embedding(pl_module, self.head, self.embedding)
+        head_weight = head.weight
         self._freq = TokenFrequency.attach(trainer, pl_module, stage)
         if self._hook_handle is not None:
             self._hook_handle.remove()
@@ -313,17 +302,14 @@ class GradientDensityMonitor(HeadwatchCallback):
             grad = dense_rows(grad)
             valid = snap.valid.to(grad.device)
             norms = row_norms(grad)
-            nonzero = row_nonzero(grad)
-            out[f"{g}/{flow}_row_density"] = row_density(nonzero, valid)
-            out.update(_summary(f"{g}/{flow}_row_norm", norms, valid))
+            nonzero = row_nonzero_given_norms(grad, norms)
             bucket = snap.bucket.to(grad.device)
-            for index, name in enumerate(BUCKETS):
-                rows = bucket == index
-                out[f"{g}/{name}/{flow}_row_density"] = row_density(nonzero, rows)
-                out.update(_summary(f"{g}/{name}/{flow}_row_norm", norms, rows))
-            rare = snap.rare.to(grad.device)
-            out[f"{g}/rare/{flow}_row_density"] = row_density(nonzero, rare)
-            out.update(_summary(f"{g}/rare/{flow}_row_norm", norms, rare))
+            groups = {f"{g}/{flow}": valid}
+            groups.update({f"{g}/{name}/{flow}": bucket == index for index, name in enumerate(BUCKETS)})
+            groups[f"{g}/rare/{flow}"] = snap.rare.to(grad.device)
+            for key, summary in summarize_groups(norms, groups).items():
+                out[f"{key}_row_density"] = row_density(nonzero, groups[key])
+                out.update({f"{key}_row_norm_{stat}": getattr(summary, stat) for stat in STATS})
             out[f"{g}/{flow}_rare_to_frequent_norm_ratio"] = (
                 out[f"{g}/rare/{flow}_row_norm_mean"] / out[f"{g}/top1/{flow}_row_norm_mean"]  # type: ignore[operator]
             )
@@ -359,8 +345,11 @@ class GradientDensityMonitor(HeadwatchCallback):
                 continue
             delta = before.sub_(weight.detach())  # W_before - W_after, in place: same row norms and zeros
             valid = snap.valid.to(delta.device) if snap is not None else None
-            out[f"{u}/{name}_row_density"] = row_density(row_nonzero(delta), valid)
-            out.update(_summary(f"{u}/{name}_row_norm", row_norms(delta), valid))
+            norms = row_norms(delta)
+            out[f"{u}/{name}_row_density"] = row_density(row_nonzero_given_norms(delta, norms), valid)
+            groups = {f"{u}/{name}": valid if valid is not None else torch.ones_like(norms, dtype=torch.bool)}
+            for key, summary in summarize_groups(norms, groups).items():
+                out.update({f"{key}_row_norm_{stat}": getattr(summary, stat) for stat in STATS})
         return out
 
     def _norm_figure(self, trainer: pl.Trainer, step: int) -> None:
@@ -387,7 +376,3 @@ class GradientDensityMonitor(HeadwatchCallback):
         self._logged_steps = int(state_dict.get("logged_steps", 0))
         self._failures = int(state_dict.get("failures", 0))
 
-
-def _summary(name: str, values: Tensor, select: Tensor | None) -> dict[str, Tensor]:
-    s = summarize(values, select)
-    return {f"{name}_{stat}": getattr(s, stat) for stat in STATS}

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from headwatch._base import HeadwatchCallback, check_bool
+from headwatch._base import HeadwatchCallback, check_bool, check_module_or_name, check_positive_int
 from headwatch._capture import MaskFn, TargetsFn, find_output_head, positions_from_batch
 from headwatch._errors import HeadwatchError
 from headwatch.figures import check_figure_argument, resolve_figure_interval
@@ -114,8 +114,7 @@ class LogitStatsMonitor(HeadwatchCallback):
     ) -> None:
         super().__init__(log_every_n_steps, prefix, strict)
         check_figure_argument(figure_every_n_steps)
-        if head is not None and not isinstance(head, (str, nn.Module)):
-            raise HeadwatchError(f"`head` must be None, a module or a dotted name, got {type(head).__name__}")
+        check_module_or_name("head", head)
         for name, value in (("shift_labels", shift_labels), ("validation", validation), ("log_histogram", log_histogram)):
             check_bool(name, value)
         if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
@@ -123,8 +122,7 @@ class LogitStatsMonitor(HeadwatchCallback):
         for name, fn in (("mask_fn", mask_fn), ("targets_fn", targets_fn)):
             if fn is not None and not callable(fn):
                 raise HeadwatchError(f"`{name}` must be None or a callable taking the batch, got {fn!r}")
-        if not isinstance(max_chunk_bytes, int) or isinstance(max_chunk_bytes, bool) or max_chunk_bytes < 1:
-            raise HeadwatchError(f"`max_chunk_bytes` must be a positive int, got {max_chunk_bytes!r}")
+        check_positive_int("max_chunk_bytes", max_chunk_bytes)
 
         self.head = head
         self.shift_labels = shift_labels

@@ -14,7 +14,14 @@ def quantiles(values: Tensor, qs: tuple[float, ...]) -> Tensor:
     """
     if values.numel() == 0:
         return torch.full((len(qs),), float("nan"), dtype=torch.float64, device=values.device)
-    v = values.reshape(-1).double().sort().values
+    return sorted_quantiles(values.reshape(-1).double().sort().values, qs)
+
+
+def sorted_quantiles(v: Tensor, qs: tuple[float, ...]) -> Tensor:
+    """:func:`quantiles` of an already ascending 1-D tensor (no sort), float64 ``(len(qs),)``."""
+    if v.numel() == 0:
+        return torch.full((len(qs),), float("nan"), dtype=torch.float64, device=v.device)
+    v = v.double()
     pos = torch.tensor(qs, dtype=torch.float64, device=v.device) * (v.numel() - 1)
     lo = pos.floor().long()
     hi = pos.ceil().long()

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from headwatch._errors import HeadwatchError
-from headwatch.functional.quantiles import quantiles
+from headwatch.functional.quantiles import quantiles, sorted_quantiles
 
 
 def _check_matrix(matrix: Tensor, name: str = "matrix") -> None:
@@ -59,6 +59,28 @@ def row_nonzero(matrix: Tensor) -> Tensor:
     """
     m = dense_rows(matrix)
     return (m.amax(dim=1) != 0) | (m.amin(dim=1) != 0)
+
+
+def row_nonzero_given_norms(matrix: Tensor, norms: Tensor) -> Tensor:
+    """:func:`row_nonzero` reusing row norms already computed: exact, and cheaper when few rows are zero.
+
+    A non-zero (or NaN) norm means a non-zero row. A zero float32 norm may hide entries
+    below about 1e-19 (their squares underflow), so those rows alone are re-checked
+    exactly; when they are more than a quarter of the matrix, the whole matrix is (two
+    reductions). Syncs (logging steps only).
+    """
+    m = dense_rows(matrix)
+    zero = norms == 0
+    n_zero = int(zero.sum())
+    if n_zero == 0:
+        return ~zero
+    if n_zero > m.shape[0] // 4:
+        return row_nonzero(m)
+    idx = zero.nonzero().flatten()
+    sub = m.index_select(0, idx)
+    exact = ~zero
+    exact[idx] = (sub.amax(dim=1) != 0) | (sub.amin(dim=1) != 0)
+    return exact
 
 
 def row_density(nonzero: Tensor, valid: Tensor | None = None) -> Tensor:
@@ -149,6 +171,26 @@ def summarize(values: Tensor, select: Tensor | None = None) -> Summary:
         return Summary(nan, nan, nan, nan, n)
     p50, p95 = quantiles(v, (0.5, 0.95))
     return Summary(v.mean(), v.max(), p50, p95, n)
+
+
+def summarize_groups(values: Tensor, groups: dict[str, Tensor]) -> dict[str, Summary]:
+    """:func:`summarize` of ``values[mask]`` for several masks, sorting ``values`` once.
+
+    Args:
+        values: ``(V,)``; groups: name -> ``(V,)`` bool mask.
+    """
+    ordered, order = torch.sort(values.double())
+    out = {}
+    for name, mask in groups.items():
+        v = ordered[mask.to(order.device)[order]]  # still ascending
+        n = torch.tensor(float(v.numel()), dtype=torch.float64, device=values.device)
+        if v.numel() == 0:
+            nan = torch.tensor(float("nan"), dtype=torch.float64, device=values.device)
+            out[name] = Summary(nan, nan, nan, nan, n)
+            continue
+        p50, p95 = sorted_quantiles(v, (0.5, 0.95))
+        out[name] = Summary(v.mean(), v[-1], p50, p95, n)
+    return out
 
 
 def rankdata(values: Tensor) -> Tensor:
