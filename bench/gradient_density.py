@@ -1,25 +1,29 @@
 """Cost of GradientDensityMonitor relative to a full training step, measured side by side.
 
-A GPT-style model (d_model 512, vocabulary 32768, 2 blocks, batch 4 x 128 tokens, AdamW)
-trains on the CPU under Lightning in three configurations, each for the same number of
-steps, in one process:
+A GPT-style model (d_model 512, vocabulary 32768, 2 blocks, AdamW, Zipf-distributed token
+ids) trains on the CPU under Lightning, in one process:
 
-- ``baseline``: no headwatch callback;
-- ``every step``: GradientDensityMonitor(log_every_n_steps=1), so every step is a logging
-  step (gradient statistics, update density with its weight copies, token counts);
-- ``every 50``: the default-like schedule, where almost every step is a non-logging step.
+- ``baseline``: no headwatch callback; each step is timed from ``on_train_batch_start`` to
+  ``on_train_batch_end`` (forward, backward, optimizer step), median over the timed steps;
+- ``monitored``: GradientDensityMonitor with the Trainer's log_every_n_steps=1, so every step is a logging
+  step (gradient statistics per row and per frequency bucket, the tied split when tied,
+  update density with its weight copies, frequency gravity, token counts and buckets).
+  Every hook of the monitor and of its TokenFrequency tracker is wrapped with a timer:
+  the cost of one logging step is the median of the summed hook time per step;
+- ``non-logging``: the same with log_every_n_steps=1000: the hook time of a step that
+  does not log (token counting only).
 
-Each step is timed from ``on_train_batch_start`` to ``on_train_batch_end`` (forward,
-backward, optimizer step, and every callback hook); the median over the timed steps is
-reported, after warm-up steps. The cost of one logging step is
-``median(every step) - median(baseline)``, printed as a fraction of the baseline step.
+Ratios are hook time / median baseline step. Tied and untied models, and two batch sizes
+(tokens per step), because the statistics cost a fixed time per logging step (they scale
+with vocab_size * d_model, not with the batch) while a training step scales with the batch.
 
-Run: ``python bench/gradient_density.py [--steps 12] [--tied/--no-tied]``.
+Run: ``python bench/gradient_density.py [--steps 8]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import warnings
@@ -30,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from headwatch import GradientDensityMonitor
+from headwatch import GradientDensityMonitor, TokenFrequency
 
 
 class Block(nn.Module):
@@ -84,22 +88,58 @@ class StepTimer(pl.Callback):
         self.times.append(time.perf_counter() - self._t0)
 
 
-def run(callbacks: list[pl.Callback], args: argparse.Namespace, data: DataLoader, tied: bool) -> list[float]:
+HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
+
+
+def timed(callback: pl.Callback, per_step: dict[int, float], trainer_ref: list) -> None:
+    """Wrap the callback's per-step hooks with timers that add into ``per_step[global_step_at_start]``."""
+    for name in HOOKS:
+        original = getattr(callback, name)
+
+        def wrapper(*args, _original=original, **kwargs):
+            step = trainer_ref[0].global_step if trainer_ref else -1
+            t0 = time.perf_counter()
+            result = _original(*args, **kwargs)
+            per_step[step] = per_step.get(step, 0.0) + time.perf_counter() - t0
+            return result
+
+        setattr(callback, name, wrapper)
+
+
+def run(
+    args: argparse.Namespace, batch: int, tied: bool, monitor: GradientDensityMonitor | None, every: int = 1
+) -> tuple[list[float], list[float]]:
+    """Median-ready lists: step times, and the monitor's hook time per step (empty without a monitor)."""
+    g = torch.Generator().manual_seed(0)
+    weights = 1.0 / torch.arange(1, args.vocab + 1, dtype=torch.float64)  # Zipf-like token ids
+    n = (args.steps + args.warmup) * batch
+    ids = torch.multinomial(weights, n * args.seq, replacement=True, generator=g).view(n, args.seq)
+    data = DataLoader(TensorDataset(ids), batch_size=batch)
     torch.manual_seed(0)
     model = BenchLM(args.vocab, args.d_model, args.layers, tied)
     timer = StepTimer()
+    callbacks: list[pl.Callback] = [timer]
+    per_step: dict[int, float] = {}
+    trainer_ref: list = []
+    if monitor is not None:
+        tracker = TokenFrequency()
+        timed(monitor, per_step, trainer_ref)
+        timed(tracker, per_step, trainer_ref)
+        callbacks = [tracker, monitor, timer]
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=args.steps + args.warmup,
         logger=pl.loggers.CSVLogger("/tmp/headwatch_bench", name="gradient_density"),
-        log_every_n_steps=1,
+        log_every_n_steps=every,  # the monitor and the tracker follow the Trainer's schedule
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[*callbacks, timer],
+        callbacks=callbacks,
     )
+    trainer_ref.append(trainer)
     trainer.fit(model, data)
-    return timer.times[args.warmup :]
+    hooks = [per_step[s] for s in sorted(per_step)][args.warmup :]
+    return timer.times[args.warmup :], hooks
 
 
 def main() -> None:
@@ -107,36 +147,27 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
+    parser.add_argument("--batches", type=int, nargs="+", default=[4, 8, 16], help="sequences per step")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--tied", action=argparse.BooleanOptionalAction, default=False)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    g = torch.Generator().manual_seed(0)
-    # Zipf-like token ids, so frequency buckets and rare tokens are realistic
-    weights = 1.0 / torch.arange(1, args.vocab + 1, dtype=torch.float64)
-    n = (args.steps + args.warmup) * args.batch
-    ids = torch.multinomial(weights, n * args.seq, replacement=True, generator=g).view(n, args.seq)
-    data = DataLoader(TensorDataset(ids), batch_size=args.batch)
-
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; V={args.vocab}, d_model={args.d_model}, "
-          f"{args.layers} blocks, batch {args.batch}x{args.seq}, {'tied' if args.tied else 'untied'}, "
-          f"{args.steps} timed steps each")
-    results = {
-        "baseline (no callback)": run([], args, data, args.tied),
-        "GradientDensityMonitor, every step logs": run([GradientDensityMonitor(log_every_n_steps=1)], args, data, args.tied),
-        "GradientDensityMonitor, every 50 steps": run([GradientDensityMonitor(log_every_n_steps=50)], args, data, args.tied),
-    }
-    base = statistics.median(results["baseline (no callback)"])
-    print(f"{'configuration':44s} {'median step':>12s} {'vs baseline':>12s}")
-    for name, times in results.items():
-        med = statistics.median(times)
-        print(f"{name:44s} {med * 1e3:10.1f}ms {med / base:11.3f}x")
-    logging_cost = statistics.median(results["GradientDensityMonitor, every step logs"]) - base
-    print(f"cost of one logging step's gradient statistics: {logging_cost * 1e3:.1f} ms = "
-          f"{100 * logging_cost / base:.1f}% of a training step (target <= 5%)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}; "
+          f"V={args.vocab}, d_model={args.d_model}, {args.layers} blocks, sequences of {args.seq} tokens, "
+          f"{args.steps} timed steps per configuration")
+    print(f"{'model':8s} {'tokens/step':>11s} {'train step':>11s} {'logging step':>13s} {'ratio':>7s} "
+          f"{'non-logging step':>17s} {'ratio':>9s}")
+    for tied in (False, True):
+        for batch in args.batches:
+            steps, _ = run(args, batch, tied, None)
+            _, hooks = run(args, batch, tied, GradientDensityMonitor(figure_every_n_steps=0), every=1)
+            _, idle = run(args, batch, tied, GradientDensityMonitor(figure_every_n_steps=0), every=1000)
+            base, cost, quiet = statistics.median(steps), statistics.median(hooks), statistics.median(idle)
+            print(f"{'tied' if tied else 'untied':8s} {batch * args.seq:11d} {base * 1e3:9.1f}ms {cost * 1e3:11.1f}ms "
+                  f"{100 * cost / base:6.1f}% {quiet * 1e3:15.3f}ms {100 * quiet / base:8.3f}%")
+    print("ratio = hook time of the monitor and its TokenFrequency / median training step without them "
+          "(target: a logging step <= 5%)")
 
 
 if __name__ == "__main__":

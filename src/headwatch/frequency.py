@@ -50,7 +50,7 @@ def _rank_of(order: Tensor) -> Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
-def frequency_buckets(counts: Tensor, valid: Tensor) -> Tensor:
+def frequency_buckets(counts: Tensor, valid: Tensor, order: Tensor | None = None) -> Tensor:
     """Bucket of every row by count rank among seen valid tokens.
 
     Seen valid tokens are ranked by count, highest first (ties by token id); with ``n`` of
@@ -69,8 +69,7 @@ def frequency_buckets(counts: Tensor, valid: Tensor) -> Tensor:
         raise HeadwatchError(f"expected counts and valid of shape (V,), got {tuple(counts.shape)} and {tuple(valid.shape)}")
     V = counts.numel()
     seen = valid & (counts > 0)
-    order = _count_order(counts, seen)
-    rank = _rank_of(order)
+    rank = _rank_of(order if order is not None else _count_order(counts, seen))
     n = int(seen.sum())
     bucket = torch.full((V,), BUCKETS.index("tail"), dtype=torch.long, device=counts.device)
     for index in reversed(range(len(_BUCKET_EDGES))):
@@ -79,7 +78,9 @@ def frequency_buckets(counts: Tensor, valid: Tensor) -> Tensor:
     return torch.where(valid, bucket, torch.tensor(-1, device=counts.device))
 
 
-def rare_tokens(counts: Tensor, valid: Tensor, max_count: int | None = None, fraction: float = 0.5) -> Tensor:
+def rare_tokens(
+    counts: Tensor, valid: Tensor, max_count: int | None = None, fraction: float = 0.5, order: Tensor | None = None
+) -> Tensor:
     """The one definition of "rare" used by every headwatch monitor.
 
     A token is rare when it is valid, has been seen (count >= 1), and either its count is
@@ -95,8 +96,7 @@ def rare_tokens(counts: Tensor, valid: Tensor, max_count: int | None = None, fra
     if max_count is not None:
         return seen & (counts <= max_count)
     n = int(seen.sum())
-    order = _count_order(counts, seen)
-    rank = _rank_of(order)
+    rank = _rank_of(order if order is not None else _count_order(counts, seen))
     return seen & (rank >= math.ceil((1.0 - fraction) * n))
 
 
@@ -310,11 +310,12 @@ class TokenFrequency(HeadwatchCallback):
 
     def _derive(self, counts: Tensor) -> FrequencySnapshot:
         valid = self.valid_rows(counts.device)
+        order = _count_order(counts, valid & (counts > 0))  # one sort for both
         return FrequencySnapshot(
             counts=counts,
             valid=valid,
-            bucket=frequency_buckets(counts, valid),
-            rare=rare_tokens(counts, valid, self.rare_max_count, self.rare_fraction),
+            bucket=frequency_buckets(counts, valid, order),
+            rare=rare_tokens(counts, valid, self.rare_max_count, self.rare_fraction, order),
         )
 
     def _out_of_range_total(self, trainer: pl.Trainer) -> int:

@@ -317,7 +317,9 @@ class GradientDensityMonitor(HeadwatchCallback):
             if flow != "shared":
                 self._full_norms[flow] = norms
         if self.tied and flows.get("embedding") is not None:
-            cosine, both = row_cosine(flows["embedding"], flows["head"])  # type: ignore[arg-type]
+            cosine, both = row_cosine(
+                flows["embedding"], flows["head"], self._full_norms["embedding"], self._full_norms["head"]  # type: ignore[arg-type]
+            )
             rows = both & snap.valid.to(cosine.device)
             n = rows.sum(dtype=torch.float64)
             out[f"{g}/tied_flow_rows"] = n

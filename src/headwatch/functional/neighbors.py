@@ -35,14 +35,15 @@ class Neighbours(NamedTuple):
 def _chunk_sizes(num_queries: int, num_keys: int, d: int, max_chunk_bytes: int) -> tuple[int, int]:
     """Query and key rows per chunk.
 
-    Working set, float32: similarities ``(q, k)``, normalised keys ``(k, d)`` and queries
-    ``(q, d)``. Matrix products need both sides large to run at full speed (measured on
+    Working set, float32: similarities ``(q, k)``, normalised keys ``(k, d)`` (counted twice:
+    the product may pack a copy) and queries ``(q, d)``. Matrix products need both sides large to run at full speed (measured on
     the CPU: ``q = 1024, k = 8192`` at d_model 512 runs at the speed of one big product),
     so keys start at 8192 and halve until at least ``min(Q, 1024)`` queries fit.
     """
 
     def queries_that_fit(k: int) -> int:
-        return (max_chunk_bytes - 4 * k * d) // (4 * (k + d))
+        # keys counted twice: the matrix product may pack a copy of them
+        return (max_chunk_bytes - 8 * k * d) // (4 * (k + d))
 
     k = max(1, min(num_keys, 8192))
     while k > 1 and queries_that_fit(k) < min(num_queries, 1024):
@@ -108,11 +109,11 @@ def nearest_neighbours(
     neg_inf = torch.tensor(float("-inf"), device=device)
     for k0 in range(0, K, kc):
         ids = key_ids[k0 : k0 + kc]
-        keys = w.index_select(0, ids).float()  # (k, d)
-        keys = keys / torch.linalg.vector_norm(keys, dim=1, keepdim=True).clamp(min=tiny)
+        keys = w.index_select(0, ids).float()  # (k, d), a copy
+        keys.div_(torch.linalg.vector_norm(keys, dim=1, keepdim=True).clamp(min=tiny))
         for q0 in range(0, Q, qc):
-            q_rows = w.index_select(0, queries[q0 : q0 + qc]).float()  # (q, d)
-            q_rows = q_rows / torch.linalg.vector_norm(q_rows, dim=1, keepdim=True).clamp(min=tiny)
+            q_rows = w.index_select(0, queries[q0 : q0 + qc]).float()  # (q, d), a copy
+            q_rows.div_(torch.linalg.vector_norm(q_rows, dim=1, keepdim=True).clamp(min=tiny))
             sims = q_rows @ keys.T  # (q, k)
             local = self_pos[q0 : q0 + qc] - k0  # the query itself, if it is in this key chunk
             inside = (local >= 0) & (local < ids.numel())

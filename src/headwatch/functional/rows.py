@@ -130,11 +130,13 @@ def lookup_gradient(
     return out.index_add_(0, flat_ids, g)
 
 
-def row_cosine(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+def row_cosine(
+    a: Tensor, b: Tensor, norms_a: Tensor | None = None, norms_b: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Per-row cosine of two ``(V, d_model)`` matrices, and where it is defined.
 
     Defined where both float32 row norms are positive (rows whose entries are all below
-    about 1e-19 count as zero here).
+    about 1e-19 count as zero here). ``norms_a``/``norms_b`` reuse norms already computed.
 
     Returns:
         ``(cosine (V,) float32, both_nonzero (V,) bool)``; cosine is 0 where undefined.
@@ -144,10 +146,13 @@ def row_cosine(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     if a.shape != b.shape:
         raise HeadwatchError(f"expected two matrices of the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
     af, bf = a.float(), b.float()
-    na = torch.linalg.vector_norm(af, dim=1)
-    nb = torch.linalg.vector_norm(bf, dim=1)
+    na = norms_a.float() if norms_a is not None else torch.linalg.vector_norm(af, dim=1)
+    nb = norms_b.float() if norms_b is not None else torch.linalg.vector_norm(bf, dim=1)
     both = (na > 0) & (nb > 0)
-    cos = torch.linalg.vecdot(af, bf) / (na * nb).clamp(min=torch.finfo(torch.float32).tiny)
+    # a batched (1 x d) @ (d x 1) product: over matrices that do not fit in cache it streams
+    # both once, where vecdot / (a * b).sum() run at about half the speed on the CPU
+    dot = torch.bmm(af.unsqueeze(1), bf.unsqueeze(2)).reshape(-1)
+    cos = dot / (na * nb).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.where(both, cos.clamp(-1.0, 1.0), torch.zeros_like(cos)), both
 
 
