@@ -66,7 +66,7 @@ class GradientDensityMonitor(HeadwatchCallback):
             the embedding cannot be found, or their vocabulary sizes differ.
 
     Logged metrics (``<flow>`` is ``embedding`` (lookup flow) or ``head`` (scoring flow);
-    for a tied matrix also ``shared``, its whole gradient; ``<matrix>`` is ``embedding`` and
+    for a tied matrix also ``shared``, its whole gradient, whose buckets are ``top1`` and ``rare`` only; ``<matrix>`` is ``embedding`` and
     ``head`` when untied, ``shared`` when tied; ``<bucket>`` is one of ``top1``, ``top10``,
     ``top50``, ``tail``, ``unseen``, ``rare``; norms are L2 norms in gradient units):
 
@@ -304,8 +304,10 @@ class GradientDensityMonitor(HeadwatchCallback):
             norms = row_norms(grad)
             nonzero = row_nonzero_given_norms(grad, norms)
             bucket = snap.bucket.to(grad.device)
+            # the shared gradient is the sum of the two flows: overall and rare vs frequent suffice
+            buckets = ("top1",) if flow == "shared" else BUCKETS
             groups = {f"{g}/{flow}": valid}
-            groups.update({f"{g}/{name}/{flow}": bucket == index for index, name in enumerate(BUCKETS)})
+            groups.update({f"{g}/{name}/{flow}": bucket == BUCKETS.index(name) for name in buckets})
             groups[f"{g}/rare/{flow}"] = snap.rare.to(grad.device)
             for key, summary in summarize_groups(norms, groups).items():
                 out[f"{key}_row_density"] = row_density(nonzero, groups[key])
