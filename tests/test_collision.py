@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -239,3 +242,29 @@ def test_bad_arguments():
         SynonymCollisionMonitor(max_rare=0)
     with pytest.raises(HeadwatchError, match="synonym_groups"):
         SynonymCollisionMonitor(synonym_groups="cat dog")
+
+
+def test_llama3_sized_vocabulary_in_bounded_memory():
+    """V = 128256, d_model = 4096 (Llama 3): exact neighbours with a working set within the budget."""
+    code = """
+import torch
+from headwatch.functional.neighbors import nearest_neighbours
+def hwm():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmHWM:'):
+            return int(line.split()[1])
+w = torch.empty(128256, 4096, dtype=torch.bfloat16).normal_(generator=torch.Generator().manual_seed(0))
+w[77] = w[5] * 3  # a planted duplicate
+before = hwm()
+got = nearest_neighbours(w, torch.tensor([5, 77, 128255]), max_chunk_bytes=64 * 2**20)
+import json
+print(json.dumps([(hwm() - before) / 1024, got.index.tolist(), got.cosine.tolist()]))
+"""
+    import subprocess
+
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc (Linux) to read the peak resident memory")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True).stdout
+    grown_mib, index, cosine = json.loads(out)
+    assert grown_mib < 96  # the 64 MiB budget plus allocator slack; the matrix itself is 1 GiB
+    assert index[:2] == [77, 5] and cosine[0] == pytest.approx(1.0, abs=1e-5)  # 3 * w rounds in bf16
