@@ -326,3 +326,45 @@ def test_trainer_runs_without_logger(tmp_path):
 def test_pl_seed():
     # keeps test order independent: the twins above seed torch themselves
     pl.seed_everything(0, verbose=False)
+
+
+def test_tied_lookup_by_keyword_is_captured_and_functional_lookup_is_reported(tmp_path):
+    import torch.nn.functional as F
+
+    class KeywordLookup(TinyCausalLM):
+        def forward(self, input_ids):
+            h = self.embed_tokens(input=input_ids)
+            return self.lm_head(h + torch.tanh(self.mix(h.cumsum(1) / torch.arange(1, h.shape[1] + 1).view(1, -1, 1))))
+
+    class FunctionalLookup(TinyCausalLM):
+        def forward(self, input_ids):
+            h = F.embedding(input_ids, self.embed_tokens.weight)  # the module's forward never runs
+            return self.lm_head(h + torch.tanh(self.mix(h.cumsum(1) / torch.arange(1, h.shape[1] + 1).view(1, -1, 1))))
+
+    trainer = make_trainer(tmp_path, [GradientDensityMonitor(log_every_n_steps=1)], max_steps=1)
+    trainer.fit(KeywordLookup(vocab_size=V, tie_weights=True), loader())
+    m = metrics(trainer)
+    assert 0 < m["headwatch/grad/embedding_row_density"] < 1 and m["headwatch/grad/tied_flow_rows"] > 0
+    trainer = make_trainer(tmp_path, [GradientDensityMonitor(log_every_n_steps=1)], max_steps=1)
+    with pytest.warns(UserWarning, match="cannot be split into the lookup and scoring flows"):
+        trainer.fit(FunctionalLookup(vocab_size=V, tie_weights=True), loader())
+    m = metrics(trainer)
+    assert "headwatch/grad/embedding_row_density" not in m  # not silently reported as zero
+    assert m["headwatch/grad/shared_row_density"] == 1.0
+
+
+def test_token_counting_failure_does_not_stop_training(tmp_path):
+    calls = {"n": 0}
+
+    def flaky_ids(batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyError("input_ids")  # one odd batch from a mixed dataloader
+        return batch["input_ids"]
+
+    tracker = TokenFrequency(ids_fn=flaky_ids)
+    trainer = make_trainer(tmp_path, [tracker, GradientDensityMonitor()], max_steps=3)
+    with pytest.warns(UserWarning, match="counting the batch's token ids"):
+        trainer.fit(TinyCausalLM(vocab_size=V), loader(n=12, batch_size=4, pad=False))
+    assert trainer.global_step == 3
+    assert tracker.snapshot(trainer).counts.sum().item() == 2 * 4 * 12  # the two good batches

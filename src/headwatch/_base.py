@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 
 from headwatch._errors import HeadwatchError
@@ -82,6 +82,12 @@ class HeadwatchCallback(Callback):
 
     def _is_logging_step(self, step: int) -> bool:
         return self._every > 0 and (step + 1) % self._every == 0
+
+    def _info_once(self, message: str) -> None:
+        """A set-up message, printed once per callback (``setup`` runs for every stage)."""
+        if message not in self._warned:
+            self._warned.add(message)
+            rank_zero_info(message)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

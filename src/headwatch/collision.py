@@ -8,7 +8,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from headwatch._base import HeadwatchCallback, check_bool, check_module_or_name, check_positive_int
@@ -208,7 +207,7 @@ class SynonymCollisionMonitor(HeadwatchCallback):
             self._table = synonym_table(self._group_ids, V)
             if self._hook_handle is None:
                 self._hook_handle = head.register_forward_hook(self._on_head_forward)
-        rank_zero_info(
+        self._info_once(
             f"headwatch: synonym collision of rare tokens in {'the tied matrix' if self.tied else 'head and embedding'}"
             f", tau={self.tau}, every {self._every} steps"
         )

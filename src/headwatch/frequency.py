@@ -245,22 +245,29 @@ class TokenFrequency(HeadwatchCallback):
             return None, None
         attention = _field(batch, "attention_mask") if self.ids_fn is None else None
         if isinstance(attention, Tensor) and attention.shape != ids.shape:
+            self._warn_once(
+                "attention_shape",
+                f"TokenFrequency: the batch's attention_mask has shape {tuple(attention.shape)} but input_ids "
+                f"{tuple(ids.shape)}; it is ignored and every id is counted. (warned once)",
+            )
             attention = None
         return ids, attention
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_at_start = trainer.global_step
-        ids, attention = self._batch_ids(batch)
-        if ids is None:
-            if self._batches == 0:
-                rank_zero_warn(
-                    "TokenFrequency found no integer `input_ids` in the batch; pass ids_fn=lambda batch: ... "
-                    "to count tokens. Frequencies stay empty."
-                )
-            self._batches += 1
-            return
-        self.count(ids, attention)
         self._batches += 1
+        try:
+            ids, attention = self._batch_ids(batch)
+            if ids is None:
+                self._warn_once(
+                    "no_ids",
+                    "TokenFrequency found no integer `input_ids` in the batch; pass ids_fn=lambda batch: ... "
+                    "to count tokens. Frequencies stay empty for such batches. (warned once)",
+                )
+                return
+            self.count(ids, attention)
+        except Exception as err:  # noqa: BLE001 - counting must not stop training
+            self._fail(err, "counting the batch's token ids")
 
     @torch.no_grad()
     def count(self, ids: Tensor, attention_mask: Tensor | None = None) -> None:

@@ -7,7 +7,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from headwatch._base import HeadwatchCallback, check_bool, check_module_or_name
@@ -137,7 +136,7 @@ class GradientDensityMonitor(HeadwatchCallback):
             self._hook_handle.remove()
             self._hook_handle = None
         if self.tied:
-            self._hook_handle = emb.register_forward_hook(self._on_embedding_forward)
+            self._hook_handle = emb.register_forward_hook(self._on_embedding_forward, with_kwargs=True)
         self._head, self._emb = head, emb
         self._resolve_every(trainer)
         self._figure_every = resolve_figure_interval(self.figure_every_n_steps, self._every)
@@ -147,7 +146,7 @@ class GradientDensityMonitor(HeadwatchCallback):
             if self.tied
             else f"`{emb_name}` {tuple(emb.weight.shape)} and `{head_name}` {tuple(head_weight.shape)} are UNTIED"
         )
-        rank_zero_info(f"headwatch: {text}")
+        self._info_once(f"headwatch: {text}")
         if stage == "fit":
             self._write_text(trainer, f"{self.prefix}/grad/tying", text, trainer.global_step)
 
@@ -183,14 +182,14 @@ class GradientDensityMonitor(HeadwatchCallback):
         self._full_norms = {}
 
     # ---------------------------------------------------------------- capture (tied)
-    def _on_embedding_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _on_embedding_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self._active:
-            self._watch_lookup(args, output)
+            self._watch_lookup(args, kwargs, output)
 
     @torch.compiler.disable
-    def _watch_lookup(self, args: Any, output: Any) -> None:
+    def _watch_lookup(self, args: Any, kwargs: Any, output: Any) -> None:
         try:
-            ids = args[0] if args else None
+            ids = args[0] if args else kwargs.get("input")
             if not isinstance(ids, Tensor) or not isinstance(output, Tensor) or not output.requires_grad:
                 return
             ids = ids.detach()
@@ -273,7 +272,20 @@ class GradientDensityMonitor(HeadwatchCallback):
         if head_grad is None:
             return {"embedding": None, "head": None, "shared": None}
         total = dense_rows(head_grad).float()
-        lookup = self._lookup if self._lookup is not None else torch.zeros_like(total)
+        captured = self._lookup is not None
+        if trainer.world_size > 1:  # every process must take the same path: the split below is a collective
+            captured = bool(trainer.strategy.reduce_boolean_decision(captured, all=True))
+        if not captured:
+            # the embedding module's forward did not run on token ids (e.g. F.embedding on its weight):
+            # the lookup part cannot be separated, and calling it zero would credit it all to the head
+            self._warn_once(
+                "nolookup",
+                "GradientDensityMonitor: the tied embedding's forward was not called with token ids on this "
+                "step (F.embedding on its weight?), so its gradient cannot be split into the lookup and "
+                "scoring flows; only the shared gradient is reported. (warned once)",
+            )
+            return {"shared": total}
+        lookup = self._lookup
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and scaler.is_enabled():
             lookup = lookup / scaler.get_scale()  # captured from the scaled loss; .grad is unscaled already

@@ -7,7 +7,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from headwatch._base import HeadwatchCallback, check_bool, check_module_or_name, check_positive_int
@@ -167,7 +167,7 @@ class LogitStatsMonitor(HeadwatchCallback):
                 "LogitStatsMonitor: the Trainer has no logger, so headwatch metrics go only to "
                 "`trainer.callback_metrics`. Pass `logger=TensorBoardLogger(...)` to chart them."
             )
-        rank_zero_info(
+        self._info_once(
             f"headwatch: measuring the logits of `{name}` ({type(module).__name__}) every {self._every} steps"
         )
 
@@ -242,6 +242,14 @@ class LogitStatsMonitor(HeadwatchCallback):
                 targets = self.targets_fn(batch)
                 if not isinstance(targets, Tensor):
                     raise HeadwatchError(f"targets_fn must return a (B, T) tensor, got {type(targets).__name__}")
+            if targets is None:
+                self._warn_once(
+                    "no_targets",
+                    f"LogitStatsMonitor found no `labels` in a {type(batch).__name__} batch: target_nll and "
+                    "target_argmax_rate are logged as NaN. For (inputs, targets) tuples pass "
+                    "targets_fn=lambda batch: batch[1] (and shift_labels=False if they are already shifted). "
+                    "(warned once)",
+                )
             return mask, targets
         except Exception as err:  # noqa: BLE001
             self._fail(err, "reading the batch's labels/attention_mask")
