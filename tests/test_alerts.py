@@ -237,13 +237,61 @@ def test_state_survives_a_checkpoint_and_does_not_refire(tmp_path):
     assert resumed.alerts[0].step == alert.alerts[0].step
 
 
-def test_ddp_stop_decision_is_the_same_on_both_processes(tmp_path):
+def _ddp_alert(tmp_path, mode: str) -> list[dict]:
     script = Path(__file__).with_name("ddp_alert.py")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), mode], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_ddp_metric_logged_on_rank_zero_only_neither_hangs_nor_splits(tmp_path):
+    ranks = _ddp_alert(tmp_path, "rank0_metric")
+    assert ranks[0]["fired_locally"] == [2]  # the first collision measurement, after step 2
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] == 3
+    assert ranks[0]["alerts"] == ranks[1]["alerts"] == 1
+
+
+def test_ddp_stop_decision_is_the_same_on_both_processes(tmp_path):
+    ranks = _ddp_alert(tmp_path, "rank1")
     # only rank 1's rule fires, yet both processes stop at the same step
     assert ranks[0]["fired_locally"] == [] and ranks[1]["fired_locally"] != []
     assert ranks[0]["global_step"] == ranks[1]["global_step"] < 20
     assert ranks[0]["alerts"] == ranks[1]["alerts"] == 1
+
+
+class _OneHotFrom(TinyCausalLM):
+    """From step 3 the head's outputs are exactly one-hot: entropy is exactly 0.0 at every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head.register_forward_hook(self._collapse)  # runs before headwatch's hook
+
+    def _collapse(self, module, args, logits):
+        if self._trainer is None or self.global_step < 3:
+            return logits
+        onehot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float() * 1e4
+        return logits + (onehot - logits).detach()
+
+
+def test_exactly_repeated_values_are_still_evaluated(tmp_path):
+    alert = SharpnessCollapseAlert(entropy_drop=0.5, window=2, smoothing=1.0)
+    trainer = make_trainer(tmp_path, [LogitStatsMonitor(validation=False), alert], max_steps=8, log_every_n_steps=1)
+    with pytest.warns(UserWarning, match="entropy_drop"):
+        trainer.fit(_OneHotFrom(), loader(n=96, batch_size=8, pad=False))
+    assert [a.step for a in alert.alerts] == [3]  # S_1 -> S_3 = 0: a 100% drop over 2 values
+
+
+def test_alert_listed_before_its_monitor_evaluates_every_value_once(tmp_path):
+    seen: list[int] = []
+
+    class Counting(CollapseRules):
+        def observe_train(self, step, entropy, kl):
+            seen.append(step)
+            return super().observe_train(step, entropy, kl)
+
+    alert = SharpnessCollapseAlert(entropy_floor=1.0, entropy_drop=None)
+    alert.rules = Counting(entropy_floor=1.0, entropy_drop=None)
+    trainer = make_trainer(tmp_path, [alert, LogitStatsMonitor(validation=False)], max_steps=6, log_every_n_steps=2)
+    trainer.fit(TinyCausalLM(), loader(n=96, batch_size=8, pad=False))
+    assert seen == [1, 3]  # steps 1 and 3 read one logging step late; step 5's value comes after the last step

@@ -368,3 +368,25 @@ def test_token_counting_failure_does_not_stop_training(tmp_path):
         trainer.fit(TinyCausalLM(vocab_size=V), loader(n=12, batch_size=4, pad=False))
     assert trainer.global_step == 3
     assert tracker.snapshot(trainer).counts.sum().item() == 2 * 4 * 12  # the two good batches
+
+
+def test_resume_after_the_vocabulary_grew(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    make_trainer(tmp_path, [TokenFrequency(), ckpt], enable_checkpointing=True, max_steps=2).fit(
+        TinyCausalLM(vocab_size=V), loader(n=8, pad=False)
+    )
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["callbacks"]
+    (saved,) = [v for k, v in state.items() if k.startswith("TokenFrequency")]
+    grown = TokenFrequency()
+    trainer = make_trainer(tmp_path, [grown], max_steps=1)
+    bigger = TinyCausalLM(vocab_size=V + 8)  # tokens added: resize_token_embeddings
+    grown.setup(trainer, bigger, "fit")
+    with pytest.warns(UserWarning, match="the added rows start at count 0"):
+        grown.load_state_dict(saved)
+    assert torch.equal(grown.latest_snapshot().counts[:V], saved["counts"])
+    assert grown.latest_snapshot().counts[V:].sum().item() == 0
+    shrunk = TokenFrequency()
+    shrunk.setup(trainer, TinyCausalLM(vocab_size=V - 8), "fit")
+    with pytest.warns(UserWarning, match="counting starts afresh"):
+        shrunk.load_state_dict(saved)
+    assert shrunk.latest_snapshot().counts.sum().item() == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -39,6 +40,21 @@ def check_module_or_name(name: str, value: Any) -> None:
 def check_prefix(value: Any) -> None:
     if not isinstance(value, str) or not value or value.endswith("/"):
         raise HeadwatchError(f"`prefix` must be a non-empty string not ending in '/', got {value!r}")
+
+
+_PUBLISHED: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = weakref.WeakKeyDictionary()
+
+
+def published_steps(trainer: Any) -> dict[str, int]:
+    """Metric name -> the step it was last published at by a headwatch callback, for this trainer.
+
+    Lets a reader (the collapse alert) tell a fresh value from one it has already seen,
+    whatever the order of the callbacks.
+    """
+    steps = _PUBLISHED.get(trainer)
+    if steps is None:
+        steps = _PUBLISHED[trainer] = {}
+    return steps
 
 
 class HeadwatchCallback(Callback):
@@ -117,6 +133,7 @@ class HeadwatchCallback(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(numbers, step=step)
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in numbers.items()})
+        published_steps(trainer).update(dict.fromkeys(numbers, step))
         flush_tensorboard(trainer)  # live charts: TensorBoardLogger alone flushes every 120 s
         return numbers
 

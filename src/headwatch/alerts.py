@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from headwatch._base import HeadwatchCallback, check_bool
+from headwatch._base import HeadwatchCallback, check_bool, published_steps
 from headwatch._errors import HeadwatchError
 
 WEBHOOK_ENV = "HEADWATCH_WEBHOOK_URL"
@@ -210,8 +210,9 @@ class SharpnessCollapseAlert(HeadwatchCallback):
     a kl_to_uniform ceiling, a smoothed relative entropy drop over a window, and entropy
     falling while validation loss stalls. Each rule fires once per episode and re-arms
     after the metric recovers past a margin; every process takes the same decision
-    (``trainer.strategy.reduce_boolean_decision``). List it after the monitors whose
-    metrics it watches.
+    (``trainer.strategy.reduce_boolean_decision``). Each value published by a headwatch
+    monitor is evaluated once, at the step it was logged; list the alert after the monitors
+    to evaluate it in the same step rather than one logging interval later.
 
     Actions, composable: a console warning (always); a TensorBoard text entry and a scalar
     marker ``headwatch/alerts/<rule>`` = 1 at the alert step; one JSON object per alert
@@ -317,7 +318,7 @@ class SharpnessCollapseAlert(HeadwatchCallback):
 
         self.alerts: list[Alert] = []
         self.action_failures = 0
-        self._last_values: tuple[float | None, float | None] | None = None
+        self._evaluated: dict[str, int] = {}  # metric -> last published step evaluated
         self._step_at_start = 0
         self._jsonl_path: Path | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -327,15 +328,6 @@ class SharpnessCollapseAlert(HeadwatchCallback):
     # ---------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._resolve_every(trainer)
-        from headwatch.logit_stats import LogitStatsMonitor
-
-        names = [type(c) for c in trainer.callbacks]
-        if LogitStatsMonitor in names and self in trainer.callbacks:
-            if names.index(LogitStatsMonitor) > trainer.callbacks.index(self):
-                rank_zero_warn(
-                    "SharpnessCollapseAlert is listed before LogitStatsMonitor: it will read each step's metrics one "
-                    "logging step late. List it after the monitors."
-                )
         log_dir = trainer.log_dir or trainer.default_root_dir
         self._jsonl_path = Path(log_dir) / "headwatch_alerts.jsonl"
         if self._webhook_url is not None:
@@ -357,19 +349,40 @@ class SharpnessCollapseAlert(HeadwatchCallback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_at_start = trainer.global_step
 
+    def _fresh(self, trainer: pl.Trainer, name: str) -> tuple[float | None, int | None]:
+        """``(value, step)`` of a metric not evaluated yet; ``(None, None)`` if absent or already seen.
+
+        Metrics published by headwatch callbacks carry their step, so each value is evaluated
+        exactly once whatever the callbacks' order (an alert listed before its monitor reads each
+        value one logging step late). Other logged metrics are read at every logging step.
+        """
+        value = self._value(trainer, name)
+        if value is None:
+            return None, None
+        step = published_steps(trainer).get(name)
+        if step is None:
+            return value, None
+        if step <= self._evaluated.get(name, -1):
+            return None, None
+        self._evaluated[name] = step
+        return value, step
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = self._step_at_start
         if trainer.global_step == step or not self._is_logging_step(step):
             return
-        values = (self._value(trainer, self.entropy_metric), self._value(trainer, self.kl_metric))
-        if values == self._last_values or values == (None, None):
-            return  # nothing new was logged (the monitor logs on another schedule, or runs after us)
-        self._last_values = values
-        fired = self.rules.observe_train(step, *values)
-        metrics = {self.entropy_metric: values[0], self.kl_metric: values[1], "smoothed_entropy": self.rules.smoothed}
-        self._decide(trainer, fired, step, metrics)
+        # Every process reaches this point on the same steps and takes part in the decision below,
+        # even one that holds no value (a metric logged on rank zero only): no mismatched collectives.
+        entropy, entropy_step = self._fresh(trainer, self.entropy_metric)
+        kl, kl_step = self._fresh(trainer, self.kl_metric)
+        fired: list[str] = []
+        observed = entropy_step if entropy_step is not None else kl_step if kl_step is not None else step
+        if entropy is not None or kl is not None:
+            fired = self.rules.observe_train(observed, entropy, kl)
+        metrics = {self.entropy_metric: entropy, self.kl_metric: kl, "smoothed_entropy": self.rules.smoothed}
+        self._decide(trainer, fired, observed, metrics)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or self.rules.patience is None:
@@ -526,12 +539,9 @@ class SharpnessCollapseAlert(HeadwatchCallback):
             "rules": self.rules.state_dict(),
             "alerts": [asdict(a) for a in self.alerts],
             "action_failures": self.action_failures,
-            "last_values": list(self._last_values) if self._last_values is not None else None,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rules.load_state_dict(state_dict.get("rules", {}))
         self.alerts = [Alert(**a) for a in state_dict.get("alerts", [])]
         self.action_failures = int(state_dict.get("action_failures", 0))
-        last = state_dict.get("last_values")
-        self._last_values = tuple(last) if last is not None else None  # type: ignore[assignment]

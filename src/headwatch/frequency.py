@@ -218,9 +218,8 @@ class TokenFrequency(HeadwatchCallback):
                 f"`valid_token_mask` has {self.valid_token_mask.numel()} entries but the input embedding "
                 f"`{name}` has {rows} rows"
             )
-        if self._restored.numel() not in (0, rows):
-            raise HeadwatchError(f"restored token counts have {self._restored.numel()} rows, the embedding `{name}` {rows}")
         self.num_rows = rows
+        self._fit_restored()
         self._trainer = trainer
         pad = getattr(module, "padding_idx", None)
         self.padding_idx = int(pad) if isinstance(pad, int) else None
@@ -372,6 +371,29 @@ class TokenFrequency(HeadwatchCallback):
         self._local = None
         self._out_of_range = None
         self._cache = None
-        rows = int(state_dict.get("num_rows", 0))
-        if rows and self.num_rows and rows != self.num_rows:
-            raise HeadwatchError(f"checkpoint has token counts for {rows} rows, the model's embedding has {self.num_rows}")
+        self._fit_restored()
+
+    def _fit_restored(self) -> None:
+        """Restored counts for a vocabulary resized since the checkpoint: an explicit, logged policy.
+
+        Grown (tokens added at the end, as ``resize_token_embeddings`` does): the new rows start at 0.
+        Shrunk: the counts cannot be mapped, so counting starts afresh (they stay in the checkpoint).
+        """
+        have, want = self._restored.numel(), self.num_rows
+        if have == 0 or want == 0 or have == want:
+            return
+        if have < want:
+            self._restored = torch.cat([self._restored, torch.zeros(want - have, dtype=torch.long)])
+            self._warn_once(
+                "resized",
+                f"TokenFrequency: the checkpoint counted {have} token ids, the embedding now has {want} rows; "
+                "the added rows start at count 0. (warned once)",
+            )
+        else:
+            self._restored = torch.zeros(0, dtype=torch.long)
+            self._warn_once(
+                "resized",
+                f"TokenFrequency: the checkpoint counted {have} token ids but the embedding now has only {want} "
+                "rows; the restored counts cannot be mapped and counting starts afresh (the checkpoint keeps "
+                "them). (warned once)",
+            )
