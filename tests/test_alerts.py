@@ -101,6 +101,23 @@ def test_bad_arguments(kwargs, match):
 
 def test_redact_url_hides_path_query_and_token():
     assert redact_url("https://hooks.example.com:8443/services/T0/B0/SECRET?token=abc") == "https://hooks.example.com:8443/..."
+    assert redact_url("https://host:SECRET/x") == "<an unparsable URL>"  # never raises, never echoes
+
+
+@pytest.mark.parametrize("url", ["https://host:SECRET/hook", "https:/SECRET", "http://[x/SECRET"])
+def test_bad_webhook_urls_are_refused_without_echoing_them(url):
+    with pytest.raises(HeadwatchError) as info:
+        SharpnessCollapseAlert(webhook_url=url)
+    assert "SECRET" not in str(info.value)
+
+
+def test_alert_json_is_strict_json():
+    import math as _math
+
+    alert = Alert("t", 1, 0, "entropy_floor", {"a": None, "b": 1.5}, "m")
+    assert json.loads(alert.to_json())["metrics"] == {"a": None, "b": 1.5}
+    with pytest.raises(ValueError):
+        Alert("t", 1, 0, "r", {"a": _math.nan}, "m").to_json()  # NaN is mapped to None before it gets here
 
 
 def _collapse_run(tmp_path, alert: SharpnessCollapseAlert, max_steps: int = 12, **kw):

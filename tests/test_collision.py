@@ -268,3 +268,16 @@ print(json.dumps([(hwm() - before) / 1024, got.index.tolist(), got.cosine.tolist
     grown_mib, index, cosine = json.loads(out)
     assert grown_mib < 96  # the 64 MiB budget plus allocator slack; the matrix itself is 1 GiB
     assert index[:2] == [77, 5] and cosine[0] == pytest.approx(1.0, abs=1e-5)  # 3 * w rounds in bf16
+
+
+def test_a_nan_row_is_nobodys_neighbour():
+    w = torch.randn(200, 16, generator=torch.Generator().manual_seed(4))
+    w[7, 3] = float("nan")
+    queries = torch.tensor([0, 7, 50])
+    got = nearest_neighbours(w, queries, max_chunk_bytes=4000)
+    finite = torch.ones(200, dtype=torch.bool)
+    finite[7] = False
+    cos, idx = brute_force(w, torch.tensor([0, 50]), finite)
+    assert got.index.tolist() == [idx[0], -1, idx[1]]
+    assert math.isnan(got.cosine[1].item())
+    np.testing.assert_allclose(got.cosine[[0, 2]].double().numpy(), cos, atol=1e-6)

@@ -140,13 +140,15 @@ class HeadwatchCallback(Callback):
     @staticmethod
     @rank_zero_only
     def _write_histogram(trainer: pl.Trainer, tag: str, values: Tensor, step: int) -> None:
+        values = values.detach().float().cpu()
+        values = values[torch.isfinite(values)]  # TensorBoard refuses NaN/inf; they are counted elsewhere
         if values.numel() == 0:
             return
         from lightning.pytorch.loggers import TensorBoardLogger
 
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_histogram(tag, values.detach().float().cpu(), global_step=step)
+                logger.experiment.add_histogram(tag, values, global_step=step)
                 logger.experiment.flush()
 
     @staticmethod

@@ -44,11 +44,12 @@ class Alert:
     step: int
     epoch: int
     rule: str
-    metrics: dict[str, float]
+    metrics: dict[str, float | None]
+    """Values at the alert; None where a metric was not logged or was NaN (strict JSON: null)."""
     message: str
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, allow_nan=True)
+        return json.dumps(asdict(self), sort_keys=True, allow_nan=False)
 
 
 @dataclass
@@ -195,11 +196,25 @@ class CollapseRules:
 
 
 def redact_url(url: str) -> str:
-    """``scheme://host[:port]`` only: paths, query strings and tokens of webhook URLs are secrets."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or "?"
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}/..."
+    """``scheme://host[:port]`` only: paths, query strings and tokens of webhook URLs are secrets. Never raises."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or "?"
+        port = f":{parts.port}" if parts.port else ""
+        return f"{parts.scheme}://{host}{port}/..."
+    except ValueError:
+        return "<an unparsable URL>"
+
+
+def _check_webhook_url(url: str) -> None:
+    """http(s) with a host and a numeric port, or HeadwatchError that does not echo the URL."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        _ = parts.port  # raises on a non-numeric port (a token in the wrong place)
+    except ValueError:
+        raise HeadwatchError("the webhook URL cannot be parsed (bad port or brackets); it is not shown here") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise HeadwatchError(f"the webhook URL must be http(s)://host/..., got {redact_url(url)}")
 
 
 class SharpnessCollapseAlert(HeadwatchCallback):
@@ -302,8 +317,8 @@ class SharpnessCollapseAlert(HeadwatchCallback):
         if not isinstance(webhook_retries, int) or not 0 <= webhook_retries <= 5:
             raise HeadwatchError(f"`webhook_retries` must be an int in [0, 5], got {webhook_retries!r}")
         url = webhook_url if webhook_url is not None else os.environ.get(WEBHOOK_ENV) or None
-        if url is not None and urllib.parse.urlsplit(url).scheme not in ("http", "https"):
-            raise HeadwatchError(f"the webhook URL must be http(s), got {redact_url(url)}")
+        if url is not None:
+            _check_webhook_url(url)
         self.entropy_metric = entropy_metric
         self.kl_metric = kl_metric
         self.val_metric = val_metric
@@ -377,6 +392,14 @@ class SharpnessCollapseAlert(HeadwatchCallback):
         # even one that holds no value (a metric logged on rank zero only): no mismatched collectives.
         entropy, entropy_step = self._fresh(trainer, self.entropy_metric)
         kl, kl_step = self._fresh(trainer, self.kl_metric)
+        missing = [m for m in (self.entropy_metric, self.kl_metric) if m not in trainer.callback_metrics]
+        # monitors log from the first logging step; SynonymCollisionMonitor every 10: allow 20 intervals
+        if len(missing) == 2 and step >= 20 * self._every:
+            self._warn_once(
+                "missing",
+                f"SharpnessCollapseAlert: neither {self.entropy_metric!r} nor {self.kl_metric!r} has been logged "
+                "by this step; check the names (and that the monitor that logs them is attached). (warned once)",
+            )
         fired: list[str] = []
         observed = entropy_step if entropy_step is not None else kl_step if kl_step is not None else step
         if entropy is not None or kl is not None:
@@ -435,7 +458,7 @@ class SharpnessCollapseAlert(HeadwatchCallback):
             step=step,
             epoch=trainer.current_epoch,
             rule=rule,
-            metrics={k: (v if v is not None else math.nan) for k, v in metrics.items()},
+            metrics={k: (v if v is not None and math.isfinite(v) else None) for k, v in metrics.items()},
             message=self._message(rule, metrics),
         )
         self.alerts.append(alert)

@@ -27,7 +27,8 @@ class Neighbours(NamedTuple):
     """Nearest valid neighbour of each query row."""
 
     cosine: Tensor
-    """``(Q,)`` float32, ``nn_cos`` of each query (-inf if it has no other valid row)."""
+    """``(Q,)`` float32, ``nn_cos`` of each query (-inf if it has no other valid row, NaN if the
+    query row holds NaN/inf; such rows are never anyone's neighbour)."""
     index: Tensor
     """``(Q,)`` int64, row id of the nearest neighbour (-1 if none)."""
 
@@ -107,14 +108,23 @@ def nearest_neighbours(
     is_key = (pos < K) & (key_ids[pos.clamp(max=K - 1)] == queries)
     self_pos = torch.where(is_key, pos, torch.full_like(pos, -1))
     neg_inf = torch.tensor(float("-inf"), device=device)
+    bad_queries = torch.zeros(Q, dtype=torch.bool, device=device)
     for k0 in range(0, K, kc):
         ids = key_ids[k0 : k0 + kc]
         keys = w.index_select(0, ids).float()  # (k, d), a copy
+        bad_keys = ~torch.isfinite(keys).all(dim=1)  # a NaN/inf row is nobody's neighbour
+        has_bad = bool(bad_keys.any())
+        if has_bad:
+            keys[bad_keys] = 0.0
         keys.div_(torch.linalg.vector_norm(keys, dim=1, keepdim=True).clamp(min=tiny))
         for q0 in range(0, Q, qc):
             q_rows = w.index_select(0, queries[q0 : q0 + qc]).float()  # (q, d), a copy
+            if k0 == 0:
+                bad_queries[q0 : q0 + qc] = ~torch.isfinite(q_rows).all(dim=1)
             q_rows.div_(torch.linalg.vector_norm(q_rows, dim=1, keepdim=True).clamp(min=tiny))
             sims = q_rows @ keys.T  # (q, k)
+            if has_bad:
+                sims[:, bad_keys] = float("-inf")
             local = self_pos[q0 : q0 + qc] - k0  # the query itself, if it is in this key chunk
             inside = (local >= 0) & (local < ids.numel())
             rows = torch.arange(sims.shape[0], device=device)
@@ -125,6 +135,8 @@ def nearest_neighbours(
             better = value > best[q0 : q0 + qc]
             best[q0 : q0 + qc] = torch.where(better, value, best[q0 : q0 + qc])
             best_idx[q0 : q0 + qc] = torch.where(better, ids[arg], best_idx[q0 : q0 + qc])
+    best = torch.where(bad_queries, torch.tensor(float("nan"), device=device), best)
+    best_idx = torch.where(bad_queries, torch.full_like(best_idx, -1), best_idx)
     return Neighbours(best.clamp(max=1.0), best_idx)
 
 

@@ -216,12 +216,12 @@ def rankdata(values: Tensor) -> Tensor:
 def spearman(x: Tensor, y: Tensor) -> Tensor:
     """Spearman's rank correlation of two 1-D tensors, float64 scalar (NaN if undefined).
 
-    Undefined when there are fewer than 2 values or either input is constant.
+    Undefined (NaN) when there are fewer than 2 values, either input is constant, or holds NaN.
     """
     if x.shape != y.shape or x.ndim != 1:
         raise HeadwatchError(f"expected two 1-D tensors of the same length, got {tuple(x.shape)} and {tuple(y.shape)}")
-    if x.numel() < 2:
-        return torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
+    if x.numel() < 2 or bool(torch.isnan(x).any() | torch.isnan(y).any()):
+        return torch.tensor(float("nan"), dtype=torch.float64, device=x.device)  # as SciPy: NaN in, NaN out
     rx = rankdata(x)
     ry = rankdata(y)
     rx = rx - rx.mean()
