@@ -281,3 +281,21 @@ def test_a_nan_row_is_nobodys_neighbour():
     assert got.index.tolist() == [idx[0], -1, idx[1]]
     assert math.isnan(got.cosine[1].item())
     np.testing.assert_allclose(got.cosine[[0, 2]].double().numpy(), cos, atol=1e-6)
+
+
+def test_synonym_group_entries_are_checked():
+    from headwatch.collision import _encode_group
+
+    assert _encode_group(None, [np.int64(3), 4]) == [3, 4]
+    with pytest.raises(HeadwatchError, match="is a bool"):
+        _encode_group(None, [True, 2])
+    with pytest.raises(HeadwatchError, match="token ids or strings only"):
+        _encode_group(None, [1.7])
+    groups = (g for g in [[1, 2], [3, 4]])  # a generator is read once, and kept
+    assert SynonymCollisionMonitor(synonym_groups=groups).synonym_groups == [[1, 2], [3, 4]]
+
+    class BosTokenizer:  # Hugging Face style: adds a BOS id unless add_special_tokens=False
+        def encode(self, text, add_special_tokens=True):
+            return ([1] if add_special_tokens else []) + [{"cat": 5, "kitten": 6}[text]]
+
+    assert _encode_group(BosTokenizer(), ["cat", "kitten"]) == [5, 6]

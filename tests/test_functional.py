@@ -27,7 +27,7 @@ NINF = float("-inf")
 
 def reference(logits: torch.Tensor, mask=None, targets=None, ignore_index=-100) -> dict[str, np.ndarray]:
     """Per-position statistics in float64 with SciPy, row by row (NaN where not valid)."""
-    x = logits.detach().float().double().numpy()
+    x = logits.detach().double().numpy()  # exact for bf16, fp16, float32 and float64
     V = x.shape[-1]
     lead = x.shape[:-1]
     rows = x.reshape(-1, V)
@@ -152,7 +152,7 @@ def test_low_and_high_precision_inputs(dtype):
     logits = _gen(4, 7, 120).to(dtype)
     targets = torch.randint(0, 120, (4, 7), generator=torch.Generator().manual_seed(1))
     got = logit_statistics(logits, targets=targets)
-    assert got.entropy.dtype == torch.float32
+    assert got.entropy.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     # the reference sees exactly the same (rounded) input values, in float64
     assert_matches(got, reference(logits, targets=targets))
 
@@ -308,3 +308,21 @@ def test_from_hidden_shape_errors():
         logit_statistics_from_hidden(torch.zeros(2, 5), torch.zeros(10, 4))
     with pytest.raises(HeadwatchError, match=r"bias of shape \(10,\)"):
         logit_statistics_from_hidden(torch.zeros(2, 4), torch.zeros(10, 4), torch.zeros(9))
+
+
+def test_float64_logits_keep_float64_precision_and_neg_inf_target_nll():
+    logits = torch.tensor([[1e10, 1e10 + 1.0, 1e10 - 1.0]], dtype=torch.float64)  # float32 would round them equal
+    got = logit_statistics(logits, targets=torch.tensor([2]))
+    assert_matches(got, reference(logits, targets=torch.tensor([2])), rtol=1e-9, atol=1e-9)
+    inf_target = torch.tensor([[0.0, float("-inf"), 1.0]])
+    assert logit_statistics(inf_target, targets=torch.tensor([1])).nll.item() == float("inf")
+
+
+def test_from_hidden_with_a_low_precision_head_is_chunked_over_the_vocabulary():
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randn(3, 5, 32, generator=g)
+    weight = torch.randn(1000, 32, generator=g).to(torch.bfloat16)
+    bias = torch.randn(1000, generator=g)
+    logits = hidden.double() @ weight.double().T + bias.double()
+    got = logit_statistics_from_hidden(hidden, weight, bias, max_chunk_bytes=32 * 1024)  # 64 vocabulary rows a slice
+    assert_matches(got, reference(logits), rtol=1e-4, atol=1e-4)

@@ -242,6 +242,16 @@ def _field(batch: Any, key: str) -> Any:
     return getattr(batch, key, None)
 
 
+def logits_from_output(output: Any) -> Tensor | None:
+    """The logits tensor in a head's output: the tensor itself, ``output.logits``, or ``output[0]``."""
+    logits = output
+    if not isinstance(logits, Tensor):
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, (tuple, list)) and output:
+            logits = output[0]
+    return logits if isinstance(logits, Tensor) and logits.is_floating_point() else None
+
+
 def positions_from_batch(
     batch: Any, shift_labels: bool = True, ignore_index: int = -100
 ) -> tuple[Tensor | None, Tensor | None]:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from headwatch._base import HeadwatchCallback, check_bool, check_module_or_name, check_positive_int
-from headwatch._capture import find_head_and_embedding, positions_from_batch
+from headwatch._capture import find_head_and_embedding, logits_from_output, positions_from_batch
 from headwatch._errors import HeadwatchError
 from headwatch.figures import check_figure_argument, matplotlib_available
 from headwatch.frequency import BUCKETS, FrequencySnapshot, TokenFrequency
@@ -49,15 +49,22 @@ def decode_token(tokenizer: Any, token_id: int) -> str:
 def _encode_group(tokenizer: Any, words: Sequence[Any]) -> list[int]:
     ids: list[int] = []
     for word in words:
-        if isinstance(word, int):
-            ids.append(word)
+        if isinstance(word, bool):
+            raise HeadwatchError(f"synonym group entry {word!r} is a bool, not a token id or a string")
+        if isinstance(word, int) or (hasattr(word, "__index__") and not isinstance(word, str)):
+            ids.append(int(word.__index__()))  # ints, numpy integers
             continue
+        if not isinstance(word, str):
+            raise HeadwatchError(f"synonym group entry {word!r} is a {type(word).__name__}: token ids or strings only")
         if tokenizer is None:
             raise HeadwatchError(f"synonym group entry {word!r} is a string: pass tokenizer= to encode it")
         if hasattr(tokenizer, "token_to_id") and tokenizer.token_to_id(word) is not None:
             ids.append(int(tokenizer.token_to_id(word)))
             continue
-        encoded = tokenizer.encode(word)
+        try:  # Hugging Face tokenizers add BOS/EOS unless told not to
+            encoded = tokenizer.encode(word, add_special_tokens=False)
+        except TypeError:
+            encoded = tokenizer.encode(word)
         token_ids = list(getattr(encoded, "ids", encoded))
         if isinstance(token_ids, list) and len(token_ids) == 1:
             ids.append(int(token_ids[0]))
@@ -160,10 +167,12 @@ class SynonymCollisionMonitor(HeadwatchCallback):
             check_positive_int(name, value)
         check_module_or_name("head", head)
         check_module_or_name("embedding", embedding)
-        if synonym_groups is not None and (
-            isinstance(synonym_groups, (str, bytes)) or not all(isinstance(g, (list, tuple)) for g in synonym_groups)
-        ):
-            raise HeadwatchError("`synonym_groups` must be a list of groups, each a list of token ids or strings")
+        if synonym_groups is not None:
+            if isinstance(synonym_groups, (str, bytes)):
+                raise HeadwatchError("`synonym_groups` must be a list of groups, each a list of token ids or strings")
+            synonym_groups = [list(g) if isinstance(g, (list, tuple)) else g for g in synonym_groups]  # a generator once
+            if not all(isinstance(g, list) for g in synonym_groups):
+                raise HeadwatchError("`synonym_groups` must be a list of groups, each a list of token ids or strings")
         self.tau = float(tau)
         self.every_n_steps = every_n_steps
         self.on_epoch_end = on_epoch_end
@@ -185,6 +194,7 @@ class SynonymCollisionMonitor(HeadwatchCallback):
         self._group_ids: list[list[int]] = []
         self._table: Tensor | None = None
         self._hook_handle: Any = None
+        self._hooked: nn.Module | None = None
         self._confusion_active = False
         self._positions: tuple[Tensor | None, Tensor | None] = (None, None)
         self._confusion = torch.zeros(2, dtype=torch.float64)
@@ -205,8 +215,11 @@ class SynonymCollisionMonitor(HeadwatchCallback):
         if self.synonym_groups is not None:
             self._group_ids = [_encode_group(self.tokenizer, g) for g in self.synonym_groups]
             self._table = synonym_table(self._group_ids, V)
-            if self._hook_handle is None:
+            if self._hook_handle is None or self._hooked is not head:  # a new model: hook its head
+                if self._hook_handle is not None:
+                    self._hook_handle.remove()
                 self._hook_handle = head.register_forward_hook(self._on_head_forward)
+                self._hooked = head
         self._info_once(
             f"headwatch: synonym collision of rare tokens in {'the tied matrix' if self.tied else 'head and embedding'}"
             f", tau={self.tau}, every {self._every} steps"
@@ -234,7 +247,8 @@ class SynonymCollisionMonitor(HeadwatchCallback):
     def _count_confusion(self, output: Any) -> None:
         try:
             mask, targets = self._positions
-            if not isinstance(output, Tensor) or targets is None or targets.shape != output.shape[:-1]:
+            output = logits_from_output(output)
+            if output is None or targets is None or targets.shape != output.shape[:-1]:
                 return
             if mask is not None:
                 targets = torch.where(mask.to(targets.device), targets, torch.full_like(targets, -100))

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from headwatch._base import HeadwatchCallback, check_bool, check_module_or_name, check_positive_int
-from headwatch._capture import MaskFn, TargetsFn, find_output_head, positions_from_batch
+from headwatch._capture import MaskFn, TargetsFn, find_output_head, logits_from_output, positions_from_batch
 from headwatch._errors import HeadwatchError
 from headwatch.figures import check_figure_argument, resolve_figure_interval
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
@@ -152,6 +152,7 @@ class LogitStatsMonitor(HeadwatchCallback):
         self._total_nonfinite = 0.0
         self._total_invalid_target = 0.0
         self._skipped_forwards = 0
+        self._calls_this_batch = 0
 
     # ------------------------------------------------------------------ set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -196,12 +197,8 @@ class LogitStatsMonitor(HeadwatchCallback):
         if sink is None:
             return
         try:
-            logits = output
-            if not isinstance(logits, Tensor):
-                logits = getattr(output, "logits", None)
-                if logits is None and isinstance(output, (tuple, list)) and output:
-                    logits = output[0]
-            if not isinstance(logits, Tensor) or not logits.is_floating_point():
+            logits = logits_from_output(output)
+            if logits is None:
                 self._skip(f"the head returned {type(output).__name__}, not a floating-point logits tensor")
                 return
             mask, targets = self._positions
@@ -220,6 +217,14 @@ class LogitStatsMonitor(HeadwatchCallback):
             if sink.device != logits.device:
                 sink.to(logits.device)
             self._vocab_size = logits.shape[-1]
+            self._calls_this_batch += 1
+            if self._calls_this_batch == 2 and sink is self._train:
+                self._warn_once(
+                    "twice",
+                    f"LogitStatsMonitor: `{self._head_name}` ran more than once in one training batch; every "
+                    "call is measured against the batch's labels and pooled (a second prediction head, or an "
+                    "auxiliary pass, would need its own targets_fn). (warned once)",
+                )
             sink.update(logits.detach(), mask, targets)
         except Exception as err:  # noqa: BLE001 - a monitoring failure must not stop training
             self._fail(err, "measuring the logits")
@@ -258,6 +263,7 @@ class LogitStatsMonitor(HeadwatchCallback):
     # ------------------------------------------------------------------ training
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
+        self._calls_this_batch = 0
         if self._is_logging_step(step):
             self._pending_step = step
             self._positions = self._batch_positions(batch)

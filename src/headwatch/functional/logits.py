@@ -43,7 +43,11 @@ DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 # chunk then hit L2/L3 instead of DRAM); on accelerators big chunks amortise launches.
 _CPU_CHUNK_BYTES = 2 * 2**20
 
-_F32_LOWEST = torch.finfo(torch.float32).min
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 input, float32 for everything else (bf16, fp16, float32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class LogitStatistics(NamedTuple):
@@ -54,7 +58,7 @@ class LogitStatistics(NamedTuple):
     """
 
     entropy: Tensor
-    """H(p) in nats, float32."""
+    """H(p) in nats; float32 (float64 for float64 logits), like every float field."""
     kl_to_uniform: Tensor
     """KL(p || U) = log V - H(p) in nats, float32."""
     kl_from_uniform: Tensor
@@ -108,10 +112,12 @@ def _check_inputs(
 def rows_per_chunk(vocab_size: int, dtype: torch.dtype, device: torch.device, max_chunk_bytes: int) -> int:
     """Rows of a ``(rows, vocab_size)`` chunk whose working buffers fit in ``max_chunk_bytes``.
 
-    The working set of a chunk is two float32 buffers ``(rows, V)`` plus, for inputs
-    that are not float32, a float32 copy of the chunk. At least one row is always used.
+    The working set of a chunk is two buffers ``(rows, V)`` in the compute dtype (float32,
+    or float64 for float64 input) plus, for inputs of another dtype, a converted copy of the
+    chunk. At least one row is always used.
     """
-    per_row = vocab_size * 4 * (2 if dtype == torch.float32 else 3)
+    cdtype = compute_dtype(dtype)
+    per_row = vocab_size * (8 if cdtype == torch.float64 else 4) * (2 if dtype == cdtype else 3)
     budget = max_chunk_bytes if device.type != "cpu" else min(max_chunk_bytes, _CPU_CHUNK_BYTES)
     return max(1, budget // per_row)
 
@@ -153,7 +159,8 @@ def logit_statistics(
 
     Args:
         logits: ``(..., V)`` float32, bfloat16 or float16 (any floating dtype); math is
-            done in float32 whatever the input dtype. Not modified, not copied whole.
+            done in float32 whatever the input dtype (float64 for float64 input). Not
+            modified, not copied whole.
         mask: optional ``(...)`` bool, True where the position is a prediction to measure.
         targets: optional ``(...)`` integer ids aligned with ``logits`` (already shifted:
             ``logits[..., t, :]`` is scored against ``targets[..., t]``). Positions whose
@@ -177,7 +184,8 @@ def logit_statistics(
     V = logits.shape[-1]
     rows = rows_per_chunk(V, logits.dtype, logits.device, max_chunk_bytes)
     return _statistics_from_blocks(
-        _row_blocks(logits, rows), logits.shape[:-1], V, logits.device, rows, mask, targets, ignore_index
+        _row_blocks(logits, rows), logits.shape[:-1], V, logits.device, rows, mask, targets, ignore_index,
+        compute_dtype(logits.dtype),
     )
 
 
@@ -224,14 +232,26 @@ def logit_statistics_from_hidden(
     _check_inputs(hidden.new_empty(()).expand(*lead, V), mask, targets, max_chunk_bytes)
     # one more float32 (rows, V) buffer than logit_statistics: the projected block
     rows = rows_per_chunk(V, torch.bfloat16, hidden.device, max_chunk_bytes)
-    w = weight.detach().float()
+    w = weight.detach()
     b = bias.detach().float() if bias is not None else None
     flat = hidden.detach().reshape(-1, hidden.shape[-1])
+    d = w.shape[1]
+    # a low-precision head is converted to float32 a slice of rows at a time, never whole
+    vocab_step = V if w.dtype == torch.float32 else max(1, min(V, max_chunk_bytes // (4 * 4 * d)))
+
+    def project(h: Tensor, v0: int, v1: int) -> Tensor:
+        wv = w[v0:v1].float()  # (v, d): a copy only for a low-precision head
+        return h @ wv.T if b is None else torch.addmm(b[v0:v1], h, wv.T)
 
     def blocks() -> Iterator[tuple[int, Tensor]]:
         for start in range(0, flat.shape[0], rows):
             h = flat[start : start + rows].float()  # (n, d)
-            x = h @ w.T if b is None else torch.addmm(b, h, w.T)  # (n, V)
+            if vocab_step == V:
+                yield start, project(h, 0, V)  # (n, V)
+                continue
+            x = torch.empty(h.shape[0], V, dtype=torch.float32, device=h.device)  # (n, V)
+            for v0 in range(0, V, vocab_step):
+                x[:, v0 : v0 + vocab_step] = project(h, v0, v0 + vocab_step)
             yield start, x
 
     return _statistics_from_blocks(blocks(), lead, V, hidden.device, rows, mask, targets, ignore_index)
@@ -246,12 +266,14 @@ def _statistics_from_blocks(
     mask: Tensor | None,
     targets: Tensor | None,
     ignore_index: int,
+    dtype: torch.dtype = torch.float32,
 ) -> LogitStatistics:
     """The one-pass row math, over ``(offset, (n, V) logits)`` blocks covering ``prod(lead)`` rows."""
     N = math.prod(lead)
     log_v = math.log(V)
+    lowest = torch.finfo(dtype).min
 
-    entropy = torch.empty(N, dtype=torch.float32, device=device)
+    entropy = torch.empty(N, dtype=dtype, device=device)
     max_prob = torch.empty_like(entropy)
     mean_s = torch.empty_like(entropy)  # mean_v(s_v), for KL(U || p)
     log_z = torch.empty_like(entropy)
@@ -268,16 +290,19 @@ def _statistics_from_blocks(
         # would be a device-side assert on a GPU and kill the run.
         flat_targets = torch.where(in_range, flat_targets, torch.zeros_like(flat_targets))
 
-    s_buf = torch.empty(min(rows, max(N, 1)), V, dtype=torch.float32, device=device)
+    s_buf = torch.empty(min(rows, max(N, 1)), V, dtype=dtype, device=device)
     e_buf = torch.empty_like(s_buf)
     for start, block in blocks:
         n = block.shape[0]
-        x = block if block.dtype == torch.float32 else block.float()  # (n, V) float32
+        x = block if block.dtype == dtype else block.to(dtype)  # (n, V), float32 (float64 for float64 input)
         m = x.amax(dim=-1, keepdim=True)  # (n, 1)
         finite = torch.isfinite(m)  # False for NaN, +inf, or an all -inf row
         s = torch.sub(x, torch.where(finite, m, torch.zeros_like(m)), out=s_buf[:n])  # (n, V), <= 0
         mean_s[start : start + n] = s.sum(dim=-1) / V  # -inf when a logit is -inf: KL(U || p) = +inf
-        s.clamp_(min=_F32_LOWEST)  # -inf -> lowest float: exp() gives exactly 0 and 0 * s = 0
+        if s_target is not None:  # before the clamp: a -inf target logit gives nll = +inf
+            idx = flat_targets[start : start + n].unsqueeze(-1)  # (n, 1)
+            s_target[start : start + n] = s.gather(-1, idx).squeeze(-1)
+        s.clamp_(min=lowest)  # -inf -> lowest float: exp() gives exactly 0 and 0 * s = 0
         e = torch.exp(s, out=e_buf[:n])  # (n, V)
         z = e.sum(dim=-1)  # (n,)
         lz = torch.log(z)
@@ -285,9 +310,6 @@ def _statistics_from_blocks(
         entropy[start : start + n] = lz - torch.linalg.vecdot(e, s) / z
         max_prob[start : start + n] = z.reciprocal()
         row_finite[start : start + n] = finite.squeeze(-1)
-        if s_target is not None:
-            idx = flat_targets[start : start + n].unsqueeze(-1)  # (n, 1)
-            s_target[start : start + n] = s.gather(-1, idx).squeeze(-1)
 
     # Entropy of an (almost) one-hot row can round to a tiny negative: clamp into [0, log V].
     entropy.clamp_(min=0.0, max=log_v)
