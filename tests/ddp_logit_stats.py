@@ -100,3 +100,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # a clean gloo shutdown before the interpreter exits
+        dist.barrier()
+        dist.destroy_process_group()

@@ -112,16 +112,19 @@ def nearest_neighbours(
     for k0 in range(0, K, kc):
         ids = key_ids[k0 : k0 + kc]
         keys = w.index_select(0, ids).float()  # (k, d), a copy
-        bad_keys = ~torch.isfinite(keys).all(dim=1)  # a NaN/inf row is nobody's neighbour
+        key_norms = torch.linalg.vector_norm(keys, dim=1, keepdim=True)  # (k, 1)
+        bad_keys = ~torch.isfinite(key_norms.squeeze(1))  # a NaN/inf row is nobody's neighbour
         has_bad = bool(bad_keys.any())
         if has_bad:
             keys[bad_keys] = 0.0
-        keys.div_(torch.linalg.vector_norm(keys, dim=1, keepdim=True).clamp(min=tiny))
+            key_norms[bad_keys] = 1.0
+        keys.div_(key_norms.clamp(min=tiny))
         for q0 in range(0, Q, qc):
             q_rows = w.index_select(0, queries[q0 : q0 + qc]).float()  # (q, d), a copy
+            q_norms = torch.linalg.vector_norm(q_rows, dim=1, keepdim=True)
             if k0 == 0:
-                bad_queries[q0 : q0 + qc] = ~torch.isfinite(q_rows).all(dim=1)
-            q_rows.div_(torch.linalg.vector_norm(q_rows, dim=1, keepdim=True).clamp(min=tiny))
+                bad_queries[q0 : q0 + qc] = ~torch.isfinite(q_norms.squeeze(1))
+            q_rows.div_(q_norms.clamp(min=tiny))
             sims = q_rows @ keys.T  # (q, k)
             if has_bad:
                 sims[:, bad_keys] = float("-inf")
