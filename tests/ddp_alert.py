@@ -17,7 +17,7 @@ import lightning.pytorch as pl  # noqa: E402
 
 from headwatch import LogitStatsMonitor, SharpnessCollapseAlert, SynonymCollisionMonitor  # noqa: E402
 from headwatch.alerts import CollapseRules  # noqa: E402
-from tests.helpers import TinyCausalLM, loader  # noqa: E402
+from tests.helpers import TinyCausalLM, loader, shutdown_distributed  # noqa: E402
 
 
 class RankRules(CollapseRules):
@@ -75,8 +75,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():  # a clean gloo shutdown before the interpreter exits
-        dist.barrier()
-        dist.destroy_process_group()
+    shutdown_distributed()

@@ -17,7 +17,7 @@ import lightning.pytorch as pl  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from headwatch import GradientDensityMonitor, LogitStatsMonitor, TokenFrequency  # noqa: E402
-from tests.helpers import TinyCausalLM, loader  # noqa: E402
+from tests.helpers import TinyCausalLM, loader, shutdown_distributed  # noqa: E402
 
 GRAD_KEYS = (
     "grad/embedding_row_density",
@@ -100,8 +100,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():  # a clean gloo shutdown before the interpreter exits
-        dist.barrier()
-        dist.destroy_process_group()
+    shutdown_distributed()

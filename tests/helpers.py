@@ -99,3 +99,12 @@ class IdsDataset(Dataset):
 
 def ids_loader(input_ids: torch.Tensor, batch_size: int) -> DataLoader:
     return DataLoader(IdsDataset(input_ids), batch_size=batch_size, shuffle=False)
+
+
+def shutdown_distributed() -> None:
+    """A clean gloo shutdown before the interpreter exits (else an abort at exit, now and then)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
