@@ -42,6 +42,16 @@ def check_prefix(value: Any) -> None:
         raise HeadwatchError(f"`prefix` must be a non-empty string not ending in '/', got {value!r}")
 
 
+def to_floats(scalars: dict[str, Tensor | float]) -> dict[str, float]:
+    """Scalars (tensors on any device, or numbers) as Python floats with one host sync."""
+    if not scalars:
+        return {}
+    devices = [v.device for v in scalars.values() if isinstance(v, Tensor) and v.device.type != "cpu"]
+    device = devices[0] if devices else torch.device("cpu")
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in scalars.values()])
+    return dict(zip(scalars, stacked.tolist()))  # the one host sync of a logging step
+
+
 _PUBLISHED: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = weakref.WeakKeyDictionary()
 
 
@@ -123,13 +133,9 @@ class HeadwatchCallback(Callback):
 
     def _publish(self, trainer: pl.Trainer, scalars: dict[str, Tensor | float], step: int) -> dict[str, float]:
         """Write scalars to every logger at ``step`` and to ``trainer.callback_metrics``; returns them as floats."""
-        keys = list(scalars)
-        if not keys:
+        numbers = to_floats(scalars)
+        if not numbers:
             return {}
-        devices = [v.device for v in scalars.values() if isinstance(v, Tensor) and v.device.type != "cpu"]
-        device = devices[0] if devices else torch.device("cpu")
-        stacked = torch.stack([torch.as_tensor(scalars[k], dtype=torch.float64, device=device).reshape(()) for k in keys])
-        numbers = dict(zip(keys, stacked.tolist()))  # the one host sync of a logging step
         for logger in trainer.loggers:
             logger.log_metrics(numbers, step=step)
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in numbers.items()})

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from headwatch._base import HeadwatchCallback, check_bool, check_module_or_name, check_positive_int
+from headwatch._base import HeadwatchCallback, check_bool, check_module_or_name, check_positive_int, to_floats
 from headwatch._capture import MaskFn, TargetsFn, find_output_head, logits_from_output, positions_from_batch
 from headwatch._errors import HeadwatchError
 from headwatch.figures import check_figure_argument, resolve_figure_interval
@@ -374,7 +374,7 @@ class LogitStatsMonitor(HeadwatchCallback):
             if direct:
                 numbers = self._publish(trainer, scalars, step)
             else:
-                numbers = dict(zip(scalars, torch.stack([v.double() for v in scalars.values()]).cpu().tolist()))
+                numbers = to_floats(scalars)
                 for k, v in numbers.items():
                     # identical on every rank already; sync_dist averages equal values (and silences Lightning's warning)
                     pl_module.log(k, v, on_step=False, on_epoch=True, sync_dist=True)  # type: ignore[union-attr]
