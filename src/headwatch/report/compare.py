@@ -35,7 +35,7 @@ METHOD_TEXT = (
     "Student t quantile by bisection on the regularized incomplete beta function, "
     "DLMF 8.17.22 / Numerical Recipes 3rd ed. section 6.4)"
 )
-SPREAD_TEXT = "sd: sample standard deviation over the runs (n - 1); [min, max] over the runs; n runs"
+SPREAD_TEXT = "sd = sample standard deviation over the runs (denominator n - 1); [min, max] over the runs; n = runs with a value"
 
 
 # --------------------------------------------------------------------------- statistics
