@@ -7,6 +7,7 @@ The event files are written here with ``SummaryWriter``; every logged value is a
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import types
 
@@ -151,11 +152,13 @@ def test_matched_loss_interpolation_on_hand_built_curves():
 
 
 def test_compare_groups_validates():
-    runs = {"a": {"ENTROPY": [(0, 1.0)]}}
+    runs = {"a": {ENTROPY: [(0, 1.0)]}}
     with pytest.raises(HeadwatchError, match="at least 2 groups"):
         compare_groups({"g": runs}, [ENTROPY])
     with pytest.raises(HeadwatchError, match="hold no run"):
         compare_groups({"g": runs, "h": {}}, [ENTROPY])
+    with pytest.raises(HeadwatchError, match=r"in more than one group: \['a'\]"):
+        compare_groups({"g": runs, "h": runs}, [ENTROPY])
     with pytest.raises(HeadwatchError, match="`level` must be in"):
         compare_groups({"g": runs, "h": {"b": {}}}, [ENTROPY], level=95)
     with pytest.raises(HeadwatchError, match="no run logged"):
@@ -317,3 +320,12 @@ def test_cli_usage(capsys):
         with pytest.raises(SystemExit) as exc:
             cli_main(argv)
         assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_import_is_cheap():
+    code = (
+        "import sys, headwatch.cli, headwatch.report; "
+        "print(','.join(m for m in ('tensorboard', 'matplotlib', 'scipy', 'lightning') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"importing headwatch.report loaded {out}"

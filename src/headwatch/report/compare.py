@@ -278,6 +278,20 @@ def _compare_at(
     return MetricComparison(tag, step, stats, {g: welch_interval(stats[ref], stats[g], level) for g in others})
 
 
+def _check_groups(groups: Mapping[str, Mapping[str, Any]], level: float) -> None:
+    if len(groups) < 2:
+        raise HeadwatchError(f"a grouped comparison needs at least 2 groups, got {len(groups)}: {list(groups)}")
+    empty = [g for g, runs in groups.items() if not runs]
+    if empty:
+        raise HeadwatchError(f"the group(s) {empty} hold no run")
+    names = [name for runs in groups.values() for name in runs]
+    shared = sorted({name for name in names if names.count(name) > 1})
+    if shared:
+        raise HeadwatchError(f"run names must differ across groups; in more than one group: {shared}")
+    if not 0.0 < level < 1.0:
+        raise HeadwatchError(f"`level` must be in (0, 1), got {level!r}")
+
+
 def compare_groups(
     groups: Mapping[str, Mapping[str, Mapping[str, Points]]],
     tags: Sequence[str],
@@ -298,16 +312,10 @@ def compare_groups(
         level: the confidence level of the intervals.
 
     Raises:
-        HeadwatchError: fewer than 2 groups, an empty group, ``level`` outside (0, 1), or an
-            explicit ``loss_tag`` that no run logged.
+        HeadwatchError: fewer than 2 groups, an empty group, a run name in two groups, ``level``
+            outside (0, 1), or an explicit ``loss_tag`` that no run logged.
     """
-    if len(groups) < 2:
-        raise HeadwatchError(f"a grouped comparison needs at least 2 groups, got {len(groups)}: {list(groups)}")
-    empty = [g for g, runs in groups.items() if not runs]
-    if empty:
-        raise HeadwatchError(f"the group(s) {empty} hold no run")
-    if not 0.0 < level < 1.0:
-        raise HeadwatchError(f"`level` must be in (0, 1), got {level!r}")
+    _check_groups(groups, level)
     every = {name: scalars for runs in groups.values() for name, scalars in runs.items()}
     by_step = []
     for tag in tags:
