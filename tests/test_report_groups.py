@@ -22,6 +22,7 @@ from headwatch.report import (
     GroupStats,
     compare_groups,
     first_crossing,
+    format_number,
     group_stats,
     main,
     parse_group_specs,
@@ -239,11 +240,30 @@ def test_groups_text(root, capsys):
     assert "untied − tied" in out
 
 
+def test_groups_html(root, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    page = tmp_path / "groups.html"
+    assert main(group_args(root, "--json", "--html", str(page))) == 0
+    data = json.loads(capsys.readouterr().out)
+    text = page.read_text(encoding="utf-8")
+    assert text.startswith("<!DOCTYPE html>") and "<script" not in text and 'href="http' not in text
+    assert text.count("<figure>") == text.count("<svg") == len(data["at_step"]) == 3
+    assert "Welch t-interval" in text and "At matched loss: val_loss = 4.828" in text
+    val = next(r for r in data["at_step"] if r["tag"] == VAL_ENTROPY)
+    row = next(line for line in text.splitlines() if line.startswith('<tr><td class="tag">val/logits/entropy</td>'))
+    assert format_number(val["groups"]["untied"]["mean"]) in row and row.endswith("<b>*</b></td></tr>")
+    assert ">tied</text>" in text and ">untied</text>" in text  # one legend entry per group
+    assert ">tied_0/version_0</text>" not in text
+
+
 def test_groups_missing_loss_tag_is_a_note(root, capsys):
     assert main(group_args(root, "--json", "--match", "entropy")) == 0  # val_loss is still read for matching
     assert json.loads(capsys.readouterr().out)["loss_tag"] == "val_loss"
     assert main(group_args(root, "--loss-tag", "no_such_loss")) == 2
     assert "--loss-tag 'no_such_loss': no run logged this tag" in capsys.readouterr().err
+    no_loss = compare_groups({"g": {"a": {ENTROPY: [(0, 1.0)]}}, "h": {"b": {ENTROPY: [(0, 2.0)]}}}, [ENTROPY])
+    assert no_loss.loss_tag is None and no_loss.at_loss == [] and "no run logged 'val_loss'" in no_loss.notes[0]
+    assert no_loss.at_step[0].diffs["h"].diff == 1.0 and no_loss.at_step[0].diffs["h"].low is None  # n = 1: no interval
 
 
 def test_groups_glob_expanded_by_the_tool_and_names(root, capsys):
@@ -267,7 +287,6 @@ def test_groups_glob_expanded_by_the_tool_and_names(root, capsys):
         ([], "pass one or more LOGDIRs"),
         (["--group", "a=x", "b=y", "--at-step", "-1"], "--at-step must be"),
         (["--group", "a=x", "b=y", "--at-loss", "nan"], "--at-loss must be a finite"),
-        (["--group", "a=x", "b=y", "--html", "p.html"], "--html is not available with --group"),
         (["--group", "a=x", "b=y", "--at-step", "ten"], "invalid int value"),
     ],
 )

@@ -20,8 +20,8 @@ Example::
 The modules, one job each: :mod:`~headwatch.report.runs` (finding runs, reading event files
 and alert logs), :mod:`~headwatch.report.stats` (per-run summaries, tag selection),
 :mod:`~headwatch.report.text` (the table, JSON), :mod:`~headwatch.report.charts`
-(matplotlib), :mod:`~headwatch.report.html` (the page), :mod:`~headwatch.report.compare`
-and :mod:`~headwatch.report.group_text` (groups over seeds), :mod:`~headwatch.report.cli`
+(matplotlib), :mod:`~headwatch.report.html` (the page), :mod:`~headwatch.report.compare`,
+:mod:`~headwatch.report.group_text` and :mod:`~headwatch.report.group_html` (groups over seeds), :mod:`~headwatch.report.cli`
 (arguments). TensorBoard and matplotlib are imported inside the functions that need them,
 so importing this package is cheap; matplotlib is optional.
 """
@@ -42,6 +42,7 @@ from headwatch.report.compare import (
     value_at,
     welch_interval,
 )
+from headwatch.report.group_html import render_group_html
 from headwatch.report.group_text import render_comparison
 from headwatch.report.html import render_html
 from headwatch.report.runs import (
@@ -91,6 +92,7 @@ __all__ = [
     "read_scalars",
     "render_chart",
     "render_comparison",
+    "render_group_html",
     "render_html",
     "render_text",
     "select_tags",

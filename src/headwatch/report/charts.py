@@ -43,6 +43,7 @@ def _figure(
     series: Mapping[str, Points],
     colors: Mapping[str, str],
     alert_steps: Mapping[str, Sequence[int]] | None,
+    labels: Mapping[str, str] | None = None,
 ) -> Any:
     try:
         from matplotlib.figure import Figure  # no pyplot: leaves the global backend alone
@@ -51,12 +52,15 @@ def _figure(
     fig = Figure(figsize=(4.8, 2.6), dpi=100)
     ax = fig.subplots()
     finite = False
+    shown: set[str] = set()
     for name, pts in series.items():
         steps = [s for s, _ in pts]
         values = [v if math.isfinite(v) else float("nan") for _, v in pts]  # non-finite values break the line
         finite = finite or any(math.isfinite(v) for v in values)
         marker = "o" if len(pts) <= 3 else None  # a run with one point is still visible
-        ax.plot(steps, values, color=colors[name], label=name, linewidth=1.4, marker=marker, markersize=4)
+        label = (labels or {}).get(name, name)
+        legend, shown = ("_nolegend_" if label in shown else label), shown | {label}  # one entry per label
+        ax.plot(steps, values, color=colors[name], label=legend, linewidth=1.4, marker=marker, markersize=4)
         for step in (alert_steps or {}).get(name, []):
             ax.axvline(step, color=colors[name], linestyle="--", alpha=0.6, linewidth=1)
     if not finite:
@@ -81,6 +85,7 @@ def render_chart(
     fmt: str = "svg",
     title: str = "",
     alert_steps: Mapping[str, Sequence[int]] | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> str:
     """One chart of ``series`` (run name -> points): a line per run, alert steps as dashed lines.
 
@@ -93,13 +98,15 @@ def render_chart(
         fmt: ``"svg"`` (an inline ``<svg>`` element) or ``"png"`` (an ``<img>`` with a base64 data URI).
         title: the accessible label of the chart.
         alert_steps: run name -> steps where the run raised an alert.
+        labels: run name -> its legend label (default: the run name); a label shared by
+            several runs (their group) appears once in the legend.
 
     Raises:
         HeadwatchError: ``fmt`` is not ``"svg"`` or ``"png"``, or matplotlib is not installed.
     """
     if fmt not in FORMATS:
         raise HeadwatchError(f"`fmt` must be one of {FORMATS}, got {fmt!r}")
-    fig = _figure(series, colors, alert_steps)
+    fig = _figure(series, colors, alert_steps, labels)
     buf = io.BytesIO()
     if fmt == "png":
         fig.savefig(buf, format="png")

@@ -14,6 +14,7 @@ from headwatch._errors import HeadwatchError
 from headwatch.report import charts as _charts
 from headwatch.report.charts import INSTALL_HINT
 from headwatch.report.compare import DEFAULT_LOSS_TAG, compare_groups
+from headwatch.report.group_html import render_group_html
 from headwatch.report.group_text import render_comparison
 from headwatch.report.html import render_html
 from headwatch.report.runs import collect_alerts, discover_groups, discover_runs, find_alerts_file, read_alerts_jsonl, read_scalars
@@ -44,7 +45,8 @@ over its runs, and each group's difference to the first group with a 95% Welch
 t-interval (* when it excludes 0), at a matched step (--at-step N, default the last
 common step) and at matched validation loss (each run read where its --loss-tag curve,
 default val_loss, first reaches a common value: --at-loss, default the lowest loss every
-run reaches; values between logged points are linearly interpolated).
+run reaches; values between logged points are linearly interpolated). --html writes the
+same tables and one chart per metric with every run in the color of its group.
 
 Examples:
   headwatch report runs                        # every run under runs/
@@ -146,8 +148,6 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         return
     if args.logdirs:
         parser.error(f"pass LOGDIRs or --group, not both (got LOGDIRs {args.logdirs})")
-    if args.html:
-        parser.error("--html is not available with --group; use the text table or --json")
     if args.at_step is not None and args.at_step < 0:
         parser.error(f"--at-step must be a step >= 0, got {args.at_step}")
     if args.at_loss is not None and not math.isfinite(args.at_loss):
@@ -181,12 +181,15 @@ def _run_report(args: argparse.Namespace) -> int:
     else:
         _write(render_text(runs, tags, alerts, width=args.width, prefix=args.prefix, sources=sources), sys.stdout)
     if args.html:
-        page = render_html(runs, tags, alerts, charts=args.charts, prefix=args.prefix, sources=sources)
-        path = Path(args.html)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(page, encoding="utf-8")
-        print(f"headwatch report: wrote {path}", file=sys.stderr)
+        _write_page(args.html, render_html(runs, tags, alerts, charts=args.charts, prefix=args.prefix, sources=sources))
     return _no_match(tags)
+
+
+def _write_page(html_path: str, page: str) -> None:
+    path = Path(html_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page, encoding="utf-8")
+    print(f"headwatch report: wrote {path}", file=sys.stderr)
 
 
 def _run_groups(args: argparse.Namespace) -> int:
@@ -199,6 +202,8 @@ def _run_groups(args: argparse.Namespace) -> int:
         _write(json.dumps(comparison.to_dict(), indent=2, allow_nan=False) + "\n", sys.stdout)
     else:
         _write(render_comparison(comparison, prefix=args.prefix), sys.stdout)
+    if args.html:
+        _write_page(args.html, render_group_html(comparison, groups, charts=args.charts, prefix=args.prefix))
     return _no_match(tags)
 
 

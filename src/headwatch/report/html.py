@@ -14,7 +14,7 @@ from headwatch.report.text import MISSING, alert_cell, format_number, format_tre
 
 CHART_CHOICES = ("auto", "svg", "png", "none")
 
-_CSS = """
+CSS = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 24px; color: #222; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; font-size: 0.85em; }
@@ -87,7 +87,7 @@ def render_html(
     out = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>",
+        f"<title>{esc(title)}</title><style>{CSS}</style></head><body>",
         f"<h1>{esc(title)}</h1>",
         '<ul class="runs">',
     ]
