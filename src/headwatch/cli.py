@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 COMMANDS = {
     "report": "compare the headwatch metrics and alerts of runs, or groups of runs over seeds (headwatch report --help)",
-    "cost": "estimate what headwatch costs a training run (headwatch cost --help)",
+    "cost": "what untying the output head costs: parameters and memory (headwatch cost --help)",
 }
 
 
