@@ -233,3 +233,11 @@ def test_engine_imports_neither_torch_nor_lightning():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_an_entropy_ceiling_above_log_v_is_warned_once():
+    warned = []
+    engine = AlertEngine(CollapseRules(entropy_ceiling=(4.0, 4.5)), [], warn=warned.append)
+    for step in range(3):  # V = 64: log V = H + KL = 4.159 nats; 4.5 can never be exceeded, 4.0 can
+        engine.observe_train(step, {E: 3.0, K: 1.1589})
+    assert len(warned) == 1 and "{'critical': 4.5}" in warned[0] and "4.159" in warned[0]

@@ -14,6 +14,7 @@ decision and the process rank::
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import warnings
@@ -120,6 +121,7 @@ class AlertEngine:
         """
         observed = any(v is not None for v in metrics.values())
         events = self.rules.observe_train(step, metrics) if observed else []
+        self._check_ceiling(metrics)
         shown = {self.rules.entropy_metric: metrics.get(self.rules.entropy_metric), self.rules.kl_metric: metrics.get(self.rules.kl_metric)}
         return self._decide("train", events, step, epoch, shown)
 
@@ -130,6 +132,19 @@ class AlertEngine:
         r = self.rules
         shown = {r.val_metric: metrics.get(r.val_metric), r.val_entropy_metric: metrics.get(r.val_entropy_metric)}
         return self._decide("val", events, step, epoch, shown)
+
+    def _check_ceiling(self, metrics: Mapping[str, float | None]) -> None:
+        """Warn once when an ``entropy_ceiling`` is at or above ``log V = H + kl_to_uniform``: it can never fire."""
+        ceilings = self.rules.thresholds["entropy_ceiling"]
+        h, kl = metrics.get(self.rules.entropy_metric), metrics.get(self.rules.kl_metric)
+        if not ceilings or h is None or kl is None or "ceiling" in self._warned or not math.isfinite(h + kl):
+            return
+        log_v = h + kl
+        never = {s: t for s, t in ceilings.items() if t >= log_v}
+        if never:
+            self._warned.add("ceiling")
+            self.warn(f"{self.name}: entropy_ceiling {never} is at or above log V = {log_v:.4g} nats (entropy + "
+                      "kl_to_uniform), the largest entropy possible: it can never fire. (warned once)")
 
     def _decide(self, kind: str, events: list[AlertEvent], step: int, epoch: int, shown: dict) -> list[Alert]:
         fired_here = {(e.rule, e.severity) for e in events if e.kind == FIRED}

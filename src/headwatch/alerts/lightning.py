@@ -46,6 +46,24 @@ def closest_names(name: str, logged: Sequence[str]) -> str:
     return f"no logged name is close (logged: {', '.join(repr(k) for k in sorted(logged)[:10]) or 'none'})"
 
 
+def _check_names(**names: Any) -> None:
+    for name, value in names.items():
+        if not isinstance(value, str) or not value:
+            raise HeadwatchError(f"`{name}` must be a metric name, got {value!r}")
+
+
+def _check_actions(rules: CollapseRules, jsonl: Any, save_checkpoint: Any, stop_training: Any, actions: Sequence[Any]) -> None:
+    if not rules.enabled():
+        raise HeadwatchError("every rule is off: set entropy_floor, entropy_ceiling, kl_ceiling, entropy_drop or patience")
+    for name, value in (("jsonl", jsonl), ("save_checkpoint", save_checkpoint), ("stop_training", stop_training)):
+        check_bool(name, value)
+    if (save_checkpoint or stop_training) and not any(s == CRITICAL for _, s in rules.enabled()):
+        raise HeadwatchError("save_checkpoint / stop_training act on critical alerts, and every rule is warning-only: "
+                             "give a critical threshold (a plain number is critical)")
+    if not all(callable(a) for a in actions):
+        raise HeadwatchError("`actions` must be callables taking an Alert")
+
+
 class SharpnessCollapseAlert(HeadwatchCallback):
     """Alert when the next-token distributions collapse toward a few safe tokens (or go flat).
 
@@ -138,10 +156,8 @@ class SharpnessCollapseAlert(HeadwatchCallback):
         val_dataloader_idx: int = 0,
     ) -> None:
         super().__init__(log_every_n_steps, prefix, strict)
-        for name, value in (("entropy_metric", entropy_metric), ("kl_metric", kl_metric), ("val_metric", val_metric),
-                            ("val_entropy_metric", val_entropy_metric)):
-            if not isinstance(value, str) or not value:
-                raise HeadwatchError(f"`{name}` must be a metric name, got {value!r}")
+        _check_names(entropy_metric=entropy_metric, kl_metric=kl_metric, val_metric=val_metric,
+                     val_entropy_metric=val_entropy_metric)
         rules = CollapseRules(
             entropy_floor=entropy_floor, kl_ceiling=kl_ceiling, entropy_drop=entropy_drop, window=window,
             alpha=smoothing, patience=patience, delta=val_delta, min_entropy_drop=val_min_entropy_drop,
@@ -149,15 +165,7 @@ class SharpnessCollapseAlert(HeadwatchCallback):
             val_dataloader_idx=val_dataloader_idx, entropy_metric=entropy_metric, kl_metric=kl_metric,
             val_metric=val_metric, val_entropy_metric=val_entropy_metric,
         )
-        if not rules.enabled():
-            raise HeadwatchError("every rule is off: set entropy_floor, entropy_ceiling, kl_ceiling, entropy_drop or patience")
-        for name, value in (("jsonl", jsonl), ("save_checkpoint", save_checkpoint), ("stop_training", stop_training)):
-            check_bool(name, value)
-        if (save_checkpoint or stop_training) and not any(s == CRITICAL for _, s in rules.enabled()):
-            raise HeadwatchError("save_checkpoint / stop_training act on critical alerts, and every rule is warning-only: "
-                                 "give a critical threshold")
-        if not all(callable(a) for a in actions):
-            raise HeadwatchError("`actions` must be callables taking an Alert")
+        _check_actions(rules, jsonl, save_checkpoint, stop_training, actions)
         check_webhook_options(webhook_timeout, webhook_retries)
         self._webhook_url = resolve_webhook_url(webhook_url)
         self.entropy_metric, self.kl_metric = entropy_metric, kl_metric
