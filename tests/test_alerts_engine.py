@@ -13,6 +13,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from headwatch import HeadwatchError
 from headwatch.alerts import Alert, AlertEngine, CollapseRules, SummaryWriterSink, WebhookSender, standard_actions
@@ -241,3 +243,29 @@ def test_an_entropy_ceiling_above_log_v_is_warned_once():
     for step in range(3):  # V = 64: log V = H + KL = 4.159 nats; 4.5 can never be exceeded, 4.0 can
         engine.observe_train(step, {E: 3.0, K: 1.1589})
     assert len(warned) == 1 and "{'critical': 4.5}" in warned[0] and "4.159" in warned[0]
+
+
+def runs_reference(below: list[bool], n: int) -> tuple[list[int], list[int]]:
+    """Fired and resolved steps for a floor with margin 0, from the maximal runs of ``below``:
+    a run of length >= n fires at its start + n - 1 and resolves at the step after it (if any)."""
+    fired, resolved, start = [], [], None
+    for i, b in enumerate(below + [False]):
+        if b and start is None:
+            start = i
+        elif not b and start is not None:
+            if i - start >= n:
+                fired.append(start + n - 1)
+                if i < len(below):
+                    resolved.append(i)
+            start = None
+    return fired, resolved
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.5, 1.5, 2.5]), max_size=30), st.integers(1, 4))
+def test_for_steps_matches_a_run_length_reference(series, n):
+    rules = CollapseRules(entropy_floor=2.0, entropy_drop=None, for_steps=n, margin=0.0)
+    got = events(rules, series)
+    fired, resolved = runs_reference([v < 2.0 for v in series], n)
+    assert [s for s, kind, _, _ in got if kind == FIRED] == fired
+    assert [s for s, kind, _, _ in got if kind == RESOLVED] == resolved
