@@ -14,6 +14,7 @@ decision and the process rank::
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import threading
@@ -60,6 +61,30 @@ def standard_actions(
     if stop is not None:
         actions.append(OnCritical("stop", stop))
     return actions
+
+
+def closest_names(name: str, logged: Sequence[str]) -> str:
+    """The logged names closest to ``name`` (difflib), as a clause for a warning about a metric never logged."""
+    close = difflib.get_close_matches(name, list(logged), n=3, cutoff=0.5)
+    if close:
+        return "the closest logged names are " + ", ".join(repr(c) for c in close)
+    return f"no logged name is close (logged: {', '.join(repr(k) for k in sorted(logged)[:10]) or 'none'})"
+
+
+def check_alert_args(rules: CollapseRules, actions: Sequence[Any], critical_actions: bool) -> None:
+    """The checks every front door makes: some rule on, metric names, callables, a critical rule for
+    checkpoint/stop (``critical_actions``). Raises HeadwatchError naming the argument."""
+    if not rules.enabled():
+        raise HeadwatchError("every rule is off: set entropy_floor, entropy_ceiling, kl_ceiling, entropy_drop or patience")
+    for name in ("entropy_metric", "kl_metric", "val_metric", "val_entropy_metric"):
+        value = getattr(rules, name)
+        if not isinstance(value, str) or not value:
+            raise HeadwatchError(f"`{name}` must be a metric name, got {value!r}")
+    if critical_actions and not any(s == CRITICAL for _, s in rules.enabled()):
+        raise HeadwatchError("save_checkpoint / stop_training act on critical alerts, and every rule is warning-only: "
+                             "give a critical threshold (a plain number is critical)")
+    if not all(callable(a) for a in actions):
+        raise HeadwatchError("`actions` must be callables taking an Alert")
 
 
 class AlertEngine:

@@ -7,7 +7,6 @@ loggers and checkpointing.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,10 +16,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from headwatch._base import HeadwatchCallback, check_bool, published_steps
-from headwatch._errors import HeadwatchError
 from headwatch.alerts.actions import JSONL_NAME
-from headwatch.alerts.engine import AlertEngine, standard_actions
-from headwatch.alerts.events import CRITICAL, Alert
+from headwatch.alerts.engine import AlertEngine, check_alert_args, closest_names, standard_actions
+from headwatch.alerts.events import Alert
 from headwatch.alerts.rules import CollapseRules, Threshold
 from headwatch.alerts.webhook import WebhookSender, check_webhook_options, redact_url, resolve_webhook_url
 
@@ -36,32 +34,6 @@ class _LoggerSink:
 
     def text(self, tag: str, text: str, step: int) -> None:
         self.callback._write_text(self.trainer, tag, text, step)
-
-
-def closest_names(name: str, logged: Sequence[str]) -> str:
-    """The logged names closest to ``name`` (difflib), for a warning."""
-    close = difflib.get_close_matches(name, list(logged), n=3, cutoff=0.5)
-    if close:
-        return "the closest logged names are " + ", ".join(repr(c) for c in close)
-    return f"no logged name is close (logged: {', '.join(repr(k) for k in sorted(logged)[:10]) or 'none'})"
-
-
-def _check_names(**names: Any) -> None:
-    for name, value in names.items():
-        if not isinstance(value, str) or not value:
-            raise HeadwatchError(f"`{name}` must be a metric name, got {value!r}")
-
-
-def _check_actions(rules: CollapseRules, jsonl: Any, save_checkpoint: Any, stop_training: Any, actions: Sequence[Any]) -> None:
-    if not rules.enabled():
-        raise HeadwatchError("every rule is off: set entropy_floor, entropy_ceiling, kl_ceiling, entropy_drop or patience")
-    for name, value in (("jsonl", jsonl), ("save_checkpoint", save_checkpoint), ("stop_training", stop_training)):
-        check_bool(name, value)
-    if (save_checkpoint or stop_training) and not any(s == CRITICAL for _, s in rules.enabled()):
-        raise HeadwatchError("save_checkpoint / stop_training act on critical alerts, and every rule is warning-only: "
-                             "give a critical threshold (a plain number is critical)")
-    if not all(callable(a) for a in actions):
-        raise HeadwatchError("`actions` must be callables taking an Alert")
 
 
 class SharpnessCollapseAlert(HeadwatchCallback):
@@ -156,8 +128,6 @@ class SharpnessCollapseAlert(HeadwatchCallback):
         val_dataloader_idx: int = 0,
     ) -> None:
         super().__init__(log_every_n_steps, prefix, strict)
-        _check_names(entropy_metric=entropy_metric, kl_metric=kl_metric, val_metric=val_metric,
-                     val_entropy_metric=val_entropy_metric)
         rules = CollapseRules(
             entropy_floor=entropy_floor, kl_ceiling=kl_ceiling, entropy_drop=entropy_drop, window=window,
             alpha=smoothing, patience=patience, delta=val_delta, min_entropy_drop=val_min_entropy_drop,
@@ -165,7 +135,9 @@ class SharpnessCollapseAlert(HeadwatchCallback):
             val_dataloader_idx=val_dataloader_idx, entropy_metric=entropy_metric, kl_metric=kl_metric,
             val_metric=val_metric, val_entropy_metric=val_entropy_metric,
         )
-        _check_actions(rules, jsonl, save_checkpoint, stop_training, actions)
+        for name, value in (("jsonl", jsonl), ("save_checkpoint", save_checkpoint), ("stop_training", stop_training)):
+            check_bool(name, value)
+        check_alert_args(rules, actions, save_checkpoint or stop_training)
         check_webhook_options(webhook_timeout, webhook_retries)
         self._webhook_url = resolve_webhook_url(webhook_url)
         self.entropy_metric, self.kl_metric = entropy_metric, kl_metric
