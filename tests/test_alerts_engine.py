@@ -269,3 +269,10 @@ def test_for_steps_matches_a_run_length_reference(series, n):
     fired, resolved = runs_reference([v < 2.0 for v in series], n)
     assert [s for s, kind, _, _ in got if kind == FIRED] == fired
     assert [s for s, kind, _, _ in got if kind == RESOLVED] == resolved
+
+
+def test_marker_names():
+    from headwatch.alerts import marker_name
+
+    assert marker_name("entropy_floor") == "entropy_floor"  # 0.1's tag for a critical alert
+    assert marker_name("entropy_floor", "warning") == "entropy_floor_warning"

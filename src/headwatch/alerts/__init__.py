@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from headwatch.alerts.actions import AlertSink, ConsoleWarning, JsonlLog, OnCritical, SinkMarker, SummaryWriterSink
+from headwatch.alerts.actions import (
+    AlertSink,
+    ConsoleWarning,
+    JsonlLog,
+    OnCritical,
+    SinkMarker,
+    SummaryWriterSink,
+    marker_name,
+)
 from headwatch.alerts.engine import AlertEngine, standard_actions
 from headwatch.alerts.events import CRITICAL, SEVERITIES, WARNING, Alert, AlertEvent
 from headwatch.alerts.rules import RULES, CollapseRules
@@ -38,6 +46,7 @@ __all__ = [
     "SinkMarker",
     "SummaryWriterSink",
     "WebhookSender",
+    "marker_name",
     "redact_url",
     "standard_actions",
 ]

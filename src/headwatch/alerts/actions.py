@@ -43,10 +43,15 @@ class SummaryWriterSink:
         self.writer.flush()
 
 
+def marker_name(rule: str, severity: str = CRITICAL) -> str:
+    """``<rule>`` for a critical alert, ``<rule>_warning`` for a warning: the marker's last tag component
+    (a reader of ``headwatch_alerts.jsonl`` matches records to markers with it)."""
+    return rule if severity == CRITICAL else f"{rule}_{severity}"
+
+
 def marker_tag(prefix: str, alert: Alert) -> str:
-    """``<prefix>/alerts/<rule>`` for a critical alert, ``<prefix>/alerts/<rule>_warning`` for a warning."""
-    suffix = "" if alert.severity == CRITICAL else f"_{alert.severity}"
-    return f"{prefix}/alerts/{alert.rule}{suffix}"
+    """``<prefix>/alerts/<marker_name(rule, severity)>``."""
+    return f"{prefix}/alerts/{marker_name(alert.rule, alert.severity)}"
 
 
 class SinkMarker:

@@ -39,8 +39,10 @@ class _LoggerSink:
 class SharpnessCollapseAlert(HeadwatchCallback):
     """Alert when the next-token distributions collapse toward a few safe tokens (or go flat).
 
-    Watches values already logged by :class:`~headwatch.LogitStatsMonitor` (or any logged
-    metric), with the rules of :class:`~headwatch.alerts.rules.CollapseRules`, each optional:
+    The Lightning front door of :class:`~headwatch.alerts.engine.AlertEngine` (which holds the
+    logic, for any loop). Watches values already logged by :class:`~headwatch.LogitStatsMonitor`
+    (or any logged metric), with the rules of :class:`~headwatch.alerts.rules.CollapseRules`,
+    each optional:
 
     - ``entropy_floor``: fires when ``H < t`` (nats); re-arms at ``H >= t + margin |t|``;
     - ``entropy_ceiling``: fires when ``H > t`` (nats, predictions going flat); re-arms at
