@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from headwatch._errors import HeadwatchError
+from headwatch.functional._precision import full_precision
 from headwatch.functional.quantiles import quantiles, sorted_quantiles
 
 
@@ -39,16 +40,47 @@ def dense_rows(matrix: Tensor) -> Tensor:
     return matrix.to_dense() if matrix.is_sparse else matrix
 
 
-def row_norms(matrix: Tensor) -> Tensor:
+_ROW_CHUNK_BYTES = 8 * 2**20
+"""Bound on the float64 copy of one block of rows made by :func:`row_norms` and :func:`row_cosine`."""
+
+
+def _row_steps(matrix: Tensor) -> range:
+    """Starts of blocks of rows whose float64 copy stays under 8 MiB (at least one row)."""
+    step = max(1, _ROW_CHUNK_BYTES // (8 * max(1, matrix.shape[1])))
+    return range(0, matrix.shape[0], step)
+
+
+def row_norms(matrix: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
     """L2 norm of every row, ``(V, d_model) -> (V,)`` float32 (float64 inputs stay float64).
 
-    Sparse COO inputs are accepted (duplicate indices are summed first). In float32 a
-    row whose entries are all below about 1e-19 has norm 0 (the squares underflow): use
-    :func:`row_nonzero` to tell zero rows from tiny ones.
+    Accumulated in float64, a block of rows at a time (at most 8 MiB of float64 copy),
+    with autocast disabled: no overflow for any finite entries (squares of float32 values
+    up to 3.4e38 fit float64) and no underflow of tiny ones. A norm above float32's
+    largest value (3.4e38: rows with entries near it) is ``inf`` in the float32 result;
+    ``dtype=torch.float64`` returns it exactly. Sparse COO inputs are accepted (duplicate
+    indices are summed first). No host sync.
     """
     m = dense_rows(matrix)
-    dtype = torch.float64 if m.dtype == torch.float64 else torch.float32
-    return torch.linalg.vector_norm(m, dim=1, dtype=dtype)
+    out_dtype = dtype or (torch.float64 if m.dtype == torch.float64 else torch.float32)
+    out = torch.empty(m.shape[0], dtype=out_dtype, device=m.device)
+    with full_precision(m.device):
+        steps = _row_steps(m)
+        for i in steps:
+            block = m[i : i + steps.step]
+            out[i : i + block.shape[0]] = torch.linalg.vector_norm(block, dim=1, dtype=torch.float64)
+    return out
+
+
+def finite_histogram_values(values: Tensor) -> tuple[Tensor, int]:
+    """The finite entries of ``values`` (flattened) and how many were skipped (NaN or +-inf).
+
+    For histogram writers (TensorBoard's refuses non-finite values and drops the whole
+    histogram): write ``values``, and warn when ``n_skipped > 0``. Syncs once.
+    """
+    flat = values.detach().reshape(-1)
+    finite = torch.isfinite(flat)
+    kept = flat[finite]
+    return kept, int(flat.numel() - kept.numel())
 
 
 def row_nonzero(matrix: Tensor) -> Tensor:
@@ -135,8 +167,9 @@ def row_cosine(
 ) -> tuple[Tensor, Tensor]:
     """Per-row cosine of two ``(V, d_model)`` matrices, and where it is defined.
 
-    Defined where both float32 row norms are positive (rows whose entries are all below
-    about 1e-19 count as zero here). ``norms_a``/``norms_b`` reuse norms already computed.
+    Defined where both row norms are positive. Computed in float64 blocks of rows (at most
+    8 MiB each), autocast disabled: no overflow for any finite entries. ``norms_a``/``norms_b``
+    reuse norms already computed (:func:`row_norms`).
 
     Returns:
         ``(cosine (V,) float32, both_nonzero (V,) bool)``; cosine is 0 where undefined.
@@ -145,15 +178,20 @@ def row_cosine(
     _check_matrix(b, "b")
     if a.shape != b.shape:
         raise HeadwatchError(f"expected two matrices of the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
-    af, bf = a.float(), b.float()
-    na = norms_a.float() if norms_a is not None else torch.linalg.vector_norm(af, dim=1)
-    nb = norms_b.float() if norms_b is not None else torch.linalg.vector_norm(bf, dim=1)
-    both = (na > 0) & (nb > 0)
-    # a batched (1 x d) @ (d x 1) product: over matrices that do not fit in cache it streams
-    # both once, where vecdot / (a * b).sum() run at about half the speed on the CPU
-    dot = torch.bmm(af.unsqueeze(1), bf.unsqueeze(2)).reshape(-1)
-    cos = dot / (na * nb).clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.where(both, cos.clamp(-1.0, 1.0), torch.zeros_like(cos)), both
+    both = torch.empty(a.shape[0], dtype=torch.bool, device=a.device)
+    cos = torch.empty(a.shape[0], dtype=torch.float32, device=a.device)
+    with full_precision(a.device):
+        steps = _row_steps(a)
+        for i in steps:
+            j = i + steps.step
+            ab, bb = a[i:j].double(), b[i:j].double()  # (n, d) float64: no overflow in the dot product
+            na = norms_a[i:j].double() if norms_a is not None else torch.linalg.vector_norm(ab, dim=1)
+            nb = norms_b[i:j].double() if norms_b is not None else torch.linalg.vector_norm(bb, dim=1)
+            both[i:j] = (na > 0) & (nb > 0)
+            # a batched (1 x d) @ (d x 1) product streams both blocks once (vecdot is slower on the CPU)
+            dot = torch.bmm(ab.unsqueeze(1), bb.unsqueeze(2)).reshape(-1)
+            cos[i:j] = (dot / (na * nb).clamp(min=torch.finfo(torch.float64).tiny)).clamp(-1.0, 1.0)
+    return torch.where(both, cos, torch.zeros_like(cos)), both
 
 
 class Summary(NamedTuple):
