@@ -78,13 +78,15 @@ def hidden_chunk_plan(vocab_size: int, d_model: int, weight_dtype: torch.dtype, 
     Working set of one chunk, float32: the projected logits ``(rows, V)`` plus the two
     buffers of the row math ``(rows, V)`` (12 bytes per row and vocabulary entry), the
     hidden rows ``(rows, d_model)``, and, for a head that is not float32, a float32 copy of
-    ``vocab_step`` of its rows (at most a quarter of the budget). At least one row.
+    ``vocab_step`` of its rows (at most a quarter of the budget) with its ``(rows, vocab_step)``
+    product. At least one row.
     """
     vocab_step = vocab_size
-    if weight_dtype != torch.float32:
+    if weight_dtype != torch.float32:  # (float32 heads are used as they are, sliced or not)
         vocab_step = max(1, min(vocab_size, max_chunk_bytes // (4 * 4 * d_model)))
     weight_bytes = 0 if weight_dtype == torch.float32 else 4 * vocab_step * d_model
-    rows = (max_chunk_bytes - weight_bytes) // (12 * vocab_size + 4 * d_model)
+    per_row = 12 * vocab_size + 4 * d_model + (0 if weight_dtype == torch.float32 else 4 * vocab_step)
+    rows = (max_chunk_bytes - weight_bytes) // per_row
     return max(1, rows), vocab_step
 
 
@@ -133,14 +135,20 @@ def logit_statistics_from_hidden(
     b = bias.detach().float() if bias is not None else None
     flat = hidden.detach().reshape(-1, d)
 
+    # one float32 slice of a low-precision head and its product, reused by every chunk
+    wbuf = torch.empty(vocab_step, d, device=w.device) if w.dtype != torch.float32 else None
+    pbuf = torch.empty(rows, vocab_step, device=w.device) if w.dtype != torch.float32 else None
+
     def project(start: int) -> Tensor:
         h = flat[start : start + rows].float()  # (n, d)
         x = torch.empty(h.shape[0], V, dtype=torch.float32, device=h.device)  # (n, V)
-        if vocab_step == V:  # a float32 head: one product straight into x
+        if wbuf is None or pbuf is None:  # a float32 head: one product straight into x
             return torch.mm(h, w.T, out=x) if b is None else torch.addmm(b, h, w.T, out=x)
         for v0 in range(0, V, vocab_step):  # a low-precision head is converted a slice at a time
-            wv = w[v0 : v0 + vocab_step].float()  # (v, d)
-            x[:, v0 : v0 + vocab_step] = h @ wv.T if b is None else torch.addmm(b[v0 : v0 + vocab_step], h, wv.T)
+            v = min(vocab_step, V - v0)
+            wv = wbuf[:v].copy_(w[v0 : v0 + v])  # (v, d) float32
+            p = torch.mm(h, wv.T, out=pbuf[: h.shape[0], :v])  # (n, v)
+            x[:, v0 : v0 + v] = p if b is None else p.add_(b[v0 : v0 + v])
         return x
 
     tasks: list[Task] = [(start, partial(project, start)) for start in range(0, flat.shape[0], rows)]
