@@ -173,6 +173,8 @@ def test_cpu_threads_split_chunks_and_restore_the_thread_count():
     try:
         torch.set_num_threads(3)
         many = logit_statistics(x, max_chunk_bytes=200_000)  # 5 rows a chunk: 60 chunks on 3 workers
+        with_grad = logit_statistics(x.clone().requires_grad_(), max_chunk_bytes=200_000)  # no graph in workers
+        assert torch.equal(with_grad.entropy, many.entropy)
         assert torch.get_num_threads() == 3
         with pytest.raises(HeadwatchError, match="to return a tensor of shape"):  # a worker's error reaches us
             logit_statistics(x, max_chunk_bytes=200_000, transform=lambda c: c[:1])

@@ -59,7 +59,9 @@ def map_rows_single_threaded(
     Tasks are handed out one at a time from a shared queue, so a thread that the OS
     deschedules delays only the task it holds (the others take the rest). torch's thread
     count is set to 1 for the call (new threads read it when they first run an op) and
-    restored afterwards. ``fn`` must write to disjoint outputs; exceptions are re-raised.
+    restored afterwards; the caller's grad mode is carried into the threads (autocast is
+    not: it starts disabled there). ``fn`` must write to disjoint outputs; exceptions are
+    re-raised.
     """
     if workers <= 1 or len(tasks) <= 1:
         for task in tasks:
@@ -67,14 +69,16 @@ def map_rows_single_threaded(
         return
     lock = threading.Lock()
     queue = iter(tasks)
+    grad = torch.is_grad_enabled()  # thread-local in torch: new threads start with grad enabled
 
     def work(worker: int) -> None:
-        while True:
-            with lock:
-                task = next(queue, None)
-            if task is None:
-                return
-            fn(task, worker)
+        with torch.set_grad_enabled(grad):
+            while True:
+                with lock:
+                    task = next(queue, None)
+                if task is None:
+                    return
+                fn(task, worker)
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
