@@ -18,6 +18,7 @@ and a boolean ``valid`` of shape ``(V,)`` (rows that can occur; padded vocabular
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -40,35 +41,43 @@ def dense_rows(matrix: Tensor) -> Tensor:
     return matrix.to_dense() if matrix.is_sparse else matrix
 
 
-_ROW_CHUNK_BYTES = 8 * 2**20
-"""Bound on the float64 copy of one block of rows made by :func:`row_norms` and :func:`row_cosine`."""
+# Float32 sums of squares overflow above 3.4e38 (norms above 1.8e19) and lose precision below
+# 1.2e-38 (norms below about 1.1e-19): rows outside [_LOW, _HIGH] are recomputed in float64.
+_LOW, _HIGH = 2.0**-62, 2.0**62
 
 
-def _row_steps(matrix: Tensor) -> range:
-    """Starts of blocks of rows whose float64 copy stays under 8 MiB (at least one row)."""
-    step = max(1, _ROW_CHUNK_BYTES // (8 * max(1, matrix.shape[1])))
-    return range(0, matrix.shape[0], step)
+def _fix_rows_float64(values: Tensor, suspect: Tensor, exact: Callable[[Tensor], Tensor]) -> Tensor:
+    """Replace ``values[suspect]`` by ``exact(row_ids)`` (float64); one host sync to find them."""
+    if not bool(suspect.any()):
+        return values
+    idx = suspect.nonzero().flatten()
+    values = values.clone()
+    values[idx] = exact(idx).to(values.dtype)
+    return values
 
 
 def row_norms(matrix: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
     """L2 norm of every row, ``(V, d_model) -> (V,)`` float32 (float64 inputs stay float64).
 
-    Accumulated in float64, a block of rows at a time (at most 8 MiB of float64 copy),
-    with autocast disabled: no overflow for any finite entries (squares of float32 values
-    up to 3.4e38 fit float64) and no underflow of tiny ones. A norm above float32's
-    largest value (3.4e38: rows with entries near it) is ``inf`` in the float32 result;
-    ``dtype=torch.float64`` returns it exactly. Sparse COO inputs are accepted (duplicate
-    indices are summed first). No host sync.
+    One float32 pass (autocast disabled); rows whose float32 norm overflowed (``inf`` from
+    finite entries: norms above 1.8e19, e.g. a loss scaled by 1e22) or may have lost
+    precision to underflow (non-zero norms below 2**-62) are recomputed in float64, so any
+    finite row gets its norm. Rows whose entries are all below about 1e-23 still get 0 (use
+    :func:`row_nonzero` to tell them from zero rows). A norm above float32's largest value
+    (3.4e38) is ``inf`` in float32: ``dtype=torch.float64`` returns it exactly. Sparse COO
+    inputs are accepted (duplicate indices are summed first). One host sync (a bool).
     """
     m = dense_rows(matrix)
     out_dtype = dtype or (torch.float64 if m.dtype == torch.float64 else torch.float32)
-    out = torch.empty(m.shape[0], dtype=out_dtype, device=m.device)
     with full_precision(m.device):
-        steps = _row_steps(m)
-        for i in steps:
-            block = m[i : i + steps.step]
-            out[i : i + block.shape[0]] = torch.linalg.vector_norm(block, dim=1, dtype=torch.float64)
-    return out
+        acc = torch.float64 if m.dtype == torch.float64 else torch.float32
+        norms = torch.linalg.vector_norm(m, dim=1, dtype=acc).to(out_dtype)
+        if acc == torch.float64:
+            return norms
+        suspect = torch.isinf(norms) | ((norms > 0) & (norms < _LOW))
+        return _fix_rows_float64(
+            norms, suspect, lambda idx: torch.linalg.vector_norm(m.index_select(0, idx).double(), dim=1)
+        )
 
 
 def finite_histogram_values(values: Tensor) -> tuple[Tensor, int]:
@@ -167,9 +176,10 @@ def row_cosine(
 ) -> tuple[Tensor, Tensor]:
     """Per-row cosine of two ``(V, d_model)`` matrices, and where it is defined.
 
-    Defined where both row norms are positive. Computed in float64 blocks of rows (at most
-    8 MiB each), autocast disabled: no overflow for any finite entries. ``norms_a``/``norms_b``
-    reuse norms already computed (:func:`row_norms`).
+    Defined where both row norms are positive. float32 with autocast disabled; rows whose
+    norms are above 2**62 or below 2**-62 (where the float32 dot product could overflow or
+    underflow) are recomputed in float64 (one host sync). ``norms_a``/``norms_b`` reuse
+    norms already computed (:func:`row_norms`).
 
     Returns:
         ``(cosine (V,) float32, both_nonzero (V,) bool)``; cosine is 0 where undefined.
@@ -178,20 +188,24 @@ def row_cosine(
     _check_matrix(b, "b")
     if a.shape != b.shape:
         raise HeadwatchError(f"expected two matrices of the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
-    both = torch.empty(a.shape[0], dtype=torch.bool, device=a.device)
-    cos = torch.empty(a.shape[0], dtype=torch.float32, device=a.device)
     with full_precision(a.device):
-        steps = _row_steps(a)
-        for i in steps:
-            j = i + steps.step
-            ab, bb = a[i:j].double(), b[i:j].double()  # (n, d) float64: no overflow in the dot product
-            na = norms_a[i:j].double() if norms_a is not None else torch.linalg.vector_norm(ab, dim=1)
-            nb = norms_b[i:j].double() if norms_b is not None else torch.linalg.vector_norm(bb, dim=1)
-            both[i:j] = (na > 0) & (nb > 0)
-            # a batched (1 x d) @ (d x 1) product streams both blocks once (vecdot is slower on the CPU)
-            dot = torch.bmm(ab.unsqueeze(1), bb.unsqueeze(2)).reshape(-1)
-            cos[i:j] = (dot / (na * nb).clamp(min=torch.finfo(torch.float64).tiny)).clamp(-1.0, 1.0)
-    return torch.where(both, cos, torch.zeros_like(cos)), both
+        af, bf = a.float(), b.float()
+        na = norms_a.float() if norms_a is not None else row_norms(af)
+        nb = norms_b.float() if norms_b is not None else row_norms(bf)
+        both = (na > 0) & (nb > 0)
+        # a batched (1 x d) @ (d x 1) product: over matrices that do not fit in cache it streams
+        # both once, where vecdot / (a * b).sum() run at about half the speed on the CPU
+        dot = torch.bmm(af.unsqueeze(1), bf.unsqueeze(2)).reshape(-1)
+        cos = dot / (na * nb).clamp(min=torch.finfo(torch.float32).tiny)
+        # where the float32 dot product or norm product may overflow or underflow: float64
+        suspect = both & ((na > _HIGH) | (nb > _HIGH) | (na < _LOW) | (nb < _LOW))
+
+        def exact(idx: Tensor) -> Tensor:
+            ra, rb = af.index_select(0, idx).double(), bf.index_select(0, idx).double()
+            return torch.linalg.vecdot(ra, rb) / (torch.linalg.vector_norm(ra, dim=1) * torch.linalg.vector_norm(rb, dim=1))
+
+        cos = _fix_rows_float64(cos, suspect, exact)
+    return torch.where(both, cos.clamp(-1.0, 1.0), torch.zeros_like(cos)), both
 
 
 class Summary(NamedTuple):
