@@ -23,6 +23,12 @@ reported as non-finite and excluded, never propagated into means.
 Memory is bounded: rows are processed in chunks whose float32 working buffers stay
 under ``max_chunk_bytes``; no ``(..., V)`` log-softmax, probability or uniform tensor
 is allocated.
+
+Precision: the math runs in float32 (float64 for float64 logits) with autocast disabled,
+so a call inside ``torch.autocast`` (Lightning's ``precision="bf16-mixed"``) gives the
+same values as outside (issue 11, section 1). Speed on the CPU: chunks are cache-sized
+and shared among torch's threads, each running single-threaded ops (see
+``headwatch.functional._precision``), so a busy machine does not stall every op.
 """
 
 from __future__ import annotations
