@@ -172,12 +172,12 @@ def test_cpu_threads_split_chunks_and_restore_the_thread_count():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
-        many = logit_statistics(x, max_chunk_bytes=200_000)  # 5 rows a chunk: 60 chunks on 3 workers
-        with_grad = logit_statistics(x.clone().requires_grad_(), max_chunk_bytes=200_000)  # no graph in workers
+        many = logit_statistics(x, max_chunk_bytes=600_000)  # 200 kB a thread, 5 rows a chunk: 60 chunks
+        with_grad = logit_statistics(x.clone().requires_grad_(), max_chunk_bytes=600_000)  # no graph in workers
         assert torch.equal(with_grad.entropy, many.entropy)
         assert torch.get_num_threads() == 3
         with pytest.raises(HeadwatchError, match="to return a tensor of shape"):  # a worker's error reaches us
-            logit_statistics(x, max_chunk_bytes=200_000, transform=lambda c: c[:1])
+            logit_statistics(x, max_chunk_bytes=600_000, transform=lambda c: c[:, :1])
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(threads)
@@ -224,3 +224,27 @@ print(json.dumps([(hwm() - before) / 1024, seen]))
     grown_mib, seen = json.loads(out)
     assert seen == [[32, 128256]] * 2
     assert grown_mib < 96  # the 64 MiB budget plus allocator slack; the head itself is 1 GiB
+
+
+def test_cpu_threads_share_the_memory_budget():
+    """With 4 threads, the chunk buffers of all threads together stay within max_chunk_bytes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(2048, 1000, generator=torch.Generator().manual_seed(8))  # 8 MB
+    budget = 1 << 20
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = logit_statistics(x, max_chunk_bytes=budget)
+    finally:
+        torch.set_num_threads(threads)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    running = peak = 0
+    for e in events:  # the running sum of allocations and frees, in time order
+        running += e.nbytes()
+        peak = max(peak, running)
+    outputs = 2048 * 4 * 16  # the (N,) per-position tensors, with room for their temporaries
+    assert peak <= budget + outputs
+    assert_matches(out, reference(x), atol=1e-5)

@@ -186,9 +186,10 @@ def logit_statistics(
             target equals ``ignore_index`` are excluded.
         ignore_index: target value marking positions that are not predictions (-100,
             as in ``torch.nn.functional.cross_entropy``).
-        max_chunk_bytes: upper bound on the extra working memory of one chunk of rows
-            (default 64 MiB); on the CPU chunks are kept cache-sized (4 MiB) below it, and
-            chunks are shared among torch's threads (one chunk in flight per thread).
+        max_chunk_bytes: upper bound on the extra working memory of the chunks in flight
+            (default 64 MiB); on the CPU the chunks are shared among torch's threads (one
+            chunk in flight per thread, each within ``max_chunk_bytes / threads`` and kept
+            cache-sized, 4 MiB, below that).
         transform: optional final transform of the logits (softcapping
             :func:`logit_softcap`, a scale :func:`logit_scale`, or any callable), applied to
             each ``(n, V)`` chunk after conversion to float32: a fresh copy that it may
@@ -210,11 +211,14 @@ def logit_statistics(
     _check_transform(transform)
     V = logits.shape[-1]
     extra = 1 if transform is not None and compute_dtype(logits.dtype) == logits.dtype else 0
-    rows = rows_per_chunk(V, logits.dtype, logits.device, max_chunk_bytes, extra_buffers=extra)
+    # the budget is shared by the CPU threads, each with its own chunk buffers
+    workers = cpu_workers(logits.device, math.prod(logits.shape[:-1]))
+    budget = max(1, max_chunk_bytes // workers)
+    rows = rows_per_chunk(V, logits.dtype, logits.device, budget, extra_buffers=extra)
     tasks = _row_tasks(logits, rows)
     return statistics_from_tasks(
         tasks, logits.shape[:-1], V, logits.device, rows, mask, targets, ignore_index,
-        compute_dtype(logits.dtype), transform, workers=cpu_workers(logits.device, len(tasks)),
+        compute_dtype(logits.dtype), transform, workers=min(workers, max(1, len(tasks))),
     )
 
 
