@@ -11,8 +11,9 @@ from headwatch.functional.logits import (
     kl_from_uniform,
     kl_to_uniform,
     logit_statistics,
-    logit_statistics_from_hidden,
 )
+from headwatch.functional.hidden import logit_scale, logit_softcap, logit_statistics_from_hidden
+from headwatch.functional.rows import finite_histogram_values
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -23,4 +24,7 @@ __all__ = [
     "kl_to_uniform",
     "logit_statistics",
     "logit_statistics_from_hidden",
+    "logit_scale",
+    "logit_softcap",
+    "finite_histogram_values",
 ]
