@@ -110,7 +110,6 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
             max_chunk_bytes, draw, on_epoch_end, prefix, strict, batch_format,
         )  # fmt: skip
         self.every_n_steps = self.log_every_n_steps = every_n_steps
-        self.every_factor = 10
         self.figures = figures
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

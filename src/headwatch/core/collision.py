@@ -83,6 +83,7 @@ class SynonymCollision(Monitor):
     """
 
     name = "collision"
+    every_factor = 10  # a neighbour search is costlier than a logging step
 
     def __init__(
         self,

@@ -6,6 +6,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from headwatch._errors import HeadwatchError
@@ -44,6 +45,8 @@ class Monitor:
 
     name = "monitor"
     """Short name used in messages."""
+    every_factor = 1
+    """Default schedule: this many times the engine's logging interval."""
 
     def __init__(self, prefix: str = "headwatch", strict: bool = False, batch_format: BatchFormat | None = None) -> None:
         if not isinstance(prefix, str) or not prefix or prefix.endswith("/"):
@@ -149,3 +152,13 @@ class Monitor:
             f"{label} failed while {where} ({type(err).__name__}: {err}); training goes on and "
             "this measurement is skipped. Pass strict=True to raise instead. (warned once)",
         )
+
+
+def to_floats(scalars: dict[str, Tensor | float]) -> dict[str, float]:
+    """Scalars (tensors on any device, or numbers) as Python floats with one host sync."""
+    if not scalars:
+        return {}
+    devices = [v.device for v in scalars.values() if isinstance(v, Tensor) and v.device.type != "cpu"]
+    device = devices[0] if devices else torch.device("cpu")
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in scalars.values()])
+    return dict(zip(scalars, stacked.tolist()))  # the one host sync of a logging step

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from headwatch import tensorboard as tb
 from headwatch._errors import HeadwatchError
-from headwatch.core.monitor import Monitor
+from headwatch.core.monitor import Monitor, to_floats
 from headwatch.core.schedule import Schedule
 
 
@@ -89,16 +89,6 @@ def published_steps(trainer: Any) -> dict[str, int]:
     return steps
 
 
-def to_floats(scalars: dict[str, Tensor | float]) -> dict[str, float]:
-    """Scalars (tensors on any device, or numbers) as Python floats with one host sync."""
-    if not scalars:
-        return {}
-    devices = [v.device for v in scalars.values() if isinstance(v, Tensor) and v.device.type != "cpu"]
-    device = devices[0] if devices else torch.device("cpu")
-    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in scalars.values()])
-    return dict(zip(scalars, stacked.tolist()))  # the one host sync of a logging step
-
-
 def publish(trainer: pl.Trainer, scalars: dict[str, Tensor | float], step: int) -> dict[str, float]:
     """Scalars to every logger at ``step``, to ``trainer.callback_metrics`` (every rank), then flush."""
     numbers = to_floats(scalars)
@@ -123,8 +113,6 @@ class MonitorCallback(Callback):
     """
 
     log_every_n_steps: int | None = None
-    every_factor = 1
-    """Schedule = this times the Trainer's ``log_every_n_steps`` when ``log_every_n_steps`` is None."""
 
     @property
     def state_key(self) -> str:
@@ -136,7 +124,7 @@ class MonitorCallback(Callback):
     # ---------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         core = self._core()
-        every = self.log_every_n_steps if self.log_every_n_steps is not None else self.every_factor * trainer.log_every_n_steps
+        every = self.log_every_n_steps if self.log_every_n_steps is not None else core.every_factor * trainer.log_every_n_steps
         core.configure(Schedule(every), LightningReducer(trainer.strategy))
         if every == 0:
             rank_zero_warn(f"{type(self).__name__}: log_every_n_steps is 0, training steps are not measured.")
