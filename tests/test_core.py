@@ -155,3 +155,57 @@ def test_lightning_step_falls_back_to_global_step():
     assert lightning_step(SimpleNamespace(global_step=7)) == 7  # no fit_loop: the public counter
     loop = SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=3))
     assert lightning_step(SimpleNamespace(global_step=6, fit_loop=loop)) == 3  # manual: 2 optimizers
+
+
+# ---------------------------------------------------------------- names declared once
+def _emitted(tmp_path, tie: bool) -> set[str]:
+    logger = StepLogger()
+    callbacks = [
+        LogitStatsMonitor(figure_every_n_steps=1),
+        GradientDensityMonitor(figure_every_n_steps=1),
+        SynonymCollisionMonitor(every_n_steps=2, synonym_groups=[[1, 2, 3], [4, 5]], figures=True, tau=-1.0),
+    ]
+    tb_logger = pl.loggers.TensorBoardLogger(tmp_path, name="tb")
+    trainer = make_trainer(tmp_path, callbacks, max_steps=2, log_every_n_steps=1, logger=[logger, tb_logger], val_check_interval=2)
+    trainer.fit(TinyCausalLM(tie_weights=tie), loader(n=16), loader(n=8, seed=1))
+    acc = EventAccumulator(tb_logger.log_dir, size_guidance={"images": 0, "histograms": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    media = set(tags["histograms"]) | set(tags["images"]) | {t.removesuffix("/text_summary") for t in tags["tensors"]}
+    return (set(logger.steps) | media) - {"train_loss", "val_loss", "epoch", "custom_scalars__config__"}
+
+
+def test_every_emitted_name_is_declared_and_documented(tmp_path):
+    from pathlib import Path
+
+    from headwatch import names
+    from headwatch.core.logits import SCALAR_KEYS
+    from headwatch.metrics import LogitStatsMetric
+
+    emitted = _emitted(tmp_path / "untied", False) | _emitted(tmp_path / "tied", True)
+    undeclared = sorted(n for n in emitted if names.declaration(n) is None)
+    assert not undeclared, undeclared
+    hit = {names.declaration(n) for n in emitted}
+    never = [m.pattern for m in names.METRICS if m not in hit and m.monitor != "SharpnessCollapseAlert"]
+    assert not never, f"declared but never emitted: {never}"
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    undocumented = [m.readme_spelling() for m in names.METRICS if m.readme_spelling() not in readme]
+    assert not undocumented, undocumented
+    # nothing computed is dropped: every value of the metric but the raw entropies is published
+    metric = LogitStatsMetric()
+    metric.update(torch.randn(2, 3, 8), None, torch.randint(0, 8, (2, 3)))
+    assert set(metric.compute()) - {"entropy_values"} == set(SCALAR_KEYS)
+
+
+def test_dashboard_and_alert_defaults_use_declared_names():
+    from headwatch import names
+    from headwatch.dashboard import build_layout
+
+    for chart in names.CHARTS:
+        for series in chart.series:
+            if "{" in series:
+                assert series in {m.pattern for m in names.METRICS}, series
+            elif not series.startswith("^"):
+                assert names.declaration(f"headwatch/{series}") is not None, series
+    assert all(names.declaration(f"headwatch/{n}") for n in names.DEFAULT_ALERT_METRICS)
+    assert list(build_layout()["headwatch"]) == [c.title for c in names.CHARTS]
