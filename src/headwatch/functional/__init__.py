@@ -17,11 +17,13 @@ from headwatch.functional.logits import (
     DEFAULT_MAX_CHUNK_BYTES,
     LogitStatistics,
     LogitStatSums,
+    compute_dtype,
     entropy,
     kl_from_uniform,
     kl_to_uniform,
     logit_statistics,
     logit_statistics_from_hidden,
+    rows_per_chunk,
 )
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
 from headwatch.functional.quantiles import quantiles
@@ -50,6 +52,7 @@ __all__ = [
     "Neighbours",
     "Summary",
     "collision_statistics",
+    "compute_dtype",
     "count_order",
     "dense_rows",
     "entropy",
@@ -71,6 +74,7 @@ __all__ = [
     "row_nonzero",
     "row_nonzero_given_norms",
     "row_norms",
+    "rows_per_chunk",
     "sample_rows",
     "spearman",
     "summarize",
