@@ -26,7 +26,7 @@ from headwatch.functional.logits import (
     rows_per_chunk,
 )
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
-from headwatch.functional.quantiles import quantiles
+from headwatch.functional.quantiles import quantiles, sorted_quantiles
 from headwatch.functional.rows import (
     Summary,
     dense_rows,
@@ -76,6 +76,7 @@ __all__ = [
     "row_norms",
     "rows_per_chunk",
     "sample_rows",
+    "sorted_quantiles",
     "spearman",
     "summarize",
     "summarize_groups",
