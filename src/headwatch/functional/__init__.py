@@ -24,7 +24,7 @@ from headwatch.functional.logits import (
     logit_statistics,
     rows_per_chunk,
 )
-from headwatch.functional.hidden import logit_scale, logit_softcap, logit_statistics_from_hidden
+from headwatch.functional.hidden import hidden_chunk_plan, logit_scale, logit_softcap, logit_statistics_from_hidden
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
 from headwatch.functional.quantiles import quantiles, sorted_quantiles
 from headwatch.functional.rows import (
@@ -59,6 +59,7 @@ __all__ = [
     "entropy",
     "frequency_buckets",
     "frequency_snapshot",
+    "hidden_chunk_plan",
     "kl_from_uniform",
     "kl_to_uniform",
     "logit_statistics",
