@@ -28,12 +28,11 @@ class HeadWarmupCore:
     Phase 0 (steps ``0 .. warmup_steps - 1``): every parameter outside the head has
     ``requires_grad = False``, so it gets no gradient and optimizers that skip gradient-less
     parameters (all of ``torch.optim``, AdamW's decoupled weight decay included) leave it and
-    its state exactly as they were. With ``head_lr``, the head's parameters move to a param
-    group of their own at that learning rate (constant: LR schedulers only drive the groups
-    they were built with). Phase 1 (from step ``warmup_steps``): the frozen parameters train
-    again and the head's parameters return to their original groups and positions, so the
-    optimizer has exactly the groups the user built (and its state, which is keyed by
-    parameter, is untouched).
+    its state exactly as they were. With ``head_lr``, the head steps at that constant learning
+    rate (see :meth:`attach`). Phase 1 (from step ``warmup_steps``): the frozen parameters
+    train again with their groups' learning rates. The optimizer's param groups are the ones
+    the user built throughout (nothing to restore, as Lightning's finetuning callbacks must
+    when they add groups), and its state, keyed by parameter, is untouched.
 
     Args:
         warmup_steps: optimizer steps of phase 0 (0: no warm-up).
@@ -53,8 +52,7 @@ class HeadWarmupCore:
         self.phase = 0 if warmup_steps > 0 else 1
         self.switched_at_step: int | None = None
         self._frozen: list[nn.Parameter] = []
-        self._moved: dict[int, list[tuple[int, int, nn.Parameter]]] = {}  # id(optimizer) -> (group, position, param)
-        self._head_groups: dict[int, dict[str, Any]] = {}
+        self._hooks: dict[int, list[Any]] = {}  # id(optimizer) -> step pre/post hook handles
 
     def freeze(self, model: nn.Module, head_params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """Phase 0: set ``requires_grad = False`` on every trainable parameter outside the head."""
@@ -74,31 +72,40 @@ class HeadWarmupCore:
         self._frozen = []
 
     def attach(self, optimizer: Optimizer, head_params: Iterable[nn.Parameter]) -> bool:
-        """Phase 0 with ``head_lr``: move the head's parameters to their own group. Returns whether it did."""
-        if self.phase != 0 or self.head_lr is None or id(optimizer) in self._moved:
+        """Phase 0 with ``head_lr``: step the head at ``head_lr``. Returns whether it hooked ``optimizer``.
+
+        The optimizer's groups are never changed: a pre-step hook sets ``lr = head_lr`` on the
+        groups that hold head parameters (their other parameters are frozen, so only the head
+        feels it) and a post-step hook puts the scheduler's values back, so LR schedulers,
+        ``state_dict`` and checkpoints see exactly the groups the user built.
+        """
+        if self.phase != 0 or self.head_lr is None or id(optimizer) in self._hooks:
             return False
         head_ids = {id(p) for p in head_params}
-        moved: list[tuple[int, int, nn.Parameter]] = []
-        for g, group in enumerate(optimizer.param_groups):
-            moved += [(g, i, p) for i, p in enumerate(group["params"]) if id(p) in head_ids]
-            group["params"] = [p for p in group["params"] if id(p) not in head_ids]
-        if not moved:
+
+        def head_groups(opt: Optimizer) -> list[dict[str, Any]]:
+            # looked up at each step: load_state_dict (a resumed checkpoint) replaces the group dicts
+            return [g for g in opt.param_groups if any(id(p) in head_ids for p in g["params"])]
+
+        if not head_groups(optimizer):
             return False
-        template = {k: v for k, v in optimizer.param_groups[moved[0][0]].items() if k != "params"}
-        head_group = {**template, "params": [p for _, _, p in moved], "lr": self.head_lr, "initial_lr": self.head_lr}
-        optimizer.add_param_group(head_group)
-        self._moved[id(optimizer)] = moved
-        self._head_groups[id(optimizer)] = optimizer.param_groups[-1]
+        saved: list[tuple[dict[str, Any], float]] = []
+
+        def pre(opt: Optimizer, args: Any, kwargs: Any) -> None:
+            saved[:] = [(g, g["lr"]) for g in head_groups(opt)]
+            for g, _ in saved:
+                g["lr"] = self.head_lr
+
+        def post(opt: Optimizer, args: Any, kwargs: Any) -> None:
+            for g, lr in saved:
+                g["lr"] = lr
+
+        self._hooks[id(optimizer)] = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
         return True
 
     def _detach(self, optimizer: Optimizer) -> None:
-        moved = self._moved.pop(id(optimizer), None)
-        head_group = self._head_groups.pop(id(optimizer), None)
-        if moved is None:
-            return
-        optimizer.param_groups[:] = [g for g in optimizer.param_groups if g is not head_group]
-        for g, i, p in sorted(moved, key=lambda m: (m[0], m[1])):
-            optimizer.param_groups[g]["params"].insert(i, p)
+        for handle in self._hooks.pop(id(optimizer), []):
+            handle.remove()
 
     def step(self, global_step: int, optimizers: Iterable[Optimizer]) -> bool:
         """Call before each optimizer step's forward pass; switches to phase 1 at ``warmup_steps``.
@@ -131,8 +138,8 @@ class HeadWarmupCore:
 class HeadWarmup(BaseFinetuning):
     """Lightning callback: only the output head trains for ``warmup_steps`` optimizer steps.
 
-    Then every parameter it froze trains again, with the optimizer's param groups restored
-    to those ``configure_optimizers`` built (see :class:`HeadWarmupCore`). Build the optimizer
+    Then every parameter it froze trains again, in the param groups ``configure_optimizers``
+    built, which the warm-up never changes (see :class:`HeadWarmupCore`). Build the optimizer
     over all parameters, as usual: frozen ones simply get no gradient. The phase is saved in
     checkpoints; resuming mid-warm-up freezes again and switches at the same step.
 
@@ -188,7 +195,6 @@ class HeadWarmup(BaseFinetuning):
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Before the checkpoint's optimizer state loads: the groups must look as they did when it was saved.
         if self.core.phase != 0:  # a checkpoint restored after setup says the warm-up is over
             self.core.release()
         for optimizer in trainer.optimizers:
