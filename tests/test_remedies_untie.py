@@ -161,3 +161,41 @@ def test_lightning_path_puts_the_new_head_in_the_optimizer(tmp_path):
     assert any(p is head for g in model.optimizer.param_groups for p in g["params"])
     assert not torch.equal(head.detach(), start)  # trained
     assert not torch.equal(head.detach(), model.embed_tokens.weight.detach())  # and apart from the embedding
+
+
+def test_multimodal_model_text_sub_config(tmp_path):
+    """Llava: the tie lives in the text sub-config and the language model's embedding; both handled."""
+    transformers = pytest.importorskip("transformers")
+    text = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=D, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4
+    )
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=V - 1)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    ids = torch.randint(0, V - 4, (1, 5))
+    before = model(input_ids=ids).logits.detach()
+    report = untie_output_head(model)
+    assert report.embedding_name == "model.language_model.embed_tokens"
+    assert not model.config.get_text_config().tie_word_embeddings
+    assert torch.equal(model(input_ids=ids).logits.detach(), before)
+    model.tie_weights()
+    assert model.lm_head.weight is not model.get_input_embeddings().weight
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path)
+    assert reloaded.lm_head.weight is not reloaded.get_input_embeddings().weight
+    assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_report_is_logged_once(caplog):
+    model = TinyCausalLM(V, D, tie_weights=True)
+    with caplog.at_level("INFO"):
+        report = untie_output_head(model)
+    lines = [r.getMessage() for r in caplog.records if "untied `lm_head`" in r.getMessage()]
+    assert lines == [str(report)] and f"+{V * D:,} parameters, +{V * D * 4:,} bytes" in lines[0]
