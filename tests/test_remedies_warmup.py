@@ -129,3 +129,10 @@ def test_core_without_a_trainer():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(HeadwatchError, match=match):
         HeadWarmup(**kwargs)
+
+
+def test_a_tied_head_warns_that_the_embedding_trains_too():
+    model = TinyCausalLM(V, D, tie_weights=True)
+    with pytest.warns(UserWarning, match="tied to `embed_tokens`.*trains the input embedding too"):
+        HeadWarmup(warmup_steps=2).freeze_before_training(model)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {"embed_tokens.weight"}

@@ -148,8 +148,8 @@ class HeadWarmup(BaseFinetuning):
     ``E`` and ``P``). On a tied plain head ``E`` is the input embedding too, so the embedding
     trains as well: a warning says so (untie first for a head-only warm-up).
 
-    Not for strategies that wrap parameters before training (DeepSpeed, FSDP) or DDP without
-    ``find_unused_parameters=True`` (frozen parameters produce no gradient).
+    One process only for now: DDP, FSDP and DeepSpeed decide which parameters they synchronise
+    when they wrap the model, after the freeze, so the parameters unfrozen later would not be.
 
     Args:
         warmup_steps: optimizer steps during which only the head trains.
@@ -161,7 +161,8 @@ class HeadWarmup(BaseFinetuning):
           first step of a fit, every ``log_every_n_steps`` steps and at the switch.
 
     Raises:
-        HeadwatchError: bad arguments (at construction); the head cannot be found (in ``setup``).
+        HeadwatchError: bad arguments (at construction); the head cannot be found, or
+            ``world_size > 1`` (in ``setup``).
     """
 
     def __init__(self, warmup_steps: int, head_lr: float | None = None, head: str | nn.Module | None = None) -> None:
@@ -176,8 +177,16 @@ class HeadWarmup(BaseFinetuning):
         return self._generate_state_key(warmup_steps=self.core.warmup_steps, head_lr=self.core.head_lr)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            super().setup(trainer, pl_module, stage)  # calls freeze_before_training; refuses DeepSpeed
+        if stage != "fit":
+            return
+        if trainer.world_size > 1:
+            # DDP builds its gradient reducer from the parameters that require grad when it wraps the
+            # model, i.e. after this freeze: parameters unfrozen later would never be all-reduced.
+            raise HeadwatchError(
+                f"HeadWarmup supports one process only (world_size=1), got world_size={trainer.world_size}: "
+                "under DDP the parameters it unfreezes would not be synchronised"
+            )
+        super().setup(trainer, pl_module, stage)  # calls freeze_before_training; refuses DeepSpeed
 
     def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
         found = find_head_and_embedding(pl_module, self.head)
