@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import untie_study  # noqa: E402
 
 
-def test_three_branches_from_one_checkpoint(tmp_path):
+def test_three_branches_from_one_checkpoint(tmp_path, capsys):
     s = untie_study.main([
         "--pretrain-steps", "4", "--fork-steps", "2", "--max-corpus-mb", "0.05", "--vocab-size", "300",
         "--d-model", "16", "--n-head", "2", "--n-layer", "1", "--block-size", "32", "--head-warmup-steps", "2",
@@ -30,3 +30,11 @@ def test_three_branches_from_one_checkpoint(tmp_path):
     assert b["untied_copy"]["rare_rate_embedding"] is not None
     assert json.loads((tmp_path / "study.json").read_text())["seed"] == 0
     assert [h[0] for h in b["tied"]["val_history"]] == [0, 2]
+    # each run in its own directory: headwatch report compares them
+    from headwatch.report import main as report
+
+    capsys.readouterr()
+    assert report(["report", str(tmp_path), "--match", "entropy"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("pretrain", *untie_study.BRANCHES))
+
