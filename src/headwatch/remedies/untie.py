@@ -84,6 +84,8 @@ def _hf_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _check_hf_mapping(model: nn.Module, head_weight_name: str) -> None:
     """Refuse a model whose tie mapping ties more than the head (T5's encoder/decoder embeddings)."""
     for prefix, sub in _hf_models(model):
+        if not hasattr(sub, "get_expanded_tied_weights_keys"):  # transformers < 5: the config flag alone decides
+            continue
         mapping = sub.get_expanded_tied_weights_keys(all_submodels=True)
         full = {f"{prefix}.{k}" if prefix else k for k in mapping}
         others = sorted(full - {head_weight_name})
