@@ -10,10 +10,10 @@ continuations of ``--fork-steps`` steps each from that checkpoint:
   own init std) and ``HeadWarmup`` (only the new head trains for ``--head-warmup-steps`` steps,
   at ``--head-lr``).
 
-With the defaults the study is 1,000 optimizer steps of the model ``train_tiny_lm.py`` trains
-600 steps of in about 1.5 minutes on 2 idle cores, so about 3 minutes of training plus the
-tokenizer and the validations (an estimate: the figures in the README were measured at smaller
-settings on a loaded machine, see there).
+With the defaults the study is 1,000 optimizer steps of ``train_tiny_lm.py``'s model: measured
+at 12.6 minutes wall on a 2-core machine shared with other jobs, 6 minutes of CPU time (README,
+"Acting on what you see"). On a small shared CPU set ``OMP_NUM_THREADS=1``: thread
+oversubscription made it about 10 times slower there.
 
 Every branch loads the checkpoint's weights and its AdamW state by parameter name (the new
 head has none: a fresh AdamW state, as after any untying), continues the learning-rate

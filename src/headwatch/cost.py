@@ -269,7 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--tied", action=argparse.BooleanOptionalAction, default=None,
         help="whether --params counts a tied model (default: the config's tie_word_embeddings, else tied)",
     )
-    parser.add_argument("--world-size", type=int, default=1, help="GPUs FSDP shards over")
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="GPUs FSDP shards over (default 1; 8 for --readme-table)"
+    )
     return parser
 
 
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.readme_table:
-            print(readme_table(args.world_size if args.world_size > 1 else 8))
+            print(readme_table(8 if args.world_size is None else args.world_size))
             return 0
         name, params, tied = "", args.params, args.tied
         if args.config:
@@ -295,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             tied = True if tied is None else tied
         else:
             parser.error("give --config PATH, or --vocab-size V and --d-model D")
-        print(format_cost(untie_cost(V, d, params, tied, args.world_size), name))
+        print(format_cost(untie_cost(V, d, params, tied, 1 if args.world_size is None else args.world_size), name))
     except HeadwatchError as err:
         parser.error(str(err))
     return 0
