@@ -358,7 +358,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"=== headwatch example: tiny GPT, {tying} ===",
         f"corpus          {s['corpus_bytes'] / 2**20:.2f} MiB from {s['corpus_files']} files -> "
         f"{s['train_tokens']:,} train / {s['val_tokens']:,} val tokens "
-        f"(val: {s['val_files']} held-out files, seed {s['seed']})",
+        + (f"(val: {s['val_files']} held-out files, seed {s['seed']})" if s["val_files"] else "(val: the last tokens)"),
         f"tokenizer       byte-level BPE, {s['tokenizer_vocab_size']:,} tokens (model rows: {s['vocab_size']:,}) "
         f"-> {s['tokenizer_path']}",
         f"model           {params}",

@@ -162,13 +162,28 @@ def top_principal_directions(
     mean64 = total / n
     mean = mean64.float()
     if method == "exact" or (method == "auto" and n * d * d <= _EXACT_MACS):
-        cov = torch.zeros(d, d, dtype=torch.float64, device=rows.device)
-        for chunk in _chunks(rows, ids, step):
-            xc = chunk.double().sub_(mean64)
-            cov.addmm_(xc.T, xc)
-        values, vectors = torch.linalg.eigh(cov)  # ascending
-        top = values.flip(0)[:k].clamp(min=0.0)
-        return mean, vectors.flip(1)[:, :k].float(), top, cov.diagonal().sum()
+        directions, variances, trace = _exact_directions(rows, ids, mean64, k, step)
+    else:
+        directions, variances, trace = _randomized_directions(rows, ids, mean, k, q, niter, seed, step)
+    return mean, directions, variances, trace
+
+
+def _exact_directions(rows: Tensor, ids: Tensor, mean64: Tensor, k: int, step: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Top-``k`` eigenpairs of the float64 covariance accumulated over chunks, and its trace."""
+    d = rows.shape[1]
+    cov = torch.zeros(d, d, dtype=torch.float64, device=rows.device)
+    for chunk in _chunks(rows, ids, step):
+        xc = chunk.double().sub_(mean64)
+        cov.addmm_(xc.T, xc)
+    values, vectors = torch.linalg.eigh(cov)  # ascending
+    return vectors.flip(1)[:, :k].float(), values.flip(0)[:k].clamp(min=0.0), cov.diagonal().sum()
+
+
+def _randomized_directions(
+    rows: Tensor, ids: Tensor, mean: Tensor, k: int, q: int, niter: int, seed: int, step: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Subspace iteration on the covariance operator (Halko et al. 2011, Alg. 4.4), then Rayleigh-Ritz."""
+    d = rows.shape[1]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     basis = torch.linalg.qr(torch.randn(d, q, generator=gen, dtype=torch.float64).to(rows.device)).Q
     for _ in range(niter):
@@ -179,9 +194,9 @@ def top_principal_directions(
     for xc in _centred_chunks(rows, ids, mean, step):
         trace += xc.double().square().sum()
         projected += (xc.T @ (xc @ b32)).double()
-    values, vectors = torch.linalg.eigh(basis.T @ projected)  # Rayleigh-Ritz on the subspace
+    values, vectors = torch.linalg.eigh(basis.T @ projected)  # (q, q), ascending
     directions = torch.linalg.qr(basis @ vectors.flip(1)[:, :k]).Q
-    return mean, directions.float(), values.flip(0)[:k].clamp(min=0.0), trace
+    return directions.float(), values.flip(0)[:k].clamp(min=0.0), trace
 
 
 @torch.no_grad()
