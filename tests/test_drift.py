@@ -97,6 +97,19 @@ def test_planted_pairs_under_drift_are_found_exactly():
     # each planted row's corrected nearest neighbour is its partner
     nn = dict(zip(result.queries.tolist(), result.neighbour.tolist()))
     assert all(nn[i] == j and nn[j] == i for i, j in zip(a.tolist(), b.tolist()))
+    # float64 reference: mean and top principal direction removed, then exact cosines
+    x = w.double().numpy()
+    xc = x - x.mean(0)
+    u = np.linalg.eigh(xc.T @ xc)[1][:, -1:]
+    y = xc - xc @ u @ u.T
+    y /= np.linalg.norm(y, axis=1, keepdims=True)
+    sims = y[rare.numpy()] @ y.T
+    sims[np.arange(len(rare)), rare.numpy()] = -np.inf
+    np.testing.assert_allclose(result.cosine.double().numpy(), sims.max(axis=1), atol=1e-4)
+    # a correction computed once is reused as is
+    again, same = corrected_collision(w, rare[:10], pairable, correction=corr)
+    assert same is corr and torch.equal(again.neighbour, result.neighbour[:10])
+    torch.testing.assert_close(again.cosine, result.cosine[:10])
 
 
 def test_drift_without_planted_pairs_has_a_low_headline_rate():
