@@ -173,7 +173,7 @@ def test_partner_ranks_known_answers_and_float64():
     valid = torch.rand(600, generator=g) > 0.2
     a, b = torch.randint(0, 600, (50,), generator=g), torch.randint(0, 600, (50,), generator=g)
     b = torch.where(a == b, (b + 1) % 600, b)
-    got = partner_ranks(w, a, b, valid, max_chunk_bytes=3_000)
+    got = partner_ranks(w, a, b, valid, max_chunk_bytes=3_000)  # chunks of queries and of keys
     x = w.double().numpy()
     xn = x / np.linalg.norm(x, axis=1, keepdims=True)
     for i, (ai, bi) in enumerate(zip(a.tolist(), b.tolist())):

@@ -214,18 +214,20 @@ def partner_ranks(
     a, b = a.to(dev).long(), b.to(dev).long()
     target = pair_cosine(rows, a, b).unsqueeze(1)  # (P, 1)
     tiny = torch.finfo(torch.float32).tiny
-    q = rows.detach().index_select(0, a).float()
-    q = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp(min=tiny)  # (P, d)
     keys = valid.nonzero().flatten()
-    _, kc = _chunk_sizes(a.numel(), keys.numel(), rows.shape[1], max_chunk_bytes)
+    qc, kc = _chunk_sizes(a.numel(), keys.numel(), rows.shape[1], max_chunk_bytes)
     above = torch.zeros(a.numel(), dtype=torch.long, device=dev)
     for k0 in range(0, keys.numel(), kc):
         ids = keys[k0 : k0 + kc]
         w = rows.detach().index_select(0, ids).float()
-        w = w / torch.linalg.vector_norm(w, dim=1, keepdim=True).clamp(min=tiny)
-        sims = q @ w.T  # (P, k)
-        sims.masked_fill_((ids.unsqueeze(0) == a.unsqueeze(1)) | (ids.unsqueeze(0) == b.unsqueeze(1)), float("-inf"))
-        above += (sims > target).sum(dim=1)
+        w = w / torch.linalg.vector_norm(w, dim=1, keepdim=True).clamp(min=tiny)  # (k, d)
+        for q0 in range(0, a.numel(), qc):
+            qa, qb = a[q0 : q0 + qc], b[q0 : q0 + qc]
+            q = rows.detach().index_select(0, qa).float()
+            q = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp(min=tiny)  # (q, d)
+            sims = q @ w.T  # (q, k)
+            sims.masked_fill_((ids.unsqueeze(0) == qa.unsqueeze(1)) | (ids.unsqueeze(0) == qb.unsqueeze(1)), float("-inf"))
+            above[q0 : q0 + qc] += (sims > target[q0 : q0 + qc]).sum(dim=1)
     return above + 1
 
 
