@@ -13,7 +13,6 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from headwatch._errors import HeadwatchError
-from headwatch.frequency import BUCKETS
 from headwatch.functional.calibration import (
     ECE_BINS,
     CalibrationSums,
@@ -33,7 +32,7 @@ class FrequencyCalibrationMetric(Metric):
     ``FrequencySnapshot.bucket`` and ``.rare``).
 
     Args:
-        bucket_names: names of the buckets, in the order of the bucket ids (default
+        bucket_names: names of the buckets, in the order of the bucket ids (None:
             ``TokenFrequency``'s ``BUCKETS``: top1, top10, top50, tail, unseen).
         n_bins: equal-width confidence bins of the ECE (default 15).
         ignore_index: target value marking positions that are not predictions.
@@ -57,13 +56,17 @@ class FrequencyCalibrationMetric(Metric):
 
     def __init__(
         self,
-        bucket_names: Sequence[str] = BUCKETS,
+        bucket_names: Sequence[str] | None = None,
         n_bins: int = ECE_BINS,
         ignore_index: int = -100,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if bucket_names is None:
+            from headwatch.frequency import BUCKETS  # imports Lightning: only when the default is used
+
+            bucket_names = BUCKETS
         if isinstance(bucket_names, str) or not all(isinstance(n, str) for n in bucket_names) or not bucket_names:
             raise HeadwatchError(f"`bucket_names` must be a non-empty sequence of strings, got {bucket_names!r}")
         if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
