@@ -92,3 +92,48 @@ __all__ = [
     "token_scalars",
     "top_colliding_pairs",
 ]
+
+# issue 12: collision beyond common drift; loss, accuracy and calibration by target frequency
+from headwatch.functional.calibration import (  # noqa: E402
+    ECE_BINS,
+    CalibrationSums,
+    calibration_compute,
+    calibration_update,
+)
+from headwatch.functional.drift import (  # noqa: E402
+    DriftCorrection,
+    Pairable,
+    default_k,
+    mean_resultant_length,
+    pairable_rows,
+    remove_top_directions,
+    top_principal_directions,
+)
+from headwatch.functional.drift_pairs import (  # noqa: E402
+    CorrectedCollision,
+    corrected_collision,
+    nn_cosine_by_bucket,
+    ordered_pairs,
+    partner_ranks,
+    synonym_statistics,
+)
+
+__all__ += [
+    "ECE_BINS",
+    "CalibrationSums",
+    "CorrectedCollision",
+    "DriftCorrection",
+    "Pairable",
+    "calibration_compute",
+    "calibration_update",
+    "corrected_collision",
+    "default_k",
+    "mean_resultant_length",
+    "nn_cosine_by_bucket",
+    "ordered_pairs",
+    "pairable_rows",
+    "partner_ranks",
+    "remove_top_directions",
+    "synonym_statistics",
+    "top_principal_directions",
+]
