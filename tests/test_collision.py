@@ -363,3 +363,70 @@ def test_synonym_group_entries_are_checked():
             return ([1] if add_special_tokens else []) + [{"cat": 5, "kitten": 6}[text]]
 
     assert _encode_group(BosTokenizer(), ["cat", "kitten"]) == [5, 6]
+
+
+class _FixedCounts:
+    """A TokenCounts stand-in: one fixed snapshot."""
+
+    def __init__(self, snap: FrequencySnapshot) -> None:
+        self.snap = snap
+
+    def snapshot(self) -> FrequencySnapshot:
+        return self.snap
+
+    latest_snapshot = snapshot
+
+
+def _confusion_reference(logits: torch.Tensor, labels: torch.Tensor, rare: torch.Tensor, syn: dict) -> tuple[int, int]:
+    """Hand count: next-token targets that are rare and grouped; confused when a synonym's logit >= the target's."""
+    n = confused = 0
+    for b in range(labels.shape[0]):
+        for t in range(labels.shape[1] - 1):
+            target = int(labels[b, t + 1])
+            if target in syn and bool(rare[target]):
+                n += 1
+                confused += max(float(logits[b, t, s]) for s in syn[target]) >= float(logits[b, t, target])
+    return n, confused
+
+
+def test_confusion_counts_every_training_batch_since_the_last_measurement_and_validation():
+    """Was: only the logging step's batch counted (1 or 0 positions in a planted run)."""
+    from headwatch.core.collision import SynonymCollision
+
+    V = 64
+    counts = torch.full((V,), 100, dtype=torch.long)
+    counts[[1, 2, 3, 4]] = 1  # rare and grouped
+    snap = _snapshot(counts, torch.ones(V, dtype=torch.bool), max_count=1)
+    syn = {1: [2], 2: [1], 3: [4], 4: [3]}
+    monitor = SynonymCollision(frequency=_FixedCounts(snap), synonym_groups=[[1, 2], [3, 4]])
+    torch.manual_seed(0)
+    model = TinyCausalLM(vocab_size=V, tie_weights=True)
+    monitor.attach(model)
+    g = torch.Generator().manual_seed(5)
+    expected = {"train": [0, 0], "val": [0, 0]}
+    for step in range(3):  # steps 0 and 1 do not log, step 2 does: all three count
+        ids = torch.randint(0, 6, (4, 10), generator=g)
+        monitor.step_start({"input_ids": ids, "labels": ids}, step, logging=step == 2)
+        logits = model(ids)
+        monitor.batch_end()
+        n, c = _confusion_reference(logits.detach(), ids, snap.rare, syn)
+        expected["train"] = [expected["train"][0] + n, expected["train"][1] + c]
+    for _ in range(2):
+        ids = torch.randint(0, 6, (3, 8), generator=g)
+        monitor.validation_batch_start({"input_ids": ids, "labels": ids})
+        logits = model(ids)
+        monitor.validation_batch_end()
+        n, c = _confusion_reference(logits.detach(), ids, snap.rare, syn)
+        expected["val"] = [expected["val"][0] + n, expected["val"][1] + c]
+    model(ids)  # a forward outside any batch is not counted
+    val = monitor.validation_epoch_end()
+    scalars = monitor.compute()
+    n, c = expected["train"]
+    assert scalars["headwatch/collision/synonym_confusion_positions"].item() == n > 10
+    assert scalars["headwatch/collision/synonym_confusion_rate"].item() == pytest.approx(c / n)
+    n, c = expected["val"]
+    assert val["headwatch/collision/val/synonym_confusion_positions"].item() == n > 5
+    assert val["headwatch/collision/val/synonym_confusion_rate"].item() == pytest.approx(c / n)
+    again = monitor.compute()  # reset at each measurement
+    assert again["headwatch/collision/synonym_confusion_positions"].item() == 0
+    assert math.isnan(again["headwatch/collision/synonym_confusion_rate"].item())
