@@ -100,7 +100,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-steps", type=int, default=300)
+    ap.add_argument("--max-steps", type=int, default=250)
     ap.add_argument("--per-band", type=int, default=12)
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--max-corpus-mb", type=float, default=2.0)
