@@ -112,6 +112,21 @@ def main() -> None:
             print(f"{metric:28s} tied {cell(t)} | untied {cell(u)} | untied - tied {ci} | paired {[round(x, 4) for x in paired]}")
     if args.out:
         args.out.write_text(json.dumps({"runs": values, "comparison": rows}, indent=1))
+    print(markdown(rows))
+
+
+def markdown(rows: dict) -> str:
+    """The comparison as a README table: mean, sd, [min, max] per group; the Welch interval; per-seed differences."""
+    lines = ["| metric | tied: mean (sd) [min, max] | untied: mean (sd) [min, max] | untied - tied, 95% Welch CI | per seed |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for metric, r in rows.items():
+        t, u, d = r["tied"], r["untied"], r["welch"]
+        if not t["n"] or not u["n"]:
+            continue
+        cell = lambda g: f"{g['mean']:.4f} ({g['std'] or 0:.4f}) [{g['min']:.4f}, {g['max']:.4f}]"  # noqa: E731
+        ci = f"{d['diff']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]{' **excludes 0**' if d['excludes_zero'] else ''}" if d and d["low"] is not None else "-"
+        lines.append(f"| `{metric}` | {cell(t)} | {cell(u)} | {ci} | {', '.join(f'{x:+.4f}' for x in r['paired'])} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
