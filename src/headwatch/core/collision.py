@@ -13,7 +13,8 @@ from headwatch._errors import HeadwatchError
 from headwatch.core.batch import BatchFormat, BatchView
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor
-from headwatch.functional.collision import collision_statistics, sample_rows, synonym_pair_rate, top_colliding_pairs
+from headwatch.core import sharded
+from headwatch.functional.collision import sample_rows, top_colliding_pairs
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import synonym_confusion, synonym_table
@@ -250,7 +251,9 @@ class SynonymCollision(Monitor):
         tables: dict[str, str] = {}
         result: dict[str, Any] = {"rare_sample": sample.cpu(), "bucket_cosines": {}}
         for name, weight in self._matrices().items():
-            stats, nn_rare, cosines = collision_statistics(weight, sample, bucket_rows, snap.valid, self.tau, self.max_chunk_bytes)
+            stats, nn_rare, cosines = sharded.collision_statistics(
+                weight, sample, bucket_rows, snap.valid, self.tau, self.max_chunk_bytes, self.reducer
+            )  # row-sharded (FSDP2): each process searches its rows
             scalars[f"{c}/rare_rate_{name}"] = stats.pop("rare_rate")
             scalars.update({f"{c}/{k.split('_nn_')[0]}/{name}_nn_cosine_mean": v for k, v in stats.items()})
             result["bucket_cosines"][name] = cosines
@@ -258,7 +261,7 @@ class SynonymCollision(Monitor):
             result[name] = {"cosine": nn_rare.cosine.cpu(), "neighbour": nn_rare.index.cpu(), "pairs": pairs}
             tables[f"{c}/top_pairs_{name}"] = self._table_text(pairs, snap)
             if self._group_ids:
-                rate, count = synonym_pair_rate(weight, self._group_ids, snap.rare, self.tau)
+                rate, count = sharded.synonym_pair_rate(weight, self._group_ids, snap.rare, self.tau, self.reducer)
                 scalars[f"{c}/synonym_pair_rate_{name}"] = rate
                 scalars[f"{c}/synonym_pairs"] = float(count)
         self.last_result = result

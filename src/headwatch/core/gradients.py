@@ -10,9 +10,9 @@ from torch import Tensor, nn
 from headwatch._capture import find_head_and_embedding
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor
+from headwatch.core.sharded import ShardedLookup, is_sharded, local_rows, row_norms_full, row_statistics, tied_flow_statistics
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
-from headwatch.functional.rows import dense_rows, lookup_gradient, row_norms, spearman
-from headwatch.functional.tied import row_group_statistics, tied_flow_statistics
+from headwatch.functional.rows import dense_rows, lookup_gradient, spearman
 
 
 class GradientDensity(Monitor):
@@ -50,7 +50,8 @@ class GradientDensity(Monitor):
         self._active = False
         self._step: int | None = None
         self._measured = False
-        self._lookup: Tensor | None = None  # (V, d) lookup-path gradient of a tied matrix, this step
+        self._lookup: Tensor | ShardedLookup | None = None  # (V, d) lookup-path gradient of a tied matrix, this step
+        self._sharded = False  # the tied matrix is row-sharded (FSDP2): the lookup is kept compact
         self._before: dict[str, Tensor] = {}
         self._pending: dict[str, Tensor] = {}
         self._snapshot: FrequencySnapshot | None = None
@@ -124,6 +125,11 @@ class GradientDensity(Monitor):
         try:
             V = self._emb.weight.shape[0]  # type: ignore[union-attr]
             pad = getattr(self._emb, "padding_idx", None)
+            if self._lookup is None and self._sharded:
+                self._lookup = ShardedLookup()
+            if isinstance(self._lookup, ShardedLookup):
+                self._lookup.add(ids.to(grad.device), grad, pad if isinstance(pad, int) else None)
+                return
             if self._lookup is None:
                 like = grad.new_empty(()).expand(V, grad.shape[-1])
                 self._lookup = self._scratch("lookup", like, torch.float32).zero_()
@@ -137,6 +143,7 @@ class GradientDensity(Monitor):
             if self._step != step:
                 self._reset_step()
             self._active, self._step = True, step
+            self._sharded = self.tied and is_sharded(self._head.weight)  # type: ignore[union-attr]  # between steps: DTensor
         else:
             self._active = False
 
@@ -147,9 +154,8 @@ class GradientDensity(Monitor):
         try:
             self._pending = self._gradient_stats(loss_scale)
             if self.update_density:
-                self._before = {
-                    name: self._scratch(f"before:{name}", w).copy_(w.detach()) for name, w in self._matrices().items()
-                }
+                local = {name: local_rows(w).local for name, w in self._matrices().items()}  # this process's rows
+                self._before = {name: self._scratch(f"before:{name}", w).copy_(w) for name, w in local.items()}
         except Exception as err:  # noqa: BLE001
             self.fail(err, "measuring gradients")
             self._pending = {}
@@ -186,13 +192,13 @@ class GradientDensity(Monitor):
             return {"shared": self._head.weight}  # type: ignore[union-attr]
         return {"embedding": self._emb.weight, "head": self._head.weight}  # type: ignore[union-attr]
 
-    def _flows(self, loss_scale: float | Tensor | None) -> dict[str, Tensor | None]:
+    def _flows(self, loss_scale: float | Tensor | None) -> dict[str, Any]:
         head_grad = self._head.weight.grad  # type: ignore[union-attr]
         if not self.tied:
             return {"embedding": self._emb.weight.grad, "head": head_grad}  # type: ignore[union-attr]
         if head_grad is None:
             return {"embedding": None, "head": None, "shared": None}
-        total = dense_rows(head_grad).float()
+        total = dense_rows(head_grad) if is_sharded(head_grad) else dense_rows(head_grad).float()
         # every process must take the same path: the split below is a collective
         if not self.reducer.all(self._lookup is not None):
             self.warn_once(
@@ -203,6 +209,13 @@ class GradientDensity(Monitor):
             )
             return {"shared": total}
         lookup = self._lookup
+        if isinstance(lookup, ShardedLookup):  # rows of this process, averaged over processes
+            shard = local_rows(total)
+            lookup = lookup.rows(shard.with_local(shard.local.float()), self.reducer)
+            if loss_scale is not None:
+                lookup = lookup.with_local(lookup.local / loss_scale)
+            scoring = torch.sub(shard.local.float(), lookup.local, out=self._scratch("scoring", lookup.local))
+            return {"embedding": lookup, "head": lookup.with_local(scoring), "shared": shard.with_local(shard.local.float())}
         if loss_scale is not None:
             lookup = lookup / loss_scale  # captured from the scaled loss; .grad is unscaled already
         lookup = self.reducer.mean(lookup)  # as DDP averages .grad
@@ -223,28 +236,28 @@ class GradientDensity(Monitor):
                     "loss); its statistics are skipped. (warned once)",
                 )
                 continue
-            grad = dense_rows(grad)
-            valid = snap.valid.to(grad.device)
-            norms = row_norms(grad)
-            bucket = snap.bucket.to(grad.device)
+            device = local_rows(grad).local.device
+            valid = snap.valid.to(device)
+            bucket = snap.bucket.to(device)
             # the shared gradient is the sum of the two flows: overall and rare vs frequent suffice
             groups = {f"{g}/{flow}": valid}
             groups.update({f"{g}/{name}/{flow}": bucket == BUCKETS.index(name) for name in (("top1",) if flow == "shared" else BUCKETS)})
-            groups[f"{g}/rare/{flow}"] = snap.rare.to(grad.device)
-            out.update(row_group_statistics(grad, groups, norms))
+            groups[f"{g}/rare/{flow}"] = snap.rare.to(device)
+            stats, norms = row_statistics(grad, groups, self.reducer)  # (V,) norms, gathered when sharded
+            out.update(stats)
             out[f"{g}/{flow}_rare_to_frequent_norm_ratio"] = out[f"{g}/rare/{flow}_row_norm_mean"] / out[f"{g}/top1/{flow}_row_norm_mean"]
             self._histograms[f"{g}/{flow}_row_norm_histogram"] = norms[valid]
             if flow != "shared":
                 self._full_norms[flow] = norms
         if self.tied and flows.get("embedding") is not None:
             stats = tied_flow_statistics(
-                flows["embedding"], flows["head"], snap.valid, self._full_norms["embedding"], self._full_norms["head"]  # type: ignore[arg-type]
+                flows["embedding"], flows["head"], snap.valid, self.reducer, self._full_norms["embedding"], self._full_norms["head"]
             )
             out.update({f"{g}/{k}": v for k, v in stats.items()})
         seen = snap.seen
         log_counts = snap.counts[seen].double().log()
         for name, weight in self._matrices().items():
-            norms = row_norms(weight.detach())
+            norms = row_norms_full(weight, self.reducer)
             rho = spearman(log_counts, norms[seen.to(norms.device)].double().to(log_counts.device))
             out[f"{self.prefix}/freq/{name}_norm_spearman"] = rho
         return out
@@ -257,10 +270,11 @@ class GradientDensity(Monitor):
             before = self._before.get(name)
             if before is None:
                 continue
-            delta = before.sub_(weight.detach())  # W_before - W_after, in place: same row norms and zeros
-            norms = row_norms(delta)
-            valid = snap.valid.to(delta.device) if snap is not None else torch.ones_like(norms, dtype=torch.bool)
-            out.update(row_group_statistics(delta, {f"{u}/{name}": valid}, norms))
+            rows = local_rows(weight)
+            delta = rows.with_local(before.sub_(rows.local))  # W_before - W_after, in place: same row norms and zeros
+            V = rows.num_rows
+            valid = snap.valid.to(before.device) if snap is not None else torch.ones(V, dtype=torch.bool, device=before.device)
+            out.update(row_statistics(delta, {f"{u}/{name}": valid}, self.reducer)[0])
         return out
 
     def _norm_figure(self) -> None:
