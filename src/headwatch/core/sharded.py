@@ -223,16 +223,26 @@ class ShardedLookup:
         self.sums.append(torch.zeros(unique.numel(), g.shape[1], dtype=torch.float32, device=g.device).index_add_(0, inverse, g))
 
     def rows(self, like: Rows, reducer: Reducer) -> Rows:
-        """This process's rows of the lookup flow, averaged over processes (as FSDP averages ``.grad``)."""
+        """This process's rows of the lookup flow, averaged over processes (as FSDP averages ``.grad``).
+
+        One round per process ``k``: every process sends its compact rows in ``k``'s row range
+        (received: ``W x U_k x d_model`` float32, ``U_k`` distinct ids in that range), so no
+        process ever holds every process's rows at once.
+        """
         device, d = like.local.device, like.local.shape[1]
         ids = torch.cat(self.ids) if self.ids else torch.zeros(0, dtype=torch.long, device=device)
         sums = torch.cat(self.sums) if self.sums else torch.zeros(0, d, dtype=torch.float32, device=device)
+        ids, inverse = torch.unique(ids, return_inverse=True)  # sorted: a row range is a slice
+        sums = torch.zeros(ids.numel(), d, dtype=torch.float32, device=device).index_add_(0, inverse, sums)
         n, offset = like.local.shape[0], like.offset
         local = torch.zeros(n, d, dtype=torch.float32, device=device)
-        for part_ids, part_sums in zip(reducer.gather(ids), reducer.gather(sums)):
-            part_ids, part_sums = part_ids.to(device), part_sums.to(device)
-            mine = (part_ids >= offset) & (part_ids < offset + n)
-            local.index_add_(0, part_ids[mine] - offset, part_sums[mine])
+        ranges = [tuple(int(v) for v in r.tolist()) for r in reducer.gather(torch.tensor([offset, n], device=device))]
+        for start, count in ranges:  # the same order on every process
+            lo, hi = torch.searchsorted(ids, torch.tensor([start, start + count], device=device)).tolist()
+            got_ids, got_sums = reducer.gather(ids[lo:hi]), reducer.gather(sums[lo:hi])
+            if (start, count) == (offset, n) and n:
+                for part_ids, part_sums in zip(got_ids, got_sums):
+                    local.index_add_(0, part_ids.to(device) - offset, part_sums.to(device))
         return like.with_local(local.div_(reducer.world_size))
 
 
