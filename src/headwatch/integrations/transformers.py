@@ -1,0 +1,351 @@
+"""Hugging Face ``transformers.Trainer`` front door: one ``TrainerCallback`` feeding the core monitors.
+
+Use either::
+
+    from headwatch.integrations.transformers import HeadwatchCallback, attach
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[HeadwatchCallback()])
+    # or, after building the trainer (keeps the trainer reference explicitly):
+    attach(trainer, HeadwatchCallback())
+
+Works the same with TRL's ``SFTTrainer`` (a ``Trainer`` subclass) and under ``accelerate``
+/ ``torchrun`` (reductions through ``torch.distributed``). See :class:`HeadwatchCallback`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import Trainer, TrainerCallback
+from transformers.integrations import TensorBoardCallback
+
+from headwatch import tensorboard as tb
+from headwatch._errors import HeadwatchError
+from headwatch.core.batch import BatchFormat
+from headwatch.core.monitor import Media, Monitor, to_floats
+from headwatch.core.reduce import Reducer, TorchDistributedReducer
+from headwatch.core.schedule import Schedule
+
+__all__ = ["HeadwatchCallback", "attach"]
+
+TB_PREFIX = "train/"
+"""What the Trainer's ``TensorBoardCallback`` puts before every logged key (``rewrite_logs``)."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside DDP / accelerate / ``torch.compile`` wrappers."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model)
+
+
+def find_trainer(callback: TrainerCallback) -> Trainer | None:
+    """The ``Trainer`` whose callback handler holds ``callback``, found up the call stack.
+
+    Callbacks are not handed the trainer; its methods (``_inner_training_loop``,
+    ``evaluate``) are on the stack whenever it calls a callback.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Trainer) and any(cb is callback for cb in owner.callback_handler.callbacks):
+                return owner
+            frame = frame.f_back
+    finally:
+        del frame
+    return None
+
+
+def loss_scale(trainer: Trainer | None, args: Any) -> Tensor | None:
+    """The fp16 ``GradScaler`` scale the backward ran with (gradients unscaled in place first), or None.
+
+    The Trainer unscales gradients in place when it clips (``max_grad_norm > 0``); without
+    clipping they are unscaled here, as clipping would (``GradScaler.step`` then skips it).
+    """
+    accelerator = getattr(trainer, "accelerator", None)
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    if not args.max_grad_norm or args.max_grad_norm <= 0:
+        accelerator.unscale_gradients()
+    return scaler.get_scale()
+
+
+class HeadwatchCallback(TrainerCallback):
+    """Watch the embedding and the head of the model a ``transformers.Trainer`` trains.
+
+    One callback drives every monitor (default: all four, sharing one token count). It
+    attaches to the model in ``on_train_begin`` and measures on the Trainer's logging steps,
+    the ``logging_steps`` grid as ``DefaultFlowCallback`` decides it (``global_step %
+    logging_steps == 0``, and step 1 with ``logging_first_step``; collision every 10 logging
+    steps and at each epoch end). The batch is read by a forward pre-hook on the model (the
+    Trainer calls ``model(**inputs)``) through the monitors' :class:`~headwatch.core.BatchFormat`.
+    Gradients are read in ``on_pre_optimizer_step``: after accumulation and unscaling, and,
+    as the Trainer clips before that event, after clipping (``max_grad_norm``): row
+    densities, cosines and the tied split are unchanged by clipping, row norms are scaled
+    by the clip coefficient (pass ``max_grad_norm=0`` for unclipped norms).
+
+    Values are logged with ``trainer.log`` at ``state.global_step`` under the names of
+    :mod:`headwatch.names` (``headwatch/logits/entropy`` ...), so every ``report_to``
+    integration receives them; the Trainer's TensorBoard writer shows them as
+    ``train/headwatch/...`` (its ``rewrite_logs``), where the headwatch Custom Scalars
+    layout, histograms, texts and figures are written too. Evaluation (``LogitStats``):
+    ``headwatch/val/logits/*`` logged at the end of each ``evaluate`` and added to its
+    returned metrics as ``eval_headwatch/val/logits/*``.
+
+    Args:
+        monitors: core monitors (``headwatch.core``) or names among ``"logits"``,
+            ``"gradients"``, ``"tokens"``, ``"collision"``; None: all four.
+        batch_format: how the model's keyword inputs are read (default: ``input_ids``,
+            ``labels`` shifted as in causal LMs, ``attention_mask``, ``ignore_index=-100``).
+        prefix: first component of every metric name.
+        reducer: distributed reductions; default ``torch.distributed`` (what accelerate uses).
+        alert: the hook point for the collapse alert: an object with
+            ``observe_train(step, metrics)`` and ``observe_val(step, metrics)`` (the interface of
+            ``headwatch.alerts.engine.AlertEngine``), called on every rank with the published values.
+        strict: raise on a failed measurement instead of warning once.
+
+    Raises:
+        HeadwatchError: a bad argument; in ``on_train_begin``, no model or no head/embedding.
+    """
+
+    def __init__(
+        self,
+        monitors: Sequence[Monitor | str] | None = None,
+        batch_format: BatchFormat | None = None,
+        prefix: str = "headwatch",
+        reducer: Reducer | None = None,
+        alert: Any = None,
+        strict: bool = False,
+    ) -> None:
+        from headwatch.loop import Headwatch
+
+        if reducer is not None and not isinstance(reducer, Reducer):
+            raise HeadwatchError(f"`reducer` must implement headwatch.core.Reducer, got {type(reducer).__name__}")
+        if alert is not None and not all(callable(getattr(alert, f, None)) for f in ("observe_train", "observe_val")):
+            raise HeadwatchError(f"`alert` must have observe_train and observe_val methods, got {type(alert).__name__}")
+        self.monitors = Headwatch._build(monitors, batch_format, prefix)
+        for m in self.monitors:
+            m.strict = strict
+        self.prefix, self.reducer, self.alert = prefix, reducer or TorchDistributedReducer(), alert
+        self.latest: dict[str, float] = {}
+        """The values of the last measurement, by full name."""
+        self._trainer: Any = None
+        self._hooks: list[Any] = []
+        self._fused = False  # this forward uses TRL's fused LM head (no logits)
+        self._model: nn.Module | None = None
+        self._step: int | None = None  # the step being trained (0-based), None outside a training step
+        self._logging: list[Monitor] = []  # monitors measuring the current step
+        self._first = False
+
+    # ---------------------------------------------------------------- wiring
+    @property
+    def trainer(self) -> Trainer | None:
+        return self._trainer() if self._trainer is not None else None
+
+    def set_trainer(self, trainer: Trainer) -> None:
+        """Keep a (weak) reference to the trainer whose ``log`` receives the values."""
+        self._trainer = weakref.ref(trainer)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        if model is None:
+            raise HeadwatchError("HeadwatchCallback.on_train_begin received no `model`; use it inside a transformers.Trainer")
+        if self.trainer is None and (found := find_trainer(self)) is not None:
+            self.set_trainer(found)
+        every = int(getattr(state, "logging_steps", 0) or args.logging_steps) if args.logging_strategy == "steps" else 0
+        if args.logging_strategy == "epoch":
+            self.monitors[0].warn_once(
+                "epoch_strategy",
+                "HeadwatchCallback measures on logging steps; with logging_strategy='epoch' only collision "
+                "(at epoch ends) and logging_first_step are measured. Use logging_strategy='steps'. (warned once)",
+            )
+        self._first = bool(args.logging_first_step)
+        self.attach_model(model, every)
+        if self.reducer.rank == 0:
+            try:
+                tb.write_layout(self.writers(), TB_PREFIX + self.prefix)
+            except Exception as err:  # noqa: BLE001
+                self.monitors[0].fail(err, "writing the TensorBoard dashboard layout")
+
+    def attach_model(self, model: nn.Module, every: int) -> None:
+        """Configure every monitor (schedule ``every`` steps), attach it and hook the model's forward."""
+        model = unwrap(model)
+        for m in self.monitors:
+            m.configure(Schedule(m.every_factor * every), self.reducer)
+            m.attach(model)
+        if self._model is not model:
+            self.close()
+            self._hooks = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
+            inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+            backbone = getattr(inner, "base_model", None)
+            if isinstance(backbone, nn.Module) and backbone is not inner and callable(getattr(inner, "get_output_embeddings", None)):
+                self._hooks.append(backbone.register_forward_hook(partial(self._on_backbone, inner)))
+            self._model = model
+
+    def close(self) -> None:
+        """Remove the forward pre-hook (the monitors keep their hooks and state; ``m.detach()`` removes those)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._model = [], None
+
+    def writers(self) -> list[Any]:
+        """The ``SummaryWriter`` of the Trainer's ``TensorBoardCallback`` (``report_to`` tensorboard), rank zero."""
+        trainer = self.trainer
+        if trainer is None or self.reducer.rank != 0:
+            return []
+        return [cb.tb_writer for cb in trainer.callback_handler.callbacks if isinstance(cb, TensorBoardCallback) and cb.tb_writer]
+
+    # ---------------------------------------------------------------- the batch
+    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        batch = dict(kwargs)
+        if args and "input_ids" not in batch:
+            batch["input_ids"] = args[0]
+        training = self._step is not None and module.training
+        self._fused = bool(kwargs.get("fused_lm_head")) and (not training or bool(self._logging))
+        if training:
+            for m in self.monitors:
+                m.step_start(batch, self._step, m in self._logging)
+        elif self._step is None and not module.training:
+            for m in self.monitors:
+                m.validation_batch_start(batch)
+
+    def _on_backbone(self, inner: nn.Module, module: nn.Module, args: Any, output: Any) -> None:
+        """TRL's fused LM head (``fused_lm_head=True``) never calls the head: on measured forwards, call it
+        once on the backbone's last hidden states without gradient, so the head's hooks see ``(B, T, V)`` logits."""
+        if not self._fused:
+            return
+        self._fused = False
+        hidden = getattr(output, "last_hidden_state", None)
+        if hidden is None and isinstance(output, (tuple, list)) and output:
+            hidden = output[0]
+        if isinstance(hidden, Tensor):
+            with torch.no_grad():
+                inner.get_output_embeddings()(hidden.detach())
+
+    # ---------------------------------------------------------------- training
+    def is_logging_step(self, m: Monitor, step: int) -> bool:
+        """``DefaultFlowCallback``'s rule for 0-based step ``step`` (``global_step = step + 1``)."""
+        return m.schedule.is_logging_step(step) or (self._first and step == 0)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._step = state.global_step
+        self._logging = [m for m in self.monitors if self.is_logging_step(m, self._step)]
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for m in self.monitors:
+            m.batch_end()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        scale = loss_scale(self.trainer, args) if self._logging else None
+        for m in self.monitors:
+            m.gradients_ready(scale)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for m in self.monitors:
+            m.optimizer_stepped()
+            m.batch_end()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        due, self._logging, self._step = self._logging, [], None
+        if due and not control.should_log:
+            due[0].warn_once("should_log", "HeadwatchCallback measured a step the Trainer does not log. (warned once)")
+        self._emit(due, state, control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step = state.global_step - 1
+        self._emit([m for m in self.monitors if step >= 0 and m.train_epoch_end(step)], state, control)
+
+    def _emit(self, due: list[Monitor], state: Any, control: Any, val: bool = False) -> dict[str, float]:
+        """compute on every rank (a collective), log through the Trainer, write media on rank zero."""
+        if not due:
+            return {}
+        try:
+            scalars: dict[str, Tensor] = {}
+            for m in list(due):
+                values = m.validation_epoch_end() if val else m.compute()
+                scalars.update(values)
+                if val and not values:
+                    due.remove(m)  # its media are those of its last training measurement
+            numbers = to_floats(scalars)
+            for m in due:
+                m.published(numbers)
+            self._publish(numbers, state.global_step, due, val)
+            return numbers
+        except Exception as err:  # noqa: BLE001
+            due[0].fail(err, "logging the statistics")
+            return {}
+
+    def _publish(self, numbers: dict[str, float], step: int, due: list[Monitor], val: bool) -> None:
+        self.latest.update(numbers)
+        trainer = self.trainer
+        if trainer is not None and numbers:
+            should_log = trainer.control.should_log
+            # the base method: a subclass's log (TRL's) would flush its own averaged metrics into this record
+            Trainer.log(trainer, dict(numbers))  # its on_log event clears control.should_log ...
+            trainer.control.should_log = should_log  # ... which must still log the loss of this step
+        elif numbers:
+            due[0].warn_once(
+                "no_trainer",
+                "HeadwatchCallback could not find its Trainer; values are only kept in `.latest`. Attach it with "
+                "headwatch.integrations.transformers.attach(trainer, callback). (warned once)",
+            )
+        writers = self.writers()
+        for m in due:
+            tb.write_media(writers, _prefixed(m.media, TB_PREFIX), step)
+        if self.alert is not None and numbers:
+            (self.alert.observe_val if val else self.alert.observe_train)(step, numbers)
+
+    # ---------------------------------------------------------------- evaluation
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for m in self.monitors:
+            m.validation_batch_end()
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict | None = None, **kwargs: Any) -> None:
+        numbers = self._emit(list(self.monitors), state, control, val=True)
+        if metrics is not None:
+            metrics.update({f"eval_{k}": v for k, v in numbers.items()})
+
+    def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
+        for m in self.monitors:  # predict() has no evaluation log: reset the validation sums
+            m.validation_epoch_end()
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {"monitors": [m.state_dict() for m in self.monitors]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for m, s in zip(self.monitors, state.get("monitors", [])):
+            m.load_state_dict(s)
+
+
+def _prefixed(media: Media, prefix: str) -> Media:
+    """``media`` with every tag under ``prefix`` (next to the Trainer's ``train/`` scalars)."""
+    return Media(
+        {prefix + k: v for k, v in media.histograms.items()},
+        {prefix + k: v for k, v in media.texts.items()},
+        {prefix + k: v for k, v in media.figures.items()},
+    )
+
+
+def attach(trainer: Trainer, callback: HeadwatchCallback | None = None, **kwargs: Any) -> HeadwatchCallback:
+    """Add ``callback`` (default ``HeadwatchCallback(**kwargs)``) to ``trainer`` and keep the trainer reference.
+
+    Raises:
+        HeadwatchError: ``trainer`` is not a ``transformers.Trainer``, or both ``callback`` and kwargs are given.
+    """
+    if not isinstance(trainer, Trainer):
+        raise HeadwatchError(f"`trainer` must be a transformers.Trainer, got {type(trainer).__name__}")
+    if callback is not None and kwargs:
+        raise HeadwatchError(f"pass either `callback` or HeadwatchCallback arguments, got both ({sorted(kwargs)})")
+    callback = callback if callback is not None else HeadwatchCallback(**kwargs)
+    if not any(cb is callback for cb in trainer.callback_handler.callbacks):
+        trainer.add_callback(callback)
+    callback.set_trainer(trainer)
+    return callback
