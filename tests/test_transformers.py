@@ -268,3 +268,40 @@ def test_bad_arguments(tmp_path):
         attach("trainer")
     with pytest.raises(HeadwatchError, match="no `model`"):
         HeadwatchCallback().on_train_begin(hf_args(tmp_path), None, None)
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    """torchrun, 2 CPU processes (gloo) with 2 rows each, against one process with the same 4 rows per step."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).with_name("hf_ddp.py")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    import socket
+
+    with socket.socket() as sock:  # a free port (torchrun's --master_port=0 hangs with the static rendezvous)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", str(script), str(tmp_path / "ddp")]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    from tests.hf_ddp import main
+
+    main(str(tmp_path / "single"))  # meanwhile, in this process
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    single = json.loads((tmp_path / "single" / "rank0.json").read_text())
+    ranks = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1], "every rank logs the same synchronised values"
+    assert sorted(single) == sorted(ranks[0]) == ["2", "4"]
+    for step, values in single.items():
+        assert set(values) == set(ranks[0][step]), step
+        for key, value in values.items():
+            np.testing.assert_allclose(ranks[0][step][key], value, rtol=1e-5, atol=1e-6, err_msg=f"{step} {key}")
+    assert single["2"]["headwatch/tokens/total"] == 2 * 4 * T  # counts summed over both processes
+    assert single["2"]["headwatch/logits/positions"] == 4 * (T - 1)  # the 4 rows of the logging step, both halves
