@@ -96,7 +96,9 @@ class HeadwatchCallback(TrainerCallback):
     :mod:`headwatch.names` (``headwatch/logits/entropy`` ...), so every ``report_to``
     integration receives them; the Trainer's TensorBoard writer shows them as
     ``train/headwatch/...`` (its ``rewrite_logs``), where the headwatch Custom Scalars
-    layout, histograms, texts and figures are written too. Evaluation (``LogitStats``):
+    layout, histograms, texts and figures are written too. Under TRL's fused LM head
+    (``SFTTrainer``: ``lm_head`` is never called) the head is called once, without gradient,
+    on the backbone's last hidden states of measured forwards. Evaluation (``LogitStats``):
     ``headwatch/val/logits/*`` logged at the end of each ``evaluate`` and added to its
     returned metrics as ``eval_headwatch/val/logits/*``.
 
@@ -140,6 +142,7 @@ class HeadwatchCallback(TrainerCallback):
         self._trainer: Any = None
         self._hooks: list[Any] = []
         self._fused = False  # this forward uses TRL's fused LM head (no logits)
+        self._started = False  # the current (micro-)batch's first forward was seen
         self._model: nn.Module | None = None
         self._step: int | None = None  # the step being trained (0-based), None outside a training step
         self._logging: list[Monitor] = []  # monitors measuring the current step
@@ -208,6 +211,12 @@ class HeadwatchCallback(TrainerCallback):
         if args and "input_ids" not in batch:
             batch["input_ids"] = args[0]
         training = self._step is not None and module.training
+        if training and self._started:  # a second forward of one micro-batch (TRL with compute_loss_func):
+            self._fused = False  # its ids were counted and its logits measured by the first
+            for m in self.monitors:
+                m.batch_end()
+            return
+        self._started = training
         self._fused = bool(kwargs.get("fused_lm_head")) and (not training or bool(self._logging))
         if training:
             for m in self.monitors:
@@ -235,10 +244,11 @@ class HeadwatchCallback(TrainerCallback):
         return m.schedule.is_logging_step(step) or (self._first and step == 0)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._step = state.global_step
+        self._step, self._started = state.global_step, False
         self._logging = [m for m in self.monitors if self.is_logging_step(m, self._step)]
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._started = False
         for m in self.monitors:
             m.batch_end()
 
@@ -248,6 +258,7 @@ class HeadwatchCallback(TrainerCallback):
             m.gradients_ready(scale)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._started = False
         for m in self.monitors:
             m.optimizer_stepped()
             m.batch_end()
