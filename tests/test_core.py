@@ -209,3 +209,24 @@ def test_dashboard_and_alert_defaults_use_declared_names():
                 assert names.declaration(f"headwatch/{series}") is not None, series
     assert all(names.declaration(f"headwatch/{n}") for n in names.DEFAULT_ALERT_METRICS)
     assert list(build_layout()["headwatch"]) == [c.title for c in names.CHARTS]
+
+
+def test_core_imports_no_lightning_and_functional_all_is_complete():
+    import importlib
+    import inspect
+    import pkgutil
+    import subprocess
+    import sys
+
+    code = "import sys, headwatch.core, headwatch.loop, headwatch.names; print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", out
+    names_only = "import sys, headwatch.names; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", names_only], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    import headwatch.functional as functional
+
+    for info in pkgutil.iter_modules(functional.__path__):
+        module = importlib.import_module(f"headwatch.functional.{info.name}")
+        public = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")]
+        missing = [n for n in public if n not in functional.__all__]
+        assert not missing, (info.name, missing)

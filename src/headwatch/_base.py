@@ -13,6 +13,7 @@ from torch import Tensor
 
 from headwatch import tensorboard as tb
 from headwatch._errors import HeadwatchError
+from headwatch.core.schedule import Schedule
 from headwatch.integrations.lightning import publish, published_steps, tensorboard_writers, to_floats
 
 __all__ = ["HeadwatchCallback", "check_bool", "check_every", "check_module_or_name", "check_positive_int",
@@ -84,7 +85,7 @@ class HeadwatchCallback(Callback):
             rank_zero_warn(f"{type(self).__name__}: log_every_n_steps is 0, training steps are not measured.")
 
     def _is_logging_step(self, step: int) -> bool:
-        return self._every > 0 and (step + 1) % self._every == 0
+        return Schedule(self._every).is_logging_step(step)
 
     def _info_once(self, message: str) -> None:
         """A set-up message, printed once per callback (``setup`` runs for every stage)."""

@@ -160,7 +160,7 @@ class SynonymCollision(Monitor):
         if torch.compiler.is_compiling():
             logits = logits_from_output(output)
             if logits is not None:
-                self._stash.append(logits.detach())
+                self._stash.append(logits)  # detached in _capture (a detached view trips functionalization)
             return
         self._count_confusion(output)
 
@@ -169,6 +169,7 @@ class SynonymCollision(Monitor):
         try:
             logits, view = logits_from_output(output), self._view
             targets = view.masked_targets() if view is not None else None
+            logits = logits.detach() if logits is not None else None
             if logits is None or targets is None or targets.shape != logits.shape[:-1]:
                 return
             targets = torch.where(targets == view.format.ignore_index, torch.full_like(targets, -100), targets)  # type: ignore[union-attr]

@@ -90,7 +90,7 @@ class LogitStats(Monitor):
         if torch.compiler.is_compiling():
             logits = logits_from_output(output)
             if logits is not None:
-                self._stash.append(logits.detach())
+                self._stash.append(logits)  # detached in _capture (a detached view trips functionalization)
             return
         self._capture(output)
 

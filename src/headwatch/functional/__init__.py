@@ -17,14 +17,16 @@ from headwatch.functional.logits import (
     DEFAULT_MAX_CHUNK_BYTES,
     LogitStatistics,
     LogitStatSums,
+    compute_dtype,
     entropy,
     kl_from_uniform,
     kl_to_uniform,
     logit_statistics,
     logit_statistics_from_hidden,
+    rows_per_chunk,
 )
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
-from headwatch.functional.quantiles import quantiles
+from headwatch.functional.quantiles import quantiles, sorted_quantiles
 from headwatch.functional.rows import (
     Summary,
     dense_rows,
@@ -50,6 +52,7 @@ __all__ = [
     "Neighbours",
     "Summary",
     "collision_statistics",
+    "compute_dtype",
     "count_order",
     "dense_rows",
     "entropy",
@@ -71,7 +74,9 @@ __all__ = [
     "row_nonzero",
     "row_nonzero_given_norms",
     "row_norms",
+    "rows_per_chunk",
     "sample_rows",
+    "sorted_quantiles",
     "spearman",
     "summarize",
     "summarize_groups",
