@@ -23,7 +23,7 @@ from headwatch.report import (
     load_runs,
     main,
     render_html,
-    render_svg_chart,
+    render_chart,
     render_text,
     select_tags,
     summarize,
@@ -312,24 +312,35 @@ def test_json_output(logdir, capsys):
     assert data["tied/version_0"]["headwatch/alerts/entropy_floor"]["trend_per_1k"] is None
 
 
+def _no_external_reference(text: str) -> None:
+    """No link, script or resource the page would fetch (namespace URIs of inline SVG excepted)."""
+    assert "<script" not in text
+    for attr in ("href=", "src="):
+        for part in text.split(attr)[1:]:
+            assert not part.lstrip("\"'").startswith(("http:", "https:", "//")), part[:60]
+    assert "url(http" not in text and "@import" not in text
+
+
 def test_html_is_self_contained(logdir, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
     page = tmp_path / "out" / "report.html"
     assert main(["report", str(logdir), "--html", str(page), "--charts", "svg"]) == 0
     assert "wrote" in capsys.readouterr().err
     text = page.read_text(encoding="utf-8")
     assert text.startswith("<!DOCTYPE html>")
-    assert "<svg" in text and "<polyline" in text
+    assert text.count("<svg") == text.count("</svg>") > 0 and "<path" in text and "<?xml" not in text
     assert "tied/version_0" in text and "untied/version_0" in text
-    assert "http://" not in text and "https://" not in text and "<script" not in text
-    assert text.count("<figure>") == len(select_tags({t for r in load_runs([logdir]).values() for t in r}))
+    _no_external_reference(text)
+    tags = select_tags({t for r in load_runs([logdir]).values() for t in r})
+    assert text.count("<figure>") == len(tags) == text.count("<svg")
     assert "entropy 4.9 nats fell below the floor 5.0" in text
     assert "4.020" in text and "↓ -2.000" in text
-    # auto: PNG when matplotlib is importable, SVG otherwise; self-contained either way
+    # auto: SVG charts when matplotlib is importable; self-contained either way
     auto = tmp_path / "auto.html"
     assert main(["report", str(logdir), "--html", str(auto)]) == 0
     text = auto.read_text(encoding="utf-8")
-    assert "<svg" in text or "data:image/png;base64," in text
-    assert "http://" not in text and "https://" not in text
+    assert text.count("<svg") == len(tags)
+    _no_external_reference(text)
 
 
 def test_html_png_charts(logdir, tmp_path):
@@ -337,25 +348,36 @@ def test_html_png_charts(logdir, tmp_path):
     page = tmp_path / "png.html"
     assert main(["report", str(logdir), "--html", str(page), "--charts", "png"]) == 0
     text = page.read_text(encoding="utf-8")
-    assert "data:image/png;base64," in text and "https://" not in text
+    assert "data:image/png;base64," in text and "<svg" not in text
+    _no_external_reference(text)
 
 
-def test_png_without_matplotlib(logdir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("headwatch.report._have_matplotlib", lambda: False)
-    assert main(["report", str(logdir), "--html", str(tmp_path / "x.html"), "--charts", "png"]) == 2
-    assert "pip install matplotlib" in capsys.readouterr().err
-    assert not (tmp_path / "x.html").exists()
-    assert main(["report", str(logdir), "--html", str(tmp_path / "y.html")]) == 0  # auto falls back to SVG
-    assert "<svg" in (tmp_path / "y.html").read_text(encoding="utf-8")
+def test_charts_without_matplotlib(logdir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("headwatch.report.charts.have_matplotlib", lambda: False)
+    for fmt in ("png", "svg"):
+        assert main(["report", str(logdir), "--html", str(tmp_path / "x.html"), "--charts", fmt]) == 2
+        assert "pip install matplotlib" in capsys.readouterr().err
+        assert not (tmp_path / "x.html").exists()
+    assert main(["report", str(logdir), "--html", str(tmp_path / "y.html")]) == 0  # auto: the page without charts
+    text = (tmp_path / "y.html").read_text(encoding="utf-8")
+    assert "<svg" not in text and "<figure>" not in text and "pip install matplotlib" in text
+    assert "4.020" in text  # the table is still there
+    with pytest.raises(HeadwatchError, match="pip install matplotlib"):
+        render_html({}, [], charts="svg")
 
 
-def test_svg_chart_edge_cases():
-    colors = {"a": "#000", "b": "#111"}
-    svg = render_svg_chart({"a": [(0, 1.0)], "b": [(0, 2.0), (5, float("nan")), (10, 3.0), (20, 4.0)]}, colors)
-    assert svg.startswith("<svg") and svg.endswith("</svg>") and "<circle" in svg and "a</text>" in svg
-    assert "no finite values" in render_svg_chart({"a": [(0, float("nan"))]}, {"a": "#000"})
+def test_chart_edge_cases():
+    pytest.importorskip("matplotlib")
+    colors = {"a": "#000000", "b": "#111111"}
+    svg = render_chart({"a": [(0, 1.0)], "b": [(0, 2.0), (5, float("nan")), (10, 3.0), (20, 4.0)]}, colors, title="t")
+    assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>") and 'aria-label="t"' in svg
+    assert ">a</text>" in svg and ">b</text>" in svg  # the legend, as text
+    assert "no finite values" in render_chart({"a": [(0, float("nan"))]}, {"a": "#000"})
+    assert render_chart({"a": [(0, 1.0)]}, {"a": "#000"}, fmt="png").startswith('<img alt="" src="data:image/png;base64,')
     with pytest.raises(HeadwatchError, match="`charts`"):
         render_html({}, [], charts="gif")
+    with pytest.raises(HeadwatchError, match="`fmt`"):
+        render_chart({}, {}, fmt="gif")
 
 
 def test_missing_path_exits_2(tmp_path, capsys):
@@ -384,3 +406,17 @@ def test_python_dash_m(logdir, tmp_path):
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "headwatch", "report", "--help"], capture_output=True, text=True, encoding="utf-8", env=env)
     assert proc.returncode == 0 and "--html PATH" in proc.stdout and "trend/1k" in proc.stdout
+
+
+def test_collect_alerts_keeps_severities_apart():
+    # a warning and a critical alert of one rule at one step: two markers, two records, listed twice
+    scalars = {"headwatch/alerts/entropy_floor": [(40, 1.0)], "headwatch/alerts/entropy_floor_warning": [(40, 1.0)]}
+    records = [
+        {"step": 40, "rule": "entropy_floor", "severity": "warning", "message": "warn"},
+        {"step": 40, "rule": "entropy_floor", "severity": "critical", "message": "crit"},
+    ]
+    alerts = collect_alerts(scalars, records)
+    assert [(a.step, a.rule, a.source, a.message) for a in alerts] == [
+        (40, "entropy_floor", "jsonl+tensorboard", "crit"),
+        (40, "entropy_floor_warning", "jsonl+tensorboard", "warn"),
+    ]

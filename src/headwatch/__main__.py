@@ -1,10 +1,10 @@
-"""``python -m headwatch report LOGDIR [LOGDIR ...]``: the same as the ``headwatch`` command."""
+"""``python -m headwatch COMMAND ...``: the same as the ``headwatch`` command (:mod:`headwatch.cli`)."""
 
 from __future__ import annotations
 
 import sys
 
-from headwatch.report import main
+from headwatch.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

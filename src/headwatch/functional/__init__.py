@@ -22,14 +22,15 @@ from headwatch.functional.logits import (
     kl_from_uniform,
     kl_to_uniform,
     logit_statistics,
-    logit_statistics_from_hidden,
     rows_per_chunk,
 )
+from headwatch.functional.hidden import logit_scale, logit_softcap, logit_statistics_from_hidden
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
 from headwatch.functional.quantiles import quantiles, sorted_quantiles
 from headwatch.functional.rows import (
     Summary,
     dense_rows,
+    finite_histogram_values,
     lookup_gradient,
     rankdata,
     row_cosine,
@@ -62,6 +63,9 @@ __all__ = [
     "kl_to_uniform",
     "logit_statistics",
     "logit_statistics_from_hidden",
+    "finite_histogram_values",
+    "logit_scale",
+    "logit_softcap",
     "lookup_gradient",
     "nearest_neighbours",
     "pair_cosine",
