@@ -23,8 +23,9 @@ from headwatch.functional.logits import (
     kl_to_uniform,
     logit_statistics,
     rows_per_chunk,
+    statistics_from_tasks,
 )
-from headwatch.functional.hidden import logit_scale, logit_softcap, logit_statistics_from_hidden
+from headwatch.functional.hidden import hidden_chunk_plan, logit_scale, logit_softcap, logit_statistics_from_hidden
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
 from headwatch.functional.quantiles import quantiles, sorted_quantiles
 from headwatch.functional.rows import (
@@ -59,6 +60,7 @@ __all__ = [
     "entropy",
     "frequency_buckets",
     "frequency_snapshot",
+    "hidden_chunk_plan",
     "kl_from_uniform",
     "kl_to_uniform",
     "logit_statistics",
@@ -82,6 +84,7 @@ __all__ = [
     "sample_rows",
     "sorted_quantiles",
     "spearman",
+    "statistics_from_tasks",
     "summarize",
     "summarize_groups",
     "synonym_confusion",
