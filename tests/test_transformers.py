@@ -277,11 +277,34 @@ def _word_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
+def test_collapse_alert_actions(tmp_path):
+    """An entropy floor above log V fires at the first logging step: marker, JSON Lines, stop and checkpoint."""
+    import json
+
+    from headwatch.alerts import CollapseRules
+
+    cb = HeadwatchCallback(monitors=["logits"], alert=CollapseRules(entropy_floor=5.0), stop_on_critical=True,
+                           checkpoint_on_critical=True)  # fmt: skip
+    args = hf_args(tmp_path, max_steps=6, logging_steps=2, logging_first_step=False, report_to="tensorboard", save_strategy="steps",
+                   save_steps=100, per_device_train_batch_size=2)  # fmt: skip
+    trainer = Trainer(model=tiny_llama(tie=True), args=args, train_dataset=Rows(one_batch(), 3), callbacks=[cb])
+    trainer.train()
+    assert trainer.state.global_step == 2  # stopped at the first logging step (of 6 steps)
+    assert (tmp_path / "checkpoint-2").is_dir()
+    (record,) = [json.loads(line) for line in (tmp_path / "headwatch_alerts.jsonl").read_text().splitlines()]
+    assert record["step"] == 2 and record["rule"] == "entropy_floor"
+    (logdir,) = {p.parent for p in Path(tmp_path).rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(logdir)).Reload()
+    assert [e.step for e in acc.Scalars("train/headwatch/alerts/entropy_floor")] == [2]
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(HeadwatchError, match=r"`monitors` entries must be core monitors or one of .*got \['logit'\]"):
         HeadwatchCallback(monitors=["logit"])
-    with pytest.raises(HeadwatchError, match="`alert` must have observe_train and observe_val methods, got object"):
+    with pytest.raises(HeadwatchError, match="`alert` must be a headwatch.alerts.CollapseRules or have observe_train and observe_val methods, got object"):
         HeadwatchCallback(alert=object())
+    with pytest.raises(HeadwatchError, match="`stop_on_critical` must be a bool, got 1"):
+        HeadwatchCallback(stop_on_critical=1)
     with pytest.raises(HeadwatchError, match="`trainer` must be a transformers.Trainer, got str"):
         attach("trainer")
     with pytest.raises(HeadwatchError, match="no `model`"):

@@ -14,10 +14,10 @@ Works the same with TRL's ``SFTTrainer`` (a ``Trainer`` subclass) and under ``ac
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from collections.abc import Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,55 +28,20 @@ from transformers.integrations import TensorBoardCallback
 from headwatch import tensorboard as tb
 from headwatch._errors import HeadwatchError
 from headwatch.core.batch import BatchFormat
-from headwatch.core.monitor import Media, Monitor, to_floats
+from headwatch.core.monitor import Monitor, to_floats
 from headwatch.core.reduce import Reducer, TorchDistributedReducer
 from headwatch.core.schedule import Schedule
+from headwatch.integrations._transformers_support import (
+    TB_PREFIX,
+    is_rules,
+    prefixed,
+    WritersSink,
+    find_trainer,
+    loss_scale,
+    unwrap,
+)
 
 __all__ = ["HeadwatchCallback", "attach"]
-
-TB_PREFIX = "train/"
-"""What the Trainer's ``TensorBoardCallback`` puts before every logged key (``rewrite_logs``)."""
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside DDP / accelerate / ``torch.compile`` wrappers."""
-    from accelerate.utils import extract_model_from_parallel
-
-    return extract_model_from_parallel(model)
-
-
-def find_trainer(callback: TrainerCallback) -> Trainer | None:
-    """The ``Trainer`` whose callback handler holds ``callback``, found up the call stack.
-
-    Callbacks are not handed the trainer; its methods (``_inner_training_loop``,
-    ``evaluate``) are on the stack whenever it calls a callback.
-    """
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, Trainer) and any(cb is callback for cb in owner.callback_handler.callbacks):
-                return owner
-            frame = frame.f_back
-    finally:
-        del frame
-    return None
-
-
-def loss_scale(trainer: Trainer | None, args: Any) -> Tensor | None:
-    """The fp16 ``GradScaler`` scale the backward ran with (gradients unscaled in place first), or None.
-
-    The Trainer unscales gradients in place when it clips (``max_grad_norm > 0``); without
-    clipping they are unscaled here, as clipping would (``GradScaler.step`` then skips it).
-    """
-    accelerator = getattr(trainer, "accelerator", None)
-    scaler = getattr(accelerator, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return None
-    if not args.max_grad_norm or args.max_grad_norm <= 0:
-        accelerator.unscale_gradients()
-    return scaler.get_scale()
-
 
 class HeadwatchCallback(TrainerCallback):
     """Watch the embedding and the head of the model a ``transformers.Trainer`` trains.
@@ -109,9 +74,15 @@ class HeadwatchCallback(TrainerCallback):
             ``labels`` shifted as in causal LMs, ``attention_mask``, ``ignore_index=-100``).
         prefix: first component of every metric name.
         reducer: distributed reductions; default ``torch.distributed`` (what accelerate uses).
-        alert: the hook point for the collapse alert: an object with
-            ``observe_train(step, metrics)`` and ``observe_val(step, metrics)`` (the interface of
-            ``headwatch.alerts.engine.AlertEngine``), called on every rank with the published values.
+        alert: the collapse alert: a :class:`headwatch.alerts.CollapseRules` (an ``AlertEngine`` is
+            built in ``on_train_begin`` with the standard actions: console, a marker in the Trainer's
+            TensorBoard, ``<output_dir>/headwatch_alerts.jsonl``), or any object with
+            ``observe_train(step, metrics)`` / ``observe_val(step, metrics)`` (an ``AlertEngine`` you
+            built: its distributed decision is then taken through ``reducer``). Called on every rank
+            with the published values; validation also sees the Trainer's ``eval_*`` metrics (use
+            ``CollapseRules(val_metric="eval_loss")``).
+        stop_on_critical, checkpoint_on_critical: on a critical alert, set the Trainer's
+            ``control.should_training_stop`` / ``control.should_save`` (a checkpoint at that step).
         strict: raise on a failed measurement instead of warning once.
 
     Raises:
@@ -125,14 +96,22 @@ class HeadwatchCallback(TrainerCallback):
         prefix: str = "headwatch",
         reducer: Reducer | None = None,
         alert: Any = None,
+        stop_on_critical: bool = False,
+        checkpoint_on_critical: bool = False,
         strict: bool = False,
     ) -> None:
         from headwatch.loop import Headwatch
 
         if reducer is not None and not isinstance(reducer, Reducer):
             raise HeadwatchError(f"`reducer` must implement headwatch.core.Reducer, got {type(reducer).__name__}")
-        if alert is not None and not all(callable(getattr(alert, f, None)) for f in ("observe_train", "observe_val")):
-            raise HeadwatchError(f"`alert` must have observe_train and observe_val methods, got {type(alert).__name__}")
+        if alert is not None and not is_rules(alert) and not all(callable(getattr(alert, f, None)) for f in ("observe_train", "observe_val")):
+            raise HeadwatchError(
+                f"`alert` must be a headwatch.alerts.CollapseRules or have observe_train and observe_val methods, got {type(alert).__name__}"
+            )
+        for name, value in (("stop_on_critical", stop_on_critical), ("checkpoint_on_critical", checkpoint_on_critical)):
+            if not isinstance(value, bool):
+                raise HeadwatchError(f"`{name}` must be a bool, got {value!r}")
+        self.stop_on_critical, self.checkpoint_on_critical = stop_on_critical, checkpoint_on_critical
         self.monitors = Headwatch._build(monitors, batch_format, prefix)
         for m in self.monitors:
             m.strict = strict
@@ -147,6 +126,7 @@ class HeadwatchCallback(TrainerCallback):
         self._step: int | None = None  # the step being trained (0-based), None outside a training step
         self._logging: list[Monitor] = []  # monitors measuring the current step
         self._first = False
+        self._control: Any = None
 
     # ---------------------------------------------------------------- wiring
     @property
@@ -171,6 +151,8 @@ class HeadwatchCallback(TrainerCallback):
             )
         self._first = bool(args.logging_first_step)
         self.attach_model(model, every)
+        self._control = control
+        self._wire_alert(args)
         if self.reducer.rank == 0:
             try:
                 tb.write_layout(self.writers(), TB_PREFIX + self.prefix)
@@ -191,6 +173,31 @@ class HeadwatchCallback(TrainerCallback):
             if isinstance(backbone, nn.Module) and backbone is not inner and callable(getattr(inner, "get_output_embeddings", None)):
                 self._hooks.append(backbone.register_forward_hook(partial(self._on_backbone, inner)))
             self._model = model
+
+    def _wire_alert(self, args: Any) -> None:
+        """Build the ``AlertEngine`` of ``CollapseRules``; decisions through the reducer, rank zero runs the
+        main-process actions."""
+        from headwatch.alerts import AlertEngine, standard_actions
+        from headwatch.alerts.actions import JSONL_NAME
+
+        if is_rules(self.alert):
+            actions = standard_actions(
+                sink=WritersSink(self), prefix=self.prefix, jsonl_path=Path(args.output_dir) / JSONL_NAME,
+                save_checkpoint=self.save_checkpoint if self.checkpoint_on_critical else None,
+                stop=self.stop_training if self.stop_on_critical else None,
+            )  # fmt: skip
+            self.alert = AlertEngine(self.alert, actions, name="HeadwatchCallback alert")
+        if isinstance(self.alert, AlertEngine):
+            self.alert.reduce_bool = lambda fired: not self.reducer.all(not fired)
+            self.alert.main_process = self.reducer.rank == 0
+
+    def stop_training(self, alert: Any = None) -> None:
+        """An alert action: the Trainer stops after this step (every rank decides alike)."""
+        self._control.should_training_stop = True
+
+    def save_checkpoint(self, alert: Any = None) -> None:
+        """An alert action: the Trainer saves a checkpoint at this step."""
+        self._control.should_save = True
 
     def close(self) -> None:
         """Remove the forward pre-hook (the monitors keep their hooks and state; ``m.detach()`` removes those)."""
@@ -264,7 +271,7 @@ class HeadwatchCallback(TrainerCallback):
             m.batch_end()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        due, self._logging, self._step = self._logging, [], None
+        due, self._logging, self._step, self._control = self._logging, [], None, control
         if due and not control.should_log:
             due[0].warn_once("should_log", "HeadwatchCallback measured a step the Trainer does not log. (warned once)")
         self._emit(due, state, control)
@@ -309,9 +316,13 @@ class HeadwatchCallback(TrainerCallback):
             )
         writers = self.writers()
         for m in due:
-            tb.write_media(writers, _prefixed(m.media, TB_PREFIX), step)
-        if self.alert is not None and numbers:
-            (self.alert.observe_val if val else self.alert.observe_train)(step, numbers)
+            tb.write_media(writers, prefixed(m.media, TB_PREFIX), step)
+        if self.alert is not None and not is_rules(self.alert):
+            if val:
+                extra = {k: v for k, v in getattr(self, "_eval_metrics", {}).items() if isinstance(v, (int, float))}
+                self.alert.observe_val(step, {**extra, **numbers})
+            else:
+                self.alert.observe_train(step, numbers)
 
     # ---------------------------------------------------------------- evaluation
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -319,6 +330,7 @@ class HeadwatchCallback(TrainerCallback):
             m.validation_batch_end()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict | None = None, **kwargs: Any) -> None:
+        self._control, self._eval_metrics = control, dict(metrics or {})
         numbers = self._emit(list(self.monitors), state, control, val=True)
         if metrics is not None:
             metrics.update({f"eval_{k}": v for k, v in numbers.items()})
@@ -334,15 +346,6 @@ class HeadwatchCallback(TrainerCallback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for m, s in zip(self.monitors, state.get("monitors", [])):
             m.load_state_dict(s)
-
-
-def _prefixed(media: Media, prefix: str) -> Media:
-    """``media`` with every tag under ``prefix`` (next to the Trainer's ``train/`` scalars)."""
-    return Media(
-        {prefix + k: v for k, v in media.histograms.items()},
-        {prefix + k: v for k, v in media.texts.items()},
-        {prefix + k: v for k, v in media.figures.items()},
-    )
 
 
 def attach(trainer: Trainer, callback: HeadwatchCallback | None = None, **kwargs: Any) -> HeadwatchCallback:
