@@ -230,3 +230,10 @@ def test_core_imports_no_lightning_and_functional_all_is_complete():
         public = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")]
         missing = [n for n in public if n not in functional.__all__]
         assert not missing, (info.name, missing)
+
+
+def test_alert_rules_are_declared_names():
+    from headwatch import names
+    from headwatch.alerts import RULES
+
+    assert all(names.declaration(f"headwatch/alerts/{rule}") for rule in RULES)

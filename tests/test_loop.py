@@ -105,3 +105,47 @@ def test_plain_loop_schedule_context_manager_and_errors():
         Headwatch(model, monitors=["entropy"])
     with pytest.raises(HeadwatchError, match="`log_every_n_steps` must be an int >= 1, got 0"):
         Headwatch(model, log_every_n_steps=0)
+
+
+def _llama(tie: bool, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, tie_word_embeddings=tie, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(dtype)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_plain_loop_on_a_tiny_llama_equals_float64_and_an_untied_twin(tie):
+    model = _llama(tie)
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(0, 64, (2, 10), generator=g)}
+    batch["labels"] = batch["input_ids"].clone()
+    hw = Headwatch(model, monitors=["logits", "gradients"], log_every_n_steps=1)
+    hw.step_start(batch, 0)
+    model(**batch).loss.backward()
+    hw.before_optimizer_step()
+    got = hw.step_end()
+    # float64 reference: an untied twin holds the lookup flow in its embedding, the scoring flow in its head
+    twin = _llama(False, torch.float64)
+    state = {k: v.double() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = model.get_output_embeddings().weight.detach().double().clone()
+    twin.load_state_dict(state)
+    out = twin(**batch)
+    out.loss.backward()
+    logp = out.logits[:, :-1].log_softmax(-1)
+    assert got["headwatch/logits/entropy"] == pytest.approx(-(logp.exp() * logp).sum(-1).mean().item(), abs=1e-6)
+    assert got["headwatch/logits/target_nll"] == pytest.approx(out.loss.item(), abs=1e-6)
+    lookup, scoring = twin.model.embed_tokens.weight.grad, twin.lm_head.weight.grad
+    assert got["headwatch/grad/embedding_row_density"] == pytest.approx((lookup != 0).any(1).double().mean().item(), abs=1e-12)
+    assert got["headwatch/grad/head_row_density"] == pytest.approx((scoring != 0).any(1).double().mean().item(), abs=1e-12)
+    assert got["headwatch/grad/tied"] == float(tie)
+    if tie:
+        both = (lookup != 0).any(1) & (scoring != 0).any(1)
+        cos = F.cosine_similarity(lookup[both], scoring[both], dim=1)
+        assert got["headwatch/grad/tied_flow_rows"] == both.sum().item()
+        assert got["headwatch/grad/tied_flow_cosine_mean"] == pytest.approx(cos.mean().item(), abs=1e-5)
+    hw.close()

@@ -27,7 +27,7 @@ PLACEHOLDERS: dict[str, tuple[str, ...]] = {
     "m": ("head", "embedding"),
     "stat": STATS,
     "q": ("05", "50", "95"),
-    "rule": ("entropy_drop", "kl_rise", "val_stall"),
+    "rule": ("entropy_floor", "kl_ceiling", "entropy_drop", "val_stall"),  # headwatch.alerts.RULES (alerts may add more)
 }
 
 
