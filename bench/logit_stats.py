@@ -56,7 +56,7 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 from headwatch.functional import logit_statistics
-from headwatch.functional.logits import _row_tasks, rows_per_chunk, statistics_from_tasks
+from headwatch.functional.logits import _row_tasks, rows_per_chunk, _statistics_from_tasks
 
 TRL_MISSING = "not installed (pip install -e .[bench])"
 
@@ -166,7 +166,7 @@ def chunks_in_one_thread(logits: Tensor) -> object:
     """headwatch's row math with each chunk's ops multi-threaded in turn (no split across threads)."""
     rows = rows_per_chunk(logits.shape[-1], logits.dtype, logits.device, 64 * 2**20)
     tasks = _row_tasks(logits, rows)
-    return statistics_from_tasks(tasks, logits.shape[:-1], logits.shape[-1], logits.device, rows, None, None, -100)
+    return _statistics_from_tasks(tasks, logits.shape[:-1], logits.shape[-1], logits.device, rows, None, None, -100)
 
 
 def contended_comparison(methods: list[Method], warmup: int, repeats: int, spinners: int) -> None:

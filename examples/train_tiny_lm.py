@@ -16,9 +16,11 @@ Nothing is downloaded. The corpus is, by default, the source code of the running
 Python's standard library (the first ``--max-corpus-mb`` megabytes of its ``*.py``
 files, in sorted order); ``--data`` trains on your own text files or folders instead.
 A byte-level BPE tokenizer is trained on the corpus first (``tokenizers`` library) and
-saved next to the TensorBoard logs. The last ``--val-fraction`` of the token stream is
-held out for validation; the validation loss is measured before training starts and
-after it ends, and both are printed.
+saved next to the TensorBoard logs. Validation uses held-out files: a random sample of
+whole files (about ``--val-fraction`` of the corpus bytes), drawn with ``--seed``, that
+neither the tokenizer nor the model trains on; the validation loss is measured before
+training starts and after it ends, and both are printed. ``--seed`` also seeds Python,
+NumPy and torch, so one seed reproduces one run and several seeds show the spread.
 
 Usage::
 
@@ -44,6 +46,7 @@ _T_IMPORT = time.perf_counter()  # the imports below (torch, Lightning) take sec
 
 import argparse
 import math
+import random
 import sys
 import warnings
 from pathlib import Path
@@ -69,6 +72,7 @@ from tiny_lm import (  # noqa: E402
     TinyLM,
     TinyLMConfig,
     TokenDataModule,
+    TokenWindows,
     collect_text_files,
     encode_documents,
     read_corpus,
@@ -147,7 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="pad the model's vocabulary (embed_tokens and lm_head rows) up to a multiple of this "
         "(nanoGPT does, for efficiency; padded rows never occur in the data); 1 disables",
     )
-    data.add_argument("--val-fraction", type=float, default=0.05, help="last fraction of the token stream held out")
+    data.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.05,
+        help="fraction of the corpus bytes held out for validation, as a random sample of whole files drawn "
+        "with --seed (one document only: the last fraction of its tokens)",
+    )
 
     model = parser.add_argument_group("model")
     model.add_argument(
@@ -169,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak (cosine decay)")
     optim.add_argument("--warmup-steps", type=int, default=20, help="linear warmup steps")
     optim.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices")
-    optim.add_argument("--seed", type=int, default=0, help="seed for Python, NumPy and torch")
+    optim.add_argument(
+        "--seed", type=int, default=0, help="seed for Python, NumPy and torch, and for the held-out validation files"
+    )
 
     run = parser.add_argument_group("trainer and logging")
     run.add_argument("--accelerator", default="auto", help='Lightning accelerator: "cpu", "gpu", "auto", ...')
@@ -250,6 +262,49 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--limit-val-batches must be an int >= 1 or a float in (0, 1], got {limit}")
 
 
+def split_documents(docs: list[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Hold out a random sample of whole documents (files) for validation.
+
+    The documents are shuffled with ``random.Random(seed)`` and taken in that order until the
+    held-out bytes reach ``val_fraction`` of the corpus; at least one document goes to each
+    side. Both lists keep the corpus order. A file never straddles the split, so no text of a
+    held-out file is trained on.
+
+    Returns:
+        ``(train_docs, val_docs)``.
+
+    Raises:
+        ValueError: fewer than 2 documents, or ``val_fraction`` outside ``(0, 1)``.
+    """
+    if len(docs) < 2:
+        raise ValueError(f"holding out files needs at least 2 documents, got {len(docs)}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"`val_fraction` must be in (0, 1), got {val_fraction!r}")
+    sizes = [len(d.encode("utf-8")) for d in docs]
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    held: set[int] = set()
+    taken = 0
+    for index in order[:-1]:  # the last one always trains
+        if held and taken >= val_fraction * sum(sizes):
+            break
+        held.add(index)
+        taken += sizes[index]
+    return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
+
+
+class HeldOutFilesDataModule(TokenDataModule):
+    """:class:`TokenDataModule` whose validation windows come from held-out files, not a stream's tail."""
+
+    def __init__(self, train_tokens: Any, val_tokens: Any, *, block_size: int, batch_size: int) -> None:
+        pl.LightningDataModule.__init__(self)  # TokenDataModule's own __init__ splits one stream
+        self.train_tokens = train_tokens
+        self.val_tokens = val_tokens
+        self.batch_size = batch_size
+        self.train_set = TokenWindows(train_tokens, block_size)
+        self.val_set = TokenWindows(val_tokens, block_size)
+
+
 class ValLossHistory(Callback):
     """Records ``(global_step, val_loss)`` at the end of every validation run."""
 
@@ -302,7 +357,8 @@ def format_summary(s: dict[str, Any]) -> str:
         "",
         f"=== headwatch example: tiny GPT, {tying} ===",
         f"corpus          {s['corpus_bytes'] / 2**20:.2f} MiB from {s['corpus_files']} files -> "
-        f"{s['train_tokens']:,} train / {s['val_tokens']:,} val tokens",
+        f"{s['train_tokens']:,} train / {s['val_tokens']:,} val tokens "
+        + (f"(val: {s['val_files']} held-out files, seed {s['seed']})" if s["val_files"] else "(val: the last tokens)"),
         f"tokenizer       byte-level BPE, {s['tokenizer_vocab_size']:,} tokens (model rows: {s['vocab_size']:,}) "
         f"-> {s['tokenizer_path']}",
         f"model           {params}",
@@ -365,6 +421,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ``total_params``, ``params_saved_by_tying`` (``vocab_size * d_model``),
         ``vocab_size`` (model rows), ``tokenizer_vocab_size``, ``d_model``, ``steps``,
         ``corpus_files``, ``corpus_bytes``, ``train_tokens``, ``val_tokens``,
+        ``val_files`` (held-out files; 0 for a one-document corpus), ``seed``,
         ``log_dir``, ``tokenizer_path``, ``checkpoint_path`` (None without
         ``--checkpoint``), ``logdir``, ``headwatch`` (bool),
         ``wall_time_s`` (seconds since ``main`` started), ``fit_time_s`` (in
@@ -386,12 +443,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     docs = read_corpus(files, max_bytes=int(args.max_corpus_mb * 2**20))
     if not docs:
         parser.error(f"no UTF-8 text found in {args.data or 'the standard library'}")
-    tokenizer = train_tokenizer(docs, vocab_size=args.vocab_size)
-    tokens = encode_documents(tokenizer, docs)  # (N,) int64
+    if len(docs) >= 2:  # validation: a random sample of whole files, drawn with the seed
+        train_docs, val_docs = split_documents(docs, args.val_fraction, args.seed)
+    else:  # one document: its last --val-fraction of tokens
+        train_docs, val_docs = docs, []
+    tokenizer = train_tokenizer(train_docs, vocab_size=args.vocab_size)  # never sees the held-out files
     vocab_size = _pad(tokenizer.get_vocab_size(), args.pad_vocab_multiple)
-    datamodule = TokenDataModule(
-        tokens, block_size=args.block_size, batch_size=args.batch_size, val_fraction=args.val_fraction
-    )
+    try:
+        if val_docs:
+            datamodule: TokenDataModule = HeldOutFilesDataModule(
+                encode_documents(tokenizer, train_docs),  # (N,) int64
+                encode_documents(tokenizer, val_docs),
+                block_size=args.block_size,
+                batch_size=args.batch_size,
+            )
+        else:
+            datamodule = TokenDataModule(
+                encode_documents(tokenizer, docs), block_size=args.block_size, batch_size=args.batch_size,
+                val_fraction=args.val_fraction,
+            )
+    except ValueError as err:
+        parser.error(f"{err} (held-out files: {len(val_docs)}; raise --val-fraction or --max-corpus-mb)")
     if len(datamodule.train_set) < args.batch_size:
         parser.error(
             f"only {len(datamodule.train_set)} training windows of {args.block_size} tokens, fewer than "
@@ -510,6 +582,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "d_model": args.d_model,
         "steps": trainer.global_step,
         "corpus_files": len(docs),
+        "val_files": len(val_docs),
+        "seed": args.seed,
         "corpus_bytes": sum(len(d.encode("utf-8")) for d in docs),
         "train_tokens": len(datamodule.train_tokens),
         "val_tokens": len(datamodule.val_tokens),

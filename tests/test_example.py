@@ -30,6 +30,7 @@ def test_small_run_learns_and_reports(tmp_path, tie):
     assert s["rare_count"] > 0 and 0 <= s["rare_rate_head"] <= 1
     assert s["params_saved_by_tying"] == s["vocab_size"] * s["d_model"]
     assert Path(s["tokenizer_path"]).exists()
+    assert s["seed"] == 0 and 1 <= s["val_files"] < s["corpus_files"]
 
 
 def test_induced_collapse_fires_the_alert(tmp_path):
@@ -53,6 +54,23 @@ def test_user_text_instead_of_the_standard_library(tmp_path):
                             "--val-check-interval", "6", "--log-every-n-steps", "2", "--no-progress-bar",
                             "--logdir", str(tmp_path / "runs")])
     assert s["corpus_files"] == 40 and s["final_val_loss"] < s["initial_val_loss"]
+    assert s["val_files"] == 2  # 5% of 40 equal-sized files, held out whole
+
+
+def test_validation_holds_out_a_seeded_random_sample_of_files():
+    docs = [f"document {i} " * (10 + i) for i in range(60)]
+    train, val = train_tiny_lm.split_documents(docs, 0.1, seed=0)
+    assert sorted(train + val) == sorted(docs) and not set(train) & set(val)  # a partition into whole files
+    size = sum(len(d) for d in docs)
+    held = sum(len(d) for d in val)
+    assert held >= 0.1 * size and held - max(len(d) for d in val) < 0.1 * size  # stops once the fraction is reached
+    assert train_tiny_lm.split_documents(docs, 0.1, seed=0) == (train, val)  # the seed decides
+    assert train_tiny_lm.split_documents(docs, 0.1, seed=1)[1] != val
+    assert val != docs[-len(val):]  # not the corpus tail
+    assert [docs.index(d) for d in val] == sorted(docs.index(d) for d in val)  # corpus order kept
+    assert train_tiny_lm.split_documents(["a", "b"], 0.99, seed=3)[0]  # one file always trains
+    with pytest.raises(ValueError, match="at least 2 documents, got 1"):
+        train_tiny_lm.split_documents(["only"], 0.1, seed=0)
 
 
 def test_bad_arguments_exit_with_a_message(capsys):

@@ -19,6 +19,9 @@ BUCKETS = ("top1", "top10", "top50", "tail", "unseen")
 STATS = ("mean", "max", "p50", "p95")
 """Summary statistics of per-row norms."""
 
+ALERT_RULES = ("entropy_floor", "entropy_ceiling", "kl_ceiling", "entropy_drop", "val_stall")
+"""The rules of :class:`headwatch.SharpnessCollapseAlert` (``headwatch.alerts.RULES`` is this tuple)."""
+
 PLACEHOLDERS: dict[str, tuple[str, ...]] = {
     "split": ("logits", "val/logits"),
     "flow": ("embedding", "head", "shared"),
@@ -27,7 +30,7 @@ PLACEHOLDERS: dict[str, tuple[str, ...]] = {
     "m": ("head", "embedding"),
     "stat": STATS,
     "q": ("05", "50", "95"),
-    "rule": ("entropy_floor", "kl_ceiling", "entropy_drop", "val_stall"),  # headwatch.alerts.RULES (alerts may add more)
+    "rule": ALERT_RULES,
 }
 
 
@@ -106,7 +109,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("collision/top_pairs_{m}", "", "text: most similar colliding pairs", _C, kind="text"),
     Metric("collision/nn_similarity_{m}", "", "image: nearest-neighbour cosine histograms, rare vs frequent", _C, kind="image"),
     # ---- alerts
-    Metric("alerts/{rule}", "", "1 at each alert step of the rule", _A),
+    Metric("alerts/{rule}", "", "1 at each critical alert step of the rule", _A),
+    Metric("alerts/{rule}_warning", "", "1 at each warning alert step of the rule", _A),
     Metric("alerts", "", "text: the alert message", _A, kind="text"),
 )
 
@@ -145,7 +149,7 @@ CHARTS: tuple[Chart, ...] = (
     Chart("frequency gravity: Spearman(log frequency, row norm)", "Multiline", ("freq/{matrix}_norm_spearman",)),
     Chart("rare-token collision rate", "Multiline", ("collision/rare_rate_{m}", "collision/synonym_pair_rate_{m}")),
     Chart("nearest-neighbour cosine by frequency bucket", "Multiline", ("collision/{bucket}/{m}_nn_cosine_mean",)),
-    Chart("alerts (1 at the alert step)", "Multiline", ("alerts/{rule}",)),
+    Chart("alerts (1 at the alert step)", "Multiline", ("alerts/{rule}", "alerts/{rule}_warning")),
 )
 
 

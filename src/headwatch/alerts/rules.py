@@ -17,7 +17,7 @@ from typing import Any, Union
 from headwatch._errors import HeadwatchError
 from headwatch.alerts.events import CRITICAL, FIRED, RESOLVED, SEVERITIES, AlertEvent, episode_key
 
-RULES = ("entropy_floor", "entropy_ceiling", "kl_ceiling", "entropy_drop", "val_stall")
+from headwatch.names import ALERT_RULES as RULES  # declared once with the metric names
 TRAIN_RULES = RULES[:4]
 VAL_RULES = RULES[4:]
 

@@ -23,7 +23,6 @@ from headwatch.functional.logits import (
     kl_to_uniform,
     logit_statistics,
     rows_per_chunk,
-    statistics_from_tasks,
 )
 from headwatch.functional.hidden import hidden_chunk_plan, logit_scale, logit_softcap, logit_statistics_from_hidden
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
@@ -65,9 +64,9 @@ __all__ = [
     "kl_to_uniform",
     "logit_statistics",
     "logit_statistics_from_hidden",
-    "finite_histogram_values",
     "logit_scale",
     "logit_softcap",
+    "finite_histogram_values",
     "lookup_gradient",
     "nearest_neighbours",
     "pair_cosine",
@@ -84,7 +83,6 @@ __all__ = [
     "sample_rows",
     "sorted_quantiles",
     "spearman",
-    "statistics_from_tasks",
     "summarize",
     "summarize_groups",
     "synonym_confusion",
@@ -93,4 +91,49 @@ __all__ = [
     "tied_flow_statistics",
     "token_scalars",
     "top_colliding_pairs",
+]
+
+# issue 12: collision beyond common drift; loss, accuracy and calibration by target frequency
+from headwatch.functional.calibration import (  # noqa: E402
+    ECE_BINS,
+    CalibrationSums,
+    calibration_compute,
+    calibration_update,
+)
+from headwatch.functional.drift import (  # noqa: E402
+    DriftCorrection,
+    Pairable,
+    default_k,
+    mean_resultant_length,
+    pairable_rows,
+    remove_top_directions,
+    top_principal_directions,
+)
+from headwatch.functional.drift_pairs import (  # noqa: E402
+    CorrectedCollision,
+    corrected_collision,
+    nn_cosine_by_bucket,
+    ordered_pairs,
+    partner_ranks,
+    synonym_statistics,
+)
+
+__all__ += [
+    "ECE_BINS",
+    "CalibrationSums",
+    "CorrectedCollision",
+    "DriftCorrection",
+    "Pairable",
+    "calibration_compute",
+    "calibration_update",
+    "corrected_collision",
+    "default_k",
+    "mean_resultant_length",
+    "nn_cosine_by_bucket",
+    "ordered_pairs",
+    "pairable_rows",
+    "partner_ranks",
+    "remove_top_directions",
+    "synonym_statistics",
+    "top_principal_directions",
 ]

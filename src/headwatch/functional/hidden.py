@@ -24,7 +24,7 @@ from headwatch.functional.logits import (
     Task,
     _check_inputs,
     _check_transform,
-    statistics_from_tasks,
+    _statistics_from_tasks,
 )
 
 
@@ -153,5 +153,5 @@ def logit_statistics_from_hidden(
 
     tasks: list[Task] = [(start, partial(project, start)) for start in range(0, flat.shape[0], rows)]
     with full_precision(hidden.device):  # also covers the projections, made lazily inside
-        return statistics_from_tasks(tasks, lead, V, hidden.device, rows, mask, targets, ignore_index,
+        return _statistics_from_tasks(tasks, lead, V, hidden.device, rows, mask, targets, ignore_index,
                                      transform=transform, workers=1)

@@ -216,7 +216,7 @@ def logit_statistics(
     budget = max(1, max_chunk_bytes // workers)
     rows = rows_per_chunk(V, logits.dtype, logits.device, budget, extra_buffers=extra)
     tasks = _row_tasks(logits, rows)
-    return statistics_from_tasks(
+    return _statistics_from_tasks(
         tasks, logits.shape[:-1], V, logits.device, rows, mask, targets, ignore_index,
         compute_dtype(logits.dtype), transform, workers=min(workers, max(1, len(tasks))),
     )
@@ -275,7 +275,7 @@ def _measure_block(
     out.finite[start : start + n] = finite.squeeze(-1)
 
 
-def statistics_from_tasks(
+def _statistics_from_tasks(
     tasks: list[Task],
     lead: torch.Size,
     V: int,

@@ -1,0 +1,311 @@
+"""Collision beyond common drift: nearest neighbours after removing the shared directions of the rows.
+
+Why. Rare and never-seen tokens' head rows all receive nearly the same "push-down" gradient
+(``sum_n p_{n,i} h_n``), so they drift together along one common direction ("representation
+degeneration", Gao et al., ICLR 2019). Raw cosine then calls almost every rare row a
+near-duplicate of another (on headwatch's example 99.6% of rare rows reach cosine 0.9, tied or
+untied). That is drift, not two specific rows merging.
+
+Correction ("all-but-the-top", Mu & Viswanath, ICLR 2018). With ``mu`` the mean of the valid rows
+and ``U`` (``(d, k)``, orthonormal columns) their top-``k`` principal directions (eigenvectors of
+the covariance ``C = sum_i (x_i - mu)(x_i - mu)^T`` with the ``k`` largest eigenvalues), each row
+becomes
+
+    ``x' = (x - mu) - U U^T (x - mu)``,
+
+default ``k = max(1, round(d_model / 100))`` (the paper's rule of thumb). A rare row *collides*
+when its nearest other pairable row has corrected cosine ``>= tau`` (default 0.9).
+
+Drift itself is reported, not hidden: the variance share of the removed directions
+``sum_{j<=k} lambda_j / trace(C)``, the mean cosine of rare rows to their mean direction (the
+mean resultant length ``||mean_i x_i / ||x_i||||`` of directional statistics, Mardia & Jupp
+2000), and the raw-cosine rate (the older definition, which measures drift).
+
+Memory: the principal directions come from a ``(d, d)`` float64 covariance accumulated over
+chunks of rows when that is cheap, else from randomized subspace iteration on the covariance
+operator (Halko, Martinsson & Tropp, SIAM Review 2011, Alg. 4.4): each pass reads the rows a
+chunk at a time, so the extra memory is one chunk, a few ``(d, k + 10)`` matrices, and the one
+``(V, d)`` float32 matrix of corrected rows that the neighbour search reads. Never ``(V, V)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from headwatch._errors import HeadwatchError
+from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
+from headwatch.functional.neighbors import nearest_neighbours
+
+DEFAULT_TAU = 0.9
+_OVERSAMPLE = 10  # extra columns of the randomized subspace (Halko et al. recommend 5-10)
+_EXACT_MACS = 2**33  # covariance cheaper than this many multiply-adds: exact float64 path
+
+
+def default_k(d_model: int) -> int:
+    """``max(1, round(d_model / 100))``: directions removed by default (Mu & Viswanath 2018)."""
+    return max(1, round(d_model / 100))
+
+
+class DriftCorrection(NamedTuple):
+    """Rows with the mean and the top principal directions removed, and what was removed."""
+
+    rows: Tensor
+    """``(V, d)`` float32 corrected rows (every row is corrected; only valid rows defined ``mu``, ``U``)."""
+    mean: Tensor
+    """``(d,)`` float32, mean of the valid rows."""
+    directions: Tensor
+    """``(d, k)`` float32, orthonormal principal directions, largest variance first."""
+    variances: Tensor
+    """``(k,)`` float64, variance (sum of squares of centred valid rows) along each direction."""
+    total_variance: Tensor
+    """float64 scalar, ``trace(C)``: sum of squared norms of the centred valid rows."""
+
+    @property
+    def removed_variance(self) -> Tensor:
+        """Share of ``trace(C)`` held by the removed directions, in ``[0, 1]`` (NaN for no variance)."""
+        return self.variances.sum() / self.total_variance
+
+
+def _check_rows(rows: Tensor, valid: Tensor | None) -> Tensor:
+    if not isinstance(rows, Tensor) or rows.ndim != 2 or not rows.is_floating_point():
+        got = tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__
+        raise HeadwatchError(f"expected a floating `rows` matrix of shape [vocab_size, d_model], got {got}")
+    V = rows.shape[0]
+    if valid is None:
+        return torch.ones(V, dtype=torch.bool, device=rows.device)
+    if not isinstance(valid, Tensor) or valid.shape != (V,) or valid.dtype != torch.bool:
+        got = (tuple(valid.shape), valid.dtype) if isinstance(valid, Tensor) else type(valid).__name__
+        raise HeadwatchError(f"expected `valid` of shape ({V},) and dtype bool, got {got}")
+    return valid.to(rows.device)
+
+
+def _chunk_rows(d: int, columns: int, max_chunk_bytes: int) -> int:
+    """Rows per chunk: a float32 chunk, its float64 copy and a ``(rows, columns)`` product fit the budget."""
+    return max(1, max_chunk_bytes // (4 * d + 8 * d + 8 * columns))
+
+
+def _chunks(rows: Tensor, ids: Tensor, step: int) -> Iterator[Tensor]:
+    """The rows ``ids`` a chunk at a time: ``(c, d)`` slices when ``ids`` is every row, else copies."""
+    every = ids.numel() == rows.shape[0]  # ids are sorted and unique: every row, in order
+    for s in range(0, ids.numel(), step):
+        yield rows[s : s + step] if every else rows.index_select(0, ids[s : s + step])
+
+
+def _centred_chunks(rows: Tensor, ids: Tensor, mean: Tensor, step: int) -> Iterator[Tensor]:
+    """``(c, d)`` float32 rows ``ids`` minus ``mean`` (new tensors), a chunk at a time."""
+    for chunk in _chunks(rows, ids, step):
+        yield torch.sub(chunk, mean, out=torch.empty(chunk.shape, dtype=torch.float32, device=chunk.device))
+
+
+def _covariance_times(rows: Tensor, ids: Tensor, mean: Tensor, basis: Tensor, step: int) -> Tensor:
+    """``C @ basis`` (float64 ``(d, q)``) with ``C`` the covariance of the rows ``ids``, by chunks."""
+    out = torch.zeros_like(basis)
+    b32 = basis.float()
+    for xc in _centred_chunks(rows, ids, mean, step):
+        out += (xc.T @ (xc @ b32)).double()  # float32 products, float64 accumulation over chunks
+    return out
+
+
+@torch.no_grad()
+def top_principal_directions(
+    rows: Tensor,
+    valid: Tensor | None = None,
+    k: int | None = None,
+    method: str = "auto",
+    niter: int = 2,
+    seed: int = 0,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Mean, top-``k`` principal directions, their variances and the total variance of the valid rows.
+
+    Args:
+        rows: ``(V, d)`` floating (any dtype; read a chunk at a time, never copied whole).
+        valid: ``(V,)`` bool, rows that define the mean and the directions (default: all).
+        k: directions; default :func:`default_k`. Must be in ``[1, d]``.
+        method: ``"exact"`` (float64 ``(d, d)`` covariance accumulated by chunks, then
+            ``torch.linalg.eigh``), ``"randomized"`` (subspace iteration with ``k + 10``
+            columns, ``niter`` passes), or ``"auto"`` (exact when ``n d^2 <= 2^33``).
+        niter: power iterations of the randomized method (2: Halko et al.'s advice for a
+            slowly decaying spectrum; the drift directions stand far above the rest).
+        seed: seed of the randomized method's starting subspace.
+        max_chunk_bytes: bound on one chunk's working memory.
+
+    Returns:
+        ``(mean (d,) float32, directions (d, k) float32, variances (k,) float64,
+        total_variance () float64)``; variances are eigenvalues of ``C`` (unnormalised sums of
+        squares), largest first.
+
+    Raises:
+        HeadwatchError: bad shapes or dtypes, ``k`` outside ``[1, d]``, an unknown ``method``,
+            or fewer than 2 valid rows.
+    """
+    valid = _check_rows(rows, valid)
+    d = rows.shape[1]
+    k = default_k(d) if k is None else k
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= d:
+        raise HeadwatchError(f"`k` must be an int in [1, d_model={d}], got {k!r}")
+    if method not in ("auto", "exact", "randomized"):
+        raise HeadwatchError(f"`method` must be 'auto', 'exact' or 'randomized', got {method!r}")
+    ids = valid.nonzero().flatten()
+    n = ids.numel()
+    if n < 2:
+        raise HeadwatchError(f"principal directions need at least 2 valid rows, got {n}")
+    q = min(d, k + _OVERSAMPLE)
+    step = _chunk_rows(d, max(d, q), max_chunk_bytes)
+    total = torch.zeros(d, dtype=torch.float64, device=rows.device)
+    for chunk in _chunks(rows, ids, step):
+        total += chunk.sum(0, dtype=torch.float64)
+    mean64 = total / n
+    mean = mean64.float()
+    if method == "exact" or (method == "auto" and n * d * d <= _EXACT_MACS):
+        directions, variances, trace = _exact_directions(rows, ids, mean64, k, step)
+    else:
+        directions, variances, trace = _randomized_directions(rows, ids, mean, k, q, niter, seed, step)
+    return mean, directions, variances, trace
+
+
+def _exact_directions(rows: Tensor, ids: Tensor, mean64: Tensor, k: int, step: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Top-``k`` eigenpairs of the float64 covariance accumulated over chunks, and its trace."""
+    d = rows.shape[1]
+    cov = torch.zeros(d, d, dtype=torch.float64, device=rows.device)
+    for chunk in _chunks(rows, ids, step):
+        xc = chunk.double().sub_(mean64)
+        cov.addmm_(xc.T, xc)
+    values, vectors = torch.linalg.eigh(cov)  # ascending
+    return vectors.flip(1)[:, :k].float(), values.flip(0)[:k].clamp(min=0.0), cov.diagonal().sum()
+
+
+def _randomized_directions(
+    rows: Tensor, ids: Tensor, mean: Tensor, k: int, q: int, niter: int, seed: int, step: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Subspace iteration on the covariance operator (Halko et al. 2011, Alg. 4.4), then Rayleigh-Ritz."""
+    d = rows.shape[1]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    basis = torch.linalg.qr(torch.randn(d, q, generator=gen, dtype=torch.float64).to(rows.device)).Q
+    for _ in range(niter):
+        basis = torch.linalg.qr(_covariance_times(rows, ids, mean, basis, step)).Q
+    trace = torch.zeros((), dtype=torch.float64, device=rows.device)
+    projected = torch.zeros_like(basis)
+    b32 = basis.float()
+    for xc in _centred_chunks(rows, ids, mean, step):
+        trace += xc.double().square().sum()
+        projected += (xc.T @ (xc @ b32)).double()
+    values, vectors = torch.linalg.eigh(basis.T @ projected)  # (q, q), ascending
+    directions = torch.linalg.qr(basis @ vectors.flip(1)[:, :k]).Q
+    return directions.float(), values.flip(0)[:k].clamp(min=0.0), trace
+
+
+@torch.no_grad()
+def remove_top_directions(
+    rows: Tensor,
+    valid: Tensor | None = None,
+    k: int | None = None,
+    method: str = "auto",
+    niter: int = 2,
+    seed: int = 0,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> DriftCorrection:
+    """Subtract the valid rows' mean and project out their top-``k`` principal directions.
+
+    ``x' = (x - mu) - U U^T (x - mu)`` for every row (Mu & Viswanath 2018, "all-but-the-top"),
+    in float32 on the rows' device; ``mu`` and ``U`` from the valid rows only
+    (:func:`top_principal_directions`).
+
+    Args:
+        rows: ``(V, d)`` floating, e.g. ``lm_head.weight``; not modified.
+        valid: ``(V,)`` bool (default: all rows).
+        k, method, niter, seed, max_chunk_bytes: as in :func:`top_principal_directions`.
+
+    Returns:
+        :class:`DriftCorrection`; its ``rows`` is the one new ``(V, d)`` float32 matrix.
+
+    Raises:
+        HeadwatchError: as :func:`top_principal_directions`.
+    """
+    mean, directions, variances, total = top_principal_directions(
+        rows, valid, k, method=method, niter=niter, seed=seed, max_chunk_bytes=max_chunk_bytes
+    )
+    V, d = rows.shape
+    out = torch.empty(V, d, dtype=torch.float32, device=rows.device)
+    step = _chunk_rows(d, directions.shape[1], max_chunk_bytes)
+    w = rows.detach()
+    for s in range(0, V, step):
+        block = out[s : s + step]
+        torch.sub(w[s : s + step], mean, out=block)  # (c, d) float32
+        block.addmm_(block @ directions, directions.T, alpha=-1.0)
+    return DriftCorrection(out, mean, directions, variances, total)
+
+
+class Pairable(NamedTuple):
+    """Rows that may be either side of a pair, and the counts of each excluded kind (int64 scalars)."""
+
+    mask: Tensor
+    """``(V,)`` bool: valid, seen (unless unseen rows are included), finite and not all zero."""
+    padded: Tensor
+    """rows that are not valid (padded vocabulary, ``padding_idx``)."""
+    unseen: Tensor
+    """valid rows never seen in the data (excluded unless ``include_unseen``)."""
+    zero: Tensor
+    """valid rows that are all zero."""
+    nonfinite: Tensor
+    """valid rows holding NaN or inf."""
+
+
+@torch.no_grad()
+def pairable_rows(
+    rows: Tensor,
+    valid: Tensor | None = None,
+    seen: Tensor | None = None,
+    include_unseen: bool = False,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> Pairable:
+    """Rows allowed on either side of a nearest-neighbour pair, by default.
+
+    Never-seen tokens, padded rows and all-zero rows say nothing about two tokens merging:
+    they are excluded from both sides of a pair and counted on their own.
+
+    Args:
+        rows: ``(V, d)`` floating.
+        valid: ``(V,)`` bool, rows that can occur (default: all).
+        seen: ``(V,)`` bool, tokens seen in the data (default: all).
+        include_unseen: keep never-seen valid rows.
+
+    Raises:
+        HeadwatchError: bad shapes or dtypes.
+    """
+    valid = _check_rows(rows, valid)
+    seen = _check_rows(rows, seen)
+    norms = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
+    step = _chunk_rows(rows.shape[1], 0, max_chunk_bytes)
+    for s in range(0, rows.shape[0], step):
+        norms[s : s + step] = torch.linalg.vector_norm(rows[s : s + step].float(), dim=1)
+    finite = torch.isfinite(norms)
+    zero = finite & (norms == 0)
+    unseen = valid & ~seen
+    mask = valid & finite & ~zero & (seen | include_unseen)
+    return Pairable(
+        mask, (~valid).sum(), unseen.sum(), (valid & zero).sum(), (valid & ~finite).sum()
+    )
+
+
+def mean_resultant_length(rows: Tensor, ids: Tensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> Tensor:
+    """Mean cosine of the rows ``ids`` to their mean direction, float64 scalar (NaN for none).
+
+    With unit vectors ``u_i = x_i / ||x_i||`` and mean direction ``m = sum u_i / ||sum u_i||``,
+    ``mean_i cos(x_i, m) = ||mean_i u_i||`` (the mean resultant length, Mardia & Jupp 2000):
+    1 when all rows point one way, about ``1/sqrt(n)`` for random directions. Zero rows
+    count as zero vectors.
+    """
+    d = rows.shape[1]
+    total = torch.zeros(d, dtype=torch.float64, device=rows.device)
+    tiny = torch.finfo(torch.float32).tiny
+    ids = ids.to(rows.device).long()
+    step = _chunk_rows(d, 0, max_chunk_bytes)
+    for s in range(0, ids.numel(), step):
+        x = rows.index_select(0, ids[s : s + step]).float()
+        total += (x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp(min=tiny)).double().sum(0)
+    return torch.linalg.vector_norm(total) / ids.numel() if ids.numel() else total.new_tensor(float("nan"))

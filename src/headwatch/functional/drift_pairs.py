@@ -1,0 +1,264 @@
+"""Collision rates, per-bucket neighbour cosines and synonym partner ranks on drift-corrected rows.
+
+The correction and the drift statistics are in :mod:`headwatch.functional.drift` (definitions,
+sources). This module turns them into the numbers a monitor logs:
+
+- headline: rare rows whose nearest other pairable row has *corrected* cosine ``>= tau``;
+- drift: the same rate on raw rows (the older definition: it measures common drift, not
+  collision), the mean cosine of the rare rows to their mean direction, and the variance
+  share of the removed directions;
+- the mean corrected nearest-neighbour cosine of the rows of each frequency bucket;
+- supervised synonyms: the pair rate under the corrected cosine, and the rank of each
+  synonym's partner among its nearest rows (threshold-free: 1 means nearest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from headwatch._errors import HeadwatchError
+from headwatch.functional.drift import (
+    DEFAULT_TAU,
+    DriftCorrection,
+    _check_rows,
+    mean_resultant_length,
+    remove_top_directions,
+)
+from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
+from headwatch.functional.neighbors import _chunk_sizes, nearest_neighbours, pair_cosine
+
+
+class CorrectedCollision(NamedTuple):
+    """Collision of the query rows (normally the rare tokens) before and after the drift correction."""
+
+    rate: Tensor
+    """float64 scalar, headline: measured queries whose corrected ``nn_cos >= tau`` / measured queries
+    (NaN when none was measured)."""
+    raw_rate: Tensor
+    """float64 scalar, the same on raw rows: a drift statistic, not a collision rate."""
+    drift_mean_cos: Tensor
+    """float64 scalar, mean cosine of the measured query rows to their mean direction (raw rows)."""
+    removed_variance: Tensor
+    """float64 scalar, share of the basis rows' variance held by the removed directions."""
+    queries: Tensor
+    """``(Q,)`` int64 measured queries (the pairable ones among those given)."""
+    cosine: Tensor
+    """``(Q,)`` float32 corrected nearest-neighbour cosine."""
+    neighbour: Tensor
+    """``(Q,)`` int64 corrected nearest neighbour (-1 if none)."""
+    raw_cosine: Tensor
+    """``(Q,)`` float32 raw nearest-neighbour cosine."""
+    raw_neighbour: Tensor
+    """``(Q,)`` int64 raw nearest neighbour."""
+    skipped_queries: Tensor
+    """int64 scalar, queries given that were not pairable (not measured)."""
+
+
+def _rate(cos: Tensor, tau: float) -> Tensor:
+    if cos.numel() == 0:
+        return torch.tensor(float("nan"), dtype=torch.float64, device=cos.device)
+    return (cos >= tau).double().mean()
+
+
+@torch.no_grad()
+def corrected_collision(
+    rows: Tensor,
+    queries: Tensor,
+    pairable: Tensor,
+    tau: float = DEFAULT_TAU,
+    k: int | None = None,
+    basis: Tensor | None = None,
+    correction: DriftCorrection | None = None,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> tuple[CorrectedCollision, DriftCorrection]:
+    """Collision of ``queries`` after removing the mean and the top-``k`` principal directions.
+
+    Args:
+        rows: ``(V, d)`` floating (head or embedding rows); not modified.
+        queries: ``(Q,)`` integer row ids to measure (e.g. the rare tokens, or a sample).
+            Queries that are not ``pairable`` are skipped and counted.
+        pairable: ``(V,)`` bool, rows allowed on either side of a pair
+            (:func:`headwatch.functional.drift.pairable_rows`).
+        tau: collision threshold on the cosine, in ``[-1, 1]`` (default 0.9).
+        k: directions removed; default ``max(1, round(d_model / 100))``.
+        basis: ``(V,)`` bool, rows defining the mean and directions (default: ``pairable``).
+        correction: a :class:`DriftCorrection` already computed for these rows (reused).
+        max_chunk_bytes: working-memory bound of each chunk.
+
+    Returns:
+        ``(CorrectedCollision, DriftCorrection)``; the correction's ``(V, d)`` rows can be reused
+        for :func:`nn_cosine_by_bucket` and :func:`partner_ranks`.
+
+    Raises:
+        HeadwatchError: bad shapes or dtypes, ``tau`` outside ``[-1, 1]``, or as
+        :func:`headwatch.functional.drift.remove_top_directions`.
+    """
+    pairable = _check_rows(rows, pairable)
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not -1.0 <= tau <= 1.0:
+        raise HeadwatchError(f"`tau` must be a cosine in [-1, 1], got {tau!r}")
+    if not isinstance(queries, Tensor) or queries.ndim != 1 or queries.is_floating_point():
+        raise HeadwatchError("expected `queries` to be a 1-D integer tensor of row ids")
+    queries = queries.to(rows.device).long()
+    V = rows.shape[0]
+    if queries.numel() and (int(queries.min()) < 0 or int(queries.max()) >= V):
+        raise HeadwatchError(f"query row ids must be in [0, {V}), got values from {int(queries.min())} to {int(queries.max())}")
+    if correction is None:
+        correction = remove_top_directions(rows, pairable if basis is None else basis, k, max_chunk_bytes=max_chunk_bytes)
+    keep = pairable[queries]
+    measured = queries[keep]
+    fixed = nearest_neighbours(correction.rows, measured, pairable, max_chunk_bytes)
+    raw = nearest_neighbours(rows, measured, pairable, max_chunk_bytes)
+    result = CorrectedCollision(
+        rate=_rate(fixed.cosine, tau),
+        raw_rate=_rate(raw.cosine, tau),
+        drift_mean_cos=mean_resultant_length(rows, measured, max_chunk_bytes),
+        removed_variance=correction.removed_variance,
+        queries=measured,
+        cosine=fixed.cosine,
+        neighbour=fixed.index,
+        raw_cosine=raw.cosine,
+        raw_neighbour=raw.index,
+        skipped_queries=(~keep).sum(),
+    )
+    return result, correction
+
+
+@torch.no_grad()
+def nn_cosine_by_bucket(
+    rows: Tensor,
+    queries: Tensor,
+    bucket: Tensor,
+    pairable: Tensor,
+    num_buckets: int,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> tuple[Tensor, Tensor]:
+    """Sums and counts of the nearest-neighbour cosine of ``queries``, by the bucket of each query.
+
+    Pass the corrected rows (``DriftCorrection.rows``) for the corrected statistic. Queries that
+    are not pairable, or whose bucket is outside ``[0, num_buckets)``, are not counted.
+
+    Args:
+        rows: ``(V, d)``.
+        queries: ``(Q,)`` row ids (e.g. a sample of each bucket).
+        bucket: ``(V,)`` integer bucket of each row (as ``TokenFrequency``; -1 for none).
+        pairable: ``(V,)`` bool.
+        num_buckets: number of buckets.
+
+    Returns:
+        ``(sums (num_buckets,), counts (num_buckets,))`` float64; mean = sums / counts.
+    """
+    pairable = _check_rows(rows, pairable)
+    V = rows.shape[0]
+    if bucket.shape != (V,) or bucket.is_floating_point():
+        raise HeadwatchError(f"expected an integer `bucket` of shape ({V},), got {tuple(bucket.shape)} {bucket.dtype}")
+    queries = queries.to(rows.device).long()
+    b = bucket.to(rows.device).long()[queries]
+    keep = pairable[queries] & (b >= 0) & (b < num_buckets)
+    cos = nearest_neighbours(rows, queries, pairable, max_chunk_bytes).cosine.double()
+    keep = keep & torch.isfinite(cos)
+    sums = torch.zeros(num_buckets, dtype=torch.float64, device=rows.device)
+    counts = torch.zeros_like(sums)
+    slot = torch.where(keep, b, torch.zeros_like(b))
+    sums.index_add_(0, slot, torch.where(keep, cos, torch.zeros_like(cos)))
+    counts.index_add_(0, slot, keep.double())
+    return sums, counts
+
+
+def ordered_pairs(groups: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+    """Every ordered pair ``(a, b)``, ``a != b``, of the members of each synonym group: ``(P,), (P,)`` int64."""
+    a: list[int] = []
+    b: list[int] = []
+    for group in groups:
+        ids = sorted({int(i) for i in group})
+        for i in ids:
+            for j in ids:
+                if i != j:
+                    a.append(i)
+                    b.append(j)
+    return torch.tensor(a, dtype=torch.long), torch.tensor(b, dtype=torch.long)
+
+
+@torch.no_grad()
+def partner_ranks(
+    rows: Tensor,
+    a: Tensor,
+    b: Tensor,
+    valid: Tensor,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> Tensor:
+    """Rank of ``b[i]`` among the nearest rows of ``a[i]`` by cosine: 1 means nearest.
+
+    ``rank_i = 1 + |{j valid, j != a_i, j != b_i : cos(W_{a_i}, W_j) > cos(W_{a_i}, W_{b_i})}|``
+    (ties in ``b``'s favour). Threshold-free: on a planted run it falls as a synonym pair is
+    learned. Exact, by chunked float32 products; memory one ``(P, keys)`` chunk.
+
+    Args:
+        rows: ``(V, d)`` (the corrected rows for the corrected rank).
+        a, b: ``(P,)`` integer row ids (e.g. from :func:`ordered_pairs`).
+        valid: ``(V,)`` bool, rows that count as competitors.
+
+    Returns:
+        ``(P,)`` int64 ranks; NaN-free (a non-finite row's competitors are not counted).
+
+    Raises:
+        HeadwatchError: ``a`` and ``b`` are not 1-D of one length, or bad shapes.
+    """
+    valid = _check_rows(rows, valid)
+    if a.ndim != 1 or a.shape != b.shape:
+        raise HeadwatchError(f"expected `a` and `b` as 1-D id tensors of one length, got {tuple(a.shape)} and {tuple(b.shape)}")
+    dev = rows.device
+    a, b = a.to(dev).long(), b.to(dev).long()
+    target = pair_cosine(rows, a, b).unsqueeze(1)  # (P, 1)
+    tiny = torch.finfo(torch.float32).tiny
+    keys = valid.nonzero().flatten()
+    qc, kc = _chunk_sizes(a.numel(), keys.numel(), rows.shape[1], max_chunk_bytes)
+    above = torch.zeros(a.numel(), dtype=torch.long, device=dev)
+    for k0 in range(0, keys.numel(), kc):
+        ids = keys[k0 : k0 + kc]
+        w = rows.detach().index_select(0, ids).float()
+        w = w / torch.linalg.vector_norm(w, dim=1, keepdim=True).clamp(min=tiny)  # (k, d)
+        for q0 in range(0, a.numel(), qc):
+            qa, qb = a[q0 : q0 + qc], b[q0 : q0 + qc]
+            q = rows.detach().index_select(0, qa).float()
+            q = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp(min=tiny)  # (q, d)
+            sims = q @ w.T  # (q, k)
+            sims.masked_fill_((ids.unsqueeze(0) == qa.unsqueeze(1)) | (ids.unsqueeze(0) == qb.unsqueeze(1)), float("-inf"))
+            above[q0 : q0 + qc] += (sims > target[q0 : q0 + qc]).sum(dim=1)
+    return above + 1
+
+
+def synonym_statistics(
+    rows: Tensor, groups: Sequence[Sequence[int]], pairable: Tensor, tau: float = DEFAULT_TAU,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> dict[str, Tensor]:
+    """Pair rate and median partner rank of synonym groups on ``rows`` (pass the corrected rows).
+
+    Pairs with a member that is not pairable (never seen, padded, zero) are skipped and counted.
+
+    Returns:
+        ``pair_rate`` (ordered pairs with ``cos >= tau`` / measured pairs), ``median_rank``
+        (lower median of :func:`partner_ranks`), ``pairs`` (measured), ``skipped_pairs``;
+        float64 scalars (NaN rate and rank when no pair was measured).
+    """
+    pairable = _check_rows(rows, pairable)
+    a, b = ordered_pairs(groups)
+    a, b = a.to(rows.device), b.to(rows.device)
+    V = rows.shape[0]
+    if a.numel() and (int(torch.minimum(a, b).min()) < 0 or int(torch.maximum(a, b).max()) >= V):
+        raise HeadwatchError(f"synonym group ids must be in [0, {V})")
+    keep = pairable[a] & pairable[b]
+    a, b = a[keep], b[keep]
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=rows.device)
+    if a.numel() == 0:
+        return {"pair_rate": nan, "median_rank": nan, "pairs": nan.new_tensor(0.0), "skipped_pairs": (~keep).sum().double()}
+    ranks = partner_ranks(rows, a, b, pairable, max_chunk_bytes)
+    return {
+        "pair_rate": (pair_cosine(rows, a, b) >= tau).double().mean(),
+        "median_rank": ranks.double().median(),
+        "pairs": torch.tensor(float(a.numel()), dtype=torch.float64, device=rows.device),
+        "skipped_pairs": (~keep).sum().double(),
+    }

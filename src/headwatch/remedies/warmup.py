@@ -1,0 +1,241 @@
+"""Head warm-up: train only the output head for a number of optimizer steps, then everything.
+
+:class:`HeadWarmupCore` holds the logic and the state without a trainer; :class:`HeadWarmup`
+is the thin Lightning adapter (a ``BaseFinetuning`` callback).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from torch import nn
+from torch.optim import Optimizer
+
+from headwatch._capture import find_head_and_embedding
+from headwatch._errors import HeadwatchError
+
+PHASE_KEY = "headwatch/remedies/head_warmup_phase"
+"""Logged scalar: 0 while only the head trains, 1 once everything trains."""
+
+
+class HeadWarmupCore:
+    """Which parameters train, and how the optimizer's groups look, during and after a head warm-up.
+
+    Phase 0 (steps ``0 .. warmup_steps - 1``): every parameter outside the head has
+    ``requires_grad = False``, so it gets no gradient and optimizers that skip gradient-less
+    parameters (all of ``torch.optim``, AdamW's decoupled weight decay included) leave it and
+    its state exactly as they were. With ``head_lr``, the head steps at that constant learning
+    rate (see :meth:`attach`). Phase 1 (from step ``warmup_steps``): the frozen parameters
+    train again with their groups' learning rates. The optimizer's param groups are the ones
+    the user built throughout (nothing to restore, as Lightning's finetuning callbacks must
+    when they add groups), and its state, keyed by parameter, is untouched.
+
+    Args:
+        warmup_steps: optimizer steps of phase 0 (0: no warm-up).
+        head_lr: learning rate of the head during phase 0; None keeps its group's.
+
+    Raises:
+        HeadwatchError: ``warmup_steps`` not an int >= 0, or ``head_lr`` not None or > 0.
+    """
+
+    def __init__(self, warmup_steps: int, head_lr: float | None = None) -> None:
+        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+            raise HeadwatchError(f"`warmup_steps` must be an int >= 0, got {warmup_steps!r}")
+        if head_lr is not None and (isinstance(head_lr, bool) or not isinstance(head_lr, (int, float)) or not head_lr > 0):
+            raise HeadwatchError(f"`head_lr` must be None or a float > 0, got {head_lr!r}")
+        self.warmup_steps = warmup_steps
+        self.head_lr = None if head_lr is None else float(head_lr)
+        self.phase = 0 if warmup_steps > 0 else 1
+        self.switched_at_step: int | None = None
+        self._frozen: list[nn.Parameter] = []
+        self._hooks: dict[int, list[Any]] = {}  # id(optimizer) -> step pre/post hook handles
+
+    def freeze(self, model: nn.Module, head_params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+        """Phase 0: set ``requires_grad = False`` on every trainable parameter outside the head."""
+        if self.phase != 0 or self._frozen:
+            return self._frozen
+        head_ids = {id(p) for p in head_params}
+        self._frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids]
+        for p in self._frozen:
+            p.requires_grad_(False)
+            p.grad = None
+        return self._frozen
+
+    def release(self) -> None:
+        """Give the frozen parameters back ``requires_grad = True`` (phase switch, or end of a run)."""
+        for p in self._frozen:
+            p.requires_grad_(True)
+        self._frozen = []
+
+    def attach(self, optimizer: Optimizer, head_params: Iterable[nn.Parameter]) -> bool:
+        """Phase 0 with ``head_lr``: step the head at ``head_lr``. Returns whether it hooked ``optimizer``.
+
+        The optimizer's groups are never changed: a pre-step hook sets ``lr = head_lr`` on the
+        groups that hold head parameters (their other parameters are frozen, so only the head
+        feels it) and a post-step hook puts the scheduler's values back, so LR schedulers,
+        ``state_dict`` and checkpoints see exactly the groups the user built.
+        """
+        if self.phase != 0 or self.head_lr is None or id(optimizer) in self._hooks:
+            return False
+        head_ids = {id(p) for p in head_params}
+
+        def head_groups(opt: Optimizer) -> list[dict[str, Any]]:
+            # looked up at each step: load_state_dict (a resumed checkpoint) replaces the group dicts
+            return [g for g in opt.param_groups if any(id(p) in head_ids for p in g["params"])]
+
+        if not head_groups(optimizer):
+            return False
+        saved: list[tuple[dict[str, Any], float]] = []
+
+        def pre(opt: Optimizer, args: Any, kwargs: Any) -> None:
+            saved[:] = [(g, g["lr"]) for g in head_groups(opt)]
+            for g, _ in saved:
+                g["lr"] = self.head_lr
+
+        def post(opt: Optimizer, args: Any, kwargs: Any) -> None:
+            for g, lr in saved:
+                g["lr"] = lr
+
+        self._hooks[id(optimizer)] = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        return True
+
+    def _detach(self, optimizer: Optimizer) -> None:
+        for handle in self._hooks.pop(id(optimizer), []):
+            handle.remove()
+
+    def step(self, global_step: int, optimizers: Iterable[Optimizer]) -> bool:
+        """Call before each optimizer step's forward pass; switches to phase 1 at ``warmup_steps``.
+
+        Returns:
+            True on the call that switched.
+        """
+        if self.phase != 0 or global_step < self.warmup_steps:
+            return False
+        self.release()
+        for optimizer in optimizers:
+            self._detach(optimizer)
+        self.phase = 1
+        self.switched_at_step = global_step
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "switched_at_step": self.switched_at_step,
+            "warmup_steps": self.warmup_steps,
+            "head_lr": self.head_lr,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.phase = int(state.get("phase", self.phase))
+        self.switched_at_step = state.get("switched_at_step")
+
+
+class HeadWarmup(BaseFinetuning):
+    """Lightning callback: only the output head trains for ``warmup_steps`` optimizer steps.
+
+    Then every parameter it froze trains again, in the param groups ``configure_optimizers``
+    built, which the warm-up never changes (see :class:`HeadWarmupCore`). Build the optimizer
+    over all parameters, as usual: frozen ones simply get no gradient. The phase is saved in
+    checkpoints; resuming mid-warm-up freezes again and switches at the same step.
+
+    The head is found as the monitors find it (or pass ``head=``). Its parameters are all
+    parameters of the head module (weight, bias; for a :class:`TiedOutputProjection` the tied
+    ``E`` and ``P``). On a tied plain head ``E`` is the input embedding too, so the embedding
+    trains as well: a warning says so (untie first for a head-only warm-up).
+
+    One process only for now: DDP, FSDP and DeepSpeed decide which parameters they synchronise
+    when they wrap the model, after the freeze, so the parameters unfrozen later would not be.
+
+    Args:
+        warmup_steps: optimizer steps during which only the head trains.
+        head_lr: the head's learning rate during the warm-up (constant); None keeps its group's.
+        head: the head module or its dotted name, when it cannot be found automatically.
+
+    Logged metrics:
+        - ``headwatch/remedies/head_warmup_phase``: 0 during the warm-up, 1 after; logged at the
+          first step of a fit, every ``log_every_n_steps`` steps and at the switch.
+
+    Raises:
+        HeadwatchError: bad arguments (at construction); the head cannot be found, or
+            ``world_size > 1`` (in ``setup``).
+    """
+
+    def __init__(self, warmup_steps: int, head_lr: float | None = None, head: str | nn.Module | None = None) -> None:
+        super().__init__()
+        self.core = HeadWarmupCore(warmup_steps, head_lr)
+        self.head = head
+        self._head_params: list[nn.Parameter] = []
+        self._last_logged: int | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(warmup_steps=self.core.warmup_steps, head_lr=self.core.head_lr)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if trainer.world_size > 1:
+            # DDP builds its gradient reducer from the parameters that require grad when it wraps the
+            # model, i.e. after this freeze: parameters unfrozen later would never be all-reduced.
+            raise HeadwatchError(
+                f"HeadWarmup supports one process only (world_size=1), got world_size={trainer.world_size}: "
+                "under DDP the parameters it unfreezes would not be synchronised"
+            )
+        super().setup(trainer, pl_module, stage)  # calls freeze_before_training; refuses DeepSpeed
+
+    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+        found = find_head_and_embedding(pl_module, self.head)
+        self._head_params = list(found.head.parameters())
+        if found.tied and self.core.phase == 0:
+            rank_zero_warn(
+                f"HeadWarmup: `{found.head_name}` is tied to `{found.embedding_name}`, so the warm-up trains the "
+                "input embedding too; untie first (headwatch.remedies.untie_output_head) for a head-only warm-up"
+            )
+        frozen = self.core.freeze(pl_module, self._head_params)
+        if frozen:
+            rank_zero_info(
+                f"headwatch: HeadWarmup trains only `{found.head_name}` until step {self.core.warmup_steps} "
+                f"({sum(p.numel() for p in frozen):,} parameters frozen)"
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.core.phase != 0:  # a checkpoint restored after setup says the warm-up is over
+            self.core.release()
+        for optimizer in trainer.optimizers:
+            self.core.attach(optimizer, self._head_params)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Nothing per epoch: the switch is per optimizer step (``on_train_batch_start``)."""
+
+    def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: Optimizer) -> None:
+        """Unused (BaseFinetuning's per-epoch hook); see ``on_train_batch_start``."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        switched = self.core.step(trainer.global_step, trainer.optimizers)
+        if switched:
+            rank_zero_info(f"headwatch: HeadWarmup done at step {trainer.global_step}: every parameter trains now")
+        self._log(trainer, force=switched or self._last_logged is None)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # leave the model trainable; a resumed fit freezes it again from the saved phase
+            self.core.release()
+
+    @rank_zero_only
+    def _log(self, trainer: pl.Trainer, force: bool = False) -> None:
+        step = trainer.global_step
+        if step == self._last_logged or not (force or step % max(1, trainer.log_every_n_steps) == 0):
+            return
+        self._last_logged = step
+        for logger in trainer.loggers:
+            logger.log_metrics({PHASE_KEY: float(self.core.phase)}, step=step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.core.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.core.load_state_dict(state_dict)
