@@ -93,12 +93,13 @@ __all__ = [
     "top_colliding_pairs",
 ]
 
-# issue 12: collision beyond common drift; loss, accuracy and calibration by target frequency
+# collision beyond common drift; loss, accuracy and calibration by target frequency
 from headwatch.functional.calibration import (  # noqa: E402
     ECE_BINS,
     CalibrationSums,
     calibration_compute,
     calibration_update,
+    empty_sums,
 )
 from headwatch.functional.drift import (  # noqa: E402
     DriftCorrection,
@@ -128,6 +129,7 @@ __all__ += [
     "calibration_update",
     "corrected_collision",
     "default_k",
+    "empty_sums",
     "mean_resultant_length",
     "nn_cosine_by_bucket",
     "ordered_pairs",
