@@ -116,7 +116,10 @@ def _explicit(model: nn.Module, embedding: str | nn.Module) -> tuple[str, nn.Mod
             f"`embedding={embedding!r}` names no submodule of {type(model).__name__}. Embeddings found: {lookups}"
         ) from err
     if storage_weight(module) is None:
-        raise HeadwatchError(f"`embedding={embedding!r}` has no 2-D `weight` (got {_describe(embedding, module)})")
+        raise HeadwatchError(
+            f"`embedding={embedding!r}` has no 2-D `weight` (got {_describe(embedding, module)}). "
+            f"Embeddings found: {lookups}"
+        )
     return embedding, module
 
 
