@@ -183,3 +183,30 @@ def trainable_matrices(head: nn.Module, embedding: nn.Module) -> dict[str, Train
         holder = params[0] if params[0].requires_grad else None  # W_eff = base + delta: same gradient
         result[role] = Trainability(trains, adapter_kind(module), holder)
     return result
+
+
+def _key(t: Tensor) -> tuple:
+    """Identity of a tensor's memory: two views with equal keys read the same numbers."""
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+
+def matrix_signature(module: nn.Module) -> tuple:
+    """What the effective matrix is made of, as memory identities: the base rows and each active
+    unmerged LoRA factor pair with its scale. Equal signatures mean one effective matrix (a tie,
+    including PEFT's ``ensure_weight_tying`` adapters, which share the factors' memory)."""
+    kind = adapter_kind(module)
+    if kind == "modules_to_save":
+        active = [a for a in _active(module) if a in module.modules_to_save]
+        chosen = module.original_module if getattr(module, "disable_adapters", False) or not active else module.modules_to_save[active[0]]
+        return matrix_signature(chosen)
+    if not _is_lora(module):
+        return (_key(module.weight.detach()),)
+    base = module.get_base_layer().weight.detach()
+    parts: list[tuple] = [_key(base.T if getattr(module, "fan_in_fan_out", False) else base)]
+    if kind == "lora":
+        for adapter in _active(module):
+            factors = _lora_factors(module, adapter)
+            if factors is not None:
+                left, right, scaling = factors
+                parts.append((scaling, _key(left.detach()), _key(right.detach())))
+    return (parts[0], *sorted(parts[1:], key=repr))

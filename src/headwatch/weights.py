@@ -27,11 +27,10 @@ from torch import Tensor, nn
 from headwatch._errors import HeadwatchError
 from headwatch.adapters import (
     Trainability,  # noqa: F401 - re-exported
-    _active,
     _is_saved_copy,
-    _lora_factors,
     adapter_kind,
-    effective_weight,  # noqa: F401 - re-exported
+    effective_weight,
+    matrix_signature,  # noqa: F401 - re-exported
     storage_weight,
     trainable_matrices,  # noqa: F401 - re-exported
 )
@@ -190,26 +189,33 @@ class TieState(NamedTuple):
 
 
 def effective_tie(head: nn.Module, embedding: nn.Module) -> TieState:
-    """Whether head and embedding are tied as they really compute: one stored Parameter AND no
-    forward-time change to either (an unmerged LoRA delta or a ``modules_to_save`` copy unties
-    them; a merged LoRA writes into the shared Parameter, which stays tied)."""
+    """Whether head and embedding are tied as they really compute: their effective matrices are
+    made of the same memory (:func:`~headwatch.adapters.matrix_signature`). An unmerged LoRA delta
+    on one side or a ``modules_to_save`` copy unties them; a merged LoRA writes into the shared
+    Parameter, and PEFT's ``ensure_weight_tying`` shares the adapters too: both stay tied.
+
+    Raises:
+        HeadwatchError: either has no 2-D weight, or an unknown adapter type.
+    """
     hw, ew = storage_weight(head), storage_weight(embedding)
     if hw is None or ew is None:
         raise HeadwatchError("both the head and the embedding need a 2-D `weight` to compare")
-    if hw is not ew:
+    storage_tied = hw is ew
+    if matrix_signature(head) == matrix_signature(embedding):
+        kinds = {adapter_kind(head), adapter_kind(embedding)} - {"plain", "lora_merged"}
+        how = f" (their {'/'.join(sorted(kinds))} adapters share it too)" if kinds else ""
+        return TieState(True, storage_tied, f"one effective matrix{how}: tied")
+    if not storage_tied:
         return TieState(False, False, "separate Parameters: untied")
     for role, module in (("head", head), ("embedding", embedding)):
-        kind = adapter_kind(module)
-        if kind == "lora" and any(_lora_factors(module, a) is not None for a in _active(module)):
+        if adapter_kind(module) == "lora":
             return TieState(
                 False, True, f"one stored Parameter, but LoRA on the {role} adds s * B @ A in its forward: the "
                 "effective head differs from the effective embedding (effectively untied)"
             )
-        if kind == "modules_to_save" and not getattr(module, "disable_adapters", False):
-            return TieState(
-                False, True, f"one stored Parameter, but modules_to_save trains a copy of the {role}: untied"
-            )
-    return TieState(True, True, "one Parameter: tied")
+        if adapter_kind(module) == "modules_to_save":
+            return TieState(False, True, f"one stored Parameter, but modules_to_save trains a copy of the {role}: untied")
+    return TieState(False, True, "one stored Parameter, but the adapters on the two sides differ: untied")
 
 
 def _configs(model: nn.Module) -> list[object]:
