@@ -173,3 +173,14 @@ def test_ensure_weight_tying_keeps_the_adapted_matrices_tied(lora):
     state = effective_tie(head, emb)
     assert state.tied and "share it too" in state.reason
     torch.testing.assert_close(effective_weight(head), effective_weight(emb), atol=1e-5, rtol=1e-5)
+
+
+def test_resolve_matrices_says_what_trains_once():
+    from headwatch.weights import resolve_matrices
+
+    lora_emb = resolve_matrices(adapted(target_modules=["embed_tokens"]))
+    assert lora_emb.head_name.endswith("lm_head") and not lora_emb.tie.tied
+    text = lora_emb.text()
+    assert "lm_head` is FROZEN" in text and "embed_tokens` trains through lora" in text
+    plain = resolve_matrices(tiny_llama())
+    assert plain.tie.tied and plain.config_message is None and "FROZEN" not in plain.text()

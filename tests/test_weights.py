@@ -193,3 +193,14 @@ def test_add_low_rank_chunks_match_one_product():
     torch.testing.assert_close(out.double(), base.double() + 0.5 * left.double() @ right.double(), atol=1e-5, rtol=1e-6)
     with pytest.raises(HeadwatchError, match=r"left \[V, r\]"):
         add_low_rank_(base, left, right.T, 1.0)
+
+
+def test_resolve_matrices_on_tied_t5():
+    from headwatch.weights import resolve_matrices
+
+    found = resolve_matrices(tiny_t5())
+    assert found.head_name == "lm_head" and found.tie.tied and found.tie.storage_tied
+    assert {n for n, _ in found.embedding.modules} == T5_MEMBERS
+    assert found.trains["head"].gradient_parameter is found.embedding.weight
+    with pytest.raises(HeadwatchError, match=r"`embedding='encoder'`"):
+        resolve_matrices(tiny_t5(), embedding="encoder")
