@@ -71,6 +71,14 @@ def _lora_factors(module: nn.Module, adapter: str) -> tuple[Tensor, Tensor, floa
     return None
 
 
+def _saved_active(wrapper: nn.Module) -> nn.Module:
+    """The module a ``modules_to_save`` wrapper runs: the active adapter's copy, else the original."""
+    active = [a for a in _active(wrapper) if a in wrapper.modules_to_save]
+    if getattr(wrapper, "disable_adapters", False) or not active:
+        return wrapper.original_module
+    return wrapper.modules_to_save[active[0]]
+
+
 def adapter_kind(module: nn.Module) -> str:
     """How ``module``'s matrix is made: ``"plain"``, ``"lora"`` (a delta added in the forward),
     ``"lora_merged"`` (merged into the base: the forward reads the base) or ``"modules_to_save"``."""
@@ -107,8 +115,7 @@ def effective_weight(module: nn.Module, copy: bool = False) -> Tensor:
     """
     kind = adapter_kind(module)
     if kind == "modules_to_save":
-        active = [a for a in _active(module) if a in module.modules_to_save]
-        chosen = module.original_module if getattr(module, "disable_adapters", False) or not active else module.modules_to_save[active[0]]
+        chosen = _saved_active(module)
         return effective_weight(chosen, copy)
     if kind == "plain" and not _is_lora(module):
         weight = getattr(module, "weight", None)
@@ -136,8 +143,7 @@ def _forward_parameters(module: nn.Module) -> list[Tensor]:
     """Parameters the module's effective matrix is computed from."""
     kind = adapter_kind(module)
     if kind == "modules_to_save":
-        active = [a for a in _active(module) if a in module.modules_to_save]
-        chosen = module.original_module if getattr(module, "disable_adapters", False) or not active else module.modules_to_save[active[0]]
+        chosen = _saved_active(module)
         return _forward_parameters(chosen)
     if not _is_lora(module):
         return [module.weight]
@@ -196,8 +202,7 @@ def matrix_signature(module: nn.Module) -> tuple:
     including PEFT's ``ensure_weight_tying`` adapters, which share the factors' memory)."""
     kind = adapter_kind(module)
     if kind == "modules_to_save":
-        active = [a for a in _active(module) if a in module.modules_to_save]
-        chosen = module.original_module if getattr(module, "disable_adapters", False) or not active else module.modules_to_save[active[0]]
+        chosen = _saved_active(module)
         return matrix_signature(chosen)
     if not _is_lora(module):
         return (_key(module.weight.detach()),)

@@ -50,7 +50,8 @@ def add_low_rank_(
     Raises:
         HeadwatchError: the shapes do not chain.
     """
-    if out.ndim != 2 or left.ndim != 2 or right.ndim != 2 or left.shape[0] != out.shape[0] or left.shape[1] != right.shape[0] or right.shape[1] != out.shape[1]:
+    chained = out.ndim == left.ndim == right.ndim == 2 and left.shape[1] == right.shape[0]
+    if not chained or (left.shape[0], right.shape[1]) != tuple(out.shape):
         raise HeadwatchError(
             f"expected out [V, d_model], left [V, r], right [r, d_model], got {tuple(out.shape)}, "
             f"{tuple(left.shape)}, {tuple(right.shape)}"
