@@ -184,3 +184,48 @@ def test_resolve_matrices_says_what_trains_once():
     assert "lm_head` is FROZEN" in text and "embed_tokens` trains through lora" in text
     plain = resolve_matrices(tiny_llama())
     assert plain.tie.tied and plain.config_message is None and "FROZEN" not in plain.text()
+
+
+def test_tied_split_holds_for_adapted_matrices_that_stay_tied():
+    """ensure_weight_tying LoRA: lookup flow (all lookups) + scoring flow (g.T h) of the ONE effective
+    matrix, each against autograd on a functional twin with two leaf copies of W_eff."""
+    from headwatch.weight_hooks import LookupFlowCapture
+
+    model = adapted(target_modules=["lm_head"], ensure_weight_tying=True)
+    head = model.get_output_embeddings()
+    assert effective_tie(head, model.get_input_embeddings()).tied
+    ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(4))
+    lookup, scoring = LookupFlowCapture(find_embedding_group(model)).attach(), HeadFlowCapture(head).attach()
+    lookup.active = scoring.active = True
+    model(input_ids=ids, labels=ids).loss.backward()
+    lookup.detach(), scoring.detach()
+
+    w_eff = effective_weight(head, copy=True)
+    w_lookup, w_scoring = w_eff.clone().requires_grad_(True), w_eff.clone().requires_grad_(True)
+    seen = {}
+
+    def keep_input(module, args, output):
+        seen["h"] = args[0]  # not detached: the scoring path's h depends on the lookup
+
+    handle = head.register_forward_hook(keep_input)
+    model(inputs_embeds=w_lookup[ids])
+    handle.remove()
+    logits = F.linear(seen["h"], w_scoring)
+    F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1)).backward()
+    torch.testing.assert_close(lookup.gradient, w_lookup.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(scoring.gradient, w_scoring.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_gpt2_wte_and_lm_head_are_one_tied_matrix():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_embd=D, n_layer=1, n_head=2, n_positions=16))
+    group = find_embedding_group(gpt2)
+    assert [n for n, _ in group.modules] == ["transformer.wte"] and group.weight is gpt2.lm_head.weight
+    assert effective_tie(gpt2.lm_head, group.module).tied
+
+
+def test_dora_is_refused_with_the_reason():
+    from headwatch._errors import HeadwatchError
+
+    model = adapted(target_modules=["lm_head"], use_dora=True)
+    with pytest.raises(HeadwatchError, match=r"LoRA variant \(DoRA"):
+        effective_weight(model.get_output_embeddings())
