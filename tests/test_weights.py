@@ -204,3 +204,25 @@ def test_resolve_matrices_on_tied_t5():
     assert found.trains["head"].gradient_parameter is found.embedding.weight
     with pytest.raises(HeadwatchError, match=r"`embedding='encoder'`"):
         resolve_matrices(tiny_t5(), embedding="encoder")
+
+
+def test_config_of_the_model_that_holds_the_head():
+    class Distill(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.teacher, self.student = tiny_t5(tie=True), tiny_t5(tie=True)
+            self.student.config.tie_word_embeddings = False  # says untied, stored tied
+
+    both = Distill()
+    assert config_tie(both, both.teacher.lm_head) is True
+    assert config_tie(both, both.student.lm_head) is False
+    assert config_tie_mismatch(both, True, both.teacher.lm_head) is None
+    assert "tie_word_embeddings=False" in config_tie_mismatch(both, True, both.student.lm_head)
+    llava = transformers.LlavaConfig(
+        text_config=transformers.LlamaConfig(
+            vocab_size=V, hidden_size=D, num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False
+        ).to_dict()
+    )
+    holder = nn.Module()
+    holder.config = llava
+    assert config_tie(holder) is False  # a multimodal config: its text model's setting

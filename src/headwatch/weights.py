@@ -218,33 +218,31 @@ def effective_tie(head: nn.Module, embedding: nn.Module) -> TieState:
     return TieState(False, True, "one stored Parameter, but the adapters on the two sides differ: untied")
 
 
-def _configs(model: nn.Module) -> list[object]:
-    seen: list[object] = []
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "tie_word_embeddings") and all(config is not c for c in seen):
-            seen.append(config)
-    return seen
+def config_tie(model: nn.Module, head: nn.Module | None = None) -> bool | None:
+    """What the (Hugging Face) config says: ``tie_word_embeddings`` of the config of the innermost
+    module holding ``head`` (the first config found when ``head`` is None), as transformers reads it
+    (the top-level attribute; the text sub-config's when the top level lacks it). None when no
+    config says.
+    """
+    owners = [
+        m for m in model.modules()
+        if getattr(m, "config", None) is not None and (head is None or any(sub is head for sub in m.modules()))
+    ]
+    if not owners:
+        return None
+    config = owners[-1].config if head is not None else owners[0].config
+    value = getattr(config, "tie_word_embeddings", None)
+    if not isinstance(value, bool) and callable(getattr(config, "get_text_config", None)):
+        value = getattr(config.get_text_config(), "tie_word_embeddings", None)
+    return value if isinstance(value, bool) else None
 
 
-def config_tie(model: nn.Module) -> bool | None:
-    """What the (Hugging Face) config says: ``tie_word_embeddings`` of the first config found on
-    ``model`` or a submodule, from its text sub-config when it has one (multimodal configs);
-    None when no config says."""
-    for config in _configs(model):
-        text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-        value = getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", None))
-        if isinstance(value, bool):
-            return value
-    return None
-
-
-def config_tie_mismatch(model: nn.Module, storage_tied: bool) -> str | None:
+def config_tie_mismatch(model: nn.Module, storage_tied: bool, head: nn.Module | None = None) -> str | None:
     """A message when the config's ``tie_word_embeddings`` disagrees with the storage, else None.
 
     Storage wins: headwatch measures what is stored (``storage_tied``, from :func:`effective_tie`).
     """
-    said = config_tie(model)
+    said = config_tie(model, head)
     if said is None or said == storage_tied:
         return None
     stored = "one shared Parameter" if storage_tied else "two separate Parameters"
@@ -258,9 +256,9 @@ def config_tie_mismatch(model: nn.Module, storage_tied: bool) -> str | None:
 _WARNED: set[tuple[int, str]] = set()
 
 
-def warn_config_tie_once(model: nn.Module, storage_tied: bool) -> str | None:
+def warn_config_tie_once(model: nn.Module, storage_tied: bool, head: nn.Module | None = None) -> str | None:
     """:func:`config_tie_mismatch`, warned once per model (``UserWarning``); returns the message."""
-    message = config_tie_mismatch(model, storage_tied)
+    message = config_tie_mismatch(model, storage_tied, head)
     if message is not None and (id(model), message) not in _WARNED:
         _WARNED.add((id(model), message))
         warnings.warn(message, UserWarning, stacklevel=2)
@@ -320,4 +318,4 @@ def resolve_matrices(
         )
     tie = effective_tie(head_module, group.module)
     trains = trainable_matrices(head_module, group.module)
-    return Matrices(head_name, head_module, group, tie, trains, config_tie_mismatch(model, tie.storage_tied))
+    return Matrices(head_name, head_module, group, tie, trains, config_tie_mismatch(model, tie.storage_tied, head_module))
