@@ -229,3 +229,10 @@ def test_dora_is_refused_with_the_reason():
     model = adapted(target_modules=["lm_head"], use_dora=True)
     with pytest.raises(HeadwatchError, match=r"LoRA variant \(DoRA"):
         effective_weight(model.get_output_embeddings())
+
+
+def test_find_head_and_embedding_reports_the_effective_tie():
+    from headwatch._capture import find_head_and_embedding
+
+    assert find_head_and_embedding(tiny_llama()).tied
+    assert not find_head_and_embedding(adapted(target_modules=["lm_head"])).tied  # was 1.0: the frozen base is shared

@@ -160,7 +160,8 @@ class HeadAndEmbedding(NamedTuple):
     embedding_name: str
     embedding: nn.Module
     tied: bool
-    """``head.weight is embedding.weight``: one Parameter."""
+    """One effective matrix (:func:`headwatch.weights.effective_tie`): one stored Parameter and no
+    adapter changing one side only (LoRA on a tied ``lm_head`` unties it)."""
 
 
 def find_head_and_embedding(
@@ -183,7 +184,9 @@ def find_head_and_embedding(
             f"the output head `{head_name}` has weight {tuple(weight.shape)}; per-row comparisons need "
             "both to be (vocab_size, d_model)"
         )
-    return HeadAndEmbedding(head_name, head_module, emb_name, emb, emb.weight is weight)
+    from headwatch.weights import effective_tie
+
+    return HeadAndEmbedding(head_name, head_module, emb_name, emb, effective_tie(head_module, emb).tied)
 
 
 def _has_matrix_weight(module: nn.Module) -> bool:
