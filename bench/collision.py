@@ -32,8 +32,8 @@ import time
 import torch
 
 from headwatch import SynonymCollisionMonitor
-from headwatch.frequency import FrequencySnapshot, frequency_buckets, rare_tokens
-from headwatch.functional.neighbors import nearest_neighbours
+from headwatch.functional import FrequencySnapshot, frequency_buckets, rare_tokens
+from headwatch.functional import nearest_neighbours
 
 
 def build(V: int, R: int, d: int):

@@ -28,7 +28,14 @@ with its ``(rows, vocab)`` temporary allocated once outside the timed call (so w
 the cost of fresh memory), and ``logits.amax(-1)``, a single read of the input with no
 ``(rows, vocab)`` output: the memory-bandwidth floor.
 
-Run: ``python bench/logit_stats.py [--rows 2048] [--vocab 32000] [--repeats 10]``.
+``--contended``: the same timings twice in one process, first as they are, then while
+``--spinners`` (default 1) other Python processes spin on the CPU (started and stopped
+by the script), printed side by side with each method's ratio to ``torch.logsumexp``
+under the same conditions (issue 11, section 6: a target of 1.5x in both). An extra row,
+``headwatch, chunks in one thread``, runs the same row math with every op of every chunk
+multi-threaded (the behaviour before the chunks were split across threads).
+
+Run: ``python bench/logit_stats.py [--rows 2048] [--vocab 32000] [--repeats 10] [--contended]``.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ import argparse
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +56,7 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 from headwatch.functional import logit_statistics
+from headwatch.functional.logits import _row_tasks, rows_per_chunk, statistics_from_tasks
 
 TRL_MISSING = "not installed (pip install -e .[bench])"
 
@@ -152,6 +162,41 @@ def other_cpu_share(busy0: float | None, own0: float, wall0: float) -> str:
     return f"{100 * share:.0f}% ({verdict})"
 
 
+def chunks_in_one_thread(logits: Tensor) -> object:
+    """headwatch's row math with each chunk's ops multi-threaded in turn (no split across threads)."""
+    rows = rows_per_chunk(logits.shape[-1], logits.dtype, logits.device, 64 * 2**20)
+    tasks = _row_tasks(logits, rows)
+    return statistics_from_tasks(tasks, logits.shape[:-1], logits.shape[-1], logits.device, rows, None, None, -100)
+
+
+def contended_comparison(methods: list[Method], warmup: int, repeats: int, spinners: int) -> None:
+    """Median times idle and with ``spinners`` busy processes, side by side, each as a ratio to the first method."""
+    idle = time_round_robin(methods, warmup, repeats)
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
+    try:
+        time.sleep(0.5)  # let the spinners get scheduled
+        busy = time_round_robin(methods, warmup, repeats)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    ref = methods[0].name
+    name_w = max(len(m.name) for m in methods)
+    header = f"{'method':<{name_w}}  {'idle ms':>8}  {'x lse':>6}  {'contended ms':>12}  {'x lse':>6}"
+    print(header)
+    print("-" * len(header))
+    for m in methods:
+        if m.name not in idle:
+            print(f"{m.name:<{name_w}}  {m.note}")
+            continue
+        i, b = statistics.median(idle[m.name]), statistics.median(busy[m.name])
+        print(f"{m.name:<{name_w}}  {1e3 * i:>8.1f}  {i / statistics.median(idle[ref]):>5.2f}x  "
+              f"{1e3 * b:>12.1f}  {b / statistics.median(busy[ref]):>5.2f}x")
+    print()
+    print(f"contended: {spinners} other process(es) running `while True: pass` during the second timing; "
+          "x lse: median / median of torch.logsumexp under the same conditions (target <= 1.5x).")
+
+
 def check_agreement(logits: Tensor, targets: Tensor, trl_entropy: Callable[[Tensor], Tensor] | None) -> str:
     """Max absolute differences between headwatch and the reference computations (nats)."""
     stats = logit_statistics(logits, targets=targets)
@@ -174,6 +219,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per method, default 10")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per method first, default 2")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--contended", action="store_true",
+                        help="time idle and with --spinners busy processes, side by side")
+    parser.add_argument("--spinners", type=int, default=1, help="busy processes for --contended, default 1")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -189,6 +237,7 @@ def main() -> None:
         Method("logits.amax(-1) (one read pass, floor)", lambda: logits.amax(-1)),
         Method("headwatch logit_statistics", lambda: logit_statistics(logits)),
         Method("headwatch logit_statistics + targets", lambda: logit_statistics(logits, targets=targets)),
+        Method("headwatch, chunks in one thread", lambda: chunks_in_one_thread(logits)),
         Method("naive log_softmax + kl_div + entropy", lambda: naive_recipe(logits)),
         Method(
             "trl entropy_from_logits",
@@ -206,6 +255,9 @@ def main() -> None:
           f"warm-up {args.warmup}, repeats {args.repeats} (round-robin)")
     print(f"agreement: {check_agreement(logits, targets, trl_entropy)}")
     print()
+    if args.contended:
+        contended_comparison(methods, args.warmup, args.repeats, args.spinners)
+        return
 
     busy0, own0, wall0 = _system_busy_seconds(), sum(os.times()[:2]), time.perf_counter()
     times = time_round_robin(methods, args.warmup, args.repeats)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning.pytorch as pl  # noqa: E402
 
 from headwatch import LogitStatsMonitor, SharpnessCollapseAlert, SynonymCollisionMonitor  # noqa: E402
-from headwatch.alerts import CollapseRules  # noqa: E402
+from headwatch.alerts import AlertEvent, CollapseRules  # noqa: E402
 from tests.helpers import TinyCausalLM, loader, shutdown_distributed  # noqa: E402
 
 
@@ -26,11 +26,11 @@ class RankRules(CollapseRules):
     rank = 0
     fired_locally: list = []
 
-    def observe_train(self, step, entropy, kl):
-        fired = super().observe_train(step, entropy, kl)
-        if self.rank == 1 and step >= 3 and not self.states["entropy_floor"].open:
-            self.states["entropy_floor"].open = True
-            fired = ["entropy_floor"]
+    def observe_train(self, step, metrics):
+        fired = super().observe_train(step, metrics)
+        if self.rank == 1 and step >= 3 and not self.episode("entropy_floor").open:
+            self.episode("entropy_floor").open = True
+            fired = [AlertEvent("fired", "entropy_floor", "critical", step)]
         if fired:
             type(self).fired_locally.append(step)
         return fired

@@ -17,17 +17,21 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from headwatch import Alert, HeadwatchError, LogitStatsMonitor, SharpnessCollapseAlert
 from headwatch.alerts import CollapseRules, redact_url
+from headwatch.alerts.events import FIRED
 from tests.helpers import TinyCausalLM, loader
 from tests.test_monitor import make_trainer
+
+
+E, K = "headwatch/logits/entropy", "headwatch/logits/kl_to_uniform"
+VAL_E = "headwatch/val/logits/entropy"
 
 
 def fire_steps(rules: CollapseRules, entropies=None, kls=None) -> list[tuple[int, str]]:
     n = len(entropies or kls)
     out = []
     for step in range(n):
-        e = entropies[step] if entropies else None
-        k = kls[step] if kls else None
-        out += [(step, rule) for rule in rules.observe_train(step, e, k)]
+        metrics = {E: entropies[step] if entropies else None, K: kls[step] if kls else None}
+        out += [(step, e.rule) for e in rules.observe_train(step, metrics) if e.kind == FIRED]
     return out
 
 
@@ -36,7 +40,7 @@ def test_floor_with_warmup_hysteresis_and_rearming():
     #          warm-up   ok   fire  open  <2.1 open  rearm fire
     values = [1.0, 1.5, 3.0, 1.9, 1.8, 2.05, 1.7, 2.2, 1.9]
     assert fire_steps(rules, values) == [(3, "entropy_floor"), (8, "entropy_floor")]
-    assert rules.states["entropy_floor"].fired == 2 and rules.states["entropy_floor"].open
+    assert rules.episode("entropy_floor").fired == 2 and rules.episode("entropy_floor").open
 
 
 def test_kl_ceiling():
@@ -62,13 +66,16 @@ def test_entropy_falling_while_validation_stalls():
     rules = CollapseRules(entropy_drop=None, patience=2, delta=0.05, min_entropy_drop=0.02)
     losses = [3.0, 2.5, 2.49, 2.495, 2.1, 2.09, 2.095]
     entropies = [5.0, 4.9, 4.5, 4.0, 4.0, 3.5, 3.0]
-    fired = [v for v, (loss, ent) in enumerate(zip(losses, entropies)) if rules.observe_val(v, loss, ent)]
+    fired = [
+        v for v, (loss, ent) in enumerate(zip(losses, entropies))
+        if any(e.kind == FIRED for e in rules.observe_val(v, {"val_loss": loss, VAL_E: ent}))
+    ]
     # v=3: window (2.5, 2.49, 2.495) improved 0.01 < 0.05 while entropy fell 18%; v=4 improved: re-armed;
     # v=6: window (2.1, 2.09, 2.095) stalls again with entropy falling 25%
     assert fired == [3, 6]
     # entropy not falling: no alert however flat the loss
     flat = CollapseRules(entropy_drop=None, patience=2, delta=0.05)
-    assert [v for v in range(5) if flat.observe_val(v, 2.0, 4.0)] == []
+    assert [v for v in range(5) if flat.observe_val(v, {"val_loss": 2.0, VAL_E: 4.0})] == []
 
 
 def test_nan_values_are_skipped_and_state_round_trips():
@@ -77,7 +84,7 @@ def test_nan_values_are_skipped_and_state_round_trips():
     copy = CollapseRules(entropy_floor=1.0, entropy_drop=0.5, window=2)
     copy.load_state_dict(json.loads(json.dumps(rules.state_dict())))
     assert copy.state_dict() == rules.state_dict()
-    assert copy.observe_train(3, 0.4, None) == []  # the open episode survives
+    assert copy.observe_train(3, {E: 0.4}) == []  # the open episode survives
 
 
 @pytest.mark.parametrize(
@@ -138,7 +145,8 @@ def test_induced_collapse_fires_and_writes_jsonl(tmp_path):
     lines = alert.jsonl_path.read_text().splitlines()
     assert alert.jsonl_path.parent == Path(trainer.logger.log_dir)
     record = json.loads(lines[0])
-    assert set(record) == {"time", "step", "epoch", "rule", "metrics", "message"}
+    assert set(record) == {"time", "step", "epoch", "rule", "metrics", "message", "severity"}
+    assert record["severity"] == "critical"  # a plain threshold is critical
     assert record["rule"] == "entropy_floor" and record["metrics"]["headwatch/logits/entropy"] < 1.0
     assert trainer.callback_metrics["headwatch/alerts/entropy_floor"].item() == 1.0
     assert trainer.global_step == 12  # no stop asked
@@ -243,9 +251,9 @@ def test_state_survives_a_checkpoint_and_does_not_refire(tmp_path):
     )
     torch.manual_seed(0)
     trainer.fit(TinyCausalLM(lr=200.0), loader(n=96, batch_size=8, pad=False))
-    assert len(alert.alerts) == 1 and alert.rules.states["entropy_floor"].open
+    assert len(alert.alerts) == 1 and alert.rules.episode("entropy_floor").open
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["callbacks"][alert.state_key]
-    assert saved["rules"]["states"]["entropy_floor"]["open"] is True
+    assert saved["rules"]["states"]["entropy_floor/critical"]["open"] is True
     resumed = SharpnessCollapseAlert(entropy_floor=1.0, entropy_drop=None)
     trainer = make_trainer(tmp_path, [LogitStatsMonitor(validation=False), resumed], max_steps=16, log_every_n_steps=1)
     torch.manual_seed(0)
@@ -303,9 +311,9 @@ def test_alert_listed_before_its_monitor_evaluates_every_value_once(tmp_path):
     seen: list[int] = []
 
     class Counting(CollapseRules):
-        def observe_train(self, step, entropy, kl):
+        def observe_train(self, step, metrics):
             seen.append(step)
-            return super().observe_train(step, entropy, kl)
+            return super().observe_train(step, metrics)
 
     alert = SharpnessCollapseAlert(entropy_floor=1.0, entropy_drop=None)
     alert.rules = Counting(entropy_floor=1.0, entropy_drop=None)

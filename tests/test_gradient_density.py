@@ -24,8 +24,8 @@ class Recording(GradientDensityMonitor):
 
     recorded: list[dict[str, torch.Tensor]]
 
-    def _flows(self, trainer):
-        flows = super()._flows(trainer)
+    def _flows(self, loss_scale):
+        flows = super()._flows(loss_scale)
         self.recorded = getattr(self, "recorded", [])
         self.recorded.append({k: v.detach().clone() for k, v in flows.items() if v is not None})
         return flows
@@ -286,7 +286,7 @@ def test_frozen_embedding_is_skipped_with_a_warning(tmp_path):
 
 
 def test_no_work_off_logging_steps(tmp_path, monkeypatch):
-    import headwatch.gradient_density as gd
+    import headwatch.core.gradients as gd
 
     calls = []
     original = gd.row_norms

@@ -406,3 +406,17 @@ def test_python_dash_m(logdir, tmp_path):
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "headwatch", "report", "--help"], capture_output=True, text=True, encoding="utf-8", env=env)
     assert proc.returncode == 0 and "--html PATH" in proc.stdout and "trend/1k" in proc.stdout
+
+
+def test_collect_alerts_keeps_severities_apart():
+    # a warning and a critical alert of one rule at one step: two markers, two records, listed twice
+    scalars = {"headwatch/alerts/entropy_floor": [(40, 1.0)], "headwatch/alerts/entropy_floor_warning": [(40, 1.0)]}
+    records = [
+        {"step": 40, "rule": "entropy_floor", "severity": "warning", "message": "warn"},
+        {"step": 40, "rule": "entropy_floor", "severity": "critical", "message": "crit"},
+    ]
+    alerts = collect_alerts(scalars, records)
+    assert [(a.step, a.rule, a.source, a.message) for a in alerts] == [
+        (40, "entropy_floor", "jsonl+tensorboard", "crit"),
+        (40, "entropy_floor_warning", "jsonl+tensorboard", "warn"),
+    ]

@@ -22,6 +22,8 @@ _LAZY = {
     "SynonymCollisionMonitor": "headwatch.collision",
     "SharpnessCollapseAlert": "headwatch.alerts",
     "Alert": "headwatch.alerts",
+    "Headwatch": "headwatch.loop",
+    "BatchFormat": "headwatch.core.batch",
 }
 
 if TYPE_CHECKING:
@@ -32,10 +34,14 @@ if TYPE_CHECKING:
     from headwatch.gradient_density import GradientDensityMonitor
     from headwatch.logit_stats import LogitStatsMonitor
     from headwatch.metrics import LogitStatsMetric
+    from headwatch.core.batch import BatchFormat
+    from headwatch.loop import Headwatch
 
 __all__ = [
     "Alert",
+    "BatchFormat",
     "GradientDensityMonitor",
+    "Headwatch",
     "HeadwatchError",
     "LogitStatsMetric",
     "LogitStatsMonitor",

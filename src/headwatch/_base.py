@@ -1,18 +1,23 @@
-"""Plumbing shared by headwatch's callbacks: argument checks, schedule, failure policy, publishing."""
+"""Argument checks, and the base of Lightning callbacks that are not monitors (the alert).
+
+Monitors are ``core`` classes fed by :class:`headwatch.integrations.lightning.MonitorCallback`."""
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from headwatch import tensorboard as tb
 from headwatch._errors import HeadwatchError
-from headwatch.dashboard import flush_tensorboard
+from headwatch.core.schedule import Schedule
+from headwatch.integrations.lightning import publish, published_steps, tensorboard_writers, to_floats
+
+__all__ = ["HeadwatchCallback", "check_bool", "check_every", "check_module_or_name", "check_positive_int",
+           "check_prefix", "published_steps", "to_floats"]  # fmt: skip
 
 
 def check_bool(name: str, value: Any) -> None:
@@ -42,31 +47,6 @@ def check_prefix(value: Any) -> None:
         raise HeadwatchError(f"`prefix` must be a non-empty string not ending in '/', got {value!r}")
 
 
-def to_floats(scalars: dict[str, Tensor | float]) -> dict[str, float]:
-    """Scalars (tensors on any device, or numbers) as Python floats with one host sync."""
-    if not scalars:
-        return {}
-    devices = [v.device for v in scalars.values() if isinstance(v, Tensor) and v.device.type != "cpu"]
-    device = devices[0] if devices else torch.device("cpu")
-    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in scalars.values()])
-    return dict(zip(scalars, stacked.tolist()))  # the one host sync of a logging step
-
-
-_PUBLISHED: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = weakref.WeakKeyDictionary()
-
-
-def published_steps(trainer: Any) -> dict[str, int]:
-    """Metric name -> the step it was last published at by a headwatch callback, for this trainer.
-
-    Lets a reader (the collapse alert) tell a fresh value from one it has already seen,
-    whatever the order of the callbacks.
-    """
-    steps = _PUBLISHED.get(trainer)
-    if steps is None:
-        steps = _PUBLISHED[trainer] = {}
-    return steps
-
-
 class HeadwatchCallback(Callback):
     """Base of headwatch's monitors.
 
@@ -94,10 +74,8 @@ class HeadwatchCallback(Callback):
         return self._generate_state_key(prefix=self.prefix)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from headwatch.dashboard import write_layout
-
         try:
-            write_layout(trainer, self.prefix)
+            tb.write_layout(tensorboard_writers(trainer), self.prefix)
         except Exception as err:  # noqa: BLE001
             self._fail(err, "writing the TensorBoard dashboard layout")
 
@@ -107,7 +85,7 @@ class HeadwatchCallback(Callback):
             rank_zero_warn(f"{type(self).__name__}: log_every_n_steps is 0, training steps are not measured.")
 
     def _is_logging_step(self, step: int) -> bool:
-        return self._every > 0 and (step + 1) % self._every == 0
+        return Schedule(self._every).is_logging_step(step)
 
     def _info_once(self, message: str) -> None:
         """A set-up message, printed once per callback (``setup`` runs for every stage)."""
@@ -133,36 +111,16 @@ class HeadwatchCallback(Callback):
 
     def _publish(self, trainer: pl.Trainer, scalars: dict[str, Tensor | float], step: int) -> dict[str, float]:
         """Write scalars to every logger at ``step`` and to ``trainer.callback_metrics``; returns them as floats."""
-        numbers = to_floats(scalars)
-        if not numbers:
-            return {}
-        for logger in trainer.loggers:
-            logger.log_metrics(numbers, step=step)
-        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in numbers.items()})
-        published_steps(trainer).update(dict.fromkeys(numbers, step))
-        flush_tensorboard(trainer)  # live charts: TensorBoardLogger alone flushes every 120 s
-        return numbers
+        return publish(trainer, scalars, step)
 
     @staticmethod
-    @rank_zero_only
     def _write_histogram(trainer: pl.Trainer, tag: str, values: Tensor, step: int) -> None:
-        values = values.detach().float().cpu()
-        values = values[torch.isfinite(values)]  # TensorBoard refuses NaN/inf; they are counted elsewhere
-        if values.numel() == 0:
-            return
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_histogram(tag, values, global_step=step)
-                logger.experiment.flush()
+        writers = tensorboard_writers(trainer)
+        tb.write_histogram(writers, tag, values, step)
+        tb.flush(writers)
 
     @staticmethod
-    @rank_zero_only
     def _write_text(trainer: pl.Trainer, tag: str, text: str, step: int) -> None:
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_text(tag, text, global_step=step)
-                logger.experiment.flush()
+        writers = tensorboard_writers(trainer)
+        tb.write_text(writers, tag, text, step)
+        tb.flush(writers)

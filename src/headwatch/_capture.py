@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor, nn
 
 from headwatch._errors import HeadwatchError
@@ -213,14 +212,6 @@ def _raise_ambiguous(
     )
 
 
-def _field(batch: Any, key: str) -> Any:
-    if isinstance(batch, Mapping):
-        return batch.get(key)
-    if isinstance(batch, (tuple, list)):
-        return None
-    return getattr(batch, key, None)
-
-
 def logits_from_output(output: Any) -> Tensor | None:
     """The logits tensor in a head's output: the tensor itself, ``output.logits``, or ``output[0]``."""
     logits = output
@@ -234,34 +225,16 @@ def logits_from_output(output: Any) -> Tensor | None:
 def positions_from_batch(
     batch: Any, shift_labels: bool = True, ignore_index: int = -100
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Which logits positions are predictions, and their targets, from a training batch.
+    """``(mask (B, T) bool or None, targets (B, T) long or None)`` of a batch.
 
-    Reads ``labels`` and ``attention_mask`` from a mapping (dict, Hugging Face
-    ``BatchEncoding``) or attributes of an object; other batches (tuples) give
-    ``(None, None)``: every position is measured, no target statistics.
-
-    With ``shift_labels`` (the Hugging Face causal-LM convention: the model shifts inside,
-    logits at position ``t`` predict ``labels[t + 1]``), targets are ``labels[..., 1:]``
-    followed by ``ignore_index`` for the last position. Without it, ``labels`` are already
-    aligned with the logits.
-
-    Returns:
-        ``(mask (B, T) bool or None, targets (B, T) long or None)``: the mask is
-        ``attention_mask != 0`` when present (positions with ``ignore_index`` targets are
-        excluded by the statistics themselves).
+    The 0.1 helper, now :meth:`headwatch.core.BatchFormat.read` (the one batch reader):
+    ``attention_mask != 0``, and ``labels`` shifted by one (``ignore_index`` last) when
+    ``shift_labels``, else as they are; tuples give ``(None, None)``.
     """
-    labels = _field(batch, "labels")
-    attention = _field(batch, "attention_mask")
-    targets = None
-    if isinstance(labels, Tensor) and labels.ndim >= 1 and not labels.is_floating_point():
-        labels = labels.long()
-        if shift_labels:
-            pad = torch.full_like(labels[..., :1], ignore_index)
-            targets = torch.cat([labels[..., 1:], pad], dim=-1)
-        else:
-            targets = labels
-    mask = attention != 0 if isinstance(attention, Tensor) else None
-    return mask, targets
+    from headwatch.core.batch import BatchFormat
+
+    view = BatchFormat(shift_labels=shift_labels, ignore_index=ignore_index).read(batch)
+    return view.mask, view.targets
 
 
 MaskFn = Callable[[Any], Tensor]

@@ -10,9 +10,7 @@ import importlib.util
 import math
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 
 from headwatch._errors import HeadwatchError
@@ -121,18 +119,6 @@ def entropy_histogram(values: Tensor, max_entropy: float, bins: int = 50) -> Ten
     if v.numel() == 0:
         return torch.zeros(bins, dtype=torch.float64)
     return torch.histc(v.cpu(), bins=bins, min=0.0, max=max(max_entropy, 1e-6)).double()
-
-
-@rank_zero_only
-def add_figure(trainer: pl.Trainer, tag: str, figure: Any, step: int) -> None:
-    """Write a figure to every TensorBoard logger (rank zero), then close it."""
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_figure(tag, figure, global_step=step, close=False)
-            logger.experiment.flush()
-    figure.clear()
 
 
 def log_v(vocab_size: int) -> float:

@@ -3,24 +3,91 @@
 Every function documents its tensor shapes, units and the source of its definition.
 """
 
+from headwatch.functional.collision import collision_statistics, sample_rows, synonym_pair_rate, top_colliding_pairs
+from headwatch.functional.frequency import (
+    BUCKETS,
+    FrequencySnapshot,
+    count_order,
+    frequency_buckets,
+    frequency_snapshot,
+    rare_tokens,
+    token_scalars,
+)
 from headwatch.functional.logits import (
     DEFAULT_MAX_CHUNK_BYTES,
     LogitStatistics,
     LogitStatSums,
+    compute_dtype,
     entropy,
     kl_from_uniform,
     kl_to_uniform,
     logit_statistics,
-    logit_statistics_from_hidden,
+    rows_per_chunk,
 )
+from headwatch.functional.hidden import logit_scale, logit_softcap, logit_statistics_from_hidden
+from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
+from headwatch.functional.quantiles import quantiles, sorted_quantiles
+from headwatch.functional.rows import (
+    Summary,
+    dense_rows,
+    finite_histogram_values,
+    lookup_gradient,
+    rankdata,
+    row_cosine,
+    row_density,
+    row_nonzero,
+    row_nonzero_given_norms,
+    row_norms,
+    spearman,
+    summarize,
+    summarize_groups,
+)
+from headwatch.functional.tied import row_group_statistics, tied_flow_statistics
 
 __all__ = [
+    "BUCKETS",
     "DEFAULT_MAX_CHUNK_BYTES",
+    "FrequencySnapshot",
     "LogitStatSums",
     "LogitStatistics",
+    "Neighbours",
+    "Summary",
+    "collision_statistics",
+    "compute_dtype",
+    "count_order",
+    "dense_rows",
     "entropy",
+    "frequency_buckets",
+    "frequency_snapshot",
     "kl_from_uniform",
     "kl_to_uniform",
     "logit_statistics",
     "logit_statistics_from_hidden",
+    "logit_scale",
+    "logit_softcap",
+    "finite_histogram_values",
+    "lookup_gradient",
+    "nearest_neighbours",
+    "pair_cosine",
+    "quantiles",
+    "rankdata",
+    "rare_tokens",
+    "row_cosine",
+    "row_density",
+    "row_group_statistics",
+    "row_nonzero",
+    "row_nonzero_given_norms",
+    "row_norms",
+    "rows_per_chunk",
+    "sample_rows",
+    "sorted_quantiles",
+    "spearman",
+    "summarize",
+    "summarize_groups",
+    "synonym_confusion",
+    "synonym_pair_rate",
+    "synonym_table",
+    "tied_flow_statistics",
+    "token_scalars",
+    "top_colliding_pairs",
 ]

@@ -23,18 +23,26 @@ reported as non-finite and excluded, never propagated into means.
 Memory is bounded: rows are processed in chunks whose float32 working buffers stay
 under ``max_chunk_bytes``; no ``(..., V)`` log-softmax, probability or uniform tensor
 is allocated.
+
+Precision: the math runs in float32 (float64 for float64 logits) with autocast disabled,
+so a call inside ``torch.autocast`` (Lightning's ``precision="bf16-mixed"``) gives the
+same values as outside (issue 11, section 1). Speed on the CPU: chunks are cache-sized
+and shared among torch's threads, each running single-threaded ops (see
+``headwatch.functional._precision``), so a busy machine does not stall every op.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from headwatch._errors import HeadwatchError
+from headwatch.functional._precision import cpu_workers, full_precision, map_rows_single_threaded
 
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 """Default budget for the working buffers of one chunk of rows: 64 MiB."""
@@ -42,7 +50,6 @@ DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 # On the CPU a chunk that stays in cache is faster than a big one (the passes over a
 # chunk then hit L2/L3 instead of DRAM); on accelerators big chunks amortise launches.
 _CPU_CHUNK_BYTES = 4 * 2**20  # measured: 0.5 MiB 120 ms, 2 MiB 72 ms, 4 MiB 64 ms, 16 MiB 84 ms (bench/README.md)
-
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -109,42 +116,52 @@ def _check_inputs(
         raise HeadwatchError(f"expected `max_chunk_bytes` to be a positive int, got {max_chunk_bytes!r}")
 
 
-def rows_per_chunk(vocab_size: int, dtype: torch.dtype, device: torch.device, max_chunk_bytes: int) -> int:
+LogitTransform = Callable[[Tensor], Tensor]
+"""A final transform of the logits, applied to each ``(n, V)`` float32 chunk (see ``transform=``)."""
+
+
+def rows_per_chunk(
+    vocab_size: int, dtype: torch.dtype, device: torch.device, max_chunk_bytes: int, extra_buffers: int = 0
+) -> int:
     """Rows of a ``(rows, vocab_size)`` chunk whose working buffers fit in ``max_chunk_bytes``.
 
     The working set of a chunk is two buffers ``(rows, V)`` in the compute dtype (float32,
     or float64 for float64 input) plus, for inputs of another dtype, a converted copy of the
-    chunk. At least one row is always used.
+    chunk, plus ``extra_buffers`` more (a transformed copy). On the CPU the budget is capped
+    at a cache-sized 4 MiB per chunk and per thread. At least one row is always used.
     """
     cdtype = compute_dtype(dtype)
-    per_row = vocab_size * (8 if cdtype == torch.float64 else 4) * (2 if dtype == cdtype else 3)
+    buffers = (2 if dtype == cdtype else 3) + extra_buffers
+    per_row = vocab_size * (8 if cdtype == torch.float64 else 4) * buffers
     budget = max_chunk_bytes if device.type != "cpu" else min(max_chunk_bytes, _CPU_CHUNK_BYTES)
     return max(1, budget // per_row)
 
 
-def _row_blocks(logits: Tensor, rows: int) -> Iterator[tuple[int, Tensor]]:
-    """Yield ``(offset, block)`` with ``block`` a ``(n <= rows, V)`` view (or a copy of that block only)."""
+Task = tuple[int, Callable[[], Tensor]]
+"""``(offset of the first row, a function returning the (n, V) block)``: blocks are made lazily."""
+
+
+def _row_tasks(logits: Tensor, rows: int) -> list[Task]:
+    """Blocks of at most ``rows`` rows: views where ``logits`` is viewable as 2-D, else one copied block at a time."""
     V = logits.shape[-1]
     try:
         flat = logits.view(-1, V)
     except RuntimeError:  # not viewable as 2-D: walk the leading dimension, copy one block at a time
         lead = logits.shape[:-1]
         per_item = math.prod(lead[1:])
-        offset = 0
         if per_item <= rows:
             step = max(1, rows // max(per_item, 1))
-            for i in range(0, lead[0], step):
-                block = logits[i : i + step].reshape(-1, V)
-                yield offset, block
-                offset += block.shape[0]
-        else:
-            for i in range(lead[0]):
-                for sub_offset, block in _row_blocks(logits[i], rows):
-                    yield offset + sub_offset, block
-                offset += per_item
-        return
-    for start in range(0, flat.shape[0], rows):
-        yield start, flat[start : start + rows]
+            return [(i * per_item, partial(_copied_block, logits, i, step)) for i in range(0, lead[0], step)]
+        return [(i * per_item + off, make) for i in range(lead[0]) for off, make in _row_tasks(logits[i], rows)]
+    return [(start, partial(_view_block, flat, start, rows)) for start in range(0, flat.shape[0], rows)]
+
+
+def _view_block(flat: Tensor, start: int, rows: int) -> Tensor:
+    return flat[start : start + rows]
+
+
+def _copied_block(logits: Tensor, i: int, step: int) -> Tensor:
+    return logits[i : i + step].reshape(-1, logits.shape[-1])
 
 
 @torch.no_grad()
@@ -154,111 +171,112 @@ def logit_statistics(
     targets: Tensor | None = None,
     ignore_index: int = -100,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    *,
+    transform: LogitTransform | None = None,
 ) -> LogitStatistics:
     """Entropy, sharpness and target statistics of ``softmax(logits)`` at every position.
 
     Args:
         logits: ``(..., V)`` float32, bfloat16 or float16 (any floating dtype); math is
-            done in float32 whatever the input dtype (float64 for float64 input). Not
-            modified, not copied whole.
+            done in float32 whatever the input dtype (float64 for float64 input) and
+            whatever an enclosing ``torch.autocast`` region says. Not modified, not copied whole.
         mask: optional ``(...)`` bool, True where the position is a prediction to measure.
         targets: optional ``(...)`` integer ids aligned with ``logits`` (already shifted:
             ``logits[..., t, :]`` is scored against ``targets[..., t]``). Positions whose
             target equals ``ignore_index`` are excluded.
         ignore_index: target value marking positions that are not predictions (-100,
             as in ``torch.nn.functional.cross_entropy``).
-        max_chunk_bytes: upper bound on the extra working memory of one chunk of rows
-            (default 64 MiB); on the CPU chunks are kept cache-sized (4 MiB) below it.
+        max_chunk_bytes: upper bound on the extra working memory of the chunks in flight
+            (default 64 MiB); on the CPU the chunks are shared among torch's threads (one
+            chunk in flight per thread, each within ``max_chunk_bytes / threads`` and kept
+            cache-sized, 4 MiB, below that).
+        transform: optional final transform of the logits (softcapping
+            :func:`logit_softcap`, a scale :func:`logit_scale`, or any callable), applied to
+            each ``(n, V)`` chunk after conversion to float32: a fresh copy that it may
+            modify in place; it must return an ``(n, V)`` tensor. The statistics are those
+            of ``softmax(transform(logits))``.
 
     Returns:
         :class:`LogitStatistics`, each field of shape ``(...)``.
 
     Raises:
-        HeadwatchError: logits are not a floating tensor of shape ``(..., V)``, or the
-            mask/targets do not have the logits' leading shape or the right dtype.
+        HeadwatchError: logits are not a floating tensor of shape ``(..., V)``, the
+            mask/targets do not have the logits' leading shape or the right dtype, or
+            ``transform`` is not callable or changes a chunk's shape.
 
     Definitions: see the module docstring; entropy after Shannon (1948), KL divergence
     after Kullback and Leibler (1951).
     """
     _check_inputs(logits, mask, targets, max_chunk_bytes)
+    _check_transform(transform)
     V = logits.shape[-1]
-    rows = rows_per_chunk(V, logits.dtype, logits.device, max_chunk_bytes)
-    return _statistics_from_blocks(
-        _row_blocks(logits, rows), logits.shape[:-1], V, logits.device, rows, mask, targets, ignore_index,
-        compute_dtype(logits.dtype),
+    extra = 1 if transform is not None and compute_dtype(logits.dtype) == logits.dtype else 0
+    # the budget is shared by the CPU threads, each with its own chunk buffers
+    workers = cpu_workers(logits.device, math.prod(logits.shape[:-1]))
+    budget = max(1, max_chunk_bytes // workers)
+    rows = rows_per_chunk(V, logits.dtype, logits.device, budget, extra_buffers=extra)
+    tasks = _row_tasks(logits, rows)
+    return statistics_from_tasks(
+        tasks, logits.shape[:-1], V, logits.device, rows, mask, targets, ignore_index,
+        compute_dtype(logits.dtype), transform, workers=min(workers, max(1, len(tasks))),
     )
 
 
-@torch.no_grad()
-def logit_statistics_from_hidden(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None = None,
-    mask: Tensor | None = None,
-    targets: Tensor | None = None,
-    ignore_index: int = -100,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-) -> LogitStatistics:
-    """:func:`logit_statistics` of ``hidden @ weight.T + bias`` without materialising the logits.
-
-    For models trained with a fused linear cross-entropy (Liger Kernel, Cut
-    Cross-Entropy) that never hold logits: each chunk of rows is projected by the head
-    in float32, measured, and dropped, so memory stays under ``max_chunk_bytes``.
-
-    Args:
-        hidden: ``(..., d_model)`` final hidden states (any floating dtype).
-        weight: ``(V, d_model)`` head weight, as stored by ``nn.Linear(d_model, V)``.
-        bias: optional ``(V,)`` head bias.
-        mask, targets, ignore_index, max_chunk_bytes: as in :func:`logit_statistics`.
-
-    Returns:
-        :class:`LogitStatistics`, each field of shape ``(...)``.
-
-    Raises:
-        HeadwatchError: shapes do not agree (``hidden``'s last dimension is not
-            ``weight``'s second, ``bias`` is not ``(V,)``), or as :func:`logit_statistics`.
-    """
-    if not isinstance(hidden, Tensor) or not isinstance(weight, Tensor):
-        raise HeadwatchError("expected `hidden` and `weight` to be torch.Tensors")
-    if weight.ndim != 2 or hidden.ndim < 1 or hidden.shape[-1] != weight.shape[1]:
+def _check_transform(transform: object) -> None:
+    if transform is not None and not callable(transform):
         raise HeadwatchError(
-            f"expected hidden of shape [..., d_model] and weight of shape [vocab_size, d_model], got "
-            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}"
+            f"expected `transform` to be None or a callable taking and returning an (n, V) tensor, "
+            f"got {type(transform).__name__}"
         )
-    V = weight.shape[0]
-    if bias is not None and tuple(bias.shape) != (V,):
-        raise HeadwatchError(f"expected bias of shape ({V},), got {tuple(bias.shape)}")
-    lead = hidden.shape[:-1]
-    _check_inputs(hidden.new_empty(()).expand(*lead, V), mask, targets, max_chunk_bytes)
-    # one more float32 (rows, V) buffer than logit_statistics: the projected block
-    rows = rows_per_chunk(V, torch.bfloat16, hidden.device, max_chunk_bytes)
-    w = weight.detach()
-    b = bias.detach().float() if bias is not None else None
-    flat = hidden.detach().reshape(-1, hidden.shape[-1])
-    d = w.shape[1]
-    # a low-precision head is converted to float32 a slice of rows at a time, never whole
-    vocab_step = V if w.dtype == torch.float32 else max(1, min(V, max_chunk_bytes // (4 * 4 * d)))
-
-    def project(h: Tensor, v0: int, v1: int) -> Tensor:
-        wv = w[v0:v1].float()  # (v, d): a copy only for a low-precision head
-        return h @ wv.T if b is None else torch.addmm(b[v0:v1], h, wv.T)
-
-    def blocks() -> Iterator[tuple[int, Tensor]]:
-        for start in range(0, flat.shape[0], rows):
-            h = flat[start : start + rows].float()  # (n, d)
-            if vocab_step == V:
-                yield start, project(h, 0, V)  # (n, V)
-                continue
-            x = torch.empty(h.shape[0], V, dtype=torch.float32, device=h.device)  # (n, V)
-            for v0 in range(0, V, vocab_step):
-                x[:, v0 : v0 + vocab_step] = project(h, v0, v0 + vocab_step)
-            yield start, x
-
-    return _statistics_from_blocks(blocks(), lead, V, hidden.device, rows, mask, targets, ignore_index)
 
 
-def _statistics_from_blocks(
-    blocks: Iterator[tuple[int, Tensor]],
+class _Rows(NamedTuple):
+    """Per-row outputs of the chunk loop, written chunk by chunk (disjoint slices)."""
+
+    entropy: Tensor
+    max_prob: Tensor
+    mean_s: Tensor  # mean_v(s_v), for KL(U || p)
+    log_z: Tensor
+    finite: Tensor
+    s_target: Tensor | None
+    targets: Tensor | None  # (N,) int64, out-of-range ids replaced by 0
+
+
+def _measure_block(
+    out: _Rows, start: int, block: Tensor, bufs: tuple[Tensor, Tensor], transform: LogitTransform | None
+) -> None:
+    """The one-pass row math on one ``(n, V)`` block, written to ``out[start : start + n]``."""
+    n = block.shape[0]
+    s_buf, e_buf = bufs
+    dtype = s_buf.dtype
+    x = block if block.dtype == dtype else block.to(dtype)  # (n, V), float32 (float64 for float64 input)
+    if transform is not None:
+        x = transform(x.clone() if x is block else x)
+        if not isinstance(x, Tensor) or x.shape != block.shape:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise HeadwatchError(f"expected `transform` to return a tensor of shape {tuple(block.shape)}, got {got}")
+        x = x.to(dtype)
+    V = x.shape[1]
+    m = x.amax(dim=-1, keepdim=True)  # (n, 1)
+    finite = torch.isfinite(m)  # False for NaN, +inf, or an all -inf row
+    s = torch.sub(x, torch.where(finite, m, torch.zeros_like(m)), out=s_buf[:n])  # (n, V), <= 0
+    out.mean_s[start : start + n] = s.sum(dim=-1) / V  # -inf when a logit is -inf: KL(U || p) = +inf
+    if out.s_target is not None and out.targets is not None:  # before the clamp: -inf target logit -> nll +inf
+        idx = out.targets[start : start + n].unsqueeze(-1)  # (n, 1)
+        out.s_target[start : start + n] = s.gather(-1, idx).squeeze(-1)
+    s.clamp_(min=torch.finfo(dtype).min)  # -inf -> lowest float: exp() gives exactly 0 and 0 * s = 0
+    e = torch.exp(s, out=e_buf[:n])  # (n, V)
+    z = e.sum(dim=-1)  # (n,)
+    lz = torch.log(z)
+    out.log_z[start : start + n] = lz
+    out.max_prob[start : start + n] = z.reciprocal()
+    # sum_v e_v s_v, in place into e (no (n, V) temporary; faster than vecdot on the CPU)
+    out.entropy[start : start + n] = lz - e.mul_(s).sum(dim=-1) / z
+    out.finite[start : start + n] = finite.squeeze(-1)
+
+
+def statistics_from_tasks(
+    tasks: list[Task],
     lead: torch.Size,
     V: int,
     device: torch.device,
@@ -267,65 +285,61 @@ def _statistics_from_blocks(
     targets: Tensor | None,
     ignore_index: int,
     dtype: torch.dtype = torch.float32,
+    transform: LogitTransform | None = None,
+    workers: int = 1,
 ) -> LogitStatistics:
-    """The one-pass row math, over ``(offset, (n, V) logits)`` blocks covering ``prod(lead)`` rows."""
+    """The row math over lazily made ``(offset, (n, V) logits)`` blocks covering ``prod(lead)`` rows.
+
+    Runs with autocast disabled; with ``workers > 1`` (CPU) the blocks are shared among
+    that many single-threaded threads, each with its own pair of ``(rows, V)`` buffers.
+    """
     N = math.prod(lead)
-    log_v = math.log(V)
-    lowest = torch.finfo(dtype).min
-
-    entropy = torch.empty(N, dtype=dtype, device=device)
-    max_prob = torch.empty_like(entropy)
-    mean_s = torch.empty_like(entropy)  # mean_v(s_v), for KL(U || p)
-    log_z = torch.empty_like(entropy)
-    row_finite = torch.empty(N, dtype=torch.bool, device=device)
-    s_target = torch.empty_like(entropy) if targets is not None else None
-
-    flat_targets = None
-    target_ok = None
+    flat_targets = target_ok = None
     if targets is not None:
         flat_targets = targets.reshape(N).long()
-        in_range = (flat_targets >= 0) & (flat_targets < V)
-        target_ok = in_range
+        target_ok = (flat_targets >= 0) & (flat_targets < V)
         # Out-of-range ids are gathered at 0 and excluded below: an out-of-bounds gather
         # would be a device-side assert on a GPU and kill the run.
-        flat_targets = torch.where(in_range, flat_targets, torch.zeros_like(flat_targets))
+        flat_targets = torch.where(target_ok, flat_targets, torch.zeros_like(flat_targets))
+    new = partial(torch.empty, N, dtype=dtype, device=device)
+    out = _Rows(new(), new(), new(), new(), torch.empty(N, dtype=torch.bool, device=device),
+                new() if targets is not None else None, flat_targets)
+    buf_rows = min(rows, max(N, 1))
+    bufs = [
+        (torch.empty(buf_rows, V, dtype=dtype, device=device), torch.empty(buf_rows, V, dtype=dtype, device=device))
+        for _ in range(max(1, workers))
+    ]
 
-    s_buf = torch.empty(min(rows, max(N, 1)), V, dtype=dtype, device=device)
-    e_buf = torch.empty_like(s_buf)
-    for start, block in blocks:
-        n = block.shape[0]
-        x = block if block.dtype == dtype else block.to(dtype)  # (n, V), float32 (float64 for float64 input)
-        m = x.amax(dim=-1, keepdim=True)  # (n, 1)
-        finite = torch.isfinite(m)  # False for NaN, +inf, or an all -inf row
-        s = torch.sub(x, torch.where(finite, m, torch.zeros_like(m)), out=s_buf[:n])  # (n, V), <= 0
-        mean_s[start : start + n] = s.sum(dim=-1) / V  # -inf when a logit is -inf: KL(U || p) = +inf
-        if s_target is not None:  # before the clamp: a -inf target logit gives nll = +inf
-            idx = flat_targets[start : start + n].unsqueeze(-1)  # (n, 1)
-            s_target[start : start + n] = s.gather(-1, idx).squeeze(-1)
-        s.clamp_(min=lowest)  # -inf -> lowest float: exp() gives exactly 0 and 0 * s = 0
-        e = torch.exp(s, out=e_buf[:n])  # (n, V)
-        z = e.sum(dim=-1)  # (n,)
-        lz = torch.log(z)
-        log_z[start : start + n] = lz
-        entropy[start : start + n] = lz - torch.linalg.vecdot(e, s) / z
-        max_prob[start : start + n] = z.reciprocal()
-        row_finite[start : start + n] = finite.squeeze(-1)
+    def run(task: Task, worker: int) -> None:
+        start, make = task
+        _measure_block(out, start, make(), bufs[worker], transform)
 
+    with full_precision(device):
+        map_rows_single_threaded(run, tasks, workers)
+    return _finish(out, lead, V, mask, targets, ignore_index, target_ok)
+
+
+def _finish(
+    out: _Rows, lead: torch.Size, V: int, mask: Tensor | None, targets: Tensor | None, ignore_index: int,
+    target_ok: Tensor | None,
+) -> LogitStatistics:
+    """Validity masks, NaN outside them, and the derived fields."""
+    N = math.prod(lead)
+    device = out.entropy.device
+    log_v = math.log(V)
     # Entropy of an (almost) one-hot row can round to a tiny negative: clamp into [0, log V].
-    entropy.clamp_(min=0.0, max=log_v)
+    entropy = out.entropy.clamp_(min=0.0, max=log_v)
     selected = mask.reshape(N) if mask is not None else torch.ones(N, dtype=torch.bool, device=device)
-    nonfinite = selected & ~row_finite
-    valid = selected & row_finite
+    nonfinite = selected & ~out.finite
+    valid = selected & out.finite
     invalid_target = torch.zeros_like(valid)
-    nll = None
-    is_argmax = None
-    if targets is not None:
-        assert flat_targets is not None and target_ok is not None and s_target is not None
+    nll = is_argmax = None
+    if targets is not None and target_ok is not None and out.s_target is not None:
         not_ignored = targets.reshape(N) != ignore_index
         invalid_target = valid & not_ignored & ~target_ok
         valid = valid & not_ignored & target_ok
-        nll = log_z - s_target
-        is_argmax = (s_target == 0) & valid
+        nll = out.log_z - out.s_target
+        is_argmax = (out.s_target == 0) & valid
     nan = torch.tensor(float("nan"), device=device)
 
     def _out(t: Tensor) -> Tensor:
@@ -334,8 +348,8 @@ def _statistics_from_blocks(
     return LogitStatistics(
         entropy=_out(entropy),
         kl_to_uniform=_out(log_v - entropy),
-        kl_from_uniform=_out(torch.clamp(log_z - mean_s - log_v, min=0.0)),
-        max_prob=_out(max_prob),
+        kl_from_uniform=_out(torch.clamp(out.log_z - out.mean_s - log_v, min=0.0)),
+        max_prob=_out(out.max_prob),
         nll=_out(nll) if nll is not None else None,
         target_is_argmax=is_argmax.reshape(lead) if is_argmax is not None else None,
         valid=valid.reshape(lead),
@@ -367,64 +381,6 @@ def kl_from_uniform(logits: Tensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYT
     return logit_statistics(logits, max_chunk_bytes=max_chunk_bytes).kl_from_uniform
 
 
-class LogitStatSums(NamedTuple):
-    """Sums and counts over the valid positions of one batch: the state of a distributed metric."""
-
-    positions: Tensor
-    """Number of valid positions (float64 scalar)."""
-    entropy: Tensor
-    kl_to_uniform: Tensor
-    kl_from_uniform: Tensor
-    max_prob: Tensor
-    target_positions: Tensor
-    """Number of valid positions with a target (equal to ``positions`` when targets are given, else 0)."""
-    nll: Tensor
-    target_is_argmax: Tensor
-    nonfinite_positions: Tensor
-    invalid_target_positions: Tensor
-
-
-def _logit_stats_update(stats: LogitStatistics) -> LogitStatSums:
-    """Reduce per-position statistics to float64 sums over the valid positions (no host sync)."""
-    valid = stats.valid
-
-    def _sum(t: Tensor) -> Tensor:
-        return torch.where(valid, t, torch.zeros((), dtype=t.dtype, device=t.device)).sum(dtype=torch.float64)
-
-    count = valid.sum(dtype=torch.float64)
-    zero = torch.zeros((), dtype=torch.float64, device=valid.device)
-    has_targets = stats.nll is not None
-    return LogitStatSums(
-        positions=count,
-        entropy=_sum(stats.entropy),
-        kl_to_uniform=_sum(stats.kl_to_uniform),
-        kl_from_uniform=_sum(stats.kl_from_uniform),
-        max_prob=_sum(stats.max_prob),
-        target_positions=count if has_targets else zero,
-        nll=_sum(stats.nll) if stats.nll is not None else zero,
-        target_is_argmax=stats.target_is_argmax.sum(dtype=torch.float64)
-        if stats.target_is_argmax is not None
-        else zero,
-        nonfinite_positions=stats.nonfinite.sum(dtype=torch.float64),
-        invalid_target_positions=stats.invalid_target.sum(dtype=torch.float64),
-    )
-
-
-def _logit_stats_compute(sums: LogitStatSums) -> dict[str, Tensor]:
-    """Means from sums: NaN when there were no valid positions (an explicit 'no data')."""
-    nan = torch.tensor(float("nan"), dtype=torch.float64, device=sums.positions.device)
-
-    def _mean(total: Tensor, count: Tensor) -> Tensor:
-        return torch.where(count > 0, total / count.clamp(min=1), nan)
-
-    return {
-        "entropy": _mean(sums.entropy, sums.positions),
-        "kl_to_uniform": _mean(sums.kl_to_uniform, sums.positions),
-        "kl_from_uniform": _mean(sums.kl_from_uniform, sums.positions),
-        "max_prob": _mean(sums.max_prob, sums.positions),
-        "target_nll": _mean(sums.nll, sums.target_positions),
-        "target_argmax_rate": _mean(sums.target_is_argmax, sums.target_positions),
-        "positions": sums.positions,
-        "nonfinite_positions": sums.nonfinite_positions,
-        "invalid_target_positions": sums.invalid_target_positions,
-    }
+# re-exports from the modules these moved to (their old home stays importable)
+from headwatch.functional.hidden import logit_statistics_from_hidden  # noqa: E402
+from headwatch.functional.sums import LogitStatSums, _logit_stats_compute, _logit_stats_update  # noqa: E402

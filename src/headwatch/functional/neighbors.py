@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from headwatch._errors import HeadwatchError
+from headwatch.functional._precision import full_precision
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 
 
@@ -51,6 +52,21 @@ def _chunk_sizes(num_queries: int, num_keys: int, d: int, max_chunk_bytes: int) 
         k //= 2
     q = min(num_queries, max(1, queries_that_fit(k)))
     return q, k
+
+
+def _normalise_rows_(rows: Tensor) -> Tensor:
+    """Divide each row of a float32 copy by its L2 norm in place; returns ``(n,)`` bool, the row was finite.
+
+    Each row is first divided by its largest absolute entry, so the squares cannot
+    overflow (or underflow) whatever the scale of finite entries. Zero rows stay zero;
+    rows holding NaN/inf are reported non-finite (their content is then meaningless).
+    """
+    tiny = torch.finfo(torch.float32).tiny
+    scale = torch.maximum(rows.amax(dim=1, keepdim=True), -rows.amin(dim=1, keepdim=True))  # (n, 1) max |entry|
+    rows.div_(scale.clamp(min=tiny))  # NaN propagates: NaN rows stay NaN, inf rows become NaN
+    norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True)  # (n, 1), in [0, sqrt(d)]
+    rows.div_(norms.clamp(min=tiny))
+    return torch.isfinite(norms.squeeze(1)) & torch.isfinite(scale.squeeze(1))
 
 
 @torch.no_grad()
@@ -101,7 +117,6 @@ def nearest_neighbours(
         return Neighbours(best, best_idx)
 
     w = matrix.detach()
-    tiny = torch.finfo(torch.float32).tiny
     qc, kc = _chunk_sizes(Q, K, d, max_chunk_bytes)
     # position of each query among the keys (for excluding itself), -1 when not a key
     pos = torch.searchsorted(key_ids, queries)
@@ -109,35 +124,32 @@ def nearest_neighbours(
     self_pos = torch.where(is_key, pos, torch.full_like(pos, -1))
     neg_inf = torch.tensor(float("-inf"), device=device)
     bad_queries = torch.zeros(Q, dtype=torch.bool, device=device)
-    for k0 in range(0, K, kc):
-        ids = key_ids[k0 : k0 + kc]
-        keys = w.index_select(0, ids).float()  # (k, d), a copy
-        key_norms = torch.linalg.vector_norm(keys, dim=1, keepdim=True)  # (k, 1)
-        bad_keys = ~torch.isfinite(key_norms.squeeze(1))  # a NaN/inf row is nobody's neighbour
-        has_bad = bool(bad_keys.any())
-        if has_bad:
-            keys[bad_keys] = 0.0
-            key_norms[bad_keys] = 1.0
-        keys.div_(key_norms.clamp(min=tiny))
-        for q0 in range(0, Q, qc):
-            q_rows = w.index_select(0, queries[q0 : q0 + qc]).float()  # (q, d), a copy
-            q_norms = torch.linalg.vector_norm(q_rows, dim=1, keepdim=True)
-            if k0 == 0:
-                bad_queries[q0 : q0 + qc] = ~torch.isfinite(q_norms.squeeze(1))
-            q_rows.div_(q_norms.clamp(min=tiny))
-            sims = q_rows @ keys.T  # (q, k)
+    with full_precision(device):  # float32 products whatever autocast / TF32 settings say
+        for k0 in range(0, K, kc):
+            ids = key_ids[k0 : k0 + kc]
+            keys = w.index_select(0, ids).float()  # (k, d), a copy
+            bad_keys = ~_normalise_rows_(keys)  # a NaN/inf row is nobody's neighbour
+            has_bad = bool(bad_keys.any())
             if has_bad:
-                sims[:, bad_keys] = float("-inf")
-            local = self_pos[q0 : q0 + qc] - k0  # the query itself, if it is in this key chunk
-            inside = (local >= 0) & (local < ids.numel())
-            rows = torch.arange(sims.shape[0], device=device)
-            sims[rows, local.clamp(0, ids.numel() - 1)] = torch.where(
-                inside, neg_inf, sims[rows, local.clamp(0, ids.numel() - 1)]
-            )
-            value, arg = sims.max(dim=1)
-            better = value > best[q0 : q0 + qc]
-            best[q0 : q0 + qc] = torch.where(better, value, best[q0 : q0 + qc])
-            best_idx[q0 : q0 + qc] = torch.where(better, ids[arg], best_idx[q0 : q0 + qc])
+                keys[bad_keys] = 0.0
+            for q0 in range(0, Q, qc):
+                q_rows = w.index_select(0, queries[q0 : q0 + qc]).float()  # (q, d), a copy
+                finite_q = _normalise_rows_(q_rows)
+                if k0 == 0:
+                    bad_queries[q0 : q0 + qc] = ~finite_q
+                sims = q_rows @ keys.T  # (q, k)
+                if has_bad:
+                    sims[:, bad_keys] = float("-inf")
+                local = self_pos[q0 : q0 + qc] - k0  # the query itself, if it is in this key chunk
+                inside = (local >= 0) & (local < ids.numel())
+                rows = torch.arange(sims.shape[0], device=device)
+                sims[rows, local.clamp(0, ids.numel() - 1)] = torch.where(
+                    inside, neg_inf, sims[rows, local.clamp(0, ids.numel() - 1)]
+                )
+                value, arg = sims.max(dim=1)
+                better = value > best[q0 : q0 + qc]
+                best[q0 : q0 + qc] = torch.where(better, value, best[q0 : q0 + qc])
+                best_idx[q0 : q0 + qc] = torch.where(better, ids[arg], best_idx[q0 : q0 + qc])
     best = torch.where(bad_queries, torch.tensor(float("nan"), device=device), best)
     best_idx = torch.where(bad_queries, torch.full_like(best_idx, -1), best_idx)
     return Neighbours(best.clamp(max=1.0), best_idx)
@@ -147,12 +159,12 @@ def pair_cosine(matrix: Tensor, a: Tensor, b: Tensor) -> Tensor:
     """``cos(W_a[i], W_b[i])`` for id pairs, ``(P,), (P,) -> (P,)`` float32 (0 for a zero row)."""
     if a.shape != b.shape or a.ndim != 1:
         raise HeadwatchError(f"expected two 1-D id tensors of the same length, got {tuple(a.shape)} and {tuple(b.shape)}")
-    wa = matrix.detach().index_select(0, a.to(matrix.device).long()).float()
-    wb = matrix.detach().index_select(0, b.to(matrix.device).long()).float()
-    tiny = torch.finfo(torch.float32).tiny
-    na = torch.linalg.vector_norm(wa, dim=1).clamp(min=tiny)
-    nb = torch.linalg.vector_norm(wb, dim=1).clamp(min=tiny)
-    return (torch.linalg.vecdot(wa, wb) / (na * nb)).clamp(-1.0, 1.0)
+    with full_precision(matrix.device):
+        wa = matrix.detach().index_select(0, a.to(matrix.device).long()).float()  # (P, d), a copy
+        wb = matrix.detach().index_select(0, b.to(matrix.device).long()).float()
+        _normalise_rows_(wa)
+        _normalise_rows_(wb)
+        return torch.linalg.vecdot(wa, wb).clamp(-1.0, 1.0)
 
 
 def synonym_table(groups: list[list[int]], vocab_size: int) -> Tensor:

@@ -18,12 +18,14 @@ and a boolean ``valid`` of shape ``(V,)`` (rows that can occur; padded vocabular
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from headwatch._errors import HeadwatchError
+from headwatch.functional._precision import full_precision
 from headwatch.functional.quantiles import quantiles, sorted_quantiles
 
 
@@ -39,16 +41,55 @@ def dense_rows(matrix: Tensor) -> Tensor:
     return matrix.to_dense() if matrix.is_sparse else matrix
 
 
-def row_norms(matrix: Tensor) -> Tensor:
+# Float32 sums of squares overflow above 3.4e38 (norms above 1.8e19) and lose precision below
+# 1.2e-38 (norms below about 1.1e-19): rows outside [_LOW, _HIGH] are recomputed in float64.
+_LOW, _HIGH = 2.0**-62, 2.0**62
+
+
+def _fix_rows_float64(values: Tensor, suspect: Tensor, exact: Callable[[Tensor], Tensor]) -> Tensor:
+    """Replace ``values[suspect]`` by ``exact(row_ids)`` (float64); one host sync to find them."""
+    if not bool(suspect.any()):
+        return values
+    idx = suspect.nonzero().flatten()
+    values = values.clone()
+    values[idx] = exact(idx).to(values.dtype)
+    return values
+
+
+def row_norms(matrix: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
     """L2 norm of every row, ``(V, d_model) -> (V,)`` float32 (float64 inputs stay float64).
 
-    Sparse COO inputs are accepted (duplicate indices are summed first). In float32 a
-    row whose entries are all below about 1e-19 has norm 0 (the squares underflow): use
-    :func:`row_nonzero` to tell zero rows from tiny ones.
+    One float32 pass (autocast disabled); rows whose float32 norm overflowed (``inf`` from
+    finite entries: norms above 1.8e19, e.g. a loss scaled by 1e22) or may have lost
+    precision to underflow (non-zero norms below 2**-62) are recomputed in float64, so any
+    finite row gets its norm. Rows whose entries are all below about 1e-23 still get 0 (use
+    :func:`row_nonzero` to tell them from zero rows). A norm above float32's largest value
+    (3.4e38) is ``inf`` in float32: ``dtype=torch.float64`` returns it exactly. Sparse COO
+    inputs are accepted (duplicate indices are summed first). One host sync (a bool).
     """
     m = dense_rows(matrix)
-    dtype = torch.float64 if m.dtype == torch.float64 else torch.float32
-    return torch.linalg.vector_norm(m, dim=1, dtype=dtype)
+    out_dtype = dtype or (torch.float64 if m.dtype == torch.float64 else torch.float32)
+    with full_precision(m.device):
+        acc = torch.float64 if m.dtype == torch.float64 else torch.float32
+        norms = torch.linalg.vector_norm(m, dim=1, dtype=acc).to(out_dtype)
+        if acc == torch.float64:
+            return norms
+        suspect = torch.isinf(norms) | ((norms > 0) & (norms < _LOW))
+        return _fix_rows_float64(
+            norms, suspect, lambda idx: torch.linalg.vector_norm(m.index_select(0, idx).double(), dim=1)
+        )
+
+
+def finite_histogram_values(values: Tensor) -> tuple[Tensor, int]:
+    """The finite entries of ``values`` (flattened) and how many were skipped (NaN or +-inf).
+
+    For histogram writers (TensorBoard's refuses non-finite values and drops the whole
+    histogram): write ``values``, and warn when ``n_skipped > 0``. Syncs once.
+    """
+    flat = values.detach().reshape(-1)
+    finite = torch.isfinite(flat)
+    kept = flat[finite]
+    return kept, int(flat.numel() - kept.numel())
 
 
 def row_nonzero(matrix: Tensor) -> Tensor:
@@ -135,8 +176,10 @@ def row_cosine(
 ) -> tuple[Tensor, Tensor]:
     """Per-row cosine of two ``(V, d_model)`` matrices, and where it is defined.
 
-    Defined where both float32 row norms are positive (rows whose entries are all below
-    about 1e-19 count as zero here). ``norms_a``/``norms_b`` reuse norms already computed.
+    Defined where both row norms are positive. float32 with autocast disabled; rows whose
+    norms are above 2**62 or below 2**-62 (where the float32 dot product could overflow or
+    underflow) are recomputed in float64 (one host sync). ``norms_a``/``norms_b`` reuse
+    norms already computed (:func:`row_norms`).
 
     Returns:
         ``(cosine (V,) float32, both_nonzero (V,) bool)``; cosine is 0 where undefined.
@@ -145,14 +188,23 @@ def row_cosine(
     _check_matrix(b, "b")
     if a.shape != b.shape:
         raise HeadwatchError(f"expected two matrices of the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
-    af, bf = a.float(), b.float()
-    na = norms_a.float() if norms_a is not None else torch.linalg.vector_norm(af, dim=1)
-    nb = norms_b.float() if norms_b is not None else torch.linalg.vector_norm(bf, dim=1)
-    both = (na > 0) & (nb > 0)
-    # a batched (1 x d) @ (d x 1) product: over matrices that do not fit in cache it streams
-    # both once, where vecdot / (a * b).sum() run at about half the speed on the CPU
-    dot = torch.bmm(af.unsqueeze(1), bf.unsqueeze(2)).reshape(-1)
-    cos = dot / (na * nb).clamp(min=torch.finfo(torch.float32).tiny)
+    with full_precision(a.device):
+        af, bf = a.float(), b.float()
+        na = norms_a.float() if norms_a is not None else row_norms(af)
+        nb = norms_b.float() if norms_b is not None else row_norms(bf)
+        both = (na > 0) & (nb > 0)
+        # a batched (1 x d) @ (d x 1) product: over matrices that do not fit in cache it streams
+        # both once, where vecdot / (a * b).sum() run at about half the speed on the CPU
+        dot = torch.bmm(af.unsqueeze(1), bf.unsqueeze(2)).reshape(-1)
+        cos = dot / (na * nb).clamp(min=torch.finfo(torch.float32).tiny)
+        # where the float32 dot product or norm product may overflow or underflow: float64
+        suspect = both & ((na > _HIGH) | (nb > _HIGH) | (na < _LOW) | (nb < _LOW))
+
+        def exact(idx: Tensor) -> Tensor:
+            ra, rb = af.index_select(0, idx).double(), bf.index_select(0, idx).double()
+            return torch.linalg.vecdot(ra, rb) / (torch.linalg.vector_norm(ra, dim=1) * torch.linalg.vector_norm(rb, dim=1))
+
+        cos = _fix_rows_float64(cos, suspect, exact)
     return torch.where(both, cos.clamp(-1.0, 1.0), torch.zeros_like(cos)), both
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from headwatch._errors import HeadwatchError
+from headwatch.alerts.actions import marker_name
 
 Points = list[tuple[int, float]]
 """The points of one scalar tag: ``(step, value)`` pairs sorted by step, one per step."""
@@ -202,7 +203,8 @@ def collect_alerts(
     merged: dict[tuple[int, str], AlertRecord] = {}
     for rec in jsonl_records:
         step = int(rec.get("step", -1))
-        rule = str(rec["rule"])
+        # markers are named <rule> (critical) or <rule>_<severity>: key records the same way
+        rule = marker_name(str(rec["rule"]), str(rec.get("severity", "critical")))
         merged[(step, rule)] = AlertRecord(step, rule, str(rec.get("message", "")), "jsonl")
     marker = f"{prefix}/alerts/"
     for tag, points in scalars.items():

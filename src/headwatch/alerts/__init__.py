@@ -1,0 +1,60 @@
+"""Collapse alerts: a trainer-free rule engine and actions, and the Lightning callback.
+
+- :mod:`headwatch.alerts.rules`: :class:`CollapseRules`, the rules as a pure state machine;
+- :mod:`headwatch.alerts.engine`: :class:`AlertEngine`, rules + actions for any loop;
+- :mod:`headwatch.alerts.actions`, :mod:`headwatch.alerts.webhook`: what happens at an alert;
+- :mod:`headwatch.alerts.lightning`: :class:`SharpnessCollapseAlert` (imports Lightning, loaded
+  on first use of its name; everything else here imports neither torch nor Lightning).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from headwatch.alerts.actions import (
+    AlertSink,
+    ConsoleWarning,
+    JsonlLog,
+    OnCritical,
+    SinkMarker,
+    SummaryWriterSink,
+    marker_name,
+)
+from headwatch.alerts.engine import AlertEngine, standard_actions
+from headwatch.alerts.events import CRITICAL, SEVERITIES, WARNING, Alert, AlertEvent
+from headwatch.alerts.rules import RULES, CollapseRules
+from headwatch.alerts.webhook import WEBHOOK_ENV, WebhookSender, redact_url
+
+if TYPE_CHECKING:
+    from headwatch.alerts.lightning import SharpnessCollapseAlert
+
+__all__ = [
+    "CRITICAL",
+    "RULES",
+    "SEVERITIES",
+    "WARNING",
+    "WEBHOOK_ENV",
+    "Alert",
+    "AlertEngine",
+    "AlertEvent",
+    "AlertSink",
+    "CollapseRules",
+    "ConsoleWarning",
+    "JsonlLog",
+    "OnCritical",
+    "SharpnessCollapseAlert",
+    "SinkMarker",
+    "SummaryWriterSink",
+    "WebhookSender",
+    "marker_name",
+    "redact_url",
+    "standard_actions",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SharpnessCollapseAlert":
+        from headwatch.alerts.lightning import SharpnessCollapseAlert
+
+        return SharpnessCollapseAlert
+    raise AttributeError(f"module 'headwatch.alerts' has no attribute {name!r}")

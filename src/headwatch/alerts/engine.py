@@ -1,0 +1,256 @@
+"""``AlertEngine``: the collapse rules plus their actions, for any training loop (no torch, no Lightning).
+
+A front door (the Lightning callback, a Hugging Face ``TrainerCallback``, a plain loop) only
+feeds it the values of each logging step and each validation, and supplies the distributed
+decision and the process rank::
+
+    engine = AlertEngine(CollapseRules(entropy_floor=(1.5, 1.0), for_steps=3),
+                         standard_actions(jsonl_path="runs/headwatch_alerts.jsonl"))
+    for step in range(n):
+        ...
+        engine.observe_train(step, {"headwatch/logits/entropy": h, "headwatch/logits/kl_to_uniform": kl})
+    engine.close()
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict
+from datetime import datetime, timezone
+from typing import Any
+
+from headwatch._errors import HeadwatchError
+from headwatch.alerts.actions import AlertSink, ConsoleWarning, JsonlLog, OnCritical, SinkMarker, action_name, runs_for
+from headwatch.alerts.events import CRITICAL, FIRED, RESOLVED, Alert, AlertEvent, finite_or_none
+from headwatch.alerts.rules import CollapseRules
+from headwatch.alerts.webhook import WebhookSender
+
+
+def _identity(fired: bool) -> bool:
+    return fired
+
+
+def standard_actions(
+    *,
+    warn: Callable[[str], Any] | None = None,
+    sink: AlertSink | None = None,
+    prefix: str = "headwatch",
+    jsonl_path: str | os.PathLike[str] | None = None,
+    callables: Iterable[Callable[[Alert], Any]] = (),
+    webhook: WebhookSender | None = None,
+    save_checkpoint: Callable[[Alert], Any] | None = None,
+    stop: Callable[[Alert], Any] | None = None,
+) -> list[Any]:
+    """The actions in their usual order: console, marker + text, JSON Lines, ``callables``, webhook,
+    checkpoint (critical only), stop (critical only). None leaves an action out (the console is always on)."""
+    actions: list[Any] = [ConsoleWarning(warn)]
+    if sink is not None:
+        actions.append(SinkMarker(sink, prefix))
+    if jsonl_path is not None:
+        actions.append(JsonlLog(jsonl_path))
+    actions += list(callables)
+    if webhook is not None:
+        actions.append(webhook)
+    if save_checkpoint is not None:
+        actions.append(OnCritical("checkpoint", save_checkpoint))
+    if stop is not None:
+        actions.append(OnCritical("stop", stop))
+    return actions
+
+
+def closest_names(name: str, logged: Sequence[str]) -> str:
+    """The logged names closest to ``name`` (difflib), as a clause for a warning about a metric never logged."""
+    close = difflib.get_close_matches(name, list(logged), n=3, cutoff=0.5)
+    if close:
+        return "the closest logged names are " + ", ".join(repr(c) for c in close)
+    return f"no logged name is close (logged: {', '.join(repr(k) for k in sorted(logged)[:10]) or 'none'})"
+
+
+def check_alert_args(rules: CollapseRules, actions: Sequence[Any], critical_actions: bool) -> None:
+    """The checks every front door makes: some rule on, metric names, callables, a critical rule for
+    checkpoint/stop (``critical_actions``). Raises HeadwatchError naming the argument."""
+    if not rules.enabled():
+        raise HeadwatchError("every rule is off: set entropy_floor, entropy_ceiling, kl_ceiling, entropy_drop or patience")
+    for name in ("entropy_metric", "kl_metric", "val_metric", "val_entropy_metric"):
+        value = getattr(rules, name)
+        if not isinstance(value, str) or not value:
+            raise HeadwatchError(f"`{name}` must be a metric name, got {value!r}")
+    if critical_actions and not any(s == CRITICAL for _, s in rules.enabled()):
+        raise HeadwatchError("save_checkpoint / stop_training act on critical alerts, and every rule is warning-only: "
+                             "give a critical threshold (a plain number is critical)")
+    if not all(callable(a) for a in actions):
+        raise HeadwatchError("`actions` must be callables taking an Alert")
+
+
+class AlertEngine:
+    """Evaluate :class:`CollapseRules` on logged values and run the actions of each alert.
+
+    Args:
+        rules: the rules and their state.
+        actions: callables taking an :class:`Alert`, run in order (see :func:`standard_actions`;
+            attributes ``main_process_only`` and ``severities`` restrict where and when).
+        reduce_bool: the distributed decision, ``reduce_bool(fired_here) -> fired_anywhere``; called
+            once per enabled (rule, severity) at every observation, on every process in the same
+            order (a collective). Default: identity (one process).
+        main_process: whether this process runs ``main_process_only`` actions (rank zero).
+        strict: raise :class:`HeadwatchError` when an action fails instead of warning once.
+        warn, info: message functions (default ``warnings.warn`` and nothing).
+        name: used in messages.
+
+    Each value is evaluated as given: a front door passes each logged value once.
+    A failing action is warned about once (per action) and counted in ``action_failures``.
+
+    Raises:
+        HeadwatchError: ``actions`` that are not callables; with ``strict``, a failed action.
+    """
+
+    def __init__(
+        self,
+        rules: CollapseRules,
+        actions: Sequence[Callable[[Alert], Any]] = (),
+        *,
+        reduce_bool: Callable[[bool], bool] = _identity,
+        main_process: bool = True,
+        strict: bool = False,
+        warn: Callable[[str], Any] | None = None,
+        info: Callable[[str], Any] | None = None,
+        name: str = "SharpnessCollapseAlert",
+    ) -> None:
+        if not isinstance(rules, CollapseRules):
+            raise HeadwatchError(f"`rules` must be a CollapseRules, got {type(rules).__name__}")
+        if not all(callable(a) for a in actions):
+            raise HeadwatchError("`actions` must be callables taking an Alert")
+        self.rules = rules
+        self.actions = list(actions)
+        self.reduce_bool = reduce_bool
+        self.main_process = main_process
+        self.strict = strict
+        self.warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
+        self.info = info or (lambda message: None)
+        self.name = name
+        self.alerts: list[Alert] = []
+        self.action_failures = 0
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ observing
+    def observe_train(self, step: int, metrics: Mapping[str, float | None], epoch: int = 0) -> list[Alert]:
+        """One logging step's values (``{metric name: value}``); returns the alerts raised now.
+
+        Call it on every process at every logging step, also with an empty dict: the decision is a collective.
+        """
+        observed = any(v is not None for v in metrics.values())
+        events = self.rules.observe_train(step, metrics) if observed else []
+        self._check_ceiling(metrics)
+        shown = {self.rules.entropy_metric: metrics.get(self.rules.entropy_metric), self.rules.kl_metric: metrics.get(self.rules.kl_metric)}
+        return self._decide("train", events, step, epoch, shown)
+
+    def observe_val(self, step: int, metrics: Mapping[str, float | None], dataloader_idx: int = 0, epoch: int = 0) -> list[Alert]:
+        """One validation's values for dataloader ``dataloader_idx`` (names without the ``/dataloader_idx_k`` suffix)."""
+        observed = any(v is not None for v in metrics.values())
+        events = self.rules.observe_val(step, metrics, dataloader_idx) if observed else []
+        r = self.rules
+        shown = {r.val_metric: metrics.get(r.val_metric), r.val_entropy_metric: metrics.get(r.val_entropy_metric)}
+        return self._decide("val", events, step, epoch, shown)
+
+    def _check_ceiling(self, metrics: Mapping[str, float | None]) -> None:
+        """Warn once when an ``entropy_ceiling`` is at or above ``log V = H + kl_to_uniform``: it can never fire."""
+        ceilings = self.rules.thresholds["entropy_ceiling"]
+        h, kl = metrics.get(self.rules.entropy_metric), metrics.get(self.rules.kl_metric)
+        if not ceilings or h is None or kl is None or "ceiling" in self._warned or not math.isfinite(h + kl):
+            return
+        log_v = h + kl
+        never = {s: t for s, t in ceilings.items() if t >= log_v}
+        if never:
+            self._warned.add("ceiling")
+            self.warn(f"{self.name}: entropy_ceiling {never} is at or above log V = {log_v:.4g} nats (entropy + "
+                      "kl_to_uniform), the largest entropy possible: it can never fire. (warned once)")
+
+    def _decide(self, kind: str, events: list[AlertEvent], step: int, epoch: int, shown: dict) -> list[Alert]:
+        fired_here = {(e.rule, e.severity) for e in events if e.kind == FIRED}
+        raised = []
+        for rule, severity in self.rules.enabled(kind):
+            local = (rule, severity) in fired_here
+            if bool(self.reduce_bool(local)):
+                if not local:  # another process fired: keep this one's episode in step
+                    self.rules.force_fire(rule, severity)
+                raised.append(self._alert(rule, severity, step, epoch, {**shown, "smoothed_entropy": self.rules.smoothed}))
+        for event in events:
+            if event.kind == RESOLVED:
+                self.info(f"headwatch: {event.rule} ({event.severity}) resolved at step {event.step}; it may fire again")
+        return raised
+
+    # ------------------------------------------------------------------ actions
+    def message(self, rule: str, severity: str, metrics: Mapping[str, float | None]) -> str:
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if v is not None)
+        label = rule if severity == CRITICAL else f"{rule}, {severity}"
+        return f"headwatch sharpness collapse alert ({label}): {self.rules.describe(rule, severity)} ({shown})"
+
+    def _alert(self, rule: str, severity: str, step: int, epoch: int, metrics: dict[str, float | None]) -> Alert:
+        alert = Alert(
+            time=datetime.now(timezone.utc).isoformat(),
+            step=step,
+            epoch=epoch,
+            rule=rule,
+            metrics=finite_or_none(metrics),
+            message=self.message(rule, severity, metrics),
+            severity=severity,
+        )
+        self.alerts.append(alert)
+        for action in self.actions:
+            if runs_for(action, alert, self.main_process):
+                self._run(action_name(action), lambda a=action: a(alert))
+        return alert
+
+    def _run(self, what: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 - an action must not stop training
+            self.action_failed(what, err)
+
+    def action_failed(self, what: str, err: BaseException) -> None:
+        """Count a failed action; warn once per action, or raise with ``strict`` (thread-safe)."""
+        with self._lock:
+            self.action_failures += 1
+            first = what not in self._warned
+            self._warned.add(what)
+        if self.strict:
+            raise HeadwatchError(f"{self.name}: the {what} failed: {type(err).__name__}: {err}") from err
+        if first:
+            self.warn(
+                f"{self.name}: the {what} failed ({type(err).__name__}: {err}); training goes on. Failures are "
+                "counted in `action_failures`; pass strict=True to raise instead. (warned once)"
+            )
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait (bounded) for actions still in flight (the webhook)."""
+        for action in self.actions:
+            if isinstance(action, WebhookSender):
+                action.flush(timeout, strict=self.strict)
+
+    def close(self) -> None:
+        """Flush and release the webhook thread."""
+        for action in self.actions:
+            if isinstance(action, WebhookSender):
+                action.flush(strict=self.strict)
+                action.close()
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 2,
+            "rules": self.rules.state_dict(),
+            "alerts": [asdict(a) for a in self.alerts],
+            "action_failures": self.action_failures,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore; reads keys with defaults, so version-1 states (0.1 checkpoints) load."""
+        self.rules.load_state_dict(state.get("rules", {}))
+        self.alerts = [Alert(**a) for a in state.get("alerts", [])]
+        self.action_failures = int(state.get("action_failures", 0))

@@ -1,0 +1,282 @@
+"""The collapse rules as a pure state machine over logged values (no torch, no Lightning).
+
+Feed :meth:`CollapseRules.observe_train` the values of one logging step and
+:meth:`CollapseRules.observe_val` those of one validation (a ``{metric name: value}`` dict);
+each returns the :class:`~headwatch.alerts.events.AlertEvent` s (fired / resolved) of that
+observation. ``state_dict`` / ``load_state_dict`` round-trip through JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from headwatch._errors import HeadwatchError
+from headwatch.alerts.events import CRITICAL, FIRED, RESOLVED, SEVERITIES, AlertEvent, episode_key
+
+RULES = ("entropy_floor", "entropy_ceiling", "kl_ceiling", "entropy_drop", "val_stall")
+TRAIN_RULES = RULES[:4]
+VAL_RULES = RULES[4:]
+
+Threshold = Union[float, Mapping[str, float], tuple, None]
+"""A plain number (critical), ``(warning, critical)`` or ``{"warning": w, "critical": c}``; None: off."""
+
+
+@dataclass
+class _Episode:
+    open: bool = False  # the rule fired and has not recovered past the margin
+    fired: int = 0  # episodes so far
+    pending: int = 0  # consecutive observations with the condition true, while not open
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_threshold(name: str, value: Threshold) -> dict[str, float]:
+    """``{severity: threshold}`` from the accepted forms; HeadwatchError naming ``name`` otherwise."""
+    if value is None:
+        return {}
+    if _is_number(value):
+        return {CRITICAL: float(value)}
+    if isinstance(value, tuple) and len(value) == 2:
+        value = dict(zip(SEVERITIES, value))
+    if isinstance(value, Mapping) and set(value) <= set(SEVERITIES):
+        out = {s: value[s] for s in SEVERITIES if value.get(s) is not None}
+        if out and all(_is_number(v) for v in out.values()):
+            return {s: float(v) for s, v in out.items()}
+    raise HeadwatchError(
+        f"`{name}` must be None, a finite number (critical), a (warning, critical) pair or a dict with keys "
+        f"{SEVERITIES}, got {value!r}"
+    )
+
+
+def _check_order(name: str, thresholds: dict[str, float], warning_first_when_higher: bool) -> None:
+    if len(thresholds) < 2:
+        return
+    w, c = thresholds["warning"], thresholds[CRITICAL]
+    if (w < c) if warning_first_when_higher else (w > c):
+        relation = ">=" if warning_first_when_higher else "<="
+        raise HeadwatchError(f"`{name}`: the warning threshold must be {relation} the critical one (the warning "
+                             f"comes first), got warning={w}, critical={c}")
+
+
+@dataclass
+class CollapseRules:
+    """The alert rules as a state machine over logged values; every rule is optional.
+
+    Values are observed in order: ``observe_train(step, metrics)`` takes the values of one
+    logging step, ``observe_val(step, metrics, dataloader_idx)`` those of one validation
+    (``metrics``: metric name -> value, read with the ``*_metric`` names). With ``H_k`` the
+    entropy (nats) and ``KL_k`` the kl_to_uniform (nats) of observation ``k``:
+
+    - ``entropy_floor``: fires when ``H_k < t``; re-arms when ``H_k >= t + margin * |t|``.
+    - ``entropy_ceiling`` (predictions going flat): fires when ``H_k > t``; re-arms when
+      ``H_k <= t - margin * |t|``. Absolute nats, like ``kl_ceiling``; ``H`` is at most
+      ``log V`` (``log V = H_k + KL_k``).
+    - ``kl_ceiling``: fires when ``KL_k > t``; re-arms when ``KL_k <= t - margin * |t|``.
+    - ``entropy_drop`` ``r`` over ``window`` ``N``: with ``S_k = alpha H_k + (1 - alpha) S_{k-1}``
+      (``S_0 = H_0``), fires when ``(S_{k-N} - S_k) / S_{k-N} >= r``; re-arms when the drop is
+      below ``r (1 - margin)``.
+    - ``val_stall`` over ``patience`` ``P`` validations of dataloader ``val_dataloader_idx``:
+      with validation losses ``L_v`` and the entropy ``E_v`` at each validation (the
+      ``val_entropy_metric`` value, else the smoothed training entropy ``S``), fires when
+      ``L_{v-P} - min(L_{v-P+1}, ..., L_v) < delta`` and ``(E_{v-P} - E_v) / E_{v-P} >=
+      min_entropy_drop``; re-arms when either stops holding. Critical only.
+
+    Each threshold rule takes one plain number (severity ``critical``) or two thresholds,
+    ``(warning, critical)`` or ``{"warning": w, "critical": c}``: each severity has its own
+    episode and hysteresis. A rule fires when its condition holds at ``for_steps``
+    consecutive observations (``for_steps=1``: at the first one, like Prometheus ``for: 0``); an
+    observation where it does not hold restarts the count; an open episode does not fire again
+    until it re-arms (a ``resolved`` event). Observations at steps below ``warmup_steps`` are
+    ignored; a NaN or absent value is skipped (it neither counts nor restarts the count).
+
+    Raises:
+        HeadwatchError: a threshold that is not a finite number (or a pair in the wrong order:
+            a warning floor below the critical floor), ``entropy_drop`` outside (0, 1), an
+            invalid ``window``, ``patience``, ``for_steps``, ``alpha``, ``margin``, ``warmup_steps``.
+    """
+
+    entropy_floor: Threshold = None
+    kl_ceiling: Threshold = None
+    entropy_drop: Threshold = None
+    window: int = 10
+    alpha: float = 0.3
+    patience: int | None = None
+    delta: float = 0.0
+    min_entropy_drop: float = 0.02
+    margin: float = 0.05
+    warmup_steps: int = 0
+    entropy_ceiling: Threshold = None
+    for_steps: int = 1
+    val_dataloader_idx: int = 0
+    entropy_metric: str = "headwatch/logits/entropy"
+    kl_metric: str = "headwatch/logits/kl_to_uniform"
+    val_metric: str = "val_loss"
+    val_entropy_metric: str = "headwatch/val/logits/entropy"
+    smoothed: float | None = None
+    history: deque = field(default_factory=deque)  # smoothed entropy, last window + 1 values
+    val_history: deque = field(default_factory=deque)  # (val loss, entropy), last patience + 1
+    states: dict[str, _Episode] = field(default_factory=dict)  # episode_key(rule, severity) -> episode
+
+    def __post_init__(self) -> None:
+        self.thresholds = {
+            rule: parse_threshold(rule, getattr(self, rule)) for rule in ("entropy_floor", "entropy_ceiling", "kl_ceiling", "entropy_drop")
+        }
+        _check_order("entropy_floor", self.thresholds["entropy_floor"], warning_first_when_higher=True)
+        for rule in ("entropy_ceiling", "kl_ceiling", "entropy_drop"):
+            _check_order(rule, self.thresholds[rule], warning_first_when_higher=False)
+        if not all(0 < r < 1 for r in self.thresholds["entropy_drop"].values()):
+            raise HeadwatchError(f"`entropy_drop` must be None or fractions in (0, 1), got {self.entropy_drop!r}")
+        self._check_ints()
+        if not _is_number(self.alpha) or not 0 < self.alpha <= 1:
+            raise HeadwatchError(f"`smoothing` (alpha) must be in (0, 1], got {self.alpha!r}")
+        if not _is_number(self.margin) or not 0 <= self.margin < 1:
+            raise HeadwatchError(f"`rearm_margin` must be in [0, 1), got {self.margin!r}")
+        if not _is_number(self.delta) or self.delta < 0:
+            raise HeadwatchError(f"`val_delta` must be a number >= 0, got {self.delta!r}")
+        if not _is_number(self.min_entropy_drop) or self.min_entropy_drop < 0:
+            raise HeadwatchError(f"`val_min_entropy_drop` must be a number >= 0, got {self.min_entropy_drop!r}")
+        for key in self.episodes():
+            self.states.setdefault(key, _Episode())
+
+    def _check_ints(self) -> None:
+        def is_int(v: Any, low: int) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+        for name, low in (("window", 1), ("for_steps", 1), ("warmup_steps", 0), ("val_dataloader_idx", 0)):
+            if not is_int(getattr(self, name), low):
+                raise HeadwatchError(f"`{name}` must be an int >= {low}, got {getattr(self, name)!r}")
+        if self.patience is not None and not is_int(self.patience, 1):
+            raise HeadwatchError(f"`patience` must be None or an int >= 1, got {self.patience!r}")
+
+    # ------------------------------------------------------------------ configuration
+    def enabled(self, kind: str = "all") -> list[tuple[str, str]]:
+        """``(rule, severity)`` pairs that are on, in a fixed order; ``kind``: "train", "val" or "all"."""
+        pairs = [(rule, s) for rule in TRAIN_RULES for s in SEVERITIES if s in self.thresholds[rule]]
+        val = [("val_stall", CRITICAL)] if self.patience is not None else []
+        return {"train": pairs, "val": val, "all": pairs + val}[kind]
+
+    def episodes(self) -> list[str]:
+        return [episode_key(rule, s) for rule, s in self.enabled()]
+
+    def episode(self, rule: str, severity: str = CRITICAL) -> _Episode:
+        """The episode state of one rule at one severity (``open``, ``fired``, ``pending``)."""
+        return self.states[episode_key(rule, severity)]
+
+    def describe(self, rule: str, severity: str = CRITICAL) -> str:
+        """One sentence: why ``rule`` fires at ``severity``."""
+        t = self.thresholds.get(rule, {}).get(severity)
+        return {
+            "entropy_floor": f"entropy fell below {t} nats",
+            "entropy_ceiling": f"entropy rose above {t} nats (predictions going flat)",
+            "kl_ceiling": f"kl_to_uniform rose above {t} nats",
+            "entropy_drop": f"smoothed entropy dropped by >= {t:.0%} over {self.window} logged values" if t else "",
+            "val_stall": f"entropy falling while {self.val_metric} (dataloader {self.val_dataloader_idx}) improved by "
+            f"< {self.delta} over {self.patience} validations",
+        }[rule]
+
+    # ------------------------------------------------------------------ transitions
+    def _update(self, rule: str, severity: str, condition: bool, recovered: bool, step: int) -> list[AlertEvent]:
+        state = self.episode(rule, severity)
+        if state.open:
+            if recovered:
+                state.open = False
+                return [AlertEvent(RESOLVED, rule, severity, step)]
+            return []
+        state.pending = state.pending + 1 if condition else 0
+        if state.pending >= self.for_steps:
+            state.open, state.pending = True, 0
+            state.fired += 1
+            return [AlertEvent(FIRED, rule, severity, step)]
+        return []
+
+    def force_fire(self, rule: str, severity: str = CRITICAL) -> None:
+        """Open an episode that fired on another process, so that this one stays in step."""
+        state = self.episode(rule, severity)
+        if not state.open:
+            state.open, state.pending = True, 0
+            state.fired += 1
+
+    def _level(self, rule: str, value: float, below: bool, step: int) -> list[AlertEvent]:
+        events = []
+        for severity, t in self.thresholds[rule].items():
+            band = self.margin * abs(t)
+            condition, recovered = (value < t, value >= t + band) if below else (value > t, value <= t - band)
+            events += self._update(rule, severity, condition, recovered, step)
+        return events
+
+    # ------------------------------------------------------------------ observing
+    @staticmethod
+    def _read(metrics: Mapping[str, float | None], name: str) -> float | None:
+        value = metrics.get(name)
+        return None if value is None or math.isnan(value) else float(value)
+
+    def observe_train(self, step: int, metrics: Mapping[str, float | None]) -> list[AlertEvent]:
+        """Feed one logging step's values (``{metric name: value}``); returns the events of this step."""
+        if step < self.warmup_steps:
+            return []
+        events: list[AlertEvent] = []
+        entropy = self._read(metrics, self.entropy_metric)
+        if entropy is not None:
+            self.smoothed = entropy if self.smoothed is None else self.alpha * entropy + (1 - self.alpha) * self.smoothed
+            self.history.append(self.smoothed)
+            while len(self.history) > self.window + 1:
+                self.history.popleft()
+            events += self._level("entropy_floor", entropy, True, step)
+            events += self._level("entropy_ceiling", entropy, False, step)
+            if len(self.history) == self.window + 1:
+                old = self.history[0]
+                drop = (old - self.smoothed) / old if old > 0 else 0.0
+                for severity, r in self.thresholds["entropy_drop"].items():
+                    events += self._update("entropy_drop", severity, drop >= r, drop < r * (1 - self.margin), step)
+        kl = self._read(metrics, self.kl_metric)
+        if kl is not None:
+            events += self._level("kl_ceiling", kl, False, step)
+        return events
+
+    def observe_val(self, step: int, metrics: Mapping[str, float | None], dataloader_idx: int = 0) -> list[AlertEvent]:
+        """Feed one validation's values of one dataloader; only ``val_dataloader_idx`` is watched."""
+        loss = self._read(metrics, self.val_metric)
+        if self.patience is None or dataloader_idx != self.val_dataloader_idx or step < self.warmup_steps or loss is None:
+            return []
+        entropy = self._read(metrics, self.val_entropy_metric)
+        ent = entropy if entropy is not None else self.smoothed
+        if ent is None:
+            return []
+        self.val_history.append((loss, ent))
+        while len(self.val_history) > self.patience + 1:
+            self.val_history.popleft()
+        if len(self.val_history) < self.patience + 1:
+            return []
+        first_loss, first_ent = self.val_history[0]
+        improvement = first_loss - min(loss for loss, _ in list(self.val_history)[1:])
+        falling = (first_ent - ent) / first_ent if first_ent > 0 else 0.0
+        holds = improvement < self.delta and falling >= self.min_entropy_drop
+        return self._update("val_stall", CRITICAL, holds, not holds, step)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 2,
+            "smoothed": self.smoothed,
+            "history": list(self.history),
+            "val_history": [list(x) for x in self.val_history],
+            "states": {k: {"open": v.open, "fired": v.fired, "pending": v.pending} for k, v in self.states.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore; a version-1 state (episodes keyed by the bare rule name) loads as critical."""
+        self.smoothed = state.get("smoothed")
+        self.history = deque(state.get("history", []))
+        self.val_history = deque(tuple(x) for x in state.get("val_history", []))
+        for key, values in state.get("states", {}).items():
+            key = key if "/" in key else episode_key(key, CRITICAL)
+            if key in self.states:
+                self.states[key] = _Episode(
+                    bool(values.get("open", False)), int(values.get("fired", 0)), int(values.get("pending", 0))
+                )

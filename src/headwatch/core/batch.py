@@ -1,0 +1,140 @@
+"""One batch contract for every monitor: where the ids, labels and attention mask are."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from headwatch._errors import HeadwatchError
+
+
+def field(batch: Any, key: str | None) -> Any:
+    """``batch[key]`` for a mapping (dict, ``BatchEncoding``), ``batch.key`` for an object, None for a tuple."""
+    if key is None:
+        return None
+    if isinstance(batch, Mapping):
+        return batch.get(key)
+    if isinstance(batch, (tuple, list)):
+        return None
+    return getattr(batch, key, None)
+
+
+@dataclass(frozen=True)
+class BatchFormat:
+    """Where a training batch keeps its token ids, labels and attention mask.
+
+    Args:
+        ids_key, labels_key, mask_key: field names in a mapping or attributes of an object.
+        shift_labels: labels are those of the input positions (Hugging Face causal LMs:
+            logits at ``t`` are scored against ``labels[t + 1]``); False: labels are aligned
+            with the logits (seq2seq models, ``(inputs, targets)`` tuples).
+        ignore_index: target value of positions that are not predictions.
+        ids_fn: ``batch -> (B, T)`` token ids; default ``ids_key``, or the first element of a
+            tuple batch.
+        mask_fn: ``batch -> (B, T) bool`` of logits positions to measure; default
+            ``attention_mask != 0``.
+        targets_fn: ``batch -> (B, T)`` integer targets aligned with the logits (no shift is
+            applied); default from ``labels_key``.
+
+    ``read(batch)`` gives a :class:`BatchView`; every monitor reads batches through it.
+    """
+
+    ids_key: str = "input_ids"
+    labels_key: str = "labels"
+    mask_key: str = "attention_mask"
+    shift_labels: bool = True
+    ignore_index: int = -100
+    ids_fn: Callable[[Any], Tensor] | None = None
+    mask_fn: Callable[[Any], Tensor] | None = None
+    targets_fn: Callable[[Any], Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ids_key", "labels_key", "mask_key"):
+            if not isinstance(getattr(self, name), str):
+                raise HeadwatchError(f"`{name}` must be a str, got {getattr(self, name)!r}")
+        if not isinstance(self.shift_labels, bool):
+            raise HeadwatchError(f"`shift_labels` must be a bool, got {self.shift_labels!r}")
+        if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
+            raise HeadwatchError(f"`ignore_index` must be an int, got {self.ignore_index!r}")
+        for name in ("ids_fn", "mask_fn", "targets_fn"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise HeadwatchError(f"`{name}` must be None or a callable taking the batch, got {value!r}")
+
+    def read(self, batch: Any) -> BatchView:
+        """A lazy view of ``batch``: each field is read on first access only."""
+        return BatchView(self, batch)
+
+
+class BatchView:
+    """``ids``, ``ids_mask``, ``mask`` and ``targets`` of one batch, read on first access.
+
+    Raises (on access):
+        HeadwatchError: a ``*_fn`` returned something other than a tensor.
+    """
+
+    def __init__(self, fmt: BatchFormat, batch: Any) -> None:
+        self.format = fmt
+        self.batch = batch
+
+    @cached_property
+    def ids(self) -> Tensor | None:
+        """``(B, T)`` integer token ids, or None."""
+        f, batch = self.format, self.batch
+        if f.ids_fn is not None:
+            ids = f.ids_fn(batch)
+        elif isinstance(batch, (tuple, list)):
+            ids = batch[0] if batch else None
+        else:
+            ids = field(batch, f.ids_key)
+        return ids if isinstance(ids, Tensor) and not ids.is_floating_point() else None
+
+    @cached_property
+    def ids_mask(self) -> Tensor | None:
+        """``attention_mask`` of the ids (same shape), when the ids come from the batch's own field."""
+        if self.format.ids_fn is not None:
+            return None
+        attention = field(self.batch, self.format.mask_key)
+        return attention if isinstance(attention, Tensor) else None
+
+    @cached_property
+    def mask(self) -> Tensor | None:
+        """``(B, T)`` bool: logits positions to measure; None: every position."""
+        f = self.format
+        if f.mask_fn is not None:
+            mask = f.mask_fn(self.batch)
+            if not isinstance(mask, Tensor):
+                raise HeadwatchError(f"mask_fn must return a (B, T) bool tensor, got {type(mask).__name__}")
+            return mask.bool()
+        attention = field(self.batch, f.mask_key)
+        return attention != 0 if isinstance(attention, Tensor) else None
+
+    @cached_property
+    def targets(self) -> Tensor | None:
+        """``(B, T)`` long targets aligned with the logits (``ignore_index`` where none), or None."""
+        f = self.format
+        if f.targets_fn is not None:
+            targets = f.targets_fn(self.batch)
+            if not isinstance(targets, Tensor):
+                raise HeadwatchError(f"targets_fn must return a (B, T) tensor, got {type(targets).__name__}")
+            return targets.long()
+        labels = field(self.batch, f.labels_key)
+        if not isinstance(labels, Tensor) or labels.ndim < 1 or labels.is_floating_point():
+            return None
+        labels = labels.long()
+        if not f.shift_labels:
+            return labels
+        pad = torch.full_like(labels[..., :1], f.ignore_index)
+        return torch.cat([labels[..., 1:], pad], dim=-1)
+
+    def masked_targets(self) -> Tensor | None:
+        """``targets`` with ``ignore_index`` where ``mask`` is False."""
+        targets, mask = self.targets, self.mask
+        if targets is None or mask is None or mask.shape != targets.shape:
+            return targets
+        return torch.where(mask.to(targets.device), targets, torch.full_like(targets, self.format.ignore_index))

@@ -1,0 +1,164 @@
+"""The core monitor protocol: trainer-free, driven by a front door (Lightning, Hugging Face, a plain loop)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from headwatch._errors import HeadwatchError
+from headwatch.core.batch import BatchFormat
+from headwatch.core.reduce import NoReducer, Reducer
+from headwatch.core.schedule import Schedule
+
+
+@dataclass
+class Media:
+    """What a measurement produced besides scalars; written by rank zero only."""
+
+    histograms: dict[str, Tensor] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
+    figures: dict[str, Any] = field(default_factory=dict)
+    """tag -> ``matplotlib.figure.Figure``."""
+
+
+class Monitor:
+    """Base of the trainer-free monitors. See ``docs/core.md`` for the call order.
+
+    A front door calls, per training step ``s`` (its logging x axis):
+
+    - :meth:`step_start` ``(batch, step, logging)`` before each (micro-)batch's forward;
+    - :meth:`gradients_ready` once gradients are final (after accumulation, after AMP unscaling);
+    - :meth:`optimizer_stepped` after the optimizer step;
+    - :meth:`batch_end` after each (micro-)batch;
+    - :meth:`compute` at the end of a logging step, on every rank (a collective); it returns
+      scalars and leaves histograms/texts/figures in :attr:`media`.
+
+    Validation: :meth:`validation_batch_start`, :meth:`validation_batch_end`,
+    :meth:`validation_epoch_end` (returns scalars, a collective).
+
+    Failures to measure warn once and are counted (``failures``) unless ``strict``.
+    """
+
+    name = "monitor"
+    """Short name used in messages."""
+    every_factor = 1
+    """Default schedule: this many times the engine's logging interval."""
+
+    def __init__(self, prefix: str = "headwatch", strict: bool = False, batch_format: BatchFormat | None = None) -> None:
+        if not isinstance(prefix, str) or not prefix or prefix.endswith("/"):
+            raise HeadwatchError(f"`prefix` must be a non-empty string not ending in '/', got {prefix!r}")
+        if not isinstance(strict, bool):
+            raise HeadwatchError(f"`strict` must be a bool, got {strict!r}")
+        if batch_format is not None and not isinstance(batch_format, BatchFormat):
+            raise HeadwatchError(f"`batch_format` must be None or a BatchFormat, got {type(batch_format).__name__}")
+        self.prefix = prefix
+        self.strict = strict
+        self.batch_format = batch_format or BatchFormat()
+        self.reducer: Reducer = NoReducer()
+        self.schedule = Schedule(0)
+        self.model: nn.Module | None = None
+        self.media = Media()
+        self.failures = 0
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ wiring
+    def configure(self, schedule: Schedule | None = None, reducer: Reducer | None = None) -> None:
+        """Set the schedule and the reducer (front doors call this before :meth:`attach`)."""
+        if schedule is not None:
+            self.schedule = schedule
+        if reducer is not None:
+            self.reducer = reducer
+
+    def attach(self, model: nn.Module) -> None:
+        """Resolve the modules to watch in ``model`` and register hooks; idempotent for the same model."""
+        self.model = model
+
+    def detach(self) -> None:
+        """Remove every hook; the monitor keeps its state."""
+        self.model = None
+
+    # ------------------------------------------------------------------ training
+    def step_start(self, batch: Any, step: int, logging: bool) -> None:
+        """A (micro-)batch of step ``step`` starts; ``logging``: this step is measured."""
+
+    def gradients_ready(self, loss_scale: float | Tensor | None = None) -> None:
+        """Gradients are final for this step; ``loss_scale``: the AMP scale the backward ran with."""
+
+    def optimizer_stepped(self) -> None:
+        """The optimizer stepped (weights changed)."""
+
+    def batch_end(self) -> None:
+        """A (micro-)batch ended (forward and backward done)."""
+
+    def compute(self) -> dict[str, Tensor]:
+        """Scalars of the logging step just completed, full names; a collective. Resets per-step state."""
+        return {}
+
+    def published(self, numbers: dict[str, float]) -> None:
+        """The front door published these values (as floats, after its one host sync): warnings, totals."""
+
+    def train_epoch_end(self, step: int) -> bool:
+        """The training epoch ended at step ``step``; True when the monitor wants a :meth:`compute` now."""
+        return False
+
+    # ------------------------------------------------------------------ validation
+    def validation_batch_start(self, batch: Any, dataloader_idx: int = 0) -> None:
+        """A validation batch starts."""
+
+    def validation_batch_end(self, dataloader_idx: int = 0) -> None:
+        """A validation batch ended."""
+
+    def validation_epoch_end(self) -> dict[str, Tensor]:
+        """Scalars of the validation epoch (a collective)."""
+        return {}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "failures": self.failures}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.failures = int(state_dict.get("failures", 0))
+
+    # ------------------------------------------------------------------ failure policy
+    def warn_once(self, key: str, message: str) -> None:
+        """Warn once per monitor and key, on rank zero."""
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        if self.reducer.rank == 0:
+            warnings.warn(message, UserWarning, stacklevel=2)
+
+    def info_once(self, message: str) -> None:
+        if message in self._warned:
+            return
+        self._warned.add(message)
+        if self.reducer.rank == 0:
+            import logging
+
+            logging.getLogger("headwatch").info(message)
+
+    def fail(self, err: Exception, where: str) -> None:
+        """A measurement failed: raise when ``strict``, else warn once, count it and go on."""
+        label = type(self).__name__
+        if self.strict:
+            raise HeadwatchError(f"{label} failed while {where}: {type(err).__name__}: {err}") from err
+        self.failures += 1
+        self.warn_once(
+            f"fail:{where}",
+            f"{label} failed while {where} ({type(err).__name__}: {err}); training goes on and "
+            "this measurement is skipped. Pass strict=True to raise instead. (warned once)",
+        )
+
+
+def to_floats(scalars: dict[str, Tensor | float]) -> dict[str, float]:
+    """Scalars (tensors on any device, or numbers) as Python floats with one host sync."""
+    if not scalars:
+        return {}
+    devices = [v.device for v in scalars.values() if isinstance(v, Tensor) and v.device.type != "cpu"]
+    device = devices[0] if devices else torch.device("cpu")
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in scalars.values()])
+    return dict(zip(scalars, stacked.tolist()))  # the one host sync of a logging step

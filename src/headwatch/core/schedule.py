@@ -1,0 +1,29 @@
+"""The one step schedule: which steps a monitor measures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from headwatch._errors import HeadwatchError
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Measure on step ``s`` (0-based, the engine's logging x axis) when ``(s + 1) % every == 0``.
+
+    This is Lightning's rule for its own logging steps and the Hugging Face Trainer's
+    (``global_step % logging_steps == 0`` with ``global_step = s + 1``). ``every == 0``:
+    never.
+    """
+
+    every: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 0:
+            raise HeadwatchError(f"`log_every_n_steps` must be an int >= 0, got {self.every!r}")
+
+    def is_logging_step(self, step: int) -> bool:
+        return self.every > 0 and (step + 1) % self.every == 0
+
+    def scaled(self, factor: int) -> Schedule:
+        return Schedule(self.every * factor)

@@ -1,0 +1,105 @@
+"""Rare-token synonym collision statistics (pure torch).
+
+For a matrix ``W`` of shape ``(V, d_model)``, rare token ``r`` *collides* when
+``nn_cos(r) = max_{j valid, j != r} cos(W_r, W_j) >= tau``; the collision rate is
+``|{r in R : nn_cos(r) >= tau}| / |R|`` over the measured rare tokens ``R``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
+from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine
+
+__all__ = ["collision_statistics", "sample_rows", "synonym_pair_rate", "top_colliding_pairs"]
+
+
+def sample_rows(rows: Tensor, k: int, generator: torch.Generator) -> Tensor:
+    """``rows`` when at most ``k``, else a uniform sample of ``k`` of them (``generator``), sorted ascending.
+
+    Args:
+        rows: ``(n,)`` int64 row ids.
+    """
+    if rows.numel() <= k:
+        return rows
+    pick = torch.randperm(rows.numel(), generator=generator)[:k]
+    return rows[pick.to(rows.device)].sort().values
+
+
+def collision_statistics(
+    weight: Tensor,
+    rare: Tensor,
+    bucket_rows: dict[str, Tensor],
+    valid: Tensor,
+    tau: float,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> tuple[dict[str, Tensor], Neighbours, dict[str, Tensor]]:
+    """Collision rate of the rare rows and the mean nearest-neighbour cosine of each row group.
+
+    Args:
+        weight: ``(V, d_model)`` matrix.
+        rare: ``(R,)`` int64 ids of the measured rare rows.
+        bucket_rows: group name -> ``(n,)`` int64 row ids (the ``rare`` group reuses ``rare``).
+        valid: ``(V,)`` bool rows that may be neighbours.
+        tau: collision threshold on the cosine.
+
+    Returns:
+        ``(scalars, neighbours of rare, cosines by group)``; scalars are ``rare_rate``
+        (float64, NaN when ``R`` is 0) and ``<group>_nn_cosine_mean`` (mean of the finite
+        ``nn_cos`` of the group's rows, NaN when none).
+    """
+    dev = weight.device
+    nn_rare = nearest_neighbours(weight, rare.to(dev), valid.to(dev), max_chunk_bytes)
+    colliding = nn_rare.cosine >= tau
+    nan = torch.tensor(math.nan, dtype=torch.float64)
+    scalars = {"rare_rate": colliding.sum(dtype=torch.float64) / rare.numel() if rare.numel() else nan}
+    cosines: dict[str, Tensor] = {}
+    for group, rows in bucket_rows.items():
+        if group == "rare":
+            cos = nn_rare.cosine
+        else:
+            cos = nearest_neighbours(weight, rows.to(dev), valid.to(dev), max_chunk_bytes).cosine
+        cosines[group] = cos.cpu()
+        finite = cos[torch.isfinite(cos)]
+        scalars[f"{group}_nn_cosine_mean"] = finite.double().mean() if finite.numel() else nan
+    return scalars, nn_rare, cosines
+
+
+def top_colliding_pairs(rare: Tensor, neighbours: Neighbours, tau: float, k: int) -> list[tuple[int, int, float]]:
+    """The ``k`` most similar colliding ``(rare id, neighbour id, cosine)``, most similar first."""
+    colliding = neighbours.cosine >= tau
+    cos = torch.where(colliding, neighbours.cosine, torch.full_like(neighbours.cosine, -math.inf))
+    k = min(k, int(colliding.sum()))
+    if k == 0:
+        return []
+    top = torch.topk(cos, k)
+    return [(int(rare[i]), int(neighbours.index[i]), float(neighbours.cosine[i])) for i in top.indices.tolist()]
+
+
+def synonym_pair_rate(weight: Tensor, groups: Sequence[Sequence[int]], rare: Tensor, tau: float) -> tuple[Tensor, int]:
+    """Fraction of within-group pairs ``(r, s)``, ``r`` rare, ``s != r``, with ``cos(W_r, W_s) >= tau``.
+
+    Args:
+        weight: ``(V, d_model)``; groups: lists of token ids; rare: ``(V,)`` bool.
+
+    Returns:
+        ``(rate float64 scalar (NaN when no pair), number of pairs)``.
+    """
+    a, b = [], []
+    rare = rare.cpu()
+    for group in groups:
+        for r in group:
+            if bool(rare[r]):
+                for s in group:
+                    if s != r:
+                        a.append(r)
+                        b.append(s)
+    if not a:
+        return torch.tensor(math.nan, dtype=torch.float64), 0
+    cos = pair_cosine(weight, torch.tensor(a), torch.tensor(b))
+    return (cos >= tau).sum(dtype=torch.float64) / len(a), len(a)

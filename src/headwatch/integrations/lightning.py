@@ -1,0 +1,206 @@
+"""Lightning front door: the reducer, the step schedule and the driver shared by every callback."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+
+from headwatch import tensorboard as tb
+from headwatch._errors import HeadwatchError
+from headwatch.core.monitor import Monitor, to_floats
+from headwatch.core.schedule import Schedule
+
+
+class LightningReducer:
+    """Reductions through the trainer's strategy (DDP, FSDP, single device)."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    @property
+    def world_size(self) -> int:
+        return int(getattr(self.strategy, "world_size", 1))
+
+    @property
+    def rank(self) -> int:
+        return int(getattr(self.strategy, "global_rank", 0))
+
+    def sum(self, tensor: Tensor) -> Tensor:
+        return self.strategy.reduce(tensor.clone(), reduce_op="sum") if self.world_size > 1 else tensor.clone()
+
+    def mean(self, tensor: Tensor) -> Tensor:
+        return self.strategy.reduce(tensor.clone(), reduce_op="mean") if self.world_size > 1 else tensor.clone()
+
+    def gather(self, tensor: Tensor) -> list[Tensor]:
+        if self.world_size == 1:
+            return [tensor]
+        from torchmetrics.utilities.distributed import gather_all_tensors
+
+        return gather_all_tensors(tensor)  # tensors of different lengths, unlike strategy.all_gather
+
+    def all(self, flag: bool) -> bool:
+        return bool(self.strategy.reduce_boolean_decision(bool(flag), all=True)) if self.world_size > 1 else bool(flag)
+
+
+def lightning_step(trainer: pl.Trainer) -> int:
+    """The x axis Lightning logs training metrics at: batches that stepped (one per optimizer step in
+    automatic optimization, one per batch in manual optimization, whatever the number of optimizers).
+
+    Read in ``on_train_batch_start`` it is the step the batch belongs to. Lightning has no public
+    name for it; ``trainer.global_step`` (optimizer steps) is the fallback and equals it with one
+    optimizer.
+    """
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    value = getattr(loop, "_batches_that_stepped", None)
+    return int(value) if isinstance(value, int) else int(trainer.global_step)
+
+
+def loss_scale(trainer: pl.Trainer) -> Tensor | None:
+    """The AMP ``GradScaler`` scale the backward ran with, or None."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None and scaler.is_enabled():
+        return scaler.get_scale()
+    return None
+
+
+def tensorboard_writers(trainer: pl.Trainer) -> list[Any]:
+    """The ``SummaryWriter`` of every TensorBoard logger, on rank zero (empty elsewhere)."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    if not trainer.is_global_zero:
+        return []
+    return [logger.experiment for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+
+
+_PUBLISHED: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = weakref.WeakKeyDictionary()
+
+
+def published_steps(trainer: Any) -> dict[str, int]:
+    """Metric name -> the step a headwatch callback last published it at, for this trainer."""
+    steps = _PUBLISHED.get(trainer)
+    if steps is None:
+        steps = _PUBLISHED[trainer] = {}
+    return steps
+
+
+def publish(trainer: pl.Trainer, scalars: dict[str, Tensor | float], step: int) -> dict[str, float]:
+    """Scalars to every logger at ``step``, to ``trainer.callback_metrics`` (every rank), then flush."""
+    numbers = to_floats(scalars)
+    if not numbers:
+        return {}
+    for logger in trainer.loggers:
+        logger.log_metrics(numbers, step=step)
+    trainer.callback_metrics.update({k: torch.tensor(v) for k, v in numbers.items()})
+    published_steps(trainer).update(dict.fromkeys(numbers, step))
+    tb.flush(tensorboard_writers(trainer))  # live charts: TensorBoardLogger alone flushes every 120 s
+    return numbers
+
+
+class MonitorCallback(Callback):
+    """Feeds a core :class:`~headwatch.core.monitor.Monitor` (the same object) from Lightning's hooks.
+
+    A Lightning monitor is ``class XMonitor(XCore, MonitorCallback)``, as Lightning's own
+    ``SpikeDetection`` is the Fabric class plus a callback. Measures on the steps Lightning
+    logs (:func:`lightning_step`, :class:`~headwatch.core.schedule.Schedule`); resolves the
+    model's modules in ``setup`` or, when the model is built later (``configure_model``,
+    ``LightningModule.setup``), in ``on_fit_start``, before the first forward.
+    """
+
+    log_every_n_steps: int | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(prefix=self.prefix)  # type: ignore[attr-defined]
+
+    def _core(self) -> Monitor:
+        return self  # type: ignore[return-value]
+
+    # ---------------------------------------------------------------- set-up
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        core = self._core()
+        every = self.log_every_n_steps if self.log_every_n_steps is not None else core.every_factor * trainer.log_every_n_steps
+        core.configure(Schedule(every), LightningReducer(trainer.strategy))
+        if every == 0:
+            rank_zero_warn(f"{type(self).__name__}: log_every_n_steps is 0, training steps are not measured.")
+        self._attach_error: HeadwatchError | None = None
+        try:
+            self._attach(trainer, pl_module, stage)
+        except HeadwatchError as err:  # the model may be built later (configure_model, LightningModule.setup)
+            self._attach_error = err
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._attach(trainer, pl_module, "fit")  # raises now if the model still lacks the modules
+        try:
+            if trainer.is_global_zero:
+                tb.write_layout(tensorboard_writers(trainer), self.prefix)  # type: ignore[attr-defined]
+        except Exception as err:  # noqa: BLE001
+            self._core().fail(err, "writing the TensorBoard dashboard layout")
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if getattr(self, "_attach_error", None) is not None and trainer.state.fn != "fit":
+            self._attach(trainer, pl_module, "validate")
+
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve modules and register hooks (idempotent); subclasses add their set-up."""
+        self._core().attach(pl_module)
+        self._attach_error = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._core().batch_end()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._core().batch_end()
+
+    def _info_once(self, message: str) -> None:
+        warned = self._core()._warned
+        if message not in warned:
+            warned.add(message)
+            rank_zero_info(message)
+
+    # ---------------------------------------------------------------- training
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        core = self._core()
+        self._hw_step = lightning_step(trainer)
+        self._hw_global_step = trainer.global_step
+        core.step_start(batch, self._hw_step, core.schedule.is_logging_step(self._hw_step))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._core().gradients_ready(loss_scale(trainer))
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        core = self._core()
+        core.batch_end()
+        step = getattr(self, "_hw_step", None)
+        stepped = (
+            not pl_module.automatic_optimization
+            or trainer.global_step != self._hw_global_step
+            or (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        )
+        if step is not None and stepped and core.schedule.is_logging_step(step):
+            self._hw_step = None
+            self._emit(trainer, step)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = lightning_step(trainer) - 1  # the last step of the epoch
+        if step >= 0 and self._core().train_epoch_end(step):
+            self._emit(trainer, step)
+
+    def _emit(self, trainer: pl.Trainer, step: int) -> dict[str, float]:
+        """compute (every rank: a collective), publish, then rank zero writes the media."""
+        core = self._core()
+        try:
+            numbers = publish(trainer, core.compute(), step)
+            core.published(numbers)
+            tb.write_media(tensorboard_writers(trainer), core.media, step)
+            return numbers
+        except Exception as err:  # noqa: BLE001
+            core.fail(err, "logging the statistics")
+            return {}

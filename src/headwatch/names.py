@@ -1,0 +1,162 @@
+"""Every metric headwatch emits, declared once (no torch import).
+
+A declaration gives the name pattern (after ``<prefix>/``), the unit, the definition and
+the kind (``scalar``, ``histogram``, ``text``, ``image``). Placeholders in braces take the
+values of :data:`PLACEHOLDERS`. The TensorBoard layout (:data:`CHARTS`, written by
+:mod:`headwatch.dashboard`), the alert's default metrics and the README tables derive from
+or are tested against this module: a new metric is one :class:`Metric` line here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import NamedTuple
+
+BUCKETS = ("top1", "top10", "top50", "tail", "unseen")
+"""Frequency buckets by count rank among the seen valid tokens."""
+
+STATS = ("mean", "max", "p50", "p95")
+"""Summary statistics of per-row norms."""
+
+PLACEHOLDERS: dict[str, tuple[str, ...]] = {
+    "split": ("logits", "val/logits"),
+    "flow": ("embedding", "head", "shared"),
+    "matrix": ("embedding", "head", "shared"),
+    "bucket": (*BUCKETS, "rare"),
+    "m": ("head", "embedding"),
+    "stat": STATS,
+    "q": ("05", "50", "95"),
+    "rule": ("entropy_floor", "kl_ceiling", "entropy_drop", "val_stall"),  # headwatch.alerts.RULES (alerts may add more)
+}
+
+
+class Metric(NamedTuple):
+    pattern: str
+    """Name after ``<prefix>/``, with ``{placeholder}`` fields."""
+    unit: str
+    definition: str
+    monitor: str
+    """Class that emits it."""
+    kind: str = "scalar"
+    readme: str = ""
+    """How README.md spells it, when not ``headwatch/<pattern with <placeholders>>``."""
+
+    def regex(self, prefix: str = "headwatch") -> re.Pattern[str]:
+        """A regex matching the full names this declaration stands for."""
+        parts = re.split(r"\{(\w+)\}", self.pattern)
+        body = "".join(
+            re.escape(p) if i % 2 == 0 else "(?:" + "|".join(map(re.escape, PLACEHOLDERS[p])) + ")"
+            for i, p in enumerate(parts)
+        )
+        return re.compile(re.escape(prefix) + "/" + body + "$")
+
+    def readme_spelling(self) -> str:
+        return self.readme or "headwatch/" + re.sub(r"\{(\w+)\}", r"<\1>", self.pattern).replace("<split>", "<s>")
+
+
+_L, _G, _T, _C, _A = "LogitStatsMonitor", "GradientDensityMonitor", "TokenFrequency", "SynonymCollisionMonitor", "SharpnessCollapseAlert"
+
+METRICS: tuple[Metric, ...] = (
+    # ---- logits (train: logits/, validation: val/logits/)
+    Metric("{split}/entropy", "nats", "mean H(p) = -sum_v p_v log p_v over measured positions", _L),
+    Metric("{split}/kl_to_uniform", "nats", "mean KL(p || U) = log V - H(p)", _L),
+    Metric("{split}/kl_from_uniform", "nats", "mean KL(U || p) = -log V - (1/V) sum_v log p_v", _L),
+    Metric("{split}/entropy_p{q}", "nats", "quantiles 0.05, 0.50, 0.95 of per-position H(p), linear interpolation", _L, readme="_p50"),
+    Metric("{split}/max_prob", "probability", "mean max_v p_v", _L),
+    Metric("{split}/target_nll", "nats", "mean -log p_target (equals the cross-entropy loss)", _L),
+    Metric("{split}/target_argmax_rate", "fraction", "positions whose target has the largest logit / positions", _L),
+    Metric("{split}/positions", "count", "measured positions", _L),
+    Metric("{split}/nonfinite_positions", "count", "positions excluded for NaN/+inf logits", _L),
+    Metric("{split}/invalid_target_positions", "count", "positions excluded for a target outside [0, V)", _L),
+    Metric("{split}/entropy_histogram", "nats", "histogram of per-position entropy", _L, kind="histogram"),
+    Metric("logits/entropy_over_run", "", "image: entropy distribution at every logging step so far", _L, kind="image"),
+    # ---- gradients
+    Metric("grad/{flow}_row_density", "fraction", "|{i valid : G_i != 0}| / |valid|", _G),
+    Metric("grad/{flow}_row_norm_{stat}", "gradient units", "statistics of ||G_i||_2 over valid rows", _G, readme="headwatch/grad/<flow>_row_norm_{mean,max,p50,p95}"),
+    Metric("grad/{bucket}/{flow}_row_density", "fraction", "row density within a frequency bucket", _G),
+    Metric("grad/{bucket}/{flow}_row_norm_{stat}", "gradient units", "row-norm statistics within a bucket", _G, readme="headwatch/grad/<bucket>/<flow>_row_density`, `_row_norm_{mean,max,p50,p95}"),
+    Metric("grad/{flow}_rare_to_frequent_norm_ratio", "ratio", "mean row norm of rare tokens / of the top1 bucket", _G),
+    Metric("grad/tied", "", "1 when head and embedding are one Parameter, else 0", _G),
+    Metric("grad/tied_flow_cosine_mean", "cosine", "mean cos(E_i, H_i) over rows with both flows", _G),
+    Metric("grad/tied_flow_conflict_fraction", "fraction", "rows with cos(E_i, H_i) < 0 / rows with both flows", _G),
+    Metric("grad/tied_flow_rows", "count", "valid rows that get both flows", _G),
+    Metric("update/{matrix}_row_density", "fraction", "valid rows with W_after,i != W_before,i / valid rows", _G),
+    Metric("update/{matrix}_row_norm_{stat}", "weight units", "statistics of ||W_after,i - W_before,i||_2", _G, readme="headwatch/update/<matrix>_row_norm_{mean,max,p50,p95}"),
+    Metric("freq/{matrix}_norm_spearman", "[-1, 1]", "Spearman(log count, ||W_i||_2) over seen tokens", _G),
+    Metric("grad/{flow}_row_norm_histogram", "gradient units", "histogram of per-row gradient norms", _G, kind="histogram"),
+    Metric("grad/row_norm_vs_frequency", "", "image: row norm vs frequency rank, log-log", _G, kind="image"),
+    Metric("grad/tying", "", "text: whether and how the matrices are tied", _G, kind="text"),
+    # ---- tokens
+    Metric("tokens/seen_fraction", "fraction", "valid tokens seen at least once / valid tokens", _T),
+    Metric("tokens/total", "count", "tokens counted, all processes", _T),
+    Metric("tokens/rare_count", "count", "rare tokens", _T),
+    Metric("tokens/out_of_range", "count", "input ids outside [0, V)", _T),
+    # ---- collision
+    Metric("collision/rare_rate_{m}", "fraction", "rare r with max_j cos(W_r, W_j) >= tau / measured rare tokens", _C, readme="headwatch/collision/rare_rate_head"),
+    Metric("collision/{bucket}/{m}_nn_cosine_mean", "cosine", "mean nearest-neighbour cosine of a bucket's rows", _C),
+    Metric("collision/rare_count", "count", "rare tokens", _C),
+    Metric("collision/rare_sample_size", "count", "rare tokens measured (sampled above max_rare)", _C, readme="rare_sample_size"),
+    Metric("collision/unseen_count", "count", "valid tokens never seen", _C, readme="unseen_count"),
+    Metric("collision/invalid_count", "count", "rows that cannot occur", _C, readme="invalid_count"),
+    Metric("collision/synonym_pair_rate_{m}", "fraction", "within-group pairs (r rare) with cos >= tau / such pairs", _C),
+    Metric("collision/synonym_pairs", "count", "within-group pairs (r, s) with r rare", _C),
+    Metric("collision/synonym_confusion_rate", "fraction", "positions with a rare grouped target where a synonym scores >= the target / such positions", _C),
+    Metric("collision/synonym_confusion_positions", "count", "positions with a rare grouped target", _C),
+    Metric("collision/top_pairs_{m}", "", "text: most similar colliding pairs", _C, kind="text"),
+    Metric("collision/nn_similarity_{m}", "", "image: nearest-neighbour cosine histograms, rare vs frequent", _C, kind="image"),
+    # ---- alerts
+    Metric("alerts/{rule}", "", "1 at each alert step of the rule", _A),
+    Metric("alerts", "", "text: the alert message", _A, kind="text"),
+)
+
+
+def declaration(name: str, prefix: str = "headwatch") -> Metric | None:
+    """The declaration a full metric name belongs to, or None."""
+    for metric in METRICS:
+        if metric.regex(prefix).match(name):
+            return metric
+    return None
+
+
+def expand(metric: Metric) -> list[str]:
+    """Every concrete name (without prefix) a declaration stands for."""
+    fields = re.findall(r"\{(\w+)\}", metric.pattern)
+    return [metric.pattern.format(**dict(zip(fields, values))) for values in itertools.product(*(PLACEHOLDERS[f] for f in fields))]
+
+
+class Chart(NamedTuple):
+    title: str
+    kind: str
+    """``Multiline`` (regexes) or ``Margin`` (exact value, lower, upper)."""
+    series: tuple[str, ...]
+    """Declared concrete names or patterns (placeholders become ``\\w+``); ``^...`` entries are external tags."""
+
+
+CHARTS: tuple[Chart, ...] = (
+    Chart("entropy and sharpness, train (nats)", "Multiline", ("logits/entropy", "logits/kl_to_uniform", "logits/kl_from_uniform")),
+    Chart("entropy and sharpness, validation (nats)", "Multiline", ("val/logits/entropy", "val/logits/kl_to_uniform", "val/logits/kl_from_uniform")),
+    Chart("entropy median with p05-p95 band, train (nats)", "Margin", ("logits/entropy_p50", "logits/entropy_p05", "logits/entropy_p95")),
+    Chart("target NLL vs loss (nats)", "Multiline", ("logits/target_nll", "val/logits/target_nll", "^train_loss$", "^val_loss$")),
+    Chart("gradient row density: embedding vs head", "Multiline", ("grad/embedding_row_density", "grad/head_row_density", "grad/shared_row_density")),
+    Chart("update row density (rows the optimizer moved)", "Multiline", ("update/{matrix}_row_density",)),
+    Chart("tied matrix: cosine of the lookup and scoring flows", "Multiline", ("grad/tied_flow_cosine_mean", "grad/tied_flow_conflict_fraction")),
+    Chart("rare / frequent gradient norm ratio", "Multiline", ("grad/{flow}_rare_to_frequent_norm_ratio",)),
+    Chart("frequency gravity: Spearman(log frequency, row norm)", "Multiline", ("freq/{matrix}_norm_spearman",)),
+    Chart("rare-token collision rate", "Multiline", ("collision/rare_rate_{m}", "collision/synonym_pair_rate_{m}")),
+    Chart("nearest-neighbour cosine by frequency bucket", "Multiline", ("collision/{bucket}/{m}_nn_cosine_mean",)),
+    Chart("alerts (1 at the alert step)", "Multiline", ("alerts/{rule}",)),
+)
+
+
+def chart_tag(series: str, kind: str, prefix: str = "headwatch") -> str:
+    """A chart entry as TensorBoard wants it: a regex (Multiline) or an exact tag (Margin)."""
+    if series.startswith("^"):
+        return series
+    if kind == "Margin":
+        return f"{prefix}/{series}"
+    return f"{prefix}/" + re.sub(r"\{\w+\}", r"\\w+", series) + "$"
+
+
+DEFAULT_ALERT_METRICS = ("logits/entropy", "logits/kl_to_uniform")
+"""Names (after the prefix) the collapse alert watches by default."""

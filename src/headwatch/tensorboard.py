@@ -1,0 +1,80 @@
+"""Everything headwatch writes to TensorBoard: scalars, histograms, text, images, the layout, flushes.
+
+Works on ``torch.utils.tensorboard.SummaryWriter`` objects; the front doors give it theirs
+(Lightning's ``TensorBoardLogger.experiment``, the Hugging Face Trainer's writer, or the
+writer a plain loop passes). Call it on rank zero only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from headwatch.core.monitor import Media
+
+_layout_written: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def write_layout(writers: Iterable[Any], prefix: str = "headwatch") -> None:
+    """Write the headwatch Custom Scalars layout into each writer, once per writer."""
+    from headwatch.dashboard import build_layout
+
+    for writer in writers:
+        if writer in _layout_written:
+            continue
+        writer.add_custom_scalars(build_layout(prefix))
+        writer.flush()
+        _layout_written.add(writer)
+
+
+def write_scalars(writers: Iterable[Any], scalars: Mapping[str, float], step: int) -> None:
+    for writer in writers:
+        for tag, value in scalars.items():
+            writer.add_scalar(tag, value, global_step=step)
+
+
+def write_histogram(writers: Iterable[Any], tag: str, values: Tensor, step: int) -> None:
+    """A histogram of the finite entries of ``values`` (TensorBoard refuses NaN/inf; they are counted elsewhere)."""
+    values = values.detach().float().cpu().reshape(-1)
+    values = values[torch.isfinite(values)]
+    if values.numel() == 0:
+        return
+    for writer in writers:
+        writer.add_histogram(tag, values, global_step=step)
+
+
+def write_text(writers: Iterable[Any], tag: str, text: str, step: int) -> None:
+    for writer in writers:
+        writer.add_text(tag, text, global_step=step)
+
+
+def write_figure(writers: Iterable[Any], tag: str, figure: Any, step: int) -> None:
+    """A ``matplotlib`` figure as an image, then the figure is cleared."""
+    for writer in writers:
+        writer.add_figure(tag, figure, global_step=step, close=False)
+    figure.clear()
+
+
+def write_media(writers: Iterable[Any], media: Media, step: int, histograms: bool = True) -> None:
+    """A monitor's histograms, texts and figures of one measurement."""
+    writers = list(writers)
+    if not writers:
+        return
+    if histograms:
+        for tag, values in media.histograms.items():
+            write_histogram(writers, tag, values, step)
+    for tag, text in media.texts.items():
+        write_text(writers, tag, text, step)
+    for tag, figure in media.figures.items():
+        write_figure(writers, tag, figure, step)
+    flush(writers)
+
+
+def flush(writers: Iterable[Any]) -> None:
+    """Flush now: TensorBoard reloads every 5 s, Lightning's logger flushes only every 120 s."""
+    for writer in writers:
+        writer.flush()

@@ -1,0 +1,239 @@
+"""The core's shared pieces: BatchFormat, the step schedule against Lightning's own logged steps,
+the private-attribute fallback, and metric names declared once."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import Logger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from headwatch import (
+    BatchFormat,
+    GradientDensityMonitor,
+    HeadwatchError,
+    LogitStatsMonitor,
+    SynonymCollisionMonitor,
+    TokenFrequency,
+)
+from headwatch.integrations.lightning import lightning_step
+from tests.helpers import TinyCausalLM, loader
+from tests.test_monitor import make_trainer
+
+
+class StepLogger(Logger):
+    """Records the step of every metric Lightning (or headwatch) logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps: dict[str, list[int]] = defaultdict(list)
+        self.values: dict[str, list[float]] = defaultdict(list)
+
+    name = "steps"
+    version = 0
+
+    def log_metrics(self, metrics, step=None):
+        for k, v in metrics.items():
+            self.steps[k].append(step)
+            self.values[k].append(float(v))
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+
+# ---------------------------------------------------------------- BatchFormat
+def test_batch_format_reads_mappings_tuples_and_overrides():
+    ids = torch.tensor([[1, 2, 3, 4]])
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.tensor([[1, 1, 1, 0]])}
+    view = BatchFormat().read(batch)
+    assert view.targets.tolist() == [[2, 3, 4, -100]] and view.mask.tolist() == [[True, True, True, False]]
+    assert view.masked_targets().tolist() == [[2, 3, 4, -100]]
+    assert BatchFormat(shift_labels=False).read(batch).targets.tolist() == [[1, 2, 3, 4]]
+    tup = (ids, ids + 1)
+    view = BatchFormat(targets_fn=lambda b: b[1]).read(tup)
+    assert torch.equal(view.ids, ids) and view.targets.tolist() == [[2, 3, 4, 5]] and view.mask is None
+    assert BatchFormat().read(tup).targets is None
+    with pytest.raises(HeadwatchError, match="`shift_labels` must be a bool, got 1"):
+        BatchFormat(shift_labels=1)
+    with pytest.raises(HeadwatchError, match="mask_fn must return"):
+        _ = BatchFormat(mask_fn=lambda b: [1]).read(batch).mask
+
+
+class TupleLM(TinyCausalLM):
+    """(input_ids, targets) tuple batches; targets already aligned with the logits."""
+
+    def _loss(self, batch, stage):
+        ids, targets = batch
+        logits = self(ids)
+        self.records.append((stage, self.global_step, logits.detach().clone(), {"targets": targets.clone()}))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _tuple_loader():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 64, (8, 12), generator=g)
+    ids[:, ::3] = 5  # token 5 is frequent; 7 and 9 appear once each: rare, grouped with 5
+    ids[0, 1], ids[1, 1] = 7, 9
+    targets = torch.roll(ids, -1, dims=1)
+    return torch.utils.data.DataLoader(list(zip(ids, targets)), batch_size=8)
+
+
+def test_collision_confusion_reads_tuple_batches_with_targets_fn(tmp_path):
+    """Was NaN: the collision monitor ignored targets_fn; now its BatchFormat reads the tuple."""
+    fmt = BatchFormat(targets_fn=lambda b: b[1], shift_labels=False, ids_fn=lambda b: b[0])
+    monitor = SynonymCollisionMonitor(every_n_steps=1, synonym_groups=[[5, 7, 9]], figures=False, batch_format=fmt)
+    model = TupleLM()
+    trainer = make_trainer(tmp_path, [TokenFrequency(ids_fn=lambda b: b[0], rare_max_count=2), monitor], max_steps=2, log_every_n_steps=1)
+    trainer.fit(model, _tuple_loader())
+    positions = float(trainer.callback_metrics["headwatch/collision/synonym_confusion_positions"])
+    rate = float(trainer.callback_metrics["headwatch/collision/synonym_confusion_rate"])
+    # independent count on step 1's logits: positions whose target is rare (by the tracker) and grouped
+    _, _, logits, rec = model.records[-1]
+    rare = monitor.frequency.snapshot().rare
+    t = rec["targets"]
+    eligible = rare[t] & torch.isin(t, torch.tensor([5, 7, 9]))
+    assert positions == eligible.sum().item() > 0
+    syn = {5: [7, 9], 7: [5, 9], 9: [5, 7]}
+    confused = sum(
+        bool((logits[b, i, syn[int(t[b, i])]] >= logits[b, i, t[b, i]]).any()) for b, i in eligible.nonzero().tolist()
+    )
+    assert rate == pytest.approx(confused / positions) and rate == rate  # finite
+
+
+# ---------------------------------------------------------------- schedule
+class TwoOptimizers(TinyCausalLM):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        loss = self._loss(batch, "train")
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        self.manual_backward(loss)
+        opt_a.step()
+        opt_b.step()
+        self.log("train_loss", loss)
+
+    def configure_optimizers(self):
+        head = list(self.lm_head.parameters())
+        rest = [p for n, p in self.named_parameters() if not n.startswith("lm_head")]
+        return [torch.optim.SGD(rest, lr=0.01), torch.optim.SGD(head, lr=0.01)]
+
+
+def _steps(tmp_path, model, every, **kw):
+    logger = StepLogger()
+    callbacks = [LogitStatsMonitor(validation=False, figure_every_n_steps=0), GradientDensityMonitor(figure_every_n_steps=0)]
+    opts = dict(max_epochs=1, log_every_n_steps=every, logger=logger)
+    opts.update(kw)
+    make_trainer(tmp_path, callbacks, **{k: v for k, v in opts.items() if k != "max_steps"}, max_steps=-1).fit(
+        model, loader(n=64)
+    )
+    return logger.steps
+
+
+@pytest.mark.parametrize("every, expected", [(2, [1, 3, 5, 7]), (1, list(range(8)))])
+def test_manual_optimization_two_optimizers_logs_on_lightnings_steps(tmp_path, every, expected):
+    steps = _steps(tmp_path, TwoOptimizers(), every)
+    assert steps["train_loss"] == expected  # Lightning's own points
+    for key in ("headwatch/logits/entropy", "headwatch/grad/head_row_density", "headwatch/tokens/total"):
+        assert steps[key] == expected, key
+
+
+def test_gradient_accumulation_logs_on_lightnings_steps(tmp_path):
+    steps = _steps(tmp_path, TinyCausalLM(), 2, accumulate_grad_batches=2)
+    assert steps["train_loss"] == [1, 3]  # 8 batches, 4 optimizer steps
+    assert steps["headwatch/logits/entropy"] == steps["headwatch/grad/head_row_density"] == [1, 3]
+
+
+def test_lightning_step_falls_back_to_global_step():
+    assert lightning_step(SimpleNamespace(global_step=7)) == 7  # no fit_loop: the public counter
+    loop = SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=3))
+    assert lightning_step(SimpleNamespace(global_step=6, fit_loop=loop)) == 3  # manual: 2 optimizers
+
+
+# ---------------------------------------------------------------- names declared once
+def _emitted(tmp_path, tie: bool) -> set[str]:
+    logger = StepLogger()
+    callbacks = [
+        LogitStatsMonitor(figure_every_n_steps=1),
+        GradientDensityMonitor(figure_every_n_steps=1),
+        SynonymCollisionMonitor(every_n_steps=2, synonym_groups=[[1, 2, 3], [4, 5]], figures=True, tau=-1.0),
+    ]
+    tb_logger = pl.loggers.TensorBoardLogger(tmp_path, name="tb")
+    trainer = make_trainer(tmp_path, callbacks, max_steps=2, log_every_n_steps=1, logger=[logger, tb_logger], val_check_interval=2)
+    trainer.fit(TinyCausalLM(tie_weights=tie), loader(n=16), loader(n=8, seed=1))
+    acc = EventAccumulator(tb_logger.log_dir, size_guidance={"images": 0, "histograms": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    media = set(tags["histograms"]) | set(tags["images"]) | {t.removesuffix("/text_summary") for t in tags["tensors"]}
+    return (set(logger.steps) | media) - {"train_loss", "val_loss", "epoch", "custom_scalars__config__"}
+
+
+def test_every_emitted_name_is_declared_and_documented(tmp_path):
+    from pathlib import Path
+
+    from headwatch import names
+    from headwatch.core.logits import SCALAR_KEYS
+    from headwatch.metrics import LogitStatsMetric
+
+    emitted = _emitted(tmp_path / "untied", False) | _emitted(tmp_path / "tied", True)
+    undeclared = sorted(n for n in emitted if names.declaration(n) is None)
+    assert not undeclared, undeclared
+    hit = {names.declaration(n) for n in emitted}
+    never = [m.pattern for m in names.METRICS if m not in hit and m.monitor != "SharpnessCollapseAlert"]
+    assert not never, f"declared but never emitted: {never}"
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    undocumented = [m.readme_spelling() for m in names.METRICS if m.readme_spelling() not in readme]
+    assert not undocumented, undocumented
+    # nothing computed is dropped: every value of the metric but the raw entropies is published
+    metric = LogitStatsMetric()
+    metric.update(torch.randn(2, 3, 8), None, torch.randint(0, 8, (2, 3)))
+    assert set(metric.compute()) - {"entropy_values"} == set(SCALAR_KEYS)
+
+
+def test_dashboard_and_alert_defaults_use_declared_names():
+    from headwatch import names
+    from headwatch.dashboard import build_layout
+
+    for chart in names.CHARTS:
+        for series in chart.series:
+            if "{" in series:
+                assert series in {m.pattern for m in names.METRICS}, series
+            elif not series.startswith("^"):
+                assert names.declaration(f"headwatch/{series}") is not None, series
+    assert all(names.declaration(f"headwatch/{n}") for n in names.DEFAULT_ALERT_METRICS)
+    assert list(build_layout()["headwatch"]) == [c.title for c in names.CHARTS]
+
+
+def test_core_imports_no_lightning_and_functional_all_is_complete():
+    import importlib
+    import inspect
+    import pkgutil
+    import subprocess
+    import sys
+
+    code = "import sys, headwatch.core, headwatch.loop, headwatch.names; print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", out
+    names_only = "import sys, headwatch.names; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", names_only], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    import headwatch.functional as functional
+
+    for info in pkgutil.iter_modules(functional.__path__):
+        module = importlib.import_module(f"headwatch.functional.{info.name}")
+        public = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")]
+        missing = [n for n in public if n not in functional.__all__]
+        assert not missing, (info.name, missing)
+
+
+def test_alert_rules_are_declared_names():
+    from headwatch import names
+    from headwatch.alerts import RULES
+
+    assert all(names.declaration(f"headwatch/alerts/{rule}") for rule in RULES)
