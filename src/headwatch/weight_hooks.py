@@ -39,6 +39,8 @@ class _Capture:
         self.gradient: Tensor | None = None
         self.error: Exception | None = None
         """The first failure inside a hook (hooks never raise into the training step)."""
+        self.compiled = False
+        """The hooked module ran inside ``torch.compile``, where output gradients cannot be hooked."""
         self._handles: list[Any] = []
 
     def reset(self) -> None:
@@ -91,6 +93,9 @@ class LookupFlowCapture(_Capture):
 
     def _on_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self.active:
+            if torch.compiler.is_compiling():  # a disabled function would break fullgraph=True
+                self.compiled = True
+                return
             self._watch(module, args, kwargs, output)
 
     @torch.compiler.disable
@@ -143,6 +148,9 @@ class HeadFlowCapture(_Capture):
 
     def _on_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self.active:
+            if torch.compiler.is_compiling():  # a disabled function would break fullgraph=True
+                self.compiled = True
+                return
             self._watch(args, kwargs, output)
 
     @torch.compiler.disable
