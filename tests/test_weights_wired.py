@@ -69,3 +69,56 @@ def test_lora_head_gradient_and_update_are_of_the_effective_head():
     norm_max = torch.linalg.vector_norm(w_eff.grad, dim=1).max().item()
     assert values["headwatch/grad/head_row_norm_max"] == pytest.approx(norm_max, rel=1e-5)
     assert values["headwatch/update/head_row_density"] == 1.0  # was 0.0 on the frozen .weight
+
+
+def _collision(model, ids):
+    from headwatch.core import NoReducer, Schedule, SynonymCollision, TokenCounts
+
+    counts = TokenCounts(rare_max_count=1)
+    collision = SynonymCollision(frequency=counts)
+    for monitor in (counts, collision):
+        monitor.configure(Schedule(1), NoReducer())
+        monitor.attach(model)
+    counts.step_start({"input_ids": ids}, 0, True)
+    scalars, _ = collision.measure(counts.snapshot())
+    return scalars, collision.last_result
+
+
+def _ids(rare):
+    """(2, 31): tokens 0-9 six times each (not rare), and each id of ``rare`` once (rare)."""
+    return torch.cat([torch.arange(10).repeat(2, 3), torch.tensor(rare).reshape(2, 1)], dim=1)
+
+
+def test_untrained_rows_are_counted_and_nobodys_collision():
+    from tests.test_adapters import tiny_llama
+
+    model = tiny_llama(tie=False)
+    with torch.no_grad():
+        for weight in (model.lm_head.weight, model.model.embed_tokens.weight):
+            weight[60:] = 0.0  # reserved tokens, never trained
+    scalars, result = _collision(model, _ids([60, 61]))
+    for name in ("head", "embedding"):
+        assert scalars[f"headwatch/collision/untrained_count_{name}"].item() == 4
+        assert not set(result[name]["rows"].tolist()) & {60, 61, 62, 63}  # rare but untrained: not measured
+        assert not set(result[name]["neighbour"].tolist()) & {60, 61, 62, 63}
+
+
+def test_rare_row_planted_through_lora_collides_in_the_monitor():
+    from tests.test_adapters import adapted
+
+    model = adapted(target_modules=["lm_head"])
+    head = model.get_output_embeddings()
+    A, B, s = head.lora_A["default"].weight, head.lora_B["default"].weight, head.scaling["default"]
+    base = head.get_base_layer().weight
+    rare, other = 61, 7
+    with torch.no_grad():
+        A[0] = base[other] - base[rare]
+        B[other, 0] = 0.0
+        B[rare] = B[other]
+        B[rare, 0] = 1.0 / s
+    scalars, result = _collision(model, _ids([rare, 62]))
+    rows = result["head"]["rows"].tolist()
+    at = rows.index(rare)
+    assert result["head"]["neighbour"][at].item() == other
+    assert result["head"]["cosine"][at].item() == pytest.approx(1.0, abs=1e-5)  # was 0.75 on the frozen base
+    assert "headwatch/collision/rare_rate_embedding" in scalars  # untied in effect: both matrices measured
