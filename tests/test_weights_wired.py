@@ -122,3 +122,24 @@ def test_rare_row_planted_through_lora_collides_in_the_monitor():
     assert result["head"]["neighbour"][at].item() == other
     assert result["head"]["cosine"][at].item() == pytest.approx(1.0, abs=1e-5)  # was 0.75 on the frozen base
     assert "headwatch/collision/rare_rate_embedding" in scalars  # untied in effect: both matrices measured
+
+
+def test_auto_added_token_frequency_follows_the_monitors_embedding(tmp_path):
+    from torch import nn
+
+    from headwatch import GradientDensityMonitor, HeadwatchError, TokenFrequency
+    from headwatch._capture import find_input_embedding
+    from tests.helpers import TinyCausalLM, loader
+    from tests.test_monitor import make_trainer
+
+    model = TinyCausalLM(vocab_size=64)
+    model.extra = nn.Module()
+    model.extra.embed_tokens = nn.Embedding(64, 16)  # a second embedding weight, unused in the forward
+    with pytest.raises(HeadwatchError, match="ambiguous"):
+        find_input_embedding(model)
+    monitor = GradientDensityMonitor(embedding="embed_tokens", log_every_n_steps=1)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=1)
+    trainer.fit(model, loader())  # raised "ambiguous" before: the tracker ignored embedding=
+    tracker = next(c for c in trainer.callbacks if isinstance(c, TokenFrequency))
+    assert tracker.embedding == "embed_tokens"
+    assert trainer.callback_metrics["headwatch/grad/embedding_row_density"] > 0
