@@ -32,6 +32,7 @@ from torch import Tensor
 from headwatch._errors import HeadwatchError
 from headwatch.core.reduce import Reducer
 from headwatch.functional import collision as fcollision
+from headwatch.functional.adapters import zero_rows
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours
 from headwatch.functional.rows import dense_rows, row_cosine, row_density, row_nonzero_given_norms, row_norms, summarize_groups
 from headwatch.functional.tied import tied_flow_statistics as _tied_flow_statistics
@@ -49,6 +50,7 @@ __all__ = [
     "row_statistics",
     "synonym_pair_rate",
     "tied_flow_statistics",
+    "zero_rows_full",
 ]
 
 
@@ -156,6 +158,15 @@ def _norms_and_nonzero(rows: Rows, reducer: Reducer) -> tuple[Tensor, Tensor]:
 def row_norms_full(matrix: Tensor | Rows, reducer: Reducer) -> Tensor:
     """``(V,)`` L2 row norms of a plain or row-sharded matrix (:func:`headwatch.functional.rows.row_norms`)."""
     return _norms_and_nonzero(local_rows(matrix), reducer)[0]
+
+
+def zero_rows_full(matrix: Tensor | Rows, reducer: Reducer) -> Tensor:
+    """``(V,)`` bool all-zero rows (:func:`headwatch.functional.adapters.zero_rows`) of a plain or row-sharded matrix."""
+    rows = local_rows(matrix)
+    zero = zero_rows(rows.local)
+    if not rows.sharded:
+        return zero
+    return _gather_by_rows(torch.stack([zero.double(), zero.double()], dim=1), rows, reducer)[:, 0] != 0
 
 
 def row_statistics(matrix: Tensor | Rows, groups: dict[str, Tensor], reducer: Reducer) -> tuple[dict[str, Tensor], Tensor]:
