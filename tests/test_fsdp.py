@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).with_name("fsdp_monitors.py")
+PLAIN = Path(__file__).with_name("fsdp_plain.py")
 
 
 def _run_both(tmp_path: Path) -> tuple[dict, dict, dict]:
@@ -56,3 +57,22 @@ def test_every_monitor_under_fsdp2_equals_one_process(tmp_path):
         assert "headwatch/logits/entropy" in keys
         # the sharded neighbour search found collisions to compare (not only NaN or zero)
         assert 0 < steps["3"]["headwatch/collision/rare_rate_head"] <= 1
+
+
+def test_plain_loop_attached_before_fully_shard_equals_one_process(tmp_path):
+    import socket
+
+    with socket.socket() as sock:  # a free port for the process group
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(PLAIN), str(tmp_path), port], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "plain.json").read_text())
+    for tying, runs in result.items():
+        for step, (expected, got) in enumerate(zip(runs["single"], runs["sharded"])):
+            assert set(got) == set(expected), (tying, step, set(got) ^ set(expected))
+            wrong = {k: (expected[k], got[k]) for k in expected if not _close(expected[k], got[k])}
+            assert not wrong, (tying, step, wrong)
+        # was: the Parameters resolved before fully_shard had no .grad: "the head has no gradient", 1 grad key
+        assert sum(k.startswith("headwatch/grad/") for k in runs["sharded"][-1]) > 70, tying

@@ -108,7 +108,20 @@ class GradientDensity(Monitor):
         self._before, self._pending, self._snapshot, self._histograms, self._full_norms = {}, {}, None, {}, {}
 
     # ---------------------------------------------------------------- protocol
+    def _parameters_replaced(self) -> bool:
+        """A module's ``weight`` is no longer the Parameter resolved at attach (``fully_shard`` after attach)."""
+        m = self.matrices
+        if m is None:
+            return False
+        modules = {"head": self._head, "embedding": self._emb}
+        return any(
+            state.kind == "plain" and state.gradient_parameter is not None and getattr(modules[role], "weight", None) is not state.gradient_parameter
+            for role, state in m.trains.items()
+        )
+
     def step_start(self, batch: Any, step: int, logging: bool) -> None:
+        if logging and self.model is not None and self._parameters_replaced():
+            self.attach(self.model)  # FSDP2 swapped in DTensor Parameters after attach: resolve them again
         if logging:
             if self._step != step:
                 self._reset_step()
