@@ -107,6 +107,8 @@ class LogitsCapture:
             self._handles.append(s.head.register_forward_hook(self._on_head_output))
         if s.base is not None:
             self._handles.append(s.base.register_forward_hook(self._on_base))
+        if s.embedding is not None and s.embedding is not s.head:
+            self._handles.append(s.embedding.register_forward_hook(self._on_embedding))
         if s.hidden_module is not None:
             self._handles.append(s.hidden_module.register_forward_pre_hook(self._on_hidden_module, with_kwargs=True))
 
@@ -150,6 +152,10 @@ class LogitsCapture:
         self._raw_rows: Tensor | None = None
         self._raw_lead: tuple[int, ...] | None = None
         self._head_calls = 0
+
+    def _on_embedding(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._armed:
+            self._fired.add("embedding")
 
     def _on_head_input(self, module: nn.Module, args: Any) -> None:
         if self._armed and args and isinstance(args[0], Tensor):

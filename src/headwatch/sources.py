@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from headwatch._capture import _field, _name_of, find_output_head
+from headwatch._capture import _field, _name_of, find_input_embedding, find_output_head
 from headwatch._errors import HeadwatchError
 
 Alignment = Literal["causal", "seq2seq", "aligned"]
@@ -118,6 +118,8 @@ class LogitsSource:
     hidden_name: str | None
     """User-named module whose first input is the final hidden states (e.g. a fused loss)."""
     hidden_module: nn.Module | None
+    embedding: nn.Module | None = None
+    """The input embedding, when found: its forward proves the model ran although the head did not."""
 
     def describe(self) -> str:
         """One sentence for the set-up message and the README: which tensor, which targets."""
@@ -239,7 +241,16 @@ def resolve_logits_source(
         base=base,
         hidden_name=hidden_name,
         hidden_module=hidden,
+        embedding=_embedding_or_none(model, head_module),
     )
+
+
+def _embedding_or_none(model: nn.Module, head: nn.Module) -> nn.Module | None:
+    weight = getattr(head, "weight", None)
+    try:
+        return find_input_embedding(model, vocab_size=weight.shape[0] if isinstance(weight, Tensor) else None)[1]
+    except HeadwatchError:  # ambiguous or absent: only a diagnosis is less precise
+        return None
 
 
 def batch_positions(
