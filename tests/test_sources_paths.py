@@ -247,3 +247,60 @@ def test_cut_cross_entropy_torch_fallback_on_cpu():
     assert loss.item() == pytest.approx(out.loss.item(), abs=1e-5)
     assert report.path == "hidden" and report.problem is None
     assert_same_statistics(unfused[0][1].statistics, results[0][1].statistics)
+
+
+def test_statistics_inside_autocast_stay_float32():
+    model, batch = tiny_llama(), llama_batch()
+    source = resolve_logits_source(model)
+    with torch.no_grad():
+        outside, _, _ = run_captured(model, source, batch, lambda: model(**batch), path="hidden")
+        captured = outside[0][0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            from headwatch._sources_stats import captured_statistics
+            from headwatch.sources import batch_positions
+
+            mask, targets = batch_positions(batch, "causal")
+            inside = captured_statistics(captured, mask, targets, vocab_size=50)
+    assert_same_statistics(outside[0][1].statistics, inside.statistics, atol=1e-6)
+
+
+def test_t5_hidden_path_is_the_head_input():
+    from tests.test_sources import tiny_t5
+
+    model = tiny_t5()
+    g = torch.Generator().manual_seed(3)
+    labels = torch.randint(1, 64, (2, 8), generator=g)
+    labels[0, 0] = -100
+    batch = {"input_ids": torch.randint(1, 64, (2, 12), generator=g), "labels": labels}
+    source = resolve_logits_source(model)
+    assert source.base is None  # T5's base_model is itself: the head's input is the hidden state used
+    with torch.no_grad():
+        a, _, _ = run_captured(model, source, batch, lambda: model(**batch))
+        b, report, _ = run_captured(model, source, batch, lambda: model(**batch), path="hidden")
+    assert "the input of `lm_head`" in report.note
+    assert_same_statistics(a[0][1].statistics, b[0][1].statistics)
+
+
+def test_a_failure_while_measuring_never_stops_the_forward():
+    from headwatch._sources_capture import LogitsCapture
+
+    model, batch = tiny_llama(), llama_batch()
+    source = resolve_logits_source(model)
+
+    def broken(captured):
+        raise RuntimeError("boom")
+
+    capture = LogitsCapture(source, broken, model=model)
+    capture.attach()
+    capture.begin((2, 8))
+    out = model(**batch)  # the forward completes
+    report = capture.end()
+    assert out.logits.shape == (2, 8, 64)
+    assert report.problem == "failed" and "RuntimeError: boom" in report.message
+    strict = LogitsCapture(source, broken, model=model, strict=True)
+    capture.detach()
+    strict.attach()
+    strict.begin((2, 8))
+    with pytest.raises(HeadwatchError, match="measuring the logits failed: RuntimeError: boom"):
+        model(**batch)
+    strict.detach()

@@ -61,7 +61,7 @@ class CaptureReport:
     path: Literal["logits", "hidden"] | None
     problem: str | None = None
     """A stable key for warn-once: ``not_fired``, ``compiled``, ``head_not_called``,
-    ``few_positions``, ``no_logits``, ``transform_mismatch``; None when all went well."""
+    ``few_positions``, ``no_logits``, ``transform_mismatch``, ``failed``; None when all went well."""
     message: str | None = None
     """One sentence: the cause and the fix (set with ``problem``)."""
     note: str | None = None
@@ -78,19 +78,26 @@ class LogitsCapture:
         path: ``"auto"`` (logits when they cover every position, else hidden states),
             ``"logits"`` or ``"hidden"`` (forced).
         model: the whole model, to name compiled modules in a diagnosis (optional).
+        strict: let an exception raised while measuring (in ``consume``) propagate as a
+            :class:`HeadwatchError` instead of ending the step with problem ``"failed"``.
 
     Raises:
         HeadwatchError: ``path`` is not one of the three values, or ``consume`` is not callable.
     """
 
     def __init__(
-        self, source: LogitsSource, consume: Callable[[Captured], None], path: Path = "auto", model: nn.Module | None = None
+        self,
+        source: LogitsSource,
+        consume: Callable[[Captured], None],
+        path: Path = "auto",
+        model: nn.Module | None = None,
+        strict: bool = False,
     ) -> None:
         if path not in PATHS:
             raise HeadwatchError(f"`path` must be one of {PATHS}, got {path!r}")
         if not callable(consume):
             raise HeadwatchError(f"`consume` must be a callable taking a Captured, got {consume!r}")
-        self.source, self.consume, self.path, self.model = source, consume, path, model
+        self.source, self.consume, self.path, self.model, self.strict = source, consume, path, model, strict
         self._handles: list[Any] = []
         self._armed = False
         self._reference: tuple[int, ...] | None = None
@@ -128,7 +135,7 @@ class LogitsCapture:
         try:
             if self._armed and self._measured == 0 and self._problem is None:
                 if self._fired and self._hidden:  # the owner never ran but the hidden states were seen
-                    self._measure_hidden(None)
+                    self._guarded(self._measure_hidden, None)
                 elif not self._fired:
                     self._diagnose_silence()
                 else:
@@ -188,24 +195,38 @@ class LogitsCapture:
                 self._hidden.insert(0, (f"the first input of `{self.source.hidden_name}`", h))
 
     def _on_owner(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._armed:
-            return  # the only work on steps that do not log
+        if self._armed:  # the only work on steps that do not log: one attribute check
+            self._owner_forward(output)
+
+    @torch.compiler.disable
+    def _owner_forward(self, output: Any) -> None:
         self._fired.add("owner")
         if self.source.owner is self.source.head:
             self._head_calls += 1
         try:
-            logits = logits_from_output(output)
-            lead = tuple(logits.shape[:-1]) if logits is not None else None
-            full = logits is not None and (self._reference is None or lead == self._reference)
-            if self.path == "logits" or (self.path == "auto" and full):
-                if logits is None:
-                    self._set_problem("no_logits", self._head_message(None))
-                    return
-                self._emit(Captured("logits", logits=logits.detach()))
-            else:
-                self._measure_hidden(logits)
+            self._guarded(self._decide, output)
         finally:
             self._clear_forward()
+
+    def _guarded(self, fn: Callable[[Any], None], arg: Any) -> None:
+        try:
+            fn(arg)
+        except Exception as err:  # noqa: BLE001 - a monitoring failure must not stop training
+            if self.strict:
+                raise HeadwatchError(f"measuring the logits failed: {type(err).__name__}: {err}") from err
+            self._set_problem("failed", f"measuring the logits failed ({type(err).__name__}: {err}); training goes on.")
+
+    def _decide(self, output: Any) -> None:
+        logits = logits_from_output(output)
+        lead = tuple(logits.shape[:-1]) if logits is not None else None
+        full = logits is not None and (self._reference is None or lead == self._reference)
+        if self.path == "logits" or (self.path == "auto" and full):
+            if logits is None:
+                self._set_problem("no_logits", self._head_message(None))
+                return
+            self._emit(Captured("logits", logits=logits.detach()))
+        else:
+            self._measure_hidden(logits)
 
     # ------------------------------------------------------------------ decisions
     def _emit(self, captured: Captured) -> None:

@@ -11,6 +11,7 @@ columns' mass (:func:`headwatch.functional.padding.padded_mass`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -63,6 +64,26 @@ def captured_statistics(
         HeadwatchError: as the functional statistics (shapes that do not agree).
     """
     device = (captured.logits if captured.path == "logits" else captured.hidden).device  # type: ignore[union-attr]
+    # hooks run inside the trainer's autocast: the statistics' matmuls and sums stay float32
+    with _autocast_off(device):
+        return _statistics(captured, mask, targets, ignore_index, vocab_size, max_chunk_bytes, device)
+
+
+def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    if device.type in ("cpu", "cuda", "xpu", "mps", "hpu") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _statistics(
+    captured: Captured,
+    mask: Tensor | None,
+    targets: Tensor | None,
+    ignore_index: int,
+    vocab_size: int | None,
+    max_chunk_bytes: int,
+    device: torch.device,
+) -> CapturedStatistics:
     mask = mask.to(device, non_blocking=True) if mask is not None else None
     targets = targets.to(device, non_blocking=True) if targets is not None else None
     if captured.path == "logits":
