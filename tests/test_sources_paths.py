@@ -304,3 +304,13 @@ def test_a_failure_while_measuring_never_stops_the_forward():
     with pytest.raises(HeadwatchError, match="measuring the logits failed: RuntimeError: boom"):
         model(**batch)
     strict.detach()
+
+
+def test_pre_head_transform_is_refused_on_the_hidden_path():
+    model, batch = tiny_llama(), llama_batch()
+    model.lm_head.register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))  # scales the head's input
+    with torch.no_grad():
+        results, report, _ = run_captured(
+            model, resolve_logits_source(model), batch, lambda: model(input_ids=batch["input_ids"], logits_to_keep=2)
+        )
+    assert not results and report.problem == "hidden_mismatch" and "hidden_module=" in report.message

@@ -61,11 +61,13 @@ class CaptureReport:
     path: Literal["logits", "hidden"] | None
     problem: str | None = None
     """A stable key for warn-once: ``not_fired``, ``compiled``, ``head_not_called``,
-    ``few_positions``, ``no_logits``, ``transform_mismatch``, ``failed``; None when all went well."""
+    ``few_positions``, ``no_logits``, ``transform_mismatch``, ``hidden_mismatch``, ``failed``; None when all went well."""
     message: str | None = None
     """One sentence: the cause and the fix (set with ``problem``)."""
     note: str | None = None
-    """Which path was measured and why, when it is not the plain logits path (info once)."""
+    """Which path was measured and why, when it is not the plain logits path (info once per ``reason``)."""
+    reason: str | None = None
+    """A stable key for ``note``: ``forced``, ``head_not_called`` or ``few_positions``."""
 
 
 class LogitsCapture:
@@ -140,7 +142,7 @@ class LogitsCapture:
                     self._diagnose_silence()
                 else:
                     self._set_problem("head_not_called", self._head_message(None))
-            return CaptureReport(self._measured, self._path, self._problem, self._message, self._note)
+            return CaptureReport(self._measured, self._path, self._problem, self._message, self._note, self._reason)
         finally:
             self._armed = False
             self._reset_step()
@@ -151,6 +153,7 @@ class LogitsCapture:
         self._problem: str | None = None
         self._message: str | None = None
         self._note: str | None = None
+        self._reason: str | None = None
         self._fired: set[str] = set()
         self._clear_forward()
 
@@ -158,6 +161,7 @@ class LogitsCapture:
         self._hidden: list[tuple[str, Tensor]] = []
         self._raw_rows: Tensor | None = None
         self._raw_lead: tuple[int, ...] | None = None
+        self._head_input: Tensor | None = None
         self._head_calls = 0
 
     def _on_embedding(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -167,6 +171,7 @@ class LogitsCapture:
     def _on_head_input(self, module: nn.Module, args: Any) -> None:
         if self._armed and args and isinstance(args[0], Tensor):
             self._fired.add("head")
+            self._head_input = args[0]
             self._hidden.append((f"the input of `{self.source.head_name}`", args[0]))
 
     def _on_head_output(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -254,23 +259,50 @@ class LogitsCapture:
         if logits is not None and self._raw_rows is not None and self._raw_lead == tuple(logits.shape[:-1]):
             if not self._transform_matches(logits):
                 return
+        if not self._is_head_input(where, hidden):
+            return
         weight = getattr(s.head, "weight", None)
         bias = getattr(s.head, "bias", None)
         if not isinstance(weight, Tensor) or weight.ndim != 2:
             self._set_problem("no_logits", f"the head `{s.head_name}` has no 2-D weight to project the hidden states")
             return
         transform = f" then {s.transform.description}" if s.transform is not None else ""
-        why = (
-            "forced by path='hidden'" if self.path == "hidden"
-            else f"`{s.head_name}` never ran in this forward (a fused linear cross-entropy)" if logits is None and self._head_calls == 0
-            else self._positions_phrase(logits)
-        )
+        if self.path == "hidden":
+            self._reason, why = "forced", "forced by path='hidden'"
+        elif logits is None and self._head_calls == 0:
+            self._reason, why = "head_not_called", f"`{s.head_name}` never ran in this forward (a fused linear cross-entropy)"
+        else:
+            self._reason, why = "few_positions", self._positions_phrase(logits)
         self._note = (
             f"headwatch measures the logits as {where} @ `{s.head_name}.weight`.T{transform} ({why}); "
             "statistics are computed in chunks from those, never holding the (B, T, V) logits."
         )
         self._emit(Captured("hidden", hidden=hidden.detach(), weight=weight.detach(),
                             bias=bias.detach() if isinstance(bias, Tensor) else None, transform=s.transform))
+
+    def _is_head_input(self, where: str, hidden: Tensor) -> bool:
+        """Where the head ran too, its input must be rows of ``hidden`` (no pre-head transform in between)."""
+        h_in = self._head_input
+        if h_in is None or h_in is hidden or h_in.ndim != hidden.ndim or h_in.shape[0] != hidden.shape[0]:
+            return True
+        if h_in.shape == hidden.shape:
+            part = hidden
+        elif h_in.ndim == 3 and h_in.shape[1] < hidden.shape[1] and h_in.shape[2] == hidden.shape[2]:
+            part = hidden[:, -h_in.shape[1] :]  # an int logits_to_keep keeps the last positions
+        else:
+            return True
+        a = h_in.detach().reshape(-1, h_in.shape[-1])[:_CHECK_ROWS].float()
+        b = part.detach().reshape(-1, part.shape[-1])[:_CHECK_ROWS].float()
+        if torch.allclose(a, b, rtol=1e-3, atol=1e-4):
+            return True
+        self._set_problem(
+            "hidden_mismatch",
+            f"{where} is not the input of the head `{self.source.head_name}` (a transform between them, or "
+            "logits_to_keep given as indices), so the hidden-state path would measure another distribution; "
+            "nothing is measured. Pass hidden_module= naming the module whose first input is the head's input "
+            "for every position.",
+        )
+        return False
 
     def _transform_matches(self, logits: Tensor) -> bool:
         raw = self._raw_rows.float()  # (n, V), the head's raw output
