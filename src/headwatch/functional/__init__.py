@@ -13,6 +13,7 @@ from headwatch.functional.logits import (
     logit_statistics,
     logit_statistics_from_hidden,
 )
+from headwatch.functional.padding import padded_mass
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -23,4 +24,5 @@ __all__ = [
     "kl_to_uniform",
     "logit_statistics",
     "logit_statistics_from_hidden",
+    "padded_mass",
 ]
