@@ -12,7 +12,9 @@ columns' mass (:func:`headwatch.functional.padding.padded_mass`).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -20,13 +22,8 @@ from torch import Tensor
 
 from headwatch._errors import HeadwatchError
 from headwatch._sources_capture import Captured
-from headwatch.functional.logits import (
-    DEFAULT_MAX_CHUNK_BYTES,
-    LogitStatistics,
-    logit_statistics,
-    logit_statistics_from_hidden,
-    rows_per_chunk,
-)
+from headwatch.functional import logit_statistics_from_hidden  # its module moves on another branch
+from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES, LogitStatistics, logit_statistics, rows_per_chunk
 from headwatch.functional.padding import padded_mass
 
 
@@ -65,14 +62,26 @@ def captured_statistics(
     """
     device = (captured.logits if captured.path == "logits" else captured.hidden).device  # type: ignore[union-attr]
     # hooks run inside the trainer's autocast: the statistics' matmuls and sums stay float32
-    with _autocast_off(device):
+    with _full_precision(device):
         return _statistics(captured, mask, targets, ignore_index, vocab_size, max_chunk_bytes, device)
 
 
-def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
-    if device.type in ("cpu", "cuda", "xpu", "mps", "hpu") and torch.is_autocast_enabled(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def _full_precision(device: torch.device) -> Iterator[None]:
+    """Autocast off and, on CUDA, no TF32 in matrix products, restored afterwards."""
+    autocast = device.type in ("cpu", "cuda", "xpu", "mps", "hpu") and torch.is_autocast_enabled(device.type)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    with torch.autocast(device.type, enabled=False) if autocast else contextlib.nullcontext():
+        try:
+            if device.type == "cuda":
+                torch.backends.cuda.matmul.allow_tf32 = False
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _accepts_transform() -> bool:
+    return "transform" in inspect.signature(logit_statistics_from_hidden).parameters
 
 
 def _statistics(
@@ -96,9 +105,13 @@ def _statistics(
     hidden, weight = captured.hidden, captured.weight
     if hidden is None or weight is None:
         raise HeadwatchError("a hidden-path capture needs both `hidden` and `weight`")
-    if captured.transform is None and vocab_size is None:
+    if vocab_size is None and (captured.transform is None or _accepts_transform()):
+        extra = {"transform": captured.transform} if captured.transform is not None else {}
         return CapturedStatistics(
-            logit_statistics_from_hidden(hidden, weight, captured.bias, mask, targets, ignore_index, max_chunk_bytes), None
+            logit_statistics_from_hidden(
+                hidden, weight, captured.bias, mask, targets, ignore_index, max_chunk_bytes, **extra
+            ),
+            None,
         )
     return _chunked_from_hidden(captured, mask, targets, ignore_index, vocab_size, max_chunk_bytes)
 
