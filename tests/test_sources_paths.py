@@ -314,3 +314,33 @@ def test_pre_head_transform_is_refused_on_the_hidden_path():
             model, resolve_logits_source(model), batch, lambda: model(input_ids=batch["input_ids"], logits_to_keep=2)
         )
     assert not results and report.problem == "hidden_mismatch" and "hidden_module=" in report.message
+
+
+def test_hooks_attached_before_compile_fullgraph_measure_exactly():
+    from headwatch._sources_capture import LogitsCapture
+    from headwatch._sources_stats import captured_statistics
+    from headwatch.sources import batch_positions
+
+    lm, batch = tiny_llama(), llama_batch()
+    source = resolve_logits_source(lm)
+    mask, targets = batch_positions(batch, source.alignment)
+    with torch.no_grad():
+        eager, _, _ = run_captured(lm, source, batch, lambda: lm(**batch))
+        results = []
+        capture = LogitsCapture(source, lambda c: results.append(captured_statistics(c, mask, targets)), model=lm)
+        capture.attach()  # before compiling: the hooks are traced into the graph
+        compiled = torch.compile(lm, fullgraph=True)
+        try:
+            compiled(**batch)  # not armed
+            assert capture.end().measured == 0 and not results
+            reports = []
+            for kept in (0, 1):  # the logits path, then logits_to_keep: the hidden path, both under fullgraph
+                capture.begin(targets.shape)
+                compiled(input_ids=batch["input_ids"], logits_to_keep=kept)
+                reports.append(capture.end())
+        finally:
+            capture.detach()
+            torch._dynamo.reset()
+    assert [(r.measured, r.path, r.problem) for r in reports] == [(1, "logits", None), (1, "hidden", None)]
+    for got in results:
+        assert_same_statistics(eager[0][1].statistics, got.statistics)

@@ -133,8 +133,10 @@ class LogitsCapture:
         self._armed = True
 
     def end(self) -> CaptureReport:
-        """Disarm, fall back to the hidden states if the owner never ran, and report."""
+        """Measure what compiled code stashed, fall back to the hidden states if the owner never ran, report."""
         try:
+            if self._armed:
+                self._replay()
             if self._armed and self._measured == 0 and self._problem is None:
                 if self._fired and self._hidden:  # the owner never ran but the hidden states were seen
                     self._guarded(self._measure_hidden, None)
@@ -148,6 +150,7 @@ class LogitsCapture:
             self._reset_step()
 
     def _reset_step(self) -> None:
+        self._events: list[tuple[str, Any]] = []  # (hook, tensor or None) in call order, replayed eagerly
         self._measured = 0
         self._path: Literal["logits", "hidden"] | None = None
         self._problem: str | None = None
@@ -164,54 +167,64 @@ class LogitsCapture:
         self._head_input: Tensor | None = None
         self._head_calls = 0
 
+    # Each hook only appends (kind, tensor) when armed: traced by torch.compile (hooks registered
+    # before compiling) that is a list mutation, no graph break, so fullgraph=True works; the
+    # events are replayed eagerly by the owner's hook, or by end() when the forward was compiled.
     def _on_embedding(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._armed:
-            self._fired.add("embedding")
+            self._events.append(("embedding", None))
 
     def _on_head_input(self, module: nn.Module, args: Any) -> None:
         if self._armed and args and isinstance(args[0], Tensor):
-            self._fired.add("head")
-            self._head_input = args[0]
-            self._hidden.append((f"the input of `{self.source.head_name}`", args[0]))
+            self._events.append(("head_in", args[0]))
 
     def _on_head_output(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._armed:
-            self._head_calls += 1
             raw = logits_from_output(output)
-            if raw is not None and raw.ndim >= 1:
-                self._raw_lead = tuple(raw.shape[:-1])
-                self._raw_rows = raw.detach().reshape(-1, raw.shape[-1])[:_CHECK_ROWS].clone()  # (<= 8, V)
+            rows = raw.detach().reshape(-1, raw.shape[-1])[:_CHECK_ROWS].clone() if raw is not None else None
+            self._events.append(("head_out", (rows, tuple(raw.shape[:-1]) if raw is not None else None)))
 
     def _on_base(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._armed:
-            self._fired.add("base")
             h = getattr(output, "last_hidden_state", None)
             if h is None and isinstance(output, (tuple, list)) and output:
                 h = output[0]
-            if isinstance(h, Tensor) and h.is_floating_point():
-                self._hidden.append((f"the `last_hidden_state` of `{self.source.base_name}`", h))
+            self._events.append(("base", h))
 
     def _on_hidden_module(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if self._armed:
-            self._fired.add("hidden_module")
             h = args[0] if args else next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
-            if isinstance(h, Tensor) and h.is_floating_point():
-                # the user named it: it goes first
-                self._hidden.insert(0, (f"the first input of `{self.source.hidden_name}`", h))
+            self._events.append(("hidden_module", h))
 
     def _on_owner(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._armed:  # the only work on steps that do not log: one attribute check
-            self._owner_forward(output)
+            self._events.append(("owner", logits_from_output(output)))
+            if not torch.compiler.is_compiling():
+                self._replay()
 
     @torch.compiler.disable
-    def _owner_forward(self, output: Any) -> None:
-        self._fired.add("owner")
-        if self.source.owner is self.source.head:
-            self._head_calls += 1
-        try:
-            self._guarded(self._decide, output)
-        finally:
-            self._clear_forward()
+    def _replay(self) -> None:
+        events, self._events = self._events, []
+        s = self.source
+        for kind, value in events:
+            self._fired.add(kind)
+            if kind == "head_in":
+                self._head_input = value
+                self._hidden.append((f"the input of `{s.head_name}`", value))
+            elif kind == "head_out":
+                self._head_calls += 1
+                self._raw_rows, self._raw_lead = value
+            elif kind == "base" and isinstance(value, Tensor) and value.is_floating_point():
+                self._hidden.append((f"the `last_hidden_state` of `{s.base_name}`", value))
+            elif kind == "hidden_module" and isinstance(value, Tensor) and value.is_floating_point():
+                self._hidden.insert(0, (f"the first input of `{s.hidden_name}`", value))  # named by the user: first
+            elif kind == "owner":
+                if s.owner is s.head:
+                    self._head_calls += 1
+                try:
+                    self._guarded(self._decide, value)
+                finally:
+                    self._clear_forward()
 
     def _guarded(self, fn: Callable[[Any], None], arg: Any) -> None:
         try:
@@ -221,8 +234,7 @@ class LogitsCapture:
                 raise HeadwatchError(f"measuring the logits failed: {type(err).__name__}: {err}") from err
             self._set_problem("failed", f"measuring the logits failed ({type(err).__name__}: {err}); training goes on.")
 
-    def _decide(self, output: Any) -> None:
-        logits = logits_from_output(output)
+    def _decide(self, logits: Tensor | None) -> None:
         lead = tuple(logits.shape[:-1]) if logits is not None else None
         full = logits is not None and (self._reference is None or lead == self._reference)
         if self.path == "logits" or (self.path == "auto" and full):
@@ -283,7 +295,7 @@ class LogitsCapture:
     def _is_head_input(self, where: str, hidden: Tensor) -> bool:
         """Where the head ran too, its input must be rows of ``hidden`` (no pre-head transform in between)."""
         h_in = self._head_input
-        if h_in is None or h_in is hidden or h_in.ndim != hidden.ndim or h_in.shape[0] != hidden.shape[0]:
+        if not isinstance(h_in, Tensor) or h_in is hidden or h_in.ndim != hidden.ndim or h_in.shape[0] != hidden.shape[0]:
             return True
         if h_in.shape == hidden.shape:
             part = hidden
