@@ -181,7 +181,8 @@ class LogitsCapture:
     def _on_head_output(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._armed:
             raw = logits_from_output(output)
-            rows = raw.detach().reshape(-1, raw.shape[-1])[:_CHECK_ROWS].clone() if raw is not None else None
+            # detached at replay: a detached view inside a compiled graph trips functionalization
+            rows = raw.reshape(-1, raw.shape[-1])[:_CHECK_ROWS].clone() if raw is not None else None
             self._events.append(("head_out", (rows, tuple(raw.shape[:-1]) if raw is not None else None)))
 
     def _on_base(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -213,7 +214,8 @@ class LogitsCapture:
                 self._hidden.append((f"the input of `{s.head_name}`", value))
             elif kind == "head_out":
                 self._head_calls += 1
-                self._raw_rows, self._raw_lead = value
+                rows, self._raw_lead = value
+                self._raw_rows = rows.detach() if isinstance(rows, Tensor) else None
             elif kind == "base" and isinstance(value, Tensor) and value.is_floating_point():
                 self._hidden.append((f"the `last_hidden_state` of `{s.base_name}`", value))
             elif kind == "hidden_module" and isinstance(value, Tensor) and value.is_floating_point():
