@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from headwatch._capture import _field, _name_of, find_input_embedding, find_output_head
+from headwatch._capture import _name_of, find_input_embedding, find_output_head
 from headwatch._errors import HeadwatchError
 
 Alignment = Literal["causal", "seq2seq", "aligned"]
@@ -274,19 +274,12 @@ def batch_positions(
     Raises:
         HeadwatchError: ``alignment`` is not one of the three values.
     """
+    from headwatch.core.batch import BatchFormat  # the one batch reader (imported here: core imports this module)
+
     if alignment not in ALIGNMENTS:
         raise HeadwatchError(f"`alignment` must be one of {ALIGNMENTS}, got {alignment!r}")
-    labels = _field(batch, "labels")
-    targets = None
-    if isinstance(labels, Tensor) and labels.ndim >= 1 and not labels.is_floating_point():
-        targets = labels.long()
-        if alignment == "causal":
-            pad = torch.full_like(targets[..., :1], ignore_index)
-            targets = torch.cat([targets[..., 1:], pad], dim=-1)
-    key = "decoder_attention_mask" if alignment == "seq2seq" else "attention_mask"
-    attention = _field(batch, key)
-    mask = attention != 0 if isinstance(attention, Tensor) else None
-    return mask, targets
+    view = BatchFormat(ignore_index=ignore_index).for_alignment(alignment).read(batch)
+    return view.mask, view.targets
 
 
 def _config_tied(model: nn.Module) -> bool | None:

@@ -12,6 +12,7 @@ from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.rows import dense_rows, lookup_gradient, row_norms, spearman
+from headwatch.sources import tie_config_mismatch
 from headwatch.functional.tied import row_group_statistics, tied_flow_statistics
 
 
@@ -68,6 +69,9 @@ class GradientDensity(Monitor):
         if self.tied:
             self._hook = emb.register_forward_hook(self._on_embedding_forward, with_kwargs=True)
         self._head, self._emb, self.model = head, emb, model
+        mismatch = tie_config_mismatch(model, head.weight, emb.weight)  # the config says otherwise: storage wins
+        if mismatch is not None:
+            self.warn_once("tie_config", mismatch)
         shape = tuple(head.weight.shape)
         self.tying_text = (
             f"`{emb_name}` and `{head_name}` are TIED: one Parameter of shape {shape}; its "

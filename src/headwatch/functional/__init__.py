@@ -101,6 +101,7 @@ from headwatch.functional.calibration import (  # noqa: E402
     CalibrationSums,
     calibration_compute,
     calibration_update,
+    empty_sums,
 )
 from headwatch.functional.drift import (  # noqa: E402
     DriftCorrection,
@@ -130,6 +131,7 @@ __all__ += [
     "calibration_update",
     "corrected_collision",
     "default_k",
+    "empty_sums",
     "mean_resultant_length",
     "nn_cosine_by_bucket",
     "ordered_pairs",
