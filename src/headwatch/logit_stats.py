@@ -62,8 +62,15 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
     validation epochs; units and formulas in :mod:`headwatch.names` and the README):
     ``entropy``, ``kl_to_uniform``, ``kl_from_uniform`` (nats), ``entropy_p05/_p50/_p95``
     (nats), ``max_prob``, ``target_nll`` (nats), ``target_argmax_rate``, ``positions``,
-    ``nonfinite_positions``, ``invalid_target_positions`` (counts), histogram
-    ``entropy_histogram``, image ``logits/entropy_over_run``. NaN when no valid position.
+    ``nonfinite_positions``, ``invalid_target_positions`` (counts), ``padded_mass``
+    (probability; with ``vocab_size=`` or the shared ``TokenFrequency``'s ``vocab_size``),
+    ``ece``, ``overconfidence`` (probability: 15-bin ECE of the top-1 prediction, mean
+    confidence minus accuracy), ``rare/ece``, ``rare/overconfidence``, and for each target
+    bucket ``<b>`` (``top1``, ``top10``, ``top50``, ``tail``, ``unseen``, ``rare``, from the shared
+    :class:`~headwatch.TokenFrequency`, added with defaults if absent) ``<b>/target_nll`` (nats),
+    ``<b>/target_argmax_rate``, ``<b>/max_prob``, ``<b>/positions``; histogram
+    ``entropy_histogram``, image ``logits/entropy_over_run``. NaN when no valid position. With
+    several validation dataloaders each validation name ends in ``/dataloader_idx_<k>``.
     """
 
     def __init__(
