@@ -3,6 +3,7 @@
 Every function documents its tensor shapes, units and the source of its definition.
 """
 
+from headwatch.functional.adapters import add_low_rank_, head_weight_gradient, zero_rows
 from headwatch.functional.collision import collision_statistics, sample_rows, synonym_pair_rate, top_colliding_pairs
 from headwatch.functional.frequency import (
     BUCKETS,
@@ -46,6 +47,9 @@ from headwatch.functional.padding import padded_mass
 from headwatch.functional.tied import row_group_statistics, tied_flow_statistics
 
 __all__ = [
+    "add_low_rank_",
+    "head_weight_gradient",
+    "zero_rows",
     "BUCKETS",
     "DEFAULT_MAX_CHUNK_BYTES",
     "FrequencySnapshot",
@@ -95,7 +99,7 @@ __all__ = [
     "top_colliding_pairs",
 ]
 
-# issue 12: collision beyond common drift; loss, accuracy and calibration by target frequency
+# collision beyond common drift; loss, accuracy and calibration by target frequency
 from headwatch.functional.calibration import (  # noqa: E402
     ECE_BINS,
     CalibrationSums,
