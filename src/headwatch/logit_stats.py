@@ -24,10 +24,12 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
     """Log the entropy and sharpness of the model's next-token distributions while it trains.
 
     Add it to a Trainer and change nothing else: ``Trainer(callbacks=[LogitStatsMonitor()])``.
-    The monitor finds the output head (:func:`headwatch.find_output_head`), registers one
-    forward hook on it before the first forward, and on logging steps only computes the
-    statistics of the head's output ``(B, T, V)`` under ``no_grad`` in bounded memory
-    (:class:`headwatch.core.LogitStats`). Positions are read with one
+    The monitor finds the logits the model returns (:func:`headwatch.sources.resolve_logits_source`:
+    a Hugging Face model's ``outputs.logits``, after any post-head transform; else the output
+    head's), hooks them before the first forward, and on logging steps only computes their
+    statistics ``(B, T, V)`` under ``no_grad``, outside autocast, in bounded memory
+    (:class:`headwatch.core.LogitStats`); from the final hidden states and the head's weight
+    when the model never computes the full logits (fused loss, ``logits_to_keep``). Positions are read with one
     :class:`~headwatch.core.BatchFormat`: ``attention_mask == 0`` and ``ignore_index``
     targets are excluded; with ``shift_labels`` logits at ``t`` are scored against
     ``labels[t + 1]``; ``mask_fn`` / ``targets_fn`` (aligned with the logits) override.

@@ -191,7 +191,7 @@ class LogitStats(Monitor):
         self._calls = 0
         if logging:
             self._step = step
-            self._arm(batch, self._train, self._frequency_tables(collective=True))
+            self._arm(batch, self._train, self._frequency_tables())
         else:
             self._view, self._sink = None, None
 
@@ -218,7 +218,7 @@ class LogitStats(Monitor):
         if sink is None:
             sink = self._val[dataloader_idx] = SplitSums(self.batch_format.ignore_index, self._max_chunk_bytes)
         if self._val_buckets is None:  # once per validation epoch: a collective on the first batch
-            self._val_buckets = self._frequency_tables(collective=True)
+            self._val_buckets = self._frequency_tables()
         self._arm(batch, sink, self._val_buckets)
 
     def validation_batch_end(self, dataloader_idx: int = 0) -> None:
@@ -243,17 +243,17 @@ class LogitStats(Monitor):
             return self.tokenizer_vocab_size
         return self.frequency.vocab_size if self.frequency is not None else None
 
-    def _frequency_tables(self, collective: bool) -> tuple[Tensor, Tensor] | None:
+    def _frequency_tables(self) -> tuple[Tensor, Tensor] | None:
         """``(bucket (V,), rare (V,))`` of the shared token counts, or None without them.
 
-        ``collective``: the snapshot summed over processes (every rank calls it on the same
-        steps: logging steps and the first validation batch), so buckets agree across ranks.
+        The snapshot summed over processes (a collective: every rank calls it on the same steps,
+        logging steps and the first validation batch of an epoch), so buckets agree across ranks.
         """
         counts = self.frequency
         if counts is None or counts.num_rows == 0:
             return None
         try:
-            snap = counts.snapshot() if collective else counts.latest_snapshot()
+            snap = counts.snapshot()
             return snap.bucket, snap.rare
         except Exception as err:  # noqa: BLE001
             self.fail(err, "reading the token frequencies")
