@@ -115,7 +115,9 @@ class GradientDensity(Monitor):
             return False
         modules = {"head": self._head, "embedding": self._emb}
         return any(
-            state.kind == "plain" and state.gradient_parameter is not None and getattr(modules[role], "weight", None) is not state.gradient_parameter
+            state.kind == "plain"
+            and state.gradient_parameter is not None
+            and getattr(modules[role], "weight", None) is not state.gradient_parameter
             for role, state in m.trains.items()
         )
 
@@ -131,8 +133,9 @@ class GradientDensity(Monitor):
         for capture in self._captures():
             capture.active = self._active
         lookup = self._lookup_capture
+        # row-sharded (FSDP2: a DTensor between steps): keep the tied lookup flow compact
         if self._active and self.tied and lookup is not None and lookup.sharded is None and is_sharded(self._head.weight):  # type: ignore[union-attr]
-            lookup.sharded = ShardedLookup()  # row-sharded (FSDP2; DTensor between steps): keep the lookup flow compact
+            lookup.sharded = ShardedLookup()
 
     def gradients_ready(self, loss_scale: float | Tensor | None = None) -> None:
         if not self._active or self._measured:
