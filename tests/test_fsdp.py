@@ -13,6 +13,15 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).with_name("fsdp_monitors.py")
 PLAIN = Path(__file__).with_name("fsdp_plain.py")
+OPS = Path(__file__).with_name("fsdp_ops.py")
+
+
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
 
 
 def _run_both(tmp_path: Path) -> tuple[dict, dict, dict]:
@@ -60,11 +69,7 @@ def test_every_monitor_under_fsdp2_equals_one_process(tmp_path):
 
 
 def test_plain_loop_attached_before_fully_shard_equals_one_process(tmp_path):
-    import socket
-
-    with socket.socket() as sock:  # a free port for the process group
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = _free_port()
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(PLAIN), str(tmp_path), port], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -76,3 +81,12 @@ def test_plain_loop_attached_before_fully_shard_equals_one_process(tmp_path):
             assert not wrong, (tying, step, wrong)
         # was: the Parameters resolved before fully_shard had no .grad: "the head has no gradient", 1 grad key
         assert sum(k.startswith("headwatch/grad/") for k in runs["sharded"][-1]) > 70, tying
+
+
+def test_sharded_functions_equal_one_process_functions_on_a_dtensor(tmp_path):
+    # nearest neighbours (no query, tied cosines across shards, NaN, zero and invalid rows), row statistics,
+    # zero rows, gathered rows, synonym pairs and the compact lookup flow (padding, two micro-batches)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(OPS), str(tmp_path), _free_port()], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "ops.txt").read_text() == "ok"
