@@ -106,6 +106,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("collision/rare_sample_size", "count", "rare tokens measured (sampled above max_rare)", _C, readme="rare_sample_size"),
     Metric("collision/unseen_count", "count", "valid tokens never seen", _C, readme="unseen_count"),
     Metric("collision/invalid_count", "count", "rows that cannot occur", _C, readme="invalid_count"),
+    Metric("collision/untrained_count_{m}", "count", "valid rows never trained (all zeros), left out of every collision search", _C),
     Metric("collision/synonym_pair_rate_{m}", "fraction", "within-group pairs (r rare) with cos >= tau / such pairs", _C),
     Metric("collision/synonym_pairs", "count", "within-group pairs (r, s) with r rare", _C),
     Metric("collision/synonym_confusion_rate", "fraction", "positions with a rare grouped target where a synonym scores >= the target / such positions", _C),

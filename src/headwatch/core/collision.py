@@ -8,15 +8,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch._capture import find_head_and_embedding, logits_from_output
+from headwatch._capture import logits_from_output
 from headwatch._errors import HeadwatchError
 from headwatch.core.batch import BatchFormat, BatchView
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor
+from headwatch.functional.adapters import zero_rows
 from headwatch.functional.collision import collision_statistics, sample_rows, synonym_pair_rate, top_colliding_pairs
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import synonym_confusion, synonym_table
+from headwatch.weights import effective_weight, resolve_matrices
 
 DEFAULT_TAU = 0.9
 """Default collision threshold on the nearest-neighbour cosine: near-duplicate rows.
@@ -127,7 +129,8 @@ class SynonymCollision(Monitor):
 
     # ---------------------------------------------------------------- wiring
     def attach(self, model: nn.Module) -> None:
-        _, head, _, emb, self.tied = find_head_and_embedding(model, self.head, self.embedding)
+        matrices = resolve_matrices(model, self.head, self.embedding)
+        head, emb, self.tied = matrices.head, matrices.embedding.module, matrices.tie.tied
         self._head, self._emb, self.model = head, emb, model
         if self.synonym_groups is not None:
             self._group_ids = [encode_group(self.tokenizer, g) for g in self.synonym_groups]
@@ -145,7 +148,8 @@ class SynonymCollision(Monitor):
     def _matrices(self) -> dict[str, Tensor]:
         if self._head is None or self._emb is None:
             raise HeadwatchError("SynonymCollisionMonitor has no model: attach it first")
-        return {"head": self._head.weight} if self.tied else {"head": self._head.weight, "embedding": self._emb.weight}
+        head = effective_weight(self._head)  # under LoRA the matrix that scores, not the frozen base
+        return {"head": head} if self.tied else {"head": head, "embedding": effective_weight(self._emb)}
 
     # ---------------------------------------------------------------- confusion (logits path)
     def step_start(self, batch: Any, step: int, logging: bool) -> None:
@@ -250,12 +254,16 @@ class SynonymCollision(Monitor):
         tables: dict[str, str] = {}
         result: dict[str, Any] = {"rare_sample": sample.cpu(), "bucket_cosines": {}}
         for name, weight in self._matrices().items():
-            stats, nn_rare, cosines = collision_statistics(weight, sample, bucket_rows, snap.valid, self.tau, self.max_chunk_bytes)
+            untrained = snap.valid.to(weight.device) & zero_rows(weight)  # never anybody's collision
+            scalars[f"{c}/untrained_count_{name}"] = untrained.sum(dtype=torch.float64)
+            trained = snap.valid.to(weight.device) & ~untrained
+            queries = {b: rows[trained[rows.to(weight.device)].cpu()] for b, rows in bucket_rows.items()}
+            stats, nn_rare, cosines = collision_statistics(weight, queries["rare"], queries, trained, self.tau, self.max_chunk_bytes)
             scalars[f"{c}/rare_rate_{name}"] = stats.pop("rare_rate")
             scalars.update({f"{c}/{k.split('_nn_')[0]}/{name}_nn_cosine_mean": v for k, v in stats.items()})
             result["bucket_cosines"][name] = cosines
-            pairs = top_colliding_pairs(sample.to(weight.device), nn_rare, self.tau, self.top_pairs)
-            result[name] = {"cosine": nn_rare.cosine.cpu(), "neighbour": nn_rare.index.cpu(), "pairs": pairs}
+            pairs = top_colliding_pairs(queries["rare"].to(weight.device), nn_rare, self.tau, self.top_pairs)
+            result[name] = {"rows": queries["rare"].cpu(), "cosine": nn_rare.cosine.cpu(), "neighbour": nn_rare.index.cpu(), "pairs": pairs}
             tables[f"{c}/top_pairs_{name}"] = self._table_text(pairs, snap)
             if self._group_ids:
                 rate, count = synonym_pair_rate(weight, self._group_ids, snap.rare, self.tau)

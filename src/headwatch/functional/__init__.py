@@ -3,6 +3,7 @@
 Every function documents its tensor shapes, units and the source of its definition.
 """
 
+from headwatch.functional.adapters import add_low_rank_, head_weight_gradient, zero_rows
 from headwatch.functional.collision import collision_statistics, sample_rows, synonym_pair_rate, top_colliding_pairs
 from headwatch.functional.frequency import (
     BUCKETS,
@@ -45,6 +46,9 @@ from headwatch.functional.rows import (
 from headwatch.functional.tied import row_group_statistics, tied_flow_statistics
 
 __all__ = [
+    "add_low_rank_",
+    "head_weight_gradient",
+    "zero_rows",
     "BUCKETS",
     "DEFAULT_MAX_CHUNK_BYTES",
     "FrequencySnapshot",
