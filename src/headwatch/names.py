@@ -50,12 +50,17 @@ class Metric(NamedTuple):
     """Shown by ``headwatch report`` by default (False: only with ``--all``; see also :data:`DETAIL`)."""
 
     def regex(self, prefix: str = "headwatch") -> re.Pattern[str]:
-        """A regex matching the full names this declaration stands for."""
+        """A regex matching the full names this declaration stands for.
+
+        ``{split}`` names of validation may end in Lightning's ``/dataloader_idx_<k>`` (several
+        validation dataloaders)."""
         parts = re.split(r"\{(\w+)\}", self.pattern)
         body = "".join(
             re.escape(p) if i % 2 == 0 else "(?:" + "|".join(map(re.escape, PLACEHOLDERS[p])) + ")"
             for i, p in enumerate(parts)
         )
+        if self.pattern.startswith("{split}/"):
+            body += r"(?:/dataloader_idx_\d+)?"
         return re.compile(re.escape(prefix) + "/" + body + "$")
 
     def readme_spelling(self) -> str:
@@ -76,6 +81,15 @@ METRICS: tuple[Metric, ...] = (
     Metric("{split}/positions", "count", "measured positions", _L),
     Metric("{split}/nonfinite_positions", "count", "positions excluded for NaN/+inf logits", _L),
     Metric("{split}/invalid_target_positions", "count", "positions excluded for a target outside [0, V)", _L),
+    Metric("{split}/padded_mass", "probability", "mean sum_{v >= vocab_size} p_v: softmax mass on columns beyond the tokenizer's vocabulary (with vocab_size=)", _L),
+    Metric("{split}/ece", "probability", "expected calibration error of the top-1 prediction: sum_m |sum_{n in B_m} (c_n - a_n)| / N, 15 equal-width confidence bins", _L),
+    Metric("{split}/overconfidence", "probability", "mean max_v p_v - mean [target is the argmax] (positive: more confident than accurate)", _L),
+    Metric("{split}/rare/ece", "probability", "ECE over positions whose target is rare", _L),
+    Metric("{split}/rare/overconfidence", "probability", "over-confidence gap over positions whose target is rare", _L),
+    Metric("{split}/{bucket}/target_nll", "nats", "mean -log p_target over positions whose target is in the bucket", _L),
+    Metric("{split}/{bucket}/target_argmax_rate", "fraction", "token accuracy (target is the argmax) over positions whose target is in the bucket", _L),
+    Metric("{split}/{bucket}/max_prob", "probability", "mean confidence max_v p_v over positions whose target is in the bucket", _L),
+    Metric("{split}/{bucket}/positions", "count", "measured positions whose target is in the bucket", _L),
     Metric("{split}/entropy_histogram", "nats", "histogram of per-position entropy", _L, kind="histogram"),
     Metric("logits/entropy_over_run", "", "image: entropy distribution at every logging step so far", _L, kind="image"),
     # ---- gradients
@@ -155,6 +169,12 @@ CHARTS: tuple[Chart, ...] = (
     Chart("entropy and sharpness, validation (nats)", "Multiline", ("val/logits/entropy", "val/logits/kl_to_uniform", "val/logits/kl_from_uniform")),
     Chart("entropy median with p05-p95 band, train (nats)", "Margin", ("logits/entropy_p50", "logits/entropy_p05", "logits/entropy_p95")),
     Chart("target NLL vs loss (nats)", "Multiline", ("logits/target_nll", "val/logits/target_nll", "^train_loss$", "^val_loss$")),
+    Chart("target NLL by target frequency, train (nats)", "Multiline", tuple(f"logits/{b}/target_nll" for b in (*BUCKETS, "rare"))),
+    Chart("target NLL by target frequency, validation (nats)", "Multiline", tuple(f"val/logits/{b}/target_nll" for b in (*BUCKETS, "rare"))),
+    Chart("calibration: ECE and over-confidence, all and rare targets", "Multiline", (
+        "logits/ece", "logits/overconfidence", "logits/rare/ece", "logits/rare/overconfidence",
+        "val/logits/ece", "val/logits/overconfidence", "val/logits/rare/ece", "val/logits/rare/overconfidence",
+    )),  # fmt: skip
     Chart("gradient row density: embedding vs head", "Multiline", ("grad/embedding_row_density", "grad/head_row_density", "grad/shared_row_density")),
     Chart("update row density (rows the optimizer moved)", "Multiline", ("update/{matrix}_row_density",)),
     Chart("tied matrix: cosine of the lookup and scoring flows", "Multiline", ("grad/tied_flow_cosine_mean", "grad/tied_flow_conflict_fraction")),

@@ -43,6 +43,7 @@ from headwatch.functional.rows import (
     summarize,
     summarize_groups,
 )
+from headwatch.functional.padding import padded_mass
 from headwatch.functional.tied import row_group_statistics, tied_flow_statistics
 
 __all__ = [
@@ -94,6 +95,7 @@ __all__ = [
     "synonym_table",
     "tied_flow_statistics",
     "token_scalars",
+    "padded_mass",
     "top_colliding_pairs",
 ]
 
