@@ -31,7 +31,10 @@ GRAD_KEYS = (
     "tokens/rare_count",
 )
 KEYS = ("entropy", "kl_to_uniform", "kl_from_uniform", "entropy_p05", "entropy_p50", "entropy_p95",
-        "max_prob", "target_nll", "target_argmax_rate", "positions")
+        "max_prob", "target_nll", "target_argmax_rate", "positions",
+        # calibration by target frequency (issue 12): bin and bucket sums reduced across processes
+        "ece", "overconfidence", "rare/ece", "rare/overconfidence", "rare/target_nll", "rare/positions",
+        "top1/target_nll", "top10/target_argmax_rate", "tail/max_prob", "unseen/positions")
 
 
 class Recorder(pl.Callback):

@@ -161,7 +161,7 @@ def test_lightning_step_falls_back_to_global_step():
 def _emitted(tmp_path, tie: bool) -> set[str]:
     logger = StepLogger()
     callbacks = [
-        LogitStatsMonitor(figure_every_n_steps=1),
+        LogitStatsMonitor(figure_every_n_steps=1, vocab_size=60),  # 4 padded columns: padded_mass
         GradientDensityMonitor(figure_every_n_steps=1),
         SynonymCollisionMonitor(every_n_steps=2, synonym_groups=[[1, 2, 3], [4, 5]], figures=True, tau=-1.0),
     ]

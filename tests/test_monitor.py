@@ -111,13 +111,13 @@ def test_tensorboard_values_equal_direct_computation(tmp_path):
 
 def test_hook_does_no_work_off_logging_steps(tmp_path, monkeypatch):
     calls = []
-    original = LogitStatsMetric.update
+    original = LogitStatsMetric.update_from_statistics
 
     def counting(self, *args, **kw):
         calls.append(self)
         return original(self, *args, **kw)
 
-    monkeypatch.setattr(LogitStatsMetric, "update", counting)
+    monkeypatch.setattr(LogitStatsMetric, "update_from_statistics", counting)
     trainer = make_trainer(tmp_path, [LogitStatsMonitor(log_every_n_steps=3, validation=False)], max_steps=7)
     trainer.fit(TinyCausalLM(), loader(n=64))
     assert len(calls) == 2  # steps 2 and 5 only, of 7 training forwards

@@ -104,4 +104,5 @@ def test_collision_monitor_measures_e(tmp_path):
     make_trainer(tmp_path, [monitor], max_steps=1).fit(tied, loader(n=8, batch_size=8))
     assert monitor.tied
     matrices = monitor._matrices()
-    assert list(matrices) == ["head"] and matrices["head"] is tied.embed_tokens.weight
+    assert list(matrices) == ["head"]
+    assert matrices["head"].data_ptr() == tied.embed_tokens.weight.data_ptr()  # E itself (the effective weight, no copy)

@@ -122,10 +122,6 @@ def find_output_head(model: nn.Module, head: str | nn.Module | None = None) -> t
     )
 
 
-EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embedding", "embeddings")
-"""Leaf names taken as the input embedding when the model has no ``get_input_embeddings()``."""
-
-
 def find_input_embedding(
     model: nn.Module, embedding: str | nn.Module | None = None, vocab_size: int | None = None
 ) -> tuple[str, nn.Module]:
@@ -136,7 +132,7 @@ def find_input_embedding(
     1. ``embedding`` if given: a submodule of ``model`` or its dotted name;
     2. Hugging Face ``get_input_embeddings()`` on ``model`` or any submodule;
     3. an ``nn.Embedding`` named ``embed_tokens``, ``wte``, ``tok_embeddings``,
-       ``word_embeddings``, ``embedding`` or ``embeddings``;
+       ``word_embeddings``, ``embedding``, ``embeddings`` or ``shared``;
     4. the single ``nn.Embedding`` (or the single one with ``num_embeddings == vocab_size``
        when ``vocab_size``, typically the head's ``out_features``, is given).
 
@@ -146,35 +142,15 @@ def find_input_embedding(
     Raises:
         HeadwatchError: no rule or a rule with several matches decides; the message lists
             the embeddings found and how to pass ``embedding=``.
+
+    Modules that share one stored weight (a tied T5's ``shared``, ``encoder.embed_tokens`` and
+    ``decoder.embed_tokens``) are one embedding, not an ambiguity: this returns the primary one;
+    :func:`headwatch.weights.find_embedding_group` returns them all (hook all of them).
     """
-    if embedding is not None:
-        name, module = find_output_head(model, embedding)  # same resolution of a module or a dotted name
-        if not _has_matrix_weight(module):
-            raise HeadwatchError(f"`embedding={name!r}` has no 2-D `weight` (got {_describe(name, module)})")
-        return name, module
-    found = {k: v for k, v in _from_getter(model, "get_input_embeddings").items() if _has_matrix_weight(v[1])}
-    if len(found) == 1:
-        return next(iter(found.values()))
-    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
-    if len(found) > 1:
-        _raise_ambiguous(model, list(found.values()), "several get_input_embeddings() results", "embedding")
-    named = [(n, m) for n, m in embeddings if n.rsplit(".", 1)[-1] in EMBEDDING_NAMES]
-    if len(named) == 1:
-        return named[0]
-    if len(named) > 1:
-        _raise_ambiguous(model, named, f"several embeddings named like {'/'.join(EMBEDDING_NAMES)}", "embedding")
-    sized = [(n, m) for n, m in embeddings if vocab_size is None or m.num_embeddings == vocab_size]
-    if len(sized) == 1:
-        return sized[0]
-    if len(sized) > 1:
-        _raise_ambiguous(model, sized, "several nn.Embedding modules", "embedding")
-    listing = ", ".join(_describe(n, m) for n, m in embeddings) or "none"
-    raise HeadwatchError(
-        f"could not find the input embedding of {type(model).__name__}: no get_input_embeddings(), no "
-        f"nn.Embedding named {'/'.join(EMBEDDING_NAMES)}"
-        + (f", no nn.Embedding with num_embeddings == {vocab_size}" if vocab_size is not None else "")
-        + f". Embeddings found: {listing}. Pass it explicitly, e.g. embedding='model.embed_tokens'."
-    )
+    from headwatch.weights import find_embedding_group
+
+    group = find_embedding_group(model, embedding, vocab_size)
+    return group.name, group.module
 
 
 class HeadAndEmbedding(NamedTuple):
@@ -183,7 +159,8 @@ class HeadAndEmbedding(NamedTuple):
     embedding_name: str
     embedding: nn.Module
     tied: bool
-    """``head.weight is embedding.weight``: one Parameter."""
+    """One effective matrix (:func:`headwatch.weights.effective_tie`): one stored Parameter and no
+    adapter changing one side only (LoRA on a tied ``lm_head`` unties it)."""
 
 
 def find_head_and_embedding(
@@ -206,7 +183,9 @@ def find_head_and_embedding(
             f"the output head `{head_name}` has weight {tuple(weight.shape)}; per-row comparisons need "
             "both to be (vocab_size, d_model)"
         )
-    return HeadAndEmbedding(head_name, head_module, emb_name, emb, emb.weight is weight)
+    from headwatch.weights import effective_tie
+
+    return HeadAndEmbedding(head_name, head_module, emb_name, emb, effective_tie(head_module, emb).tied)
 
 
 def _has_matrix_weight(module: nn.Module) -> bool:

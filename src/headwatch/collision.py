@@ -133,7 +133,7 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super()._attach(trainer, pl_module, stage)
-        self.frequency = TokenFrequency.of_trainer(trainer, pl_module)
+        self.frequency = TokenFrequency.of_trainer(trainer, pl_module, self.embedding)
         where = "the tied matrix" if self.tied else "head and embedding"
         self._info_once(
             f"headwatch: synonym collision of rare tokens in {where}, tau={self.tau}, every {self.schedule.every} steps"

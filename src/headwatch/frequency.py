@@ -77,8 +77,11 @@ class TokenFrequency(TokenCounts, MonitorCallback):
         self.log_every_n_steps = log_every_n_steps
 
     @classmethod
-    def of_trainer(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TokenFrequency:
-        """The trainer's tracker: the one in ``trainer.callbacks``, or a new default one added there.
+    def of_trainer(
+        cls, trainer: pl.Trainer, pl_module: pl.LightningModule, embedding: str | nn.Module | None = None
+    ) -> TokenFrequency:
+        """The trainer's tracker: the one in ``trainer.callbacks``, or a new default one added there
+        (following the calling monitor's ``embedding``, when it was told one).
 
         Raises:
             HeadwatchError: more than one ``TokenFrequency`` is attached.
@@ -91,7 +94,7 @@ class TokenFrequency(TokenCounts, MonitorCallback):
         if trackers:
             tracker = trackers[0]
         else:
-            tracker = cls()
+            tracker = cls(embedding=embedding)
             trainer.callbacks.append(tracker)
             rank_zero_info("headwatch: added a TokenFrequency tracker with default settings (counts token ids)")
         if tracker.num_rows == 0:

@@ -83,7 +83,7 @@ class GradientDensityMonitor(GradientDensity, MonitorCallback):
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         first = self.model is None
         super()._attach(trainer, pl_module, stage)
-        self.frequency = TokenFrequency.of_trainer(trainer, pl_module)
+        self.frequency = TokenFrequency.of_trainer(trainer, pl_module, self.embedding)
         self.figure_every = resolve_figure_interval(self.figure_every_n_steps, self.schedule.every)
         self._info_once(f"headwatch: {self.tying_text}")
         if first and stage == "fit" and trainer.is_global_zero:

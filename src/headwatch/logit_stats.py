@@ -9,9 +9,11 @@ from torch import nn
 
 from headwatch._base import check_bool, check_every, check_module_or_name, check_positive_int
 from headwatch._capture import MaskFn, TargetsFn
+from headwatch._errors import HeadwatchError
 from headwatch.core.batch import BatchFormat
 from headwatch.core.logits import SCALAR_KEYS, LogitStats
 from headwatch.figures import check_figure_argument, resolve_figure_interval
+from headwatch.frequency import TokenFrequency
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.integrations.lightning import MonitorCallback, tensorboard_writers, to_floats
 
@@ -22,10 +24,12 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
     """Log the entropy and sharpness of the model's next-token distributions while it trains.
 
     Add it to a Trainer and change nothing else: ``Trainer(callbacks=[LogitStatsMonitor()])``.
-    The monitor finds the output head (:func:`headwatch.find_output_head`), registers one
-    forward hook on it before the first forward, and on logging steps only computes the
-    statistics of the head's output ``(B, T, V)`` under ``no_grad`` in bounded memory
-    (:class:`headwatch.core.LogitStats`). Positions are read with one
+    The monitor finds the logits the model returns (:func:`headwatch.sources.resolve_logits_source`:
+    a Hugging Face model's ``outputs.logits``, after any post-head transform; else the output
+    head's), hooks them before the first forward, and on logging steps only computes their
+    statistics ``(B, T, V)`` under ``no_grad``, outside autocast, in bounded memory
+    (:class:`headwatch.core.LogitStats`); from the final hidden states and the head's weight
+    when the model never computes the full logits (fused loss, ``logits_to_keep``). Positions are read with one
     :class:`~headwatch.core.BatchFormat`: ``attention_mask == 0`` and ``ignore_index``
     targets are excluded; with ``shift_labels`` logits at ``t`` are scored against
     ``labels[t + 1]``; ``mask_fn`` / ``targets_fn`` (aligned with the logits) override.
@@ -43,6 +47,14 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
         prefix: first component of every metric name.
         strict: raise on a failure to measure instead of warning once and skipping.
         batch_format: a :class:`~headwatch.core.BatchFormat` replacing the four batch arguments.
+        logits_module: a module whose output holds the logits to measure, instead of the
+            automatic choice (a Hugging Face model's ``outputs.logits``, else the head's output).
+        hidden_module: a module whose first input is the final hidden states (a fused loss),
+            for models that never compute the logits of every position.
+        alignment: ``"causal"``, ``"seq2seq"`` or ``"aligned"`` targets; None: from the model
+            (``config.is_encoder_decoder``) and ``shift_labels``.
+        path: ``"auto"``, ``"logits"`` or ``"hidden"`` (force the hidden-state path).
+        vocab_size: the tokenizer's vocabulary size; with wider logits, ``padded_mass`` is logged.
 
     Raises:
         HeadwatchError: in ``__init__`` for invalid arguments; at set-up when the head cannot
@@ -52,8 +64,15 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
     validation epochs; units and formulas in :mod:`headwatch.names` and the README):
     ``entropy``, ``kl_to_uniform``, ``kl_from_uniform`` (nats), ``entropy_p05/_p50/_p95``
     (nats), ``max_prob``, ``target_nll`` (nats), ``target_argmax_rate``, ``positions``,
-    ``nonfinite_positions``, ``invalid_target_positions`` (counts), histogram
-    ``entropy_histogram``, image ``logits/entropy_over_run``. NaN when no valid position.
+    ``nonfinite_positions``, ``invalid_target_positions`` (counts), ``padded_mass``
+    (probability; with ``vocab_size=`` or the shared ``TokenFrequency``'s ``vocab_size``),
+    ``ece``, ``overconfidence`` (probability: 15-bin ECE of the top-1 prediction, mean
+    confidence minus accuracy), ``rare/ece``, ``rare/overconfidence``, and for each target
+    bucket ``<b>`` (``top1``, ``top10``, ``top50``, ``tail``, ``unseen``, ``rare``, from the shared
+    :class:`~headwatch.TokenFrequency`, added with defaults if absent) ``<b>/target_nll`` (nats),
+    ``<b>/target_argmax_rate``, ``<b>/max_prob``, ``<b>/positions``; histogram
+    ``entropy_histogram``, image ``logits/entropy_over_run``. NaN when no valid position. With
+    several validation dataloaders each validation name ends in ``/dataloader_idx_<k>``.
     """
 
     def __init__(
@@ -71,6 +90,11 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
         prefix: str = "headwatch",
         strict: bool = False,
         batch_format: BatchFormat | None = None,
+        logits_module: str | nn.Module | None = None,
+        hidden_module: str | nn.Module | None = None,
+        alignment: str | None = None,
+        path: str = "auto",
+        vocab_size: int | None = None,
     ) -> None:
         check_every("log_every_n_steps", log_every_n_steps)
         check_figure_argument(figure_every_n_steps)
@@ -81,7 +105,11 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
         fmt = batch_format or BatchFormat(
             shift_labels=shift_labels, ignore_index=ignore_index, mask_fn=mask_fn, targets_fn=targets_fn
         )
-        super().__init__(head, fmt, log_histogram, 0, max_chunk_bytes, prefix, strict)
+        super().__init__(
+            head, fmt, log_histogram, 0, max_chunk_bytes, prefix, strict,
+            logits_module=logits_module, hidden_module=hidden_module, alignment=alignment, path=path,
+            vocab_size=vocab_size,
+        )  # fmt: skip
         self.log_every_n_steps = log_every_n_steps
         self.shift_labels, self.ignore_index = fmt.shift_labels, fmt.ignore_index
         self.mask_fn, self.targets_fn = fmt.mask_fn, fmt.targets_fn
@@ -91,6 +119,8 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super()._attach(trainer, pl_module, stage)
+        if self.frequency is None:
+            self.frequency = self._shared_frequency(trainer, pl_module)
         self.figure_every = resolve_figure_interval(self.figure_every_n_steps, self.schedule.every)
         if not trainer.loggers:
             self.warn_once(
@@ -102,7 +132,28 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
             f"headwatch: measuring the logits of `{self.head_name}` every {self.schedule.every} steps"
         )
 
+    def _shared_frequency(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TokenFrequency | None:
+        """The trainer's shared ``TokenFrequency`` (added with defaults if absent), for the target buckets.
+
+        A model whose input embedding cannot be resolved keeps the logit statistics and overall
+        calibration; only the per-bucket values are not logged (said once).
+        """
+        before = len(trainer.callbacks)
+        try:
+            return TokenFrequency.of_trainer(trainer, pl_module)
+        except HeadwatchError as err:
+            del trainer.callbacks[before:]  # a default tracker that cannot count this model
+            self.warn_once(
+                "no_frequency",
+                f"LogitStatsMonitor: no token frequencies ({err}); loss, accuracy and calibration are logged "
+                "overall, not by target frequency. Pass a TokenFrequency(embedding=...) in callbacks. (warned once)",
+            )
+            return None
+
     # ------------------------------------------------------------------ validation
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.val_dataloaders = max(len(trainer.num_val_batches), 1)  # several: names get /dataloader_idx_<k>
+
     def _measuring_validation(self, trainer: pl.Trainer) -> bool:
         return self.validation and not trainer.sanity_checking and self.model is not None
 
@@ -124,7 +175,7 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
             numbers = to_floats(self.validation_epoch_end())
             for k, v in numbers.items():
                 # identical on every rank already; sync_dist averages equal values (and silences Lightning's warning)
-                pl_module.log(k, v, on_step=False, on_epoch=True, sync_dist=True)
+                pl_module.log(k, v, on_step=False, on_epoch=True, sync_dist=True, add_dataloader_idx=False)
             self.published(numbers)
             from headwatch import tensorboard as tb
 

@@ -100,7 +100,12 @@ class Headwatch:
                 continue
             if isinstance(m, str):
                 cls = _BY_NAME[m]
-                m = cls(frequency=counts, prefix=prefix) if cls in (GradientDensity, SynonymCollision) else cls(prefix=prefix, batch_format=fmt)
+                if cls in (GradientDensity, SynonymCollision):
+                    m = cls(frequency=counts, prefix=prefix)
+                elif cls is LogitStats:  # counts, when kept, give the calibration's target buckets
+                    m = cls(prefix=prefix, batch_format=fmt, frequency=counts)
+                else:
+                    m = cls(prefix=prefix, batch_format=fmt)
                 if fmt is not None:
                     m.batch_format = fmt
             elif getattr(m, "frequency", counts) is None:

@@ -3,12 +3,14 @@
 A declaration gives the name pattern (after ``<prefix>/``), the unit, the definition and
 the kind (``scalar``, ``histogram``, ``text``, ``image``). Placeholders in braces take the
 values of :data:`PLACEHOLDERS`. The TensorBoard layout (:data:`CHARTS`, written by
-:mod:`headwatch.dashboard`), the alert's default metrics and the README tables derive from
+:mod:`headwatch.dashboard`), ``headwatch report``'s groups and default selection
+(:data:`GROUPS`, :func:`is_headline`), the alert's default metrics and the README tables derive from
 or are tested against this module: a new metric is one :class:`Metric` line here.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from typing import NamedTuple
@@ -44,14 +46,21 @@ class Metric(NamedTuple):
     kind: str = "scalar"
     readme: str = ""
     """How README.md spells it, when not ``headwatch/<pattern with <placeholders>>``."""
+    headline: bool = True
+    """Shown by ``headwatch report`` by default (False: only with ``--all``; see also :data:`DETAIL`)."""
 
     def regex(self, prefix: str = "headwatch") -> re.Pattern[str]:
-        """A regex matching the full names this declaration stands for."""
+        """A regex matching the full names this declaration stands for.
+
+        ``{split}`` names of validation may end in Lightning's ``/dataloader_idx_<k>`` (several
+        validation dataloaders)."""
         parts = re.split(r"\{(\w+)\}", self.pattern)
         body = "".join(
             re.escape(p) if i % 2 == 0 else "(?:" + "|".join(map(re.escape, PLACEHOLDERS[p])) + ")"
             for i, p in enumerate(parts)
         )
+        if self.pattern.startswith("{split}/"):
+            body += r"(?:/dataloader_idx_\d+)?"
         return re.compile(re.escape(prefix) + "/" + body + "$")
 
     def readme_spelling(self) -> str:
@@ -72,13 +81,22 @@ METRICS: tuple[Metric, ...] = (
     Metric("{split}/positions", "count", "measured positions", _L),
     Metric("{split}/nonfinite_positions", "count", "positions excluded for NaN/+inf logits", _L),
     Metric("{split}/invalid_target_positions", "count", "positions excluded for a target outside [0, V)", _L),
+    Metric("{split}/padded_mass", "probability", "mean sum_{v >= vocab_size} p_v: softmax mass on columns beyond the tokenizer's vocabulary (with vocab_size=)", _L),
+    Metric("{split}/ece", "probability", "expected calibration error of the top-1 prediction: sum_m |sum_{n in B_m} (c_n - a_n)| / N, 15 equal-width confidence bins", _L),
+    Metric("{split}/overconfidence", "probability", "mean max_v p_v - mean [target is the argmax] (positive: more confident than accurate)", _L),
+    Metric("{split}/rare/ece", "probability", "ECE over positions whose target is rare", _L),
+    Metric("{split}/rare/overconfidence", "probability", "over-confidence gap over positions whose target is rare", _L),
+    Metric("{split}/{bucket}/target_nll", "nats", "mean -log p_target over positions whose target is in the bucket", _L),
+    Metric("{split}/{bucket}/target_argmax_rate", "fraction", "token accuracy (target is the argmax) over positions whose target is in the bucket", _L),
+    Metric("{split}/{bucket}/max_prob", "probability", "mean confidence max_v p_v over positions whose target is in the bucket", _L),
+    Metric("{split}/{bucket}/positions", "count", "measured positions whose target is in the bucket", _L),
     Metric("{split}/entropy_histogram", "nats", "histogram of per-position entropy", _L, kind="histogram"),
     Metric("logits/entropy_over_run", "", "image: entropy distribution at every logging step so far", _L, kind="image"),
     # ---- gradients
     Metric("grad/{flow}_row_density", "fraction", "|{i valid : G_i != 0}| / |valid|", _G),
     Metric("grad/{flow}_row_norm_{stat}", "gradient units", "statistics of ||G_i||_2 over valid rows", _G, readme="headwatch/grad/<flow>_row_norm_{mean,max,p50,p95}"),
-    Metric("grad/{bucket}/{flow}_row_density", "fraction", "row density within a frequency bucket", _G),
-    Metric("grad/{bucket}/{flow}_row_norm_{stat}", "gradient units", "row-norm statistics within a bucket", _G, readme="headwatch/grad/<bucket>/<flow>_row_density`, `_row_norm_{mean,max,p50,p95}"),
+    Metric("grad/{bucket}/{flow}_row_density", "fraction", "row density within a frequency bucket", _G, headline=False),
+    Metric("grad/{bucket}/{flow}_row_norm_{stat}", "gradient units", "row-norm statistics within a bucket", _G, headline=False, readme="headwatch/grad/<bucket>/<flow>_row_density`, `_row_norm_{mean,max,p50,p95}"),
     Metric("grad/{flow}_rare_to_frequent_norm_ratio", "ratio", "mean row norm of rare tokens / of the top1 bucket", _G),
     Metric("grad/tied", "", "1 when head and embedding are one Parameter, else 0", _G),
     Metric("grad/tied_flow_cosine_mean", "cosine", "mean cos(E_i, H_i) over rows with both flows", _G),
@@ -100,12 +118,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("collision/drift/raw_rate_{m}", "fraction", "drift, not collision: rare r with raw max_j cos(W_r, W_j) >= tau / measured rare tokens", _C),
     Metric("collision/drift/mean_cos_{m}", "cosine", "mean cosine of the measured rare rows to their mean direction (mean resultant length)", _C),
     Metric("collision/drift/removed_variance_{m}", "fraction", "share of the pairable rows' variance held by the removed principal directions", _C),
-    Metric("collision/{bucket}/{m}_nn_cosine_mean", "cosine", "mean nearest-neighbour cosine of a bucket's pairable rows, drift removed", _C),
+    Metric("collision/{bucket}/{m}_nn_cosine_mean", "cosine", "mean nearest-neighbour cosine of a bucket's pairable rows, drift removed", _C, headline=False),
     Metric("collision/rare_count", "count", "rare tokens", _C),
     Metric("collision/rare_sample_size", "count", "rare tokens measured (sampled above max_rare)", _C, readme="rare_sample_size"),
     Metric("collision/unseen_count", "count", "valid tokens never seen (not paired unless include_unseen)", _C, readme="unseen_count"),
     Metric("collision/invalid_count", "count", "rows that cannot occur (padded vocabulary; never paired)", _C, readme="invalid_count"),
-    Metric("collision/zero_count_{m}", "count", "valid rows that are all zero (never paired)", _C, readme="zero_count_<m>"),
+    Metric("collision/untrained_count_{m}", "count", "valid rows never trained (all zeros), left out of every collision search", _C),
     Metric("collision/nonfinite_count_{m}", "count", "valid rows holding NaN or inf (never paired)", _C, readme="nonfinite_count_<m>"),
     Metric("collision/synonym_pair_rate_{m}", "fraction", "ordered within-group pairs of pairable rows with cos >= tau, drift removed / such pairs", _C),
     Metric("collision/synonym_partner_rank_{m}", "rank", "median rank of each synonym's partner among its nearest pairable rows, drift removed (1 = nearest)", _C),
@@ -134,8 +152,16 @@ def declaration(name: str, prefix: str = "headwatch") -> Metric | None:
 
 def expand(metric: Metric) -> list[str]:
     """Every concrete name (without prefix) a declaration stands for."""
+    return [name for name, _ in _expansions(metric)]
+
+
+def _expansions(metric: Metric) -> list[tuple[str, dict[str, str]]]:
     fields = re.findall(r"\{(\w+)\}", metric.pattern)
-    return [metric.pattern.format(**dict(zip(fields, values))) for values in itertools.product(*(PLACEHOLDERS[f] for f in fields))]
+    out = []
+    for values in itertools.product(*(PLACEHOLDERS[f] for f in fields)):
+        chosen = dict(zip(fields, values))
+        out.append((metric.pattern.format(**chosen), chosen))
+    return out
 
 
 class Chart(NamedTuple):
@@ -151,6 +177,12 @@ CHARTS: tuple[Chart, ...] = (
     Chart("entropy and sharpness, validation (nats)", "Multiline", ("val/logits/entropy", "val/logits/kl_to_uniform", "val/logits/kl_from_uniform")),
     Chart("entropy median with p05-p95 band, train (nats)", "Margin", ("logits/entropy_p50", "logits/entropy_p05", "logits/entropy_p95")),
     Chart("target NLL vs loss (nats)", "Multiline", ("logits/target_nll", "val/logits/target_nll", "^train_loss$", "^val_loss$")),
+    Chart("target NLL by target frequency, train (nats)", "Multiline", tuple(f"logits/{b}/target_nll" for b in (*BUCKETS, "rare"))),
+    Chart("target NLL by target frequency, validation (nats)", "Multiline", tuple(f"val/logits/{b}/target_nll" for b in (*BUCKETS, "rare"))),
+    Chart("calibration: ECE and over-confidence, all and rare targets", "Multiline", (
+        "logits/ece", "logits/overconfidence", "logits/rare/ece", "logits/rare/overconfidence",
+        "val/logits/ece", "val/logits/overconfidence", "val/logits/rare/ece", "val/logits/rare/overconfidence",
+    )),  # fmt: skip
     Chart("gradient row density: embedding vs head", "Multiline", ("grad/embedding_row_density", "grad/head_row_density", "grad/shared_row_density")),
     Chart("update row density (rows the optimizer moved)", "Multiline", ("update/{matrix}_row_density",)),
     Chart("tied matrix: cosine of the lookup and scoring flows", "Multiline", ("grad/tied_flow_cosine_mean", "grad/tied_flow_conflict_fraction")),
@@ -175,3 +207,53 @@ def chart_tag(series: str, kind: str, prefix: str = "headwatch") -> str:
 
 DEFAULT_ALERT_METRICS = ("logits/entropy", "logits/kl_to_uniform")
 """Names (after the prefix) the collapse alert watches by default."""
+
+
+# ---- `headwatch report`: groups and the default selection, derived from the declarations above
+
+class Group(NamedTuple):
+    name: str
+    """Heading of the group in ``headwatch report`` (text, HTML, charts)."""
+    monitor: str
+    """The class whose metrics (:attr:`Metric.monitor`) the group holds."""
+    title: str
+
+
+GROUPS: tuple[Group, ...] = (
+    Group("logits", _L, "the head's output distribution: training steps (logits/), validation epochs (val/logits/)"),
+    Group("gradients", _G, "gradient and update rows of embedding and head, frequency gravity (grad/, update/, freq/)"),
+    Group("collision", _C, "rare-token collision (collision/)"),
+    Group("tokens", _T, "token counts (tokens/)"),
+    Group("alerts", _A, "alert markers, 1 at the alert step (alerts/)"),
+)
+"""Report groups in display order: one per monitor."""
+
+DETAIL: dict[str, tuple[str, ...]] = {"q": ("05",), "stat": ("max",)}
+"""Placeholder values ``headwatch report`` shows only with ``--all``: the 5% entropy quantile
+(the median and p95 are shown) and the largest row norm (one row; the mean, p50 and p95 are shown)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _concrete() -> dict[str, tuple[Metric, dict[str, str]]]:
+    return {name: (metric, chosen) for metric in METRICS for name, chosen in _expansions(metric)}
+
+
+def report_group(name: str, prefix: str = "headwatch") -> str | None:
+    """The :class:`Group` name of a full metric name (``<prefix>/...``), or None when it is not declared."""
+    found = _concrete().get(name[len(prefix) + 1 :]) if name.startswith(prefix + "/") else None
+    if found is None:
+        return None
+    return next(g.name for g in GROUPS if g.monitor == found[0].monitor)
+
+
+def is_headline(name: str, prefix: str = "headwatch") -> bool | None:
+    """Whether ``headwatch report`` shows a full metric name by default, None when it is not declared.
+
+    True when its declaration is :attr:`Metric.headline` and none of its placeholder values is
+    listed in :data:`DETAIL`.
+    """
+    found = _concrete().get(name[len(prefix) + 1 :]) if name.startswith(prefix + "/") else None
+    if found is None:
+        return None
+    metric, chosen = found
+    return metric.headline and not any(value in DETAIL.get(field, ()) for field, value in chosen.items())

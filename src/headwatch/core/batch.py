@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -65,6 +65,20 @@ class BatchFormat:
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise HeadwatchError(f"`{name}` must be None or a callable taking the batch, got {value!r}")
+
+    def for_alignment(self, alignment: str) -> BatchFormat:
+        """This format adapted to the model kind (:data:`headwatch.sources.ALIGNMENTS`).
+
+        ``"causal"``: unchanged. ``"aligned"``: labels as given (``shift_labels=False``).
+        ``"seq2seq"`` (T5): labels as given and, unless ``mask_fn``/``targets_fn`` say
+        otherwise, the mask is ``decoder_attention_mask`` (the batch's ``attention_mask`` is the
+        encoder's and never masks decoder positions).
+        """
+        if alignment == "seq2seq" and self.mask_fn is None and self.targets_fn is None:
+            return replace(self, shift_labels=False, mask_key="decoder_attention_mask")
+        if alignment in ("seq2seq", "aligned"):
+            return replace(self, shift_labels=False)
+        return self
 
     def read(self, batch: Any) -> BatchView:
         """A lazy view of ``batch``: each field is read on first access only."""

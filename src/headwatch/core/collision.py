@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch._capture import find_head_and_embedding, logits_from_output
+from headwatch._capture import logits_from_output
 from headwatch._errors import HeadwatchError
 from headwatch.core.batch import BatchFormat, BatchView
+from headwatch.core import sharded
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor
 from headwatch.core.tokens import decode_token, encode_group
@@ -25,6 +26,7 @@ from headwatch.functional.drift_pairs import corrected_collision, synonym_statis
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
+from headwatch.weights import effective_weight, resolve_matrices
 
 __all__ = ["DEFAULT_TAU", "SynonymCollision", "decode_token", "encode_group"]
 
@@ -96,7 +98,8 @@ class SynonymCollision(Monitor):
 
     # ---------------------------------------------------------------- wiring
     def attach(self, model: nn.Module) -> None:
-        _, head, _, emb, self.tied = find_head_and_embedding(model, self.head, self.embedding)
+        matrices = resolve_matrices(model, self.head, self.embedding)
+        head, emb, self.tied = matrices.head, matrices.embedding.module, matrices.tie.tied
         self._head, self._emb, self.model = head, emb, model
         if self.synonym_groups is not None:
             self._group_ids = [encode_group(self.tokenizer, g) for g in self.synonym_groups]
@@ -114,7 +117,8 @@ class SynonymCollision(Monitor):
     def _matrices(self) -> dict[str, Tensor]:
         if self._head is None or self._emb is None:
             raise HeadwatchError("SynonymCollisionMonitor has no model: attach it first")
-        return {"head": self._head.weight} if self.tied else {"head": self._head.weight, "embedding": self._emb.weight}
+        head = effective_weight(self._head)  # under LoRA the matrix that scores, not the frozen base
+        return {"head": head} if self.tied else {"head": head, "embedding": effective_weight(self._emb)}
 
     # ---------------------------------------------------------------- confusion (logits path)
     def step_start(self, batch: Any, step: int, logging: bool) -> None:
@@ -250,6 +254,8 @@ class SynonymCollision(Monitor):
         scalars: dict[str, Any], tables: dict[str, str],
     ) -> dict[str, Any]:  # fmt: skip
         c, dev, budget = f"{self.prefix}/collision", weight.device, self.max_chunk_bytes
+        if sharded.is_sharded(weight):  # row-sharded (FSDP2): the correction needs every row (see README, limits)
+            weight = sharded.gather_rows(weight, torch.arange(snap.valid.numel(), device=dev), self.reducer)
         seen = (snap.counts > 0).to(dev)
         p = pairable_rows(weight, snap.valid.to(dev), seen, self.include_unseen, budget)
         k = self.k if self.k is not None else default_k(weight.shape[1])
@@ -258,7 +264,7 @@ class SynonymCollision(Monitor):
         scalars[f"{c}/drift/raw_rate_{name}"] = res.raw_rate
         scalars[f"{c}/drift/mean_cos_{name}"] = res.drift_mean_cos
         scalars[f"{c}/drift/removed_variance_{name}"] = res.removed_variance
-        scalars[f"{c}/zero_count_{name}"] = p.zero.double()
+        scalars[f"{c}/untrained_count_{name}"] = p.zero.double()  # valid all-zero rows: never trained
         scalars[f"{c}/nonfinite_count_{name}"] = p.nonfinite.double()
         cosines = {"rare": res.cosine.cpu()}
         for group, rows in bucket_rows.items():

@@ -7,19 +7,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch._capture import find_head_and_embedding
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor
+from headwatch.core.sharded import ShardedLookup, is_sharded, local_rows, row_norms_full, row_statistics, tied_flow_statistics
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
-from headwatch.functional.rows import dense_rows, lookup_gradient, row_norms, spearman
-from headwatch.functional.tied import row_group_statistics, tied_flow_statistics
+from headwatch.functional.rows import dense_rows, spearman
+from headwatch.weight_hooks import HeadFlowCapture, LookupFlowCapture
+from headwatch.weights import Matrices, effective_weight, resolve_matrices
 
 
 class GradientDensity(Monitor):
     """Per-row gradient and update statistics (see :class:`headwatch.GradientDensityMonitor`).
 
-    Needs a :class:`TokenCounts` (``frequency``) attached to the same model. On a tied
-    matrix a forward hook on the embedding captures ``dL/d(output)`` on logging steps.
+    Needs a :class:`TokenCounts` (``frequency``) attached to the same model. The matrices are the
+    effective ones (:mod:`headwatch.weights`): the lookup flow is captured on every module that
+    looks up the embedding's weight (tied T5: encoder and decoder), a LoRA head's row gradient is
+    ``g.T @ h`` from hooks on the head, and a frozen matrix gets no gradient statistics at all.
     """
 
     name = "grad"
@@ -46,11 +49,12 @@ class GradientDensity(Monitor):
         self.tying_text = ""
         self._head: nn.Module | None = None
         self._emb: nn.Module | None = None
-        self._hook: Any = None
+        self.matrices: Matrices | None = None
+        self._lookup_capture: LookupFlowCapture | None = None
+        self._head_capture: HeadFlowCapture | None = None
         self._active = False
         self._step: int | None = None
         self._measured = False
-        self._lookup: Tensor | None = None  # (V, d) lookup-path gradient of a tied matrix, this step
         self._before: dict[str, Tensor] = {}
         self._pending: dict[str, Tensor] = {}
         self._snapshot: FrequencySnapshot | None = None
@@ -61,27 +65,30 @@ class GradientDensity(Monitor):
 
     # ---------------------------------------------------------------- wiring
     def attach(self, model: nn.Module) -> None:
-        head_name, head, emb_name, emb, self.tied = find_head_and_embedding(model, self.head, self.embedding)
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        if self.tied:
-            self._hook = emb.register_forward_hook(self._on_embedding_forward, with_kwargs=True)
-        self._head, self._emb, self.model = head, emb, model
-        shape = tuple(head.weight.shape)
-        self.tying_text = (
-            f"`{emb_name}` and `{head_name}` are TIED: one Parameter of shape {shape}; its "
-            "gradient is split into the lookup (embedding) and scoring (head) flows"
-            if self.tied
-            else f"`{emb_name}` {tuple(emb.weight.shape)} and `{head_name}` {shape} are UNTIED"
-        )
+        self.detach()
+        m = self.matrices = resolve_matrices(model, self.head, self.embedding)
+        self.tied, self._head, self._emb, self.model = m.tie.tied, m.head, m.embedding.module, model
+        head, emb = m.trains["head"], m.trains["embedding"]
+        if emb.trains and (self.tied or emb.gradient_parameter is None):
+            self._lookup_capture = LookupFlowCapture(m.embedding).attach()  # every lookup of the weight
+        if head.trains and head.gradient_parameter is None:
+            self._head_capture = HeadFlowCapture(m.head).attach()  # LoRA: no Parameter holds dL/dW_eff
+        self.tying_text = m.text()
+        if m.config_message:
+            self.warn_once("config_tie", m.config_message)
+        for role, state in m.trains.items():
+            if not state.trains:
+                self.warn_once(f"frozen:{role}", f"GradientDensityMonitor: {m.text()} (said once)")
 
     def detach(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-        self._hook, self.model = None, None
+        for capture in self._captures():
+            capture.detach()
+        self._lookup_capture, self._head_capture, self.model = None, None, None
         self._reset_step()
         self._scratch_buffers = {}
+
+    def _captures(self) -> list[LookupFlowCapture | HeadFlowCapture]:
+        return [c for c in (self._lookup_capture, self._head_capture) if c is not None]
 
     def _scratch(self, name: str, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """A ``(V, d_model)`` work buffer; kept between logging steps on the CPU only (first-touch page faults)."""
@@ -94,51 +101,41 @@ class GradientDensity(Monitor):
         return buf
 
     def _reset_step(self) -> None:
-        self._active, self._step, self._measured, self._lookup = False, None, False, None
+        self._active, self._step, self._measured = False, None, False
+        for capture in self._captures():
+            capture.active = False
+            capture.reset()
         self._before, self._pending, self._snapshot, self._histograms, self._full_norms = {}, {}, None, {}, {}
 
-    # ---------------------------------------------------------------- capture (tied)
-    def _on_embedding_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self._active:
-            if torch.compiler.is_compiling():
-                self.warn_once(
-                    "compiled_lookup",
-                    "GradientDensityMonitor: the tied embedding runs inside torch.compile, where its output "
-                    "gradient cannot be hooked; only the shared gradient is reported. (warned once)",
-                )
-                return
-            self._watch_lookup(args, kwargs, output)
-
-    @torch.compiler.disable
-    def _watch_lookup(self, args: Any, kwargs: Any, output: Any) -> None:
-        try:
-            ids = args[0] if args else kwargs.get("input")
-            if not isinstance(ids, Tensor) or not isinstance(output, Tensor) or not output.requires_grad:
-                return
-            ids = ids.detach()
-            output.register_hook(lambda grad: self._add_lookup(ids, grad))
-        except Exception as err:  # noqa: BLE001
-            self.fail(err, "hooking the embedding output")
-
-    def _add_lookup(self, ids: Tensor, grad: Tensor) -> None:
-        try:
-            V = self._emb.weight.shape[0]  # type: ignore[union-attr]
-            pad = getattr(self._emb, "padding_idx", None)
-            if self._lookup is None:
-                like = grad.new_empty(()).expand(V, grad.shape[-1])
-                self._lookup = self._scratch("lookup", like, torch.float32).zero_()
-            lookup_gradient(ids.to(grad.device), grad, V, pad if isinstance(pad, int) else None, out=self._lookup)
-        except Exception as err:  # noqa: BLE001
-            self.fail(err, "capturing the embedding-path gradient")
-
     # ---------------------------------------------------------------- protocol
+    def _parameters_replaced(self) -> bool:
+        """A module's ``weight`` is no longer the Parameter resolved at attach (``fully_shard`` after attach)."""
+        m = self.matrices
+        if m is None:
+            return False
+        modules = {"head": self._head, "embedding": self._emb}
+        return any(
+            state.kind == "plain"
+            and state.gradient_parameter is not None
+            and getattr(modules[role], "weight", None) is not state.gradient_parameter
+            for role, state in m.trains.items()
+        )
+
     def step_start(self, batch: Any, step: int, logging: bool) -> None:
+        if logging and self.model is not None and self._parameters_replaced():
+            self.attach(self.model)  # FSDP2 swapped in DTensor Parameters after attach: resolve them again
         if logging:
             if self._step != step:
                 self._reset_step()
             self._active, self._step = True, step
         else:
             self._active = False
+        for capture in self._captures():
+            capture.active = self._active
+        lookup = self._lookup_capture
+        # row-sharded (FSDP2: a DTensor between steps): keep the tied lookup flow compact
+        if self._active and self.tied and lookup is not None and lookup.sharded is None and is_sharded(self._head.weight):  # type: ignore[union-attr]
+            lookup.sharded = ShardedLookup()
 
     def gradients_ready(self, loss_scale: float | Tensor | None = None) -> None:
         if not self._active or self._measured:
@@ -147,13 +144,13 @@ class GradientDensity(Monitor):
         try:
             self._pending = self._gradient_stats(loss_scale)
             if self.update_density:
-                self._before = {
-                    name: self._scratch(f"before:{name}", w).copy_(w.detach()) for name, w in self._matrices().items()
-                }
+                local = {name: local_rows(w).local for name, w in self._matrices().items()}  # this process's rows
+                self._before = {name: self._scratch(f"before:{name}", w).copy_(w) for name, w in local.items()}
         except Exception as err:  # noqa: BLE001
             self.fail(err, "measuring gradients")
             self._pending = {}
-        self._lookup = None
+        for capture in self._captures():
+            capture.reset()
 
     def pending(self) -> bool:
         return self._step is not None
@@ -181,20 +178,54 @@ class GradientDensity(Monitor):
 
     # ---------------------------------------------------------------- math
     def _matrices(self) -> dict[str, Tensor]:
-        """The distinct weight matrices: ``shared`` when tied, ``embedding`` and ``head`` when not."""
+        """The distinct effective matrices (float32): ``shared`` when tied, ``embedding`` and ``head`` when not."""
         if self.tied:
-            return {"shared": self._head.weight}  # type: ignore[union-attr]
-        return {"embedding": self._emb.weight, "head": self._head.weight}  # type: ignore[union-attr]
+            return {"shared": effective_weight(self._head)}  # type: ignore[arg-type]
+        return {"embedding": effective_weight(self._emb), "head": effective_weight(self._head)}  # type: ignore[arg-type]
 
-    def _flows(self, loss_scale: float | Tensor | None) -> dict[str, Tensor | None]:
-        head_grad = self._head.weight.grad  # type: ignore[union-attr]
+    def _captured(self, capture: LookupFlowCapture | HeadFlowCapture | None, loss_scale: float | Tensor | None) -> Any:
+        """A capture's ``(V, d)`` gradient, unscaled and averaged like ``.grad``; None when absent on any rank."""
+        if capture is None:
+            return None
+        if capture.error is not None:
+            err, capture.error = capture.error, None
+            self.fail(err, "capturing a gradient flow")
+        if capture.compiled:
+            self.warn_once(
+                "compiled_capture",
+                "GradientDensityMonitor: the embedding or head runs inside torch.compile, where its output "
+                "gradient cannot be hooked; the flows that need it are not reported. (warned once)",
+            )
+        sharded = getattr(capture, "sharded", None)
+        if not self.reducer.all(capture.gradient is not None or (sharded is not None and bool(sharded.ids))):
+            return None  # every process takes the same path
+        if sharded is not None:
+            return sharded  # combined on this process's rows in _flows
+        grad = capture.gradient
+        if loss_scale is not None:
+            grad = grad / loss_scale  # captured from the scaled loss; .grad is unscaled already
+        return self.reducer.mean(grad)  # as DDP averages .grad
+
+    def _flows(self, loss_scale: float | Tensor | None) -> dict[str, Any]:
+        trains = self.matrices.trains  # type: ignore[union-attr]
+        lookup = self._captured(self._lookup_capture, loss_scale)
+        head_eff = self._captured(self._head_capture, loss_scale)
+        param = {role: state.gradient_parameter for role, state in trains.items()}
+        head_grad = param["head"].grad if param["head"] is not None else head_eff
         if not self.tied:
-            return {"embedding": self._emb.weight.grad, "head": head_grad}  # type: ignore[union-attr]
-        if head_grad is None:
+            emb_grad = param["embedding"].grad if param["embedding"] is not None else lookup
+            flows = {"embedding": emb_grad, "head": head_grad}
+            return {flow: grad for flow, grad in flows.items() if trains[flow].trains}  # frozen: said once
+        if not trains["head"].trains:
+            return {}
+        if param["head"] is not None:
+            total = head_grad
+        else:  # tied through adapters (ensure_weight_tying): no Parameter holds the sum of the flows
+            total = lookup + head_eff if lookup is not None and head_eff is not None else None
+        if total is None:
             return {"embedding": None, "head": None, "shared": None}
-        total = dense_rows(head_grad).float()
-        # every process must take the same path: the split below is a collective
-        if not self.reducer.all(self._lookup is not None):
+        total = dense_rows(total).float()
+        if lookup is None:
             self.warn_once(
                 "nolookup",
                 "GradientDensityMonitor: the tied embedding's forward was not called with token ids on this "
@@ -202,10 +233,13 @@ class GradientDensity(Monitor):
                 "scoring flows; only the shared gradient is reported. (warned once)",
             )
             return {"shared": total}
-        lookup = self._lookup
-        if loss_scale is not None:
-            lookup = lookup / loss_scale  # captured from the scaled loss; .grad is unscaled already
-        lookup = self.reducer.mean(lookup)  # as DDP averages .grad
+        if isinstance(lookup, ShardedLookup):  # rows of this process, averaged over processes
+            shard = local_rows(total)
+            lookup = lookup.rows(shard, self.reducer)
+            if loss_scale is not None:
+                lookup = lookup.with_local(lookup.local / loss_scale)
+            scoring = torch.sub(shard.local, lookup.local, out=self._scratch("scoring", lookup.local))
+            return {"embedding": lookup, "head": lookup.with_local(scoring), "shared": shard}
         scoring = torch.sub(total, lookup, out=self._scratch("scoring", total, torch.float32))
         return {"embedding": lookup, "head": scoring, "shared": total}
 
@@ -223,28 +257,28 @@ class GradientDensity(Monitor):
                     "loss); its statistics are skipped. (warned once)",
                 )
                 continue
-            grad = dense_rows(grad)
-            valid = snap.valid.to(grad.device)
-            norms = row_norms(grad)
-            bucket = snap.bucket.to(grad.device)
+            device = local_rows(grad).local.device
+            valid = snap.valid.to(device)
+            bucket = snap.bucket.to(device)
             # the shared gradient is the sum of the two flows: overall and rare vs frequent suffice
             groups = {f"{g}/{flow}": valid}
             groups.update({f"{g}/{name}/{flow}": bucket == BUCKETS.index(name) for name in (("top1",) if flow == "shared" else BUCKETS)})
-            groups[f"{g}/rare/{flow}"] = snap.rare.to(grad.device)
-            out.update(row_group_statistics(grad, groups, norms))
+            groups[f"{g}/rare/{flow}"] = snap.rare.to(device)
+            stats, norms = row_statistics(grad, groups, self.reducer)  # (V,) norms, gathered when row-sharded
+            out.update(stats)
             out[f"{g}/{flow}_rare_to_frequent_norm_ratio"] = out[f"{g}/rare/{flow}_row_norm_mean"] / out[f"{g}/top1/{flow}_row_norm_mean"]
             self._histograms[f"{g}/{flow}_row_norm_histogram"] = norms[valid]
             if flow != "shared":
                 self._full_norms[flow] = norms
         if self.tied and flows.get("embedding") is not None:
             stats = tied_flow_statistics(
-                flows["embedding"], flows["head"], snap.valid, self._full_norms["embedding"], self._full_norms["head"]  # type: ignore[arg-type]
+                flows["embedding"], flows["head"], snap.valid, self.reducer, self._full_norms["embedding"], self._full_norms["head"]
             )
             out.update({f"{g}/{k}": v for k, v in stats.items()})
         seen = snap.seen
         log_counts = snap.counts[seen].double().log()
         for name, weight in self._matrices().items():
-            norms = row_norms(weight.detach())
+            norms = row_norms_full(weight, self.reducer)
             rho = spearman(log_counts, norms[seen.to(norms.device)].double().to(log_counts.device))
             out[f"{self.prefix}/freq/{name}_norm_spearman"] = rho
         return out
@@ -257,10 +291,11 @@ class GradientDensity(Monitor):
             before = self._before.get(name)
             if before is None:
                 continue
-            delta = before.sub_(weight.detach())  # W_before - W_after, in place: same row norms and zeros
-            norms = row_norms(delta)
-            valid = snap.valid.to(delta.device) if snap is not None else torch.ones_like(norms, dtype=torch.bool)
-            out.update(row_group_statistics(delta, {f"{u}/{name}": valid}, norms))
+            rows = local_rows(weight)
+            delta = rows.with_local(before.sub_(rows.local))  # W_before - W_after, in place: same row norms and zeros
+            V = rows.num_rows
+            valid = snap.valid.to(before.device) if snap is not None else torch.ones(V, dtype=torch.bool, device=before.device)
+            out.update(row_statistics(delta, {f"{u}/{name}": valid}, self.reducer)[0])
         return out
 
     def _norm_figure(self) -> None:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from headwatch._capture import find_output_head, logits_from_output
+from headwatch._errors import HeadwatchError
+from headwatch._sources_capture import PATHS, Captured, LogitsCapture
+from headwatch._sources_stats import captured_statistics
 from headwatch.core.batch import BatchFormat, BatchView
+from headwatch.core.frequency import TokenCounts
+from headwatch.core.logit_split import SplitSums
 from headwatch.core.monitor import Monitor
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.metrics import LogitStatsMetric
+from headwatch.sources import ALIGNMENTS, LogitsSource, resolve_logits_source
 
 SCALAR_KEYS = (
     "entropy", "kl_to_uniform", "kl_from_uniform", "entropy_p05", "entropy_p50", "entropy_p95",
@@ -22,11 +25,20 @@ SCALAR_KEYS = (
 
 
 class LogitStats(Monitor):
-    """Logit statistics of the head's output on logging steps (see :class:`headwatch.LogitStatsMonitor`).
+    """Logit statistics of the logits the model returns, on logging steps (see :class:`headwatch.LogitStatsMonitor`).
 
-    One forward hook on the head. Off logging steps it returns after one attribute check.
-    Under ``torch.compile`` the hook only keeps a detached reference to the logits (no
-    graph break, so ``fullgraph=True`` works) and they are measured in :meth:`batch_end`.
+    Which tensor: :func:`headwatch.sources.resolve_logits_source` (a Hugging Face model's
+    ``outputs.logits``, after any post-head transform; else the head's output, or
+    ``logits_module=``); the final hidden states and the head's weight when the logits are not
+    there (fused loss, ``logits_to_keep``): :class:`headwatch._sources_capture.LogitsCapture`.
+    Off logging steps each hook returns after one attribute check. Under ``torch.compile``
+    the hooks only keep detached references (no graph break, so ``fullgraph=True`` works) and
+    they are measured in :meth:`batch_end`.
+
+    From the same per-position statistics (no second pass): ECE and over-confidence, and with
+    ``frequency`` (the shared :class:`TokenCounts`) loss, accuracy and confidence by target
+    bucket (:mod:`headwatch.core.logit_split`). Validation is kept per dataloader; with more than
+    one, names carry Lightning's ``/dataloader_idx_<k>`` suffix.
     """
 
     name = "logits"
@@ -40,22 +52,44 @@ class LogitStats(Monitor):
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         prefix: str = "headwatch",
         strict: bool = False,
+        logits_module: str | nn.Module | None = None,
+        hidden_module: str | nn.Module | None = None,
+        alignment: str | None = None,
+        path: str = "auto",
+        vocab_size: int | None = None,
+        frequency: TokenCounts | None = None,
     ) -> None:
         super().__init__(prefix, strict, batch_format)
+        if frequency is not None and not isinstance(frequency, TokenCounts):
+            raise HeadwatchError(f"`frequency` must be None or a TokenCounts, got {type(frequency).__name__}")
+        if path not in PATHS:
+            raise HeadwatchError(f"`path` must be one of {PATHS}, got {path!r}")
+        if alignment is not None and alignment not in ALIGNMENTS:
+            raise HeadwatchError(f"`alignment` must be None or one of {ALIGNMENTS}, got {alignment!r}")
+        if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1):
+            raise HeadwatchError(f"`vocab_size` must be None or an int >= 1 (the tokenizer's), got {vocab_size!r}")
         self.head = head
+        self.logits_module, self.hidden_module, self.alignment, self.path = logits_module, hidden_module, alignment, path
+        self.tokenizer_vocab_size = vocab_size
+        self.frequency = frequency
+        self.val_dataloaders = 1  # a front door that knows sets it (Lightning: len(trainer.num_val_batches))
+        self._buckets: tuple[Tensor, Tensor] | None = None  # (bucket, rare) of the armed batch
+        self.source: LogitsSource | None = None
+        self._capturer: LogitsCapture | None = None
+        self._format = self.batch_format
+        self._capture_problem = False
         self.log_histogram = log_histogram
         self.figure_every = figure_every
         self.max_figure_history = 1000
-        ignore = self.batch_format.ignore_index
-        self._train = LogitStatsMetric(ignore_index=ignore, max_chunk_bytes=max_chunk_bytes)
-        self._val = LogitStatsMetric(ignore_index=ignore, max_chunk_bytes=max_chunk_bytes)
-        self._sink: LogitStatsMetric | None = None  # where the hook sends logits; None: do nothing
+        self._train = SplitSums(self.batch_format.ignore_index, max_chunk_bytes)
+        self._val: dict[int, SplitSums] = {}  # per validation dataloader
+        self._val_buckets: tuple[Tensor, Tensor] | None = None  # frequencies of this validation epoch
+        self._sink: SplitSums | None = None  # where the capture sends statistics; None: do nothing
         self._view: BatchView | None = None
-        self._stash: list[Tensor] = []  # logits kept by the hook under torch.compile
+        self._max_chunk_bytes = max_chunk_bytes
         self._step: int | None = None
         self._head_module: nn.Module | None = None
         self.head_name = ""
-        self._hook: Any = None
         self.vocab_size = 0
         self._calls = 0
         self.entropy_history: list[tuple[int, Tensor]] = []
@@ -65,99 +99,109 @@ class LogitStats(Monitor):
 
     # ------------------------------------------------------------------ wiring
     def attach(self, model: nn.Module) -> None:
-        name, module = find_output_head(model, self.head)
-        if module is not self._head_module:
+        source = resolve_logits_source(model, self.head, self.logits_module, self.hidden_module, self.alignment)
+        if self.source is None or source.owner is not self.source.owner or source.head is not self.source.head:
             self.detach()
-            self._hook = module.register_forward_hook(self._on_head_forward)
-            self._head_module, self.head_name = module, name
+            self._capturer = LogitsCapture(source, self._consume, self.path, model, self.strict)
+            self._capturer.attach()
+            self.source, self._head_module, self.head_name = source, source.head, source.head_name
         self.model = model
+        self._format = self.batch_format.for_alignment(source.alignment)
+        self.info_once(f"headwatch: LogitStats measures {source.describe()}")
 
     def detach(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-        self._hook, self._head_module, self.model = None, None, None
-        self._sink, self._view, self._stash = None, None, []
-
-    def _sync_fns(self) -> None:
-        for metric in (self._train, self._val):
-            metric.dist_sync_fn = lambda t, group=None: self.reducer.gather(t)
-            metric.distributed_available_fn = lambda: self.reducer.world_size > 1
+        if self._capturer is not None:
+            self._capturer.detach()
+        self._capturer, self.source, self._head_module, self.model = None, None, None, None
+        self._sink, self._view = None, None
 
     # ------------------------------------------------------------------ capture
-    def _on_head_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._sink is None:  # the only work on steps that do not log
+    def _arm(self, batch: Any, sink: SplitSums, buckets: tuple[Tensor, Tensor] | None) -> None:
+        self._view, self._sink, self._buckets = self._format.read(batch), sink, buckets
+        if self._capturer is None:
             return
-        if torch.compiler.is_compiling():
-            logits = logits_from_output(output)
-            if logits is not None:
-                self._stash.append(logits)  # detached in _capture (a detached view trips functionalization)
-            return
-        self._capture(output)
+        try:
+            ref = self._view.targets if self._view.targets is not None else self._view.mask
+        except Exception as err:  # noqa: BLE001
+            self.fail(err, "reading the batch's labels/attention_mask")
+            ref = None
+        self._capturer.begin(ref.shape if ref is not None else None)
 
-    @torch.compiler.disable
-    def _capture(self, output: Any) -> None:
+    def _consume(self, captured: Captured) -> None:
+        """Called by the capture inside the forward (or at batch end under torch.compile)."""
         sink, view = self._sink, self._view
         if sink is None or view is None:
             return
-        try:
-            logits = logits_from_output(output)
-            if logits is None:
-                return self._skip(f"the head returned {type(output).__name__}, not a floating-point logits tensor")
-            mask, targets = view.mask, view.targets
-            if targets is None and sink is self._train:
-                self.warn_once(
-                    "no_targets",
-                    f"LogitStatsMonitor found no `labels` in a {type(view.batch).__name__} batch: target_nll and "
-                    "target_argmax_rate are logged as NaN. For (inputs, targets) tuples pass "
-                    "targets_fn=lambda batch: batch[1] (and shift_labels=False if they are already shifted). "
-                    "(warned once)",
+        mask, targets = view.mask, view.targets
+        if targets is None and sink is self._train:
+            self.warn_once(
+                "no_targets",
+                f"LogitStatsMonitor found no `labels` in a {type(view.batch).__name__} batch: target_nll and "
+                "target_argmax_rate are logged as NaN. For (inputs, targets) tuples pass "
+                "targets_fn=lambda batch: batch[1] (and shift_labels=False if they are already shifted). (warned once)",
+            )
+        x = captured.logits if captured.path == "logits" else captured.hidden
+        if x is None:
+            raise HeadwatchError(f"the capture on the {captured.path} path holds no tensor")
+        for what, t in (("mask", mask), ("targets", targets)):
+            if t is not None and t.shape != x.shape[:-1]:
+                raise HeadwatchError(
+                    f"the batch's {what} has shape {tuple(t.shape)} but the measured positions have shape "
+                    f"{tuple(x.shape[:-1])}; pass mask_fn/targets_fn aligned with the logits"
                 )
-            for what, t in (("mask", mask), ("targets", targets)):
-                if t is not None and t.shape != logits.shape[:-1]:
-                    return self._skip(
-                        f"the batch's {what} has shape {tuple(t.shape)} but the logits have shape "
-                        f"{tuple(logits.shape)}; pass mask_fn/targets_fn aligned with the logits"
-                    )
-            mask = mask.to(logits.device, non_blocking=True) if mask is not None else None
-            targets = targets.to(logits.device, non_blocking=True) if targets is not None else None
-            if sink.device != logits.device:
-                sink.to(logits.device)
-            self.vocab_size = logits.shape[-1]
-            self._calls += 1
-            if self._calls == 2 and sink is self._train:
-                self.warn_once(
-                    "twice",
-                    f"LogitStatsMonitor: `{self.head_name}` ran more than once in one training batch; every "
-                    "call is measured against the batch's labels and pooled (a second prediction head, or an "
-                    "auxiliary pass, would need its own targets_fn). (warned once)",
-                )
-            sink.update(logits.detach(), mask, targets)
-        except Exception as err:  # noqa: BLE001 - a monitoring failure must not stop training
-            self.fail(err, "measuring the logits")
+        V = captured.logits.shape[-1] if captured.logits is not None else captured.weight.shape[0]  # type: ignore[union-attr]
+        self.vocab_size = V
+        known = self._known_vocab_size()
+        padded_v = known if known is not None and known < V else None
+        out = captured_statistics(captured, mask, targets, self.batch_format.ignore_index, padded_v, self._max_chunk_bytes)
+        padded = out.padded_mass if padded_v is not None else None
+        if known is not None and padded is None:  # no column beyond the vocabulary: exactly 0
+            padded = torch.zeros_like(out.statistics.max_prob)
+        buckets = self._buckets
+        if buckets is not None and buckets[0].numel() != V:
+            self.warn_once(
+                "bucket_rows",
+                f"LogitStatsMonitor: the token counts have {buckets[0].numel()} rows but the logits {V} columns; "
+                "calibration is logged overall only, not by target frequency. (warned once)",
+            )
+            buckets = None
+        sink.update(out.statistics, targets, buckets, padded, V)
+        self._calls += 1
+        if self._calls == 2 and sink is self._train:
+            self.warn_once(
+                "twice",
+                f"LogitStatsMonitor: the model ran more than once in one training batch; every forward is "
+                "measured against the batch's labels and pooled (an auxiliary pass would need its own targets_fn). "
+                "(warned once)",
+            )
 
-    def _skip(self, why: str) -> None:
-        self.skipped_forwards += 1
-        self.warn_once(f"skip:{why}", f"LogitStatsMonitor skipped a forward of `{self.head_name}`: {why}. (warned once)")
-
-    def _drain(self) -> None:
-        stash, self._stash = self._stash, []
-        for logits in stash:
-            self._capture(logits)
+    def _disarm(self) -> None:
+        if self._capturer is not None and self._sink is not None:
+            report = self._capturer.end()
+            if report.problem is not None and report.message is not None:
+                self.skipped_forwards += 1
+                self._capture_problem = True  # the cause is said: no "every position masked" warning
+                self.warn_once(f"capture:{report.problem}", f"{report.message} (warned once)")
+            elif report.note is not None:
+                self.warn_once(f"path:{report.reason}", f"{report.note} (said once)")
+        self._sink, self._view = None, None
 
     # ------------------------------------------------------------------ training
     def step_start(self, batch: Any, step: int, logging: bool) -> None:
         self._calls = 0
         if logging:
-            self._step, self._view, self._sink = step, self.batch_format.read(batch), self._train
+            self._step = step
+            self._arm(batch, self._train, self._frequency_tables())
         else:
             self._view, self._sink = None, None
 
     def batch_end(self) -> None:
-        self._drain()
-        self._sink, self._view = None, None
+        self._disarm()
 
     def compute(self) -> dict[str, Tensor]:
         step, self._step = self._step, None
+        self.media.histograms.clear()
+        self.media.figures.clear()
         values = self._values(self._train)
         if values is None or step is None:
             return {}
@@ -170,38 +214,67 @@ class LogitStats(Monitor):
 
     # ------------------------------------------------------------------ validation
     def validation_batch_start(self, batch: Any, dataloader_idx: int = 0) -> None:
-        self._view, self._sink = self.batch_format.read(batch), self._val
+        sink = self._val.get(dataloader_idx)
+        if sink is None:
+            sink = self._val[dataloader_idx] = SplitSums(self.batch_format.ignore_index, self._max_chunk_bytes)
+        if self._val_buckets is None:  # once per validation epoch: a collective on the first batch
+            self._val_buckets = self._frequency_tables()
+        self._arm(batch, sink, self._val_buckets)
 
     def validation_batch_end(self, dataloader_idx: int = 0) -> None:
         self.batch_end()
 
     def validation_epoch_end(self) -> dict[str, Tensor]:
-        values = self._values(self._val)
-        return {} if values is None else self._scalars_and_media(f"{self.prefix}/val/logits", values, None)
+        """Scalars of every validation dataloader (a collective); ``/dataloader_idx_<k>`` with several."""
+        self.media.histograms.clear()
+        self.media.figures.clear()
+        self._val_buckets = None
+        several = self.val_dataloaders > 1 or any(k != 0 for k in self._val)
+        out: dict[str, Tensor] = {}
+        for k in sorted(self._val):
+            values = self._values(self._val[k])
+            if values is not None:
+                out.update(self._scalars_and_media(f"{self.prefix}/val/logits", values, None, f"/dataloader_idx_{k}" if several else ""))
+        return out
+
+    def _known_vocab_size(self) -> int | None:
+        """The tokenizer's vocabulary size: ``vocab_size=``, else the shared token counts' when set."""
+        if self.tokenizer_vocab_size is not None:
+            return self.tokenizer_vocab_size
+        return self.frequency.vocab_size if self.frequency is not None else None
+
+    def _frequency_tables(self) -> tuple[Tensor, Tensor] | None:
+        """``(bucket (V,), rare (V,))`` of the shared token counts, or None without them.
+
+        The snapshot summed over processes (a collective: every rank calls it on the same steps,
+        logging steps and the first validation batch of an epoch), so buckets agree across ranks.
+        """
+        counts = self.frequency
+        if counts is None or counts.num_rows == 0:
+            return None
+        try:
+            snap = counts.snapshot()
+            return snap.bucket, snap.rare
+        except Exception as err:  # noqa: BLE001
+            self.fail(err, "reading the token frequencies")
+            return None
 
     # ------------------------------------------------------------------ values
-    def _values(self, metric: LogitStatsMetric) -> dict[str, Tensor] | None:
+    def _values(self, sums: SplitSums) -> dict[str, Tensor] | None:
         """Synchronised values (a collective: every rank calls it on the same steps)."""
-        self._sync_fns()
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
-                return metric.compute()
+            return sums.compute(self.reducer, self.frequency is not None, self._known_vocab_size() is not None)
         except Exception as err:  # noqa: BLE001
             self.fail(err, "computing the statistics")
             return None
-        finally:
-            metric.reset()
 
-    def _scalars_and_media(self, group: str, values: dict[str, Tensor], step: int | None) -> dict[str, Tensor]:
-        self.media.histograms.clear()
-        self.media.figures.clear()
-        entropies = values.get("entropy_values")
+    def _scalars_and_media(self, group: str, values: dict[str, Tensor], step: int | None, suffix: str = "") -> dict[str, Tensor]:
+        entropies = values.pop("entropy_values", None)
         if self.log_histogram and entropies is not None:
-            self.media.histograms[f"{group}/entropy_histogram"] = entropies
+            self.media.histograms[f"{group}/entropy_histogram{suffix}"] = entropies
         if step is not None and self.figure_every > 0:
             self._entropy_figure(entropies, step)
-        return {f"{group}/{k}": values[k] for k in SCALAR_KEYS if k in values}
+        return {f"{group}/{k}{suffix}": v for k, v in values.items()}
 
     def _entropy_figure(self, entropies: Tensor | None, step: int) -> None:
         """Keep a binned entropy distribution per logging step; draw them all every figure interval."""
@@ -222,10 +295,13 @@ class LogitStats(Monitor):
 
     def published(self, numbers: dict[str, float]) -> None:
         """Totals and warnings from the values a front door published (floats, no extra sync)."""
-        for group in (f"{self.prefix}/logits", f"{self.prefix}/val/logits"):
-            if f"{group}/positions" not in numbers:
+        for name in numbers:
+            group, key, suffix = name.rpartition("/positions")
+            if key != "/positions" or group not in (f"{self.prefix}/logits", f"{self.prefix}/val/logits"):
+                continue  # a bucket's positions, or another monitor's
+            if suffix and not suffix.startswith("/dataloader_idx_"):
                 continue
-            got = {k: numbers.get(f"{group}/{k}", 0.0) for k in self.totals}
+            got = {k: numbers.get(f"{group}/{k}{suffix}", 0.0) for k in self.totals}
             for k, v in got.items():
                 self.totals[k] += v
             self._warn_counts(group, got)
@@ -244,7 +320,8 @@ class LogitStats(Monitor):
                 f"vocab_size) of the head `{self.head_name}`: the labels and the head disagree on the vocabulary. "
                 f"They are excluded and counted in {group}/invalid_target_positions. (warned once)",
             )
-        if got["positions"] == 0:
+        problem, self._capture_problem = self._capture_problem, False
+        if got["positions"] == 0 and not problem:
             self.warn_once(
                 f"empty:{group}",
                 f"headwatch: no valid position in {group} at this step (every position masked, ignored or "

@@ -3,6 +3,7 @@
 Every function documents its tensor shapes, units and the source of its definition.
 """
 
+from headwatch.functional.adapters import add_low_rank_, head_weight_gradient, zero_rows
 from headwatch.functional.collision import collision_statistics, sample_rows, synonym_pair_rate, top_colliding_pairs
 from headwatch.functional.frequency import (
     BUCKETS,
@@ -42,9 +43,13 @@ from headwatch.functional.rows import (
     summarize,
     summarize_groups,
 )
+from headwatch.functional.padding import padded_mass
 from headwatch.functional.tied import row_group_statistics, tied_flow_statistics
 
 __all__ = [
+    "add_low_rank_",
+    "head_weight_gradient",
+    "zero_rows",
     "BUCKETS",
     "DEFAULT_MAX_CHUNK_BYTES",
     "FrequencySnapshot",
@@ -90,15 +95,17 @@ __all__ = [
     "synonym_table",
     "tied_flow_statistics",
     "token_scalars",
+    "padded_mass",
     "top_colliding_pairs",
 ]
 
-# issue 12: collision beyond common drift; loss, accuracy and calibration by target frequency
+# collision beyond common drift; loss, accuracy and calibration by target frequency
 from headwatch.functional.calibration import (  # noqa: E402
     ECE_BINS,
     CalibrationSums,
     calibration_compute,
     calibration_update,
+    empty_sums,
 )
 from headwatch.functional.drift import (  # noqa: E402
     DriftCorrection,
@@ -128,6 +135,7 @@ __all__ += [
     "calibration_update",
     "corrected_collision",
     "default_k",
+    "empty_sums",
     "mean_resultant_length",
     "nn_cosine_by_bucket",
     "ordered_pairs",

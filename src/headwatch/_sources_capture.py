@@ -1,0 +1,387 @@
+"""Capture the measured tensor on logging steps, and say what is wrong when it cannot.
+
+:class:`LogitsCapture` registers forward hooks from a :class:`~headwatch.sources.LogitsSource`
+and, on the forwards of a step it was armed for (:meth:`LogitsCapture.begin`), hands one
+:class:`Captured` per forward to a ``consume`` callback, from inside the forward (no
+``(B, T, V)`` tensor outlives it):
+
+- the logits path: the owner's logits, when they cover every position of the batch;
+- the hidden-state path: the final hidden states ``(B, T, d_model)`` and the head's weight
+  (with the family's final transform), when the head never ran (a fused linear
+  cross-entropy) or ran on fewer positions than the batch labels (``logits_to_keep``), or
+  when the user forces it.
+
+:meth:`LogitsCapture.end` closes the step and returns a :class:`CaptureReport`: which path
+was measured and why, or the cause of measuring nothing (hooks skipped by code compiled
+before they were registered, a head that never runs, logits of too few positions, a
+post-head transform the hidden path cannot reproduce) with its fix. Between logging steps
+each hook does one attribute check: no host-device sync, no tensor kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from headwatch._capture import logits_from_output
+from headwatch._errors import HeadwatchError
+from headwatch.sources import FinalTransform, LogitsSource, compiled_modules
+
+Path = Literal["auto", "logits", "hidden"]
+PATHS = ("auto", "logits", "hidden")
+_CHECK_ROWS = 8  # rows of the head's raw output kept to check the final transform
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What one forward gave to measure: the logits, or the hidden states and the head."""
+
+    path: Literal["logits", "hidden"]
+    logits: Tensor | None = None
+    """``(..., V)`` detached logits (logits path)."""
+    hidden: Tensor | None = None
+    """``(..., d_model)`` detached final hidden states, the head's input (hidden path)."""
+    weight: Tensor | None = None
+    """``(V, d_model)`` head weight (hidden path)."""
+    bias: Tensor | None = None
+    transform: FinalTransform | None = None
+    """Applied to ``hidden @ weight.T + bias`` to give the logits the loss uses."""
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    """The outcome of one armed step, from :meth:`LogitsCapture.end`."""
+
+    measured: int
+    """Forwards handed to ``consume`` during the step."""
+    path: Literal["logits", "hidden"] | None
+    problem: str | None = None
+    """A stable key for warn-once: ``not_fired``, ``compiled``, ``head_not_called``,
+    ``few_positions``, ``no_logits``, ``transform_mismatch``, ``hidden_mismatch``, ``failed``; None when all went well."""
+    message: str | None = None
+    """One sentence: the cause and the fix (set with ``problem``)."""
+    note: str | None = None
+    """Which path was measured and why, when it is not the plain logits path (info once per ``reason``)."""
+    reason: str | None = None
+    """A stable key for ``note``: ``forced``, ``head_not_called`` or ``few_positions``."""
+
+
+class LogitsCapture:
+    """Forward hooks that hand the measured tensor to ``consume`` on armed steps.
+
+    Args:
+        source: from :func:`headwatch.sources.resolve_logits_source`.
+        consume: called with a :class:`Captured` inside the forward, at most once per forward
+            of the owner module (the monitor computes its statistics there and drops the tensor).
+        path: ``"auto"`` (logits when they cover every position, else hidden states),
+            ``"logits"`` or ``"hidden"`` (forced).
+        model: the whole model, to name compiled modules in a diagnosis (optional).
+        strict: let an exception raised while measuring (in ``consume``) propagate as a
+            :class:`HeadwatchError` instead of ending the step with problem ``"failed"``.
+
+    Raises:
+        HeadwatchError: ``path`` is not one of the three values, or ``consume`` is not callable.
+    """
+
+    def __init__(
+        self,
+        source: LogitsSource,
+        consume: Callable[[Captured], None],
+        path: Path = "auto",
+        model: nn.Module | None = None,
+        strict: bool = False,
+    ) -> None:
+        if path not in PATHS:
+            raise HeadwatchError(f"`path` must be one of {PATHS}, got {path!r}")
+        if not callable(consume):
+            raise HeadwatchError(f"`consume` must be a callable taking a Captured, got {consume!r}")
+        self.source, self.consume, self.path, self.model, self.strict = source, consume, path, model, strict
+        self._handles: list[Any] = []
+        self._armed = False
+        self._reference: tuple[int, ...] | None = None
+        self._reset_step()
+
+    # ------------------------------------------------------------------ hooks
+    def attach(self) -> None:
+        """Register the hooks (call before the model's first forward: compiled code skips later hooks)."""
+        self.detach()
+        s = self.source
+        self._handles.append(s.owner.register_forward_hook(self._on_owner))
+        self._handles.append(s.head.register_forward_pre_hook(self._on_head_input))
+        if s.owner is not s.head:
+            self._handles.append(s.head.register_forward_hook(self._on_head_output))
+        if s.base is not None:
+            self._handles.append(s.base.register_forward_hook(self._on_base))
+        if s.embedding is not None and s.embedding is not s.head:
+            self._handles.append(s.embedding.register_forward_hook(self._on_embedding))
+        if s.hidden_module is not None:
+            self._handles.append(s.hidden_module.register_forward_pre_hook(self._on_hidden_module, with_kwargs=True))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def begin(self, positions_shape: tuple[int, ...] | torch.Size | None = None) -> None:
+        """Arm for one step. ``positions_shape``: the batch's ``(B, T)`` of targets or mask, if known."""
+        self._reset_step()
+        self._reference = tuple(positions_shape) if positions_shape is not None else None
+        self._armed = True
+
+    def end(self) -> CaptureReport:
+        """Measure what compiled code stashed, fall back to the hidden states if the owner never ran, report."""
+        try:
+            if self._armed:
+                self._replay()
+            if self._armed and self._measured == 0 and self._problem is None:
+                if self._fired and self._hidden:  # the owner never ran but the hidden states were seen
+                    self._guarded(self._measure_hidden, None)
+                elif not self._fired:
+                    self._diagnose_silence()
+                else:
+                    self._set_problem("head_not_called", self._head_message(None))
+            return CaptureReport(self._measured, self._path, self._problem, self._message, self._note, self._reason)
+        finally:
+            self._armed = False
+            self._reset_step()
+
+    def _reset_step(self) -> None:
+        self._events: list[tuple[str, Any]] = []  # (hook, tensor or None) in call order, replayed eagerly
+        self._measured = 0
+        self._path: Literal["logits", "hidden"] | None = None
+        self._problem: str | None = None
+        self._message: str | None = None
+        self._note: str | None = None
+        self._reason: str | None = None
+        self._fired: set[str] = set()
+        self._clear_forward()
+
+    def _clear_forward(self) -> None:
+        self._hidden: list[tuple[str, Tensor]] = []
+        self._raw_rows: Tensor | None = None
+        self._raw_lead: tuple[int, ...] | None = None
+        self._head_input: Tensor | None = None
+        self._head_calls = 0
+
+    # Each hook only appends (kind, tensor) when armed: traced by torch.compile (hooks registered
+    # before compiling) that is a list mutation, no graph break, so fullgraph=True works; the
+    # events are replayed eagerly by the owner's hook, or by end() when the forward was compiled.
+    def _on_embedding(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._armed:
+            self._events.append(("embedding", None))
+
+    def _on_head_input(self, module: nn.Module, args: Any) -> None:
+        if self._armed and args and isinstance(args[0], Tensor):
+            self._events.append(("head_in", args[0]))
+
+    def _on_head_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._armed:
+            raw = logits_from_output(output)
+            # detached at replay: a detached view inside a compiled graph trips functionalization
+            rows = raw.reshape(-1, raw.shape[-1])[:_CHECK_ROWS].clone() if raw is not None else None
+            self._events.append(("head_out", (rows, tuple(raw.shape[:-1]) if raw is not None else None)))
+
+    def _on_base(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._armed:
+            h = getattr(output, "last_hidden_state", None)
+            if h is None and isinstance(output, (tuple, list)) and output:
+                h = output[0]
+            self._events.append(("base", h))
+
+    def _on_hidden_module(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if self._armed:
+            h = args[0] if args else next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
+            self._events.append(("hidden_module", h))
+
+    def _on_owner(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._armed:  # the only work on steps that do not log: one attribute check
+            self._events.append(("owner", logits_from_output(output)))
+            if not torch.compiler.is_compiling():
+                self._replay()
+
+    @torch.compiler.disable
+    def _replay(self) -> None:
+        events, self._events = self._events, []
+        s = self.source
+        for kind, value in events:
+            self._fired.add(kind)
+            if kind == "head_in":
+                self._head_input = value
+                self._hidden.append((f"the input of `{s.head_name}`", value))
+            elif kind == "head_out":
+                self._head_calls += 1
+                rows, self._raw_lead = value
+                self._raw_rows = rows.detach() if isinstance(rows, Tensor) else None
+            elif kind == "base" and isinstance(value, Tensor) and value.is_floating_point():
+                self._hidden.append((f"the `last_hidden_state` of `{s.base_name}`", value))
+            elif kind == "hidden_module" and isinstance(value, Tensor) and value.is_floating_point():
+                self._hidden.insert(0, (f"the first input of `{s.hidden_name}`", value))  # named by the user: first
+            elif kind == "owner":
+                if s.owner is s.head:
+                    self._head_calls += 1
+                try:
+                    self._guarded(self._decide, value)
+                finally:
+                    self._clear_forward()
+
+    def _guarded(self, fn: Callable[[Any], None], arg: Any) -> None:
+        try:
+            fn(arg)
+        except Exception as err:  # noqa: BLE001 - a monitoring failure must not stop training
+            if self.strict:
+                raise HeadwatchError(f"measuring the logits failed: {type(err).__name__}: {err}") from err
+            self._set_problem("failed", f"measuring the logits failed ({type(err).__name__}: {err}); training goes on.")
+
+    def _decide(self, logits: Tensor | None) -> None:
+        lead = tuple(logits.shape[:-1]) if logits is not None else None
+        full = logits is not None and (self._reference is None or lead == self._reference)
+        if self.path == "logits" or (self.path == "auto" and full):
+            if logits is None:
+                self._set_problem("no_logits", self._head_message(None))
+                return
+            self._emit(Captured("logits", logits=logits.detach()))
+        else:
+            self._measure_hidden(logits)
+
+    # ------------------------------------------------------------------ decisions
+    def _emit(self, captured: Captured) -> None:
+        self.consume(captured)
+        self._measured += 1
+        self._path = captured.path
+
+    def _pick_hidden(self) -> tuple[str, Tensor] | None:
+        d = self.source.head.weight.shape[1] if isinstance(getattr(self.source.head, "weight", None), Tensor) else None
+        for where, h in self._hidden:
+            if d is not None and h.shape[-1] != d:
+                continue
+            if self._reference is None or tuple(h.shape[:-1]) == self._reference:
+                return where, h
+        return None
+
+    def _measure_hidden(self, logits: Tensor | None) -> None:
+        s = self.source
+        picked = self._pick_hidden()
+        if picked is None:
+            key = "few_positions" if logits is not None else "head_not_called"
+            self._set_problem(key, self._head_message(logits))
+            return
+        where, hidden = picked
+        if logits is not None and self._raw_rows is not None and self._raw_lead == tuple(logits.shape[:-1]):
+            if not self._transform_matches(logits):
+                return
+        if not self._is_head_input(where, hidden):
+            return
+        weight = getattr(s.head, "weight", None)
+        bias = getattr(s.head, "bias", None)
+        if not isinstance(weight, Tensor) or weight.ndim != 2:
+            self._set_problem("no_logits", f"the head `{s.head_name}` has no 2-D weight to project the hidden states")
+            return
+        transform = f" then {s.transform.description}" if s.transform is not None else ""
+        if self.path == "hidden":
+            self._reason, why = "forced", "forced by path='hidden'"
+        elif logits is None and self._head_calls == 0:
+            self._reason, why = "head_not_called", f"`{s.head_name}` never ran in this forward (a fused linear cross-entropy)"
+        else:
+            self._reason, why = "few_positions", self._positions_phrase(logits)
+        self._note = (
+            f"headwatch measures the logits as {where} @ `{s.head_name}.weight`.T{transform} ({why}); "
+            "statistics are computed in chunks from those, never holding the (B, T, V) logits."
+        )
+        self._emit(Captured("hidden", hidden=hidden.detach(), weight=weight.detach(),
+                            bias=bias.detach() if isinstance(bias, Tensor) else None, transform=s.transform))
+
+    def _is_head_input(self, where: str, hidden: Tensor) -> bool:
+        """Where the head ran too, its input must be rows of ``hidden`` (no pre-head transform in between)."""
+        h_in = self._head_input
+        if not isinstance(h_in, Tensor) or h_in is hidden or h_in.ndim != hidden.ndim or h_in.shape[0] != hidden.shape[0]:
+            return True
+        if h_in.shape == hidden.shape:
+            part = hidden
+        elif h_in.ndim == 3 and h_in.shape[1] < hidden.shape[1] and h_in.shape[2] == hidden.shape[2]:
+            part = hidden[:, -h_in.shape[1] :]  # an int logits_to_keep keeps the last positions
+        else:
+            return True
+        a = h_in.detach().reshape(-1, h_in.shape[-1])[:_CHECK_ROWS].float()
+        b = part.detach().reshape(-1, part.shape[-1])[:_CHECK_ROWS].float()
+        if torch.allclose(a, b, rtol=1e-3, atol=1e-4):
+            return True
+        self._set_problem(
+            "hidden_mismatch",
+            f"{where} is not the input of the head `{self.source.head_name}` (a transform between them, or "
+            "logits_to_keep given as indices), so the hidden-state path would measure another distribution; "
+            "nothing is measured. Pass hidden_module= naming the module whose first input is the head's input "
+            "for every position.",
+        )
+        return False
+
+    def _transform_matches(self, logits: Tensor) -> bool:
+        raw = self._raw_rows.float()  # (n, V), the head's raw output
+        final = logits.detach().reshape(-1, logits.shape[-1])[: raw.shape[0]].float()  # (n, V)
+        expected = self.source.transform(raw) if self.source.transform is not None else raw
+        if torch.allclose(expected, final, rtol=2e-2, atol=2e-2):
+            return True
+        declared = self.source.transform.description if self.source.transform is not None else "none"
+        self._set_problem(
+            "transform_mismatch",
+            f"the logits `{self.source.owner_name or '<root>'}` returns are not the head's output under the final "
+            f"transform its config declares ({declared}), so the hidden-state path would measure another "
+            "distribution; nothing is measured. Pass logits_module= naming a module that returns the logits of "
+            "every position, or let the model return them (no logits_to_keep) on logging steps.",
+        )
+        return False
+
+    def _positions_phrase(self, logits: Tensor | None) -> str:
+        got = "no logits" if logits is None else f"logits of shape {tuple(logits.shape)}"
+        want = f"positions {self._reference}" if self._reference is not None else "every position"
+        return f"`{self.source.owner_name or '<root>'}` returned {got} where the batch has {want} (e.g. logits_to_keep)"
+
+    def _head_message(self, logits: Tensor | None) -> str:
+        s = self.source
+        ran = "never ran" if self._head_calls == 0 else f"ran {self._head_calls} time(s)"
+        return (
+            f"the head `{s.head_name}` {ran} in this forward and {self._positions_phrase(logits)}: a fused linear "
+            "cross-entropy (Liger Kernel, Cut Cross-Entropy) computes the loss from the final hidden states and "
+            f"`{s.head_name}.weight` without logits, and logits_to_keep keeps only some positions. headwatch measures "
+            "such models from the final hidden states of every position: pass hidden_module=<the module whose first "
+            "input is the final hidden states (B, T, d_model), e.g. the fused loss module>."
+            + self._compiled_phrase()
+        )
+
+    def _compiled_phrase(self) -> str:
+        names = compiled_modules(self.model) if self.model is not None else []
+        if not names:
+            return ""
+        return (
+            f" Note: {', '.join(f'`{n}`' for n in names)} is compiled (torch.compile); hooks registered after its "
+            "first call do not run in compiled code."
+        )
+
+    def _diagnose_silence(self) -> None:
+        s = self.source
+        names = compiled_modules(self.model) if self.model is not None else []
+        if names:
+            listed = ", ".join(f"`{n}`" for n in names)
+            self._set_problem(
+                "compiled",
+                f"none of headwatch's hooks (on `{s.owner_name or '<root>'}`, `{s.head_name}`) ran during this "
+                f"step's forward: {listed} is compiled (torch.compile) and was called before headwatch registered "
+                "its hooks, and compiled code does not run hooks added later. Fix: attach headwatch (create the "
+                "Trainer with the callback) before the compiled model's first call, or call torch._dynamo.reset() "
+                "after attaching so it recompiles with the hooks, or pass logits_module=<the compiled module> when "
+                "its output holds the logits (a hook on the compiled module itself still runs).",
+            )
+            return
+        self._set_problem(
+            "not_fired",
+            f"none of headwatch's hooks (on `{s.owner_name or '<root>'}`, `{s.head_name}`) ran during this step: "
+            "the model was not called through these modules (a copy of the model, a replaced forward, or a "
+            "forward outside the training step). Pass logits_module= naming the module whose output holds the logits.",
+        )
+
+    def _set_problem(self, key: str, message: str) -> None:
+        if self._problem is None:
+            self._problem, self._message = key, f"headwatch: {message}"

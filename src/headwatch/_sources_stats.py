@@ -1,0 +1,177 @@
+"""Statistics of a :class:`~headwatch._sources_capture.Captured`: either path, the same numbers.
+
+The logits path calls :func:`headwatch.functional.logit_statistics` on the model's logits.
+The hidden-state path computes ``transform(hidden @ weight.T + bias)`` a chunk of rows at a
+time (float32, a low-precision head converted a slice of rows at a time) and measures each
+chunk, so the extra memory is one ``(rows, V)`` block, never ``(B, T, V)``. Both give, per
+position, the :class:`~headwatch.functional.LogitStatistics` of the full softmax the loss
+uses and, when the tokenizer's ``vocab_size`` is known and smaller than ``V``, the padded
+columns' mass (:func:`headwatch.functional.padding.padded_mass`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from headwatch._errors import HeadwatchError
+from headwatch._sources_capture import Captured
+from headwatch.functional import logit_statistics_from_hidden  # its module moves on another branch
+from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES, LogitStatistics, logit_statistics, rows_per_chunk
+from headwatch.functional.padding import padded_mass
+
+
+class CapturedStatistics(NamedTuple):
+    statistics: LogitStatistics
+    """Per-position statistics, fields of shape ``(B, T)`` (the capture's leading shape)."""
+    padded_mass: Tensor | None
+    """``(B, T)`` probability on columns ``>= vocab_size`` (None when ``vocab_size`` was not given)."""
+
+
+@torch.no_grad()
+def captured_statistics(
+    captured: Captured,
+    mask: Tensor | None = None,
+    targets: Tensor | None = None,
+    ignore_index: int = -100,
+    vocab_size: int | None = None,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> CapturedStatistics:
+    """Per-position statistics of what one forward gave, whichever path it came by.
+
+    Args:
+        captured: from a :class:`~headwatch._sources_capture.LogitsCapture`.
+        mask, targets: ``(B, T)`` aligned with the logits (see
+            :func:`headwatch.sources.batch_positions`); moved to the tensor's device.
+        ignore_index: target value of positions that are not predictions.
+        vocab_size: the tokenizer's vocabulary size, when known; with ``V > vocab_size``
+            the padded mass is computed too.
+        max_chunk_bytes: memory bound of one chunk, as in :func:`~headwatch.functional.logit_statistics`.
+
+    Returns:
+        :class:`CapturedStatistics`; entropy etc. in nats, of the softmax over all ``V`` columns.
+
+    Raises:
+        HeadwatchError: as the functional statistics (shapes that do not agree).
+    """
+    device = (captured.logits if captured.path == "logits" else captured.hidden).device  # type: ignore[union-attr]
+    # hooks run inside the trainer's autocast: the statistics' matmuls and sums stay float32
+    with _full_precision(device):
+        return _statistics(captured, mask, targets, ignore_index, vocab_size, max_chunk_bytes, device)
+
+
+@contextlib.contextmanager
+def _full_precision(device: torch.device) -> Iterator[None]:
+    """Autocast off and, on CUDA, no TF32 in matrix products, restored afterwards."""
+    autocast = device.type in ("cpu", "cuda", "xpu", "mps", "hpu") and torch.is_autocast_enabled(device.type)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    with torch.autocast(device.type, enabled=False) if autocast else contextlib.nullcontext():
+        try:
+            if device.type == "cuda":
+                torch.backends.cuda.matmul.allow_tf32 = False
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _accepts_transform() -> bool:
+    return "transform" in inspect.signature(logit_statistics_from_hidden).parameters
+
+
+def _statistics(
+    captured: Captured,
+    mask: Tensor | None,
+    targets: Tensor | None,
+    ignore_index: int,
+    vocab_size: int | None,
+    max_chunk_bytes: int,
+    device: torch.device,
+) -> CapturedStatistics:
+    mask = mask.to(device, non_blocking=True) if mask is not None else None
+    targets = targets.to(device, non_blocking=True) if targets is not None else None
+    if captured.path == "logits":
+        logits = captured.logits
+        if logits is None:
+            raise HeadwatchError("a logits-path capture holds no logits")
+        stats = logit_statistics(logits, mask, targets, ignore_index, max_chunk_bytes)
+        mass = padded_mass(logits, vocab_size, max_chunk_bytes) if vocab_size is not None else None
+        return CapturedStatistics(stats, mass)
+    hidden, weight = captured.hidden, captured.weight
+    if hidden is None or weight is None:
+        raise HeadwatchError("a hidden-path capture needs both `hidden` and `weight`")
+    if vocab_size is None and (captured.transform is None or _accepts_transform()):
+        extra = {"transform": captured.transform} if captured.transform is not None else {}
+        return CapturedStatistics(
+            logit_statistics_from_hidden(
+                hidden, weight, captured.bias, mask, targets, ignore_index, max_chunk_bytes, **extra
+            ),
+            None,
+        )
+    return _chunked_from_hidden(captured, mask, targets, ignore_index, vocab_size, max_chunk_bytes)
+
+
+def _project(h: Tensor, weight: Tensor, bias: Tensor | None, max_chunk_bytes: int) -> Tensor:
+    """``h @ weight.T + bias`` in float32, ``(n, d) -> (n, V)``, converting the head a slice of rows at a time."""
+    V, d = weight.shape
+    if weight.dtype == torch.float32:
+        x = h @ weight.T
+    else:
+        x = torch.empty(h.shape[0], V, dtype=torch.float32, device=h.device)
+        step = max(1, min(V, max_chunk_bytes // (4 * 4 * d)))
+        for v0 in range(0, V, step):
+            x[:, v0 : v0 + step] = h @ weight[v0 : v0 + step].float().T
+    return x + bias.float() if bias is not None else x
+
+
+def _chunked_from_hidden(
+    captured: Captured,
+    mask: Tensor | None,
+    targets: Tensor | None,
+    ignore_index: int,
+    vocab_size: int | None,
+    max_chunk_bytes: int,
+) -> CapturedStatistics:
+    hidden, weight = captured.hidden, captured.weight
+    assert hidden is not None and weight is not None  # checked by the caller
+    if weight.ndim != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise HeadwatchError(
+            f"expected hidden of shape [..., d_model] and weight of shape [vocab_size, d_model], got "
+            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}"
+        )
+    lead = hidden.shape[:-1]
+    N, V = math.prod(lead), weight.shape[0]
+    for what, t in (("mask", mask), ("targets", targets)):
+        if t is not None and tuple(t.shape) != tuple(lead):
+            raise HeadwatchError(f"expected {what} of shape {tuple(lead)} (the hidden states' leading shape), got {tuple(t.shape)}")
+    flat = hidden.detach().reshape(N, hidden.shape[-1])
+    flat_mask = mask.reshape(N) if mask is not None else None
+    flat_targets = targets.reshape(N) if targets is not None else None
+    rows = max(1, rows_per_chunk(V, torch.bfloat16, hidden.device, max_chunk_bytes))
+    parts: list[LogitStatistics] = []
+    masses: list[Tensor] = []
+    for start in range(0, N, rows):
+        x = _project(flat[start : start + rows].float(), weight.detach(), captured.bias, max_chunk_bytes)  # (n, V)
+        if captured.transform is not None:
+            x = captured.transform(x)
+        m = flat_mask[start : start + rows] if flat_mask is not None else None
+        t = flat_targets[start : start + rows] if flat_targets is not None else None
+        parts.append(logit_statistics(x, m, t, ignore_index, max_chunk_bytes))
+        if vocab_size is not None:
+            masses.append(padded_mass(x, vocab_size, max_chunk_bytes))
+    if not parts:  # no position at all
+        return CapturedStatistics(
+            logit_statistics(flat.new_zeros(*lead, V), mask, targets, ignore_index, max_chunk_bytes),
+            flat.new_zeros(lead) if vocab_size is not None else None,
+        )
+    fields = {
+        name: torch.cat([getattr(p, name) for p in parts]).reshape(lead) if getattr(parts[0], name) is not None else None
+        for name in LogitStatistics._fields
+    }
+    mass = torch.cat(masses).reshape(lead) if masses else None
+    return CapturedStatistics(LogitStatistics(**fields), mass)

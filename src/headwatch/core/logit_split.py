@@ -1,0 +1,121 @@
+"""One split's sums for :class:`headwatch.core.LogitStats`: logit statistics, calibration, padded mass.
+
+A split is the training logging step, or one validation dataloader's epoch. Each keeps:
+
+- a :class:`~headwatch.metrics.LogitStatsMetric` (entropy, sharpness, target NLL, ...);
+- a :class:`~headwatch.metrics_evidence.FrequencyCalibrationMetric` fed from the *same*
+  per-position statistics (no second pass over the logits): per target-frequency bucket mean
+  target NLL, accuracy and confidence, and the ECE (15 bins) and over-confidence gap overall and
+  for rare targets (:mod:`headwatch.functional.calibration`);
+- float64 sums of the padded mass (:func:`headwatch.functional.padding.padded_mass`).
+
+Everything is sums and counts on the device, reduced over processes at compute: exact under DDP.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from headwatch.core.reduce import Reducer
+from headwatch.functional.frequency import BUCKETS
+from headwatch.functional.logits import LogitStatistics
+from headwatch.metrics import LogitStatsMetric
+from headwatch.metrics_evidence import FrequencyCalibrationMetric
+
+CALIBRATION_KEYS = ("ece", "overconfidence")
+"""Published for every split: ECE of the top-1 prediction and mean confidence minus accuracy."""
+BUCKET_KEYS = {"target_nll": "nll", "target_argmax_rate": "accuracy", "max_prob": "confidence", "positions": "positions"}
+"""Published per target bucket (``<bucket>/<key>``, buckets and ``rare``) when frequencies are known:
+our name -> :func:`~headwatch.functional.calibration.calibration_compute`'s."""
+
+
+class SplitSums:
+    """The sums of one split (see the module docstring); ``update`` adds one forward, ``compute`` reads them."""
+
+    def __init__(self, ignore_index: int, max_chunk_bytes: int) -> None:
+        self.stats = LogitStatsMetric(ignore_index=ignore_index, max_chunk_bytes=max_chunk_bytes)
+        self.calibration = FrequencyCalibrationMetric(bucket_names=BUCKETS, ignore_index=ignore_index)
+        self.padded: list[Tensor | float] = [0.0, 0.0]  # float64 (sum, count)
+        self._no_bucket: Tensor | None = None  # (V,) of -1: calibration without frequencies
+
+    @property
+    def device(self) -> torch.device:
+        return self.stats.device
+
+    def update(
+        self,
+        stats: LogitStatistics,
+        targets: Tensor | None,
+        frequency: tuple[Tensor, Tensor] | None,
+        padded_mass: Tensor | None,
+        vocab_size: int,
+    ) -> None:
+        """Add one forward's per-position ``stats`` (fields ``(B, T)``), no host sync.
+
+        Args:
+            stats: from :func:`headwatch._sources_stats.captured_statistics`.
+            targets: ``(B, T)`` targets the statistics were computed with (None: no calibration).
+            frequency: ``(bucket (V,) int64, rare (V,) bool)`` of the shared token counts, or None.
+            padded_mass: ``(B, T)`` probability on padded columns, or None.
+            vocab_size: ``V``, the number of logits (for the bucket table without frequencies).
+        """
+        device = stats.valid.device
+        if self.device != device:
+            self.stats.to(device)
+            self.calibration.to(device)
+        self.stats.update_from_statistics(stats)
+        if targets is not None and stats.nll is not None:
+            if frequency is None:
+                V = vocab_size
+                if self._no_bucket is None or self._no_bucket.numel() != V or self._no_bucket.device != device:
+                    self._no_bucket = torch.full((V,), -1, dtype=torch.long, device=device)
+                bucket, rare = self._no_bucket, None
+            else:
+                bucket, rare = frequency
+            self.calibration.update_from_statistics(stats, targets.to(device), bucket.to(device), rare)
+        if padded_mass is not None:
+            valid = stats.valid
+            self.padded[0] = self.padded[0] + torch.where(valid, padded_mass, 0.0).sum(dtype=torch.float64)
+            self.padded[1] = self.padded[1] + valid.sum(dtype=torch.float64)
+
+    def compute(self, reducer: Reducer, by_frequency: bool, padded: bool) -> dict[str, Tensor]:
+        """Synchronised values (a collective), names relative to the split's group; resets the sums.
+
+        Keys: those of :class:`LogitStatsMetric` (with ``entropy_values``), ``ece``,
+        ``overconfidence``; with ``by_frequency`` also ``rare/ece``, ``rare/overconfidence`` and
+        ``<bucket>/{target_nll,target_argmax_rate,max_prob,positions}`` for every bucket and
+        ``rare``; with ``padded``, ``padded_mass``.
+        """
+        for metric in (self.stats, self.calibration):
+            metric.dist_sync_fn = lambda t, group=None: reducer.gather(t)
+            metric.distributed_available_fn = lambda: reducer.world_size > 1
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
+                out = dict(self.stats.compute())
+                cal = self.calibration.compute()
+        finally:
+            self.stats.reset()
+            self.calibration.reset()
+        for key in CALIBRATION_KEYS:
+            out[key] = cal[key]
+        if by_frequency:
+            for key in CALIBRATION_KEYS:
+                out[f"rare/{key}"] = cal[f"{key}_rare"]
+            for bucket in (*BUCKETS, "rare"):
+                for ours, theirs in BUCKET_KEYS.items():
+                    out[f"{bucket}/{ours}"] = cal[f"{theirs}_{bucket}"]
+        if padded:
+            out["padded_mass"] = self._padded_mass(reducer)
+        return out
+
+    def _padded_mass(self, reducer: Reducer) -> Tensor:
+        """Mean padded mass over measured positions, summed over processes."""
+        total, count = (torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in self.padded)
+        self.padded = [0.0, 0.0]
+        both = reducer.sum(torch.stack([total, count]))
+        return torch.where(both[1] > 0, both[0] / both[1].clamp(min=1), torch.full_like(both[0], float("nan")))
+

@@ -1,0 +1,365 @@
+"""Hugging Face ``transformers.Trainer`` front door: one ``TrainerCallback`` feeding the core monitors.
+
+Use either::
+
+    from headwatch.integrations.transformers import HeadwatchCallback, attach
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[HeadwatchCallback()])
+    # or, after building the trainer (keeps the trainer reference explicitly):
+    attach(trainer, HeadwatchCallback())
+
+Works the same with TRL's ``SFTTrainer`` (a ``Trainer`` subclass) and under ``accelerate``
+/ ``torchrun`` (reductions through ``torch.distributed``). See :class:`HeadwatchCallback`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import Trainer, TrainerCallback
+from transformers.integrations import TensorBoardCallback
+
+from headwatch import tensorboard as tb
+from headwatch._errors import HeadwatchError
+from headwatch.core.batch import BatchFormat
+from headwatch.core.monitor import Monitor, to_floats
+from headwatch.core.reduce import Reducer, TorchDistributedReducer
+from headwatch.core.schedule import Schedule
+from headwatch.integrations._transformers_support import (
+    TB_PREFIX,
+    is_rules,
+    prefixed,
+    WritersSink,
+    find_trainer,
+    loss_scale,
+    unwrap,
+)
+
+__all__ = ["HeadwatchCallback", "attach"]
+
+class HeadwatchCallback(TrainerCallback):
+    """Watch the embedding and the head of the model a ``transformers.Trainer`` trains.
+
+    One callback drives every monitor (default: all four, sharing one token count). It
+    attaches to the model in ``on_train_begin`` and measures on the Trainer's logging steps,
+    the ``logging_steps`` grid as ``DefaultFlowCallback`` decides it (``global_step %
+    logging_steps == 0``, and step 1 with ``logging_first_step``; collision every 10 logging
+    steps and at each epoch end). The batch is read by a forward pre-hook on the model (the
+    Trainer calls ``model(**inputs)``) through the monitors' :class:`~headwatch.core.BatchFormat`.
+    Gradients are read in ``on_pre_optimizer_step``: after accumulation and unscaling, and,
+    as the Trainer clips before that event, after clipping (``max_grad_norm``): row
+    densities, cosines and the tied split are unchanged by clipping, row norms are scaled
+    by the clip coefficient (pass ``max_grad_norm=0`` for unclipped norms).
+
+    Values are logged with ``trainer.log`` at ``state.global_step`` under the names of
+    :mod:`headwatch.names` (``headwatch/logits/entropy`` ...), so every ``report_to``
+    integration receives them; the Trainer's TensorBoard writer shows them as
+    ``train/headwatch/...`` (its ``rewrite_logs``), where the headwatch Custom Scalars
+    layout, histograms, texts and figures are written too. Under TRL's fused LM head
+    (``SFTTrainer``: ``lm_head`` is never called) the head is called once, without gradient,
+    on the backbone's last hidden states of measured forwards. Evaluation (``LogitStats``):
+    ``headwatch/val/logits/*`` logged at the end of each ``evaluate`` and added to its
+    returned metrics as ``eval_headwatch/val/logits/*``.
+
+    Args:
+        monitors: core monitors (``headwatch.core``) or names among ``"logits"``,
+            ``"gradients"``, ``"tokens"``, ``"collision"``; None: all four.
+        batch_format: how the model's keyword inputs are read (default: ``input_ids``,
+            ``labels`` shifted as in causal LMs, ``attention_mask``, ``ignore_index=-100``).
+        prefix: first component of every metric name.
+        reducer: distributed reductions; default ``torch.distributed`` (what accelerate uses).
+        alert: the collapse alert: a :class:`headwatch.alerts.CollapseRules` (an ``AlertEngine`` is
+            built in ``on_train_begin`` with the standard actions: console, a marker in the Trainer's
+            TensorBoard, ``<output_dir>/headwatch_alerts.jsonl``), or any object with
+            ``observe_train(step, metrics)`` / ``observe_val(step, metrics)`` (an ``AlertEngine`` you
+            built: its distributed decision is then taken through ``reducer``). Called on every rank
+            with the published values; validation also sees the Trainer's ``eval_*`` metrics (use
+            ``CollapseRules(val_metric="eval_loss")``).
+        stop_on_critical, checkpoint_on_critical: on a critical alert, set the Trainer's
+            ``control.should_training_stop`` / ``control.should_save`` (a checkpoint at that step).
+        strict: raise on a failed measurement instead of warning once.
+
+    Raises:
+        HeadwatchError: a bad argument; in ``on_train_begin``, no model or no head/embedding.
+    """
+
+    def __init__(
+        self,
+        monitors: Sequence[Monitor | str] | None = None,
+        batch_format: BatchFormat | None = None,
+        prefix: str = "headwatch",
+        reducer: Reducer | None = None,
+        alert: Any = None,
+        stop_on_critical: bool = False,
+        checkpoint_on_critical: bool = False,
+        strict: bool = False,
+    ) -> None:
+        from headwatch.loop import Headwatch
+
+        if reducer is not None and not isinstance(reducer, Reducer):
+            raise HeadwatchError(f"`reducer` must implement headwatch.core.Reducer, got {type(reducer).__name__}")
+        if alert is not None and not is_rules(alert) and not all(callable(getattr(alert, f, None)) for f in ("observe_train", "observe_val")):
+            raise HeadwatchError(
+                f"`alert` must be a headwatch.alerts.CollapseRules or have observe_train and observe_val methods, got {type(alert).__name__}"
+            )
+        for name, value in (("stop_on_critical", stop_on_critical), ("checkpoint_on_critical", checkpoint_on_critical)):
+            if not isinstance(value, bool):
+                raise HeadwatchError(f"`{name}` must be a bool, got {value!r}")
+        self.stop_on_critical, self.checkpoint_on_critical = stop_on_critical, checkpoint_on_critical
+        self.monitors = Headwatch._build(monitors, batch_format, prefix)
+        for m in self.monitors:
+            m.strict = strict
+        self.prefix, self.reducer, self.alert = prefix, reducer or TorchDistributedReducer(), alert
+        self.latest: dict[str, float] = {}
+        """The values of the last measurement, by full name."""
+        self._trainer: Any = None
+        self._hooks: list[Any] = []
+        self._fused = False  # this forward uses TRL's fused LM head (no logits)
+        self._started = False  # the current (micro-)batch's first forward was seen
+        self._model: nn.Module | None = None
+        self._step: int | None = None  # the step being trained (0-based), None outside a training step
+        self._logging: list[Monitor] = []  # monitors measuring the current step
+        self._first = False
+        self._control: Any = None
+
+    # ---------------------------------------------------------------- wiring
+    @property
+    def trainer(self) -> Trainer | None:
+        return self._trainer() if self._trainer is not None else None
+
+    def set_trainer(self, trainer: Trainer) -> None:
+        """Keep a (weak) reference to the trainer whose ``log`` receives the values."""
+        self._trainer = weakref.ref(trainer)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        if model is None:
+            raise HeadwatchError("HeadwatchCallback.on_train_begin received no `model`; use it inside a transformers.Trainer")
+        if self.trainer is None and (found := find_trainer(self)) is not None:
+            self.set_trainer(found)
+        every = int(getattr(state, "logging_steps", 0) or args.logging_steps) if args.logging_strategy == "steps" else 0
+        if args.logging_strategy == "epoch":
+            self.monitors[0].warn_once(
+                "epoch_strategy",
+                "HeadwatchCallback measures on logging steps; with logging_strategy='epoch' only collision "
+                "(at epoch ends) and logging_first_step are measured. Use logging_strategy='steps'. (warned once)",
+            )
+        self._first = bool(args.logging_first_step)
+        self.attach_model(model, every)
+        self._control = control
+        self._wire_alert(args)
+        if self.reducer.rank == 0:
+            try:
+                tb.write_layout(self.writers(), TB_PREFIX + self.prefix)
+            except Exception as err:  # noqa: BLE001
+                self.monitors[0].fail(err, "writing the TensorBoard dashboard layout")
+
+    def attach_model(self, model: nn.Module, every: int) -> None:
+        """Configure every monitor (schedule ``every`` steps), attach it and hook the model's forward."""
+        model = unwrap(model)
+        for m in self.monitors:
+            m.configure(Schedule(m.every_factor * every), self.reducer)
+            m.attach(model)
+        if self._model is not model:
+            self.close()
+            self._hooks = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
+            inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+            backbone = getattr(inner, "base_model", None)
+            if isinstance(backbone, nn.Module) and backbone is not inner and callable(getattr(inner, "get_output_embeddings", None)):
+                self._hooks.append(backbone.register_forward_hook(partial(self._on_backbone, inner)))
+            self._model = model
+
+    def _wire_alert(self, args: Any) -> None:
+        """Build the ``AlertEngine`` of ``CollapseRules``; decisions through the reducer, rank zero runs the
+        main-process actions."""
+        from headwatch.alerts import AlertEngine, standard_actions
+        from headwatch.alerts.actions import JSONL_NAME
+
+        if is_rules(self.alert):
+            actions = standard_actions(
+                sink=WritersSink(self), prefix=self.prefix, jsonl_path=Path(args.output_dir) / JSONL_NAME,
+                save_checkpoint=self.save_checkpoint if self.checkpoint_on_critical else None,
+                stop=self.stop_training if self.stop_on_critical else None,
+            )  # fmt: skip
+            self.alert = AlertEngine(self.alert, actions, name="HeadwatchCallback alert")
+        if isinstance(self.alert, AlertEngine):
+            self.alert.reduce_bool = lambda fired: not self.reducer.all(not fired)
+            self.alert.main_process = self.reducer.rank == 0
+
+    def stop_training(self, alert: Any = None) -> None:
+        """An alert action: the Trainer stops after this step (every rank decides alike)."""
+        self._control.should_training_stop = True
+
+    def save_checkpoint(self, alert: Any = None) -> None:
+        """An alert action: the Trainer saves a checkpoint at this step."""
+        self._control.should_save = True
+
+    def close(self) -> None:
+        """Remove the forward pre-hook (the monitors keep their hooks and state; ``m.detach()`` removes those)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._model = [], None
+
+    def writers(self) -> list[Any]:
+        """The ``SummaryWriter`` of the Trainer's ``TensorBoardCallback`` (``report_to`` tensorboard), rank zero."""
+        trainer = self.trainer
+        if trainer is None or self.reducer.rank != 0:
+            return []
+        return [cb.tb_writer for cb in trainer.callback_handler.callbacks if isinstance(cb, TensorBoardCallback) and cb.tb_writer]
+
+    # ---------------------------------------------------------------- the batch
+    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        batch = dict(kwargs)
+        if args and "input_ids" not in batch:
+            batch["input_ids"] = args[0]
+        training = self._step is not None and module.training
+        if training and self._started:  # a second forward of one micro-batch (TRL with compute_loss_func):
+            self._fused = False  # its ids were counted and its logits measured by the first
+            for m in self.monitors:
+                m.batch_end()
+            return
+        self._started = training
+        self._fused = bool(kwargs.get("fused_lm_head")) and (not training or bool(self._logging))
+        if training:
+            for m in self.monitors:
+                m.step_start(batch, self._step, m in self._logging)
+        elif self._step is None and not module.training:
+            for m in self.monitors:
+                m.validation_batch_start(batch)
+
+    def _on_backbone(self, inner: nn.Module, module: nn.Module, args: Any, output: Any) -> None:
+        """TRL's fused LM head (``fused_lm_head=True``) never calls the head: on measured forwards, call it
+        once on the backbone's last hidden states without gradient, so the head's hooks see ``(B, T, V)`` logits."""
+        if not self._fused:
+            return
+        self._fused = False
+        hidden = getattr(output, "last_hidden_state", None)
+        if hidden is None and isinstance(output, (tuple, list)) and output:
+            hidden = output[0]
+        if isinstance(hidden, Tensor):
+            with torch.no_grad():
+                inner.get_output_embeddings()(hidden.detach())
+
+    # ---------------------------------------------------------------- training
+    def is_logging_step(self, m: Monitor, step: int) -> bool:
+        """``DefaultFlowCallback``'s rule for 0-based step ``step`` (``global_step = step + 1``)."""
+        return m.schedule.is_logging_step(step) or (self._first and step == 0)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._step, self._started = state.global_step, False
+        self._logging = [m for m in self.monitors if self.is_logging_step(m, self._step)]
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._started = False
+        for m in self.monitors:
+            m.batch_end()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        scale = loss_scale(self.trainer, args) if self._logging else None
+        for m in self.monitors:
+            m.gradients_ready(scale)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._started = False
+        for m in self.monitors:
+            m.optimizer_stepped()
+            m.batch_end()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        due, self._logging, self._step, self._control = self._logging, [], None, control
+        if due and not control.should_log:
+            due[0].warn_once("should_log", "HeadwatchCallback measured a step the Trainer does not log. (warned once)")
+        self._emit(due, state, control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step = state.global_step - 1
+        self._emit([m for m in self.monitors if step >= 0 and m.train_epoch_end(step)], state, control)
+
+    def _emit(self, due: list[Monitor], state: Any, control: Any, val: bool = False) -> dict[str, float]:
+        """compute on every rank (a collective), log through the Trainer, write media on rank zero."""
+        if not due:
+            return {}
+        try:
+            scalars: dict[str, Tensor] = {}
+            for m in list(due):
+                values = m.validation_epoch_end() if val else m.compute()
+                scalars.update(values)
+                if val and not values:
+                    due.remove(m)  # its media are those of its last training measurement
+            numbers = to_floats(scalars)
+            for m in due:
+                m.published(numbers)
+            self._publish(numbers, state.global_step, due, val)
+            return numbers
+        except Exception as err:  # noqa: BLE001
+            due[0].fail(err, "logging the statistics")
+            return {}
+
+    def _publish(self, numbers: dict[str, float], step: int, due: list[Monitor], val: bool) -> None:
+        self.latest.update(numbers)
+        trainer = self.trainer
+        if trainer is not None and numbers:
+            should_log = trainer.control.should_log
+            # the base method: a subclass's log (TRL's) would flush its own averaged metrics into this record
+            Trainer.log(trainer, dict(numbers))  # its on_log event clears control.should_log ...
+            trainer.control.should_log = should_log  # ... which must still log the loss of this step
+        elif numbers:
+            due[0].warn_once(
+                "no_trainer",
+                "HeadwatchCallback could not find its Trainer; values are only kept in `.latest`. Attach it with "
+                "headwatch.integrations.transformers.attach(trainer, callback). (warned once)",
+            )
+        writers = self.writers()
+        for m in due:
+            tb.write_media(writers, prefixed(m.media, TB_PREFIX), step)
+        if self.alert is not None and not is_rules(self.alert):
+            if val:
+                extra = {k: v for k, v in getattr(self, "_eval_metrics", {}).items() if isinstance(v, (int, float))}
+                self.alert.observe_val(step, {**extra, **numbers})
+            else:
+                self.alert.observe_train(step, numbers)
+
+    # ---------------------------------------------------------------- evaluation
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for m in self.monitors:
+            m.validation_batch_end()
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict | None = None, **kwargs: Any) -> None:
+        self._control, self._eval_metrics = control, dict(metrics or {})
+        numbers = self._emit(list(self.monitors), state, control, val=True)
+        if metrics is not None:
+            metrics.update({f"eval_{k}": v for k, v in numbers.items()})
+
+    def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
+        for m in self.monitors:  # predict() has no evaluation log: reset the validation sums
+            m.validation_epoch_end()
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {"monitors": [m.state_dict() for m in self.monitors]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for m, s in zip(self.monitors, state.get("monitors", [])):
+            m.load_state_dict(s)
+
+
+def attach(trainer: Trainer, callback: HeadwatchCallback | None = None, **kwargs: Any) -> HeadwatchCallback:
+    """Add ``callback`` (default ``HeadwatchCallback(**kwargs)``) to ``trainer`` and keep the trainer reference.
+
+    Raises:
+        HeadwatchError: ``trainer`` is not a ``transformers.Trainer``, or both ``callback`` and kwargs are given.
+    """
+    if not isinstance(trainer, Trainer):
+        raise HeadwatchError(f"`trainer` must be a transformers.Trainer, got {type(trainer).__name__}")
+    if callback is not None and kwargs:
+        raise HeadwatchError(f"pass either `callback` or HeadwatchCallback arguments, got both ({sorted(kwargs)})")
+    callback = callback if callback is not None else HeadwatchCallback(**kwargs)
+    if not any(cb is callback for cb in trainer.callback_handler.callbacks):
+        trainer.add_callback(callback)
+    callback.set_trainer(trainer)
+    return callback

@@ -1,0 +1,177 @@
+"""Captures of the two gradient flows of the matrices that really train.
+
+- :class:`LookupFlowCapture`: the lookup flow of an :class:`~headwatch.weights.EmbeddingGroup`,
+  ``E_i = sum over every lookup n of the group's weight with x_n = i of g_n`` (``g_n`` the gradient
+  at the looking-up module's output): hooks EVERY member (a tied T5 reads its matrix in the encoder
+  and in the decoder). For a tied matrix the scoring flow is ``grad - E``.
+- :class:`HeadFlowCapture`: the gradient of the effective head ``dL/dW_eff = g.T @ h`` from the
+  head's input ``h`` and the gradient at its output (LoRA heads, whose ``.weight.grad`` is None).
+
+Both are inactive (no work, no sync) until ``active`` is set, on the steps that measure; the
+accumulators are float32 ``(V, d_model)``, added into across micro-batches. Gradients are as the
+backward sees them: divide by a ``GradScaler``'s scale before use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from headwatch._errors import HeadwatchError
+from headwatch.functional.adapters import head_weight_gradient
+from headwatch.functional.rows import lookup_gradient
+from headwatch.weights import EmbeddingGroup
+
+
+def _padding_idx(module: nn.Module) -> int | None:
+    inner = module
+    for attr in ("original_module", "base_layer"):
+        inner = getattr(inner, attr, inner)
+    pad = getattr(inner, "padding_idx", None)
+    return int(pad) if isinstance(pad, int) else None
+
+
+class _Capture:
+    def __init__(self) -> None:
+        self.active = False
+        self.gradient: Tensor | None = None
+        self.error: Exception | None = None
+        """The first failure inside a hook (hooks never raise into the training step)."""
+        self.compiled = False
+        """The hooked module ran inside ``torch.compile``, where output gradients cannot be hooked."""
+        self._handles: list[Any] = []
+
+    def reset(self) -> None:
+        """Forget this step's accumulator (call after reading it)."""
+        self.gradient = None
+
+    def detach(self) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _accumulator(self, like: Tensor, shape: tuple[int, int]) -> Tensor:
+        if self.gradient is None:
+            self.gradient = torch.zeros(shape, dtype=torch.float32, device=like.device)
+        return self.gradient
+
+
+class LookupFlowCapture(_Capture):
+    """``(V, d_model)`` lookup-flow gradient of one embedding weight, over all its lookup modules.
+
+    Args:
+        group: from :func:`headwatch.weights.find_embedding_group`.
+
+    Attributes:
+        gradient: float32 ``(V, d_model)`` ``E`` of the steps captured since :meth:`reset`, or None.
+        looked_up: bool ``(V,)`` rows read by any member since :meth:`reset`, or None.
+    """
+
+    def __init__(self, group: EmbeddingGroup) -> None:
+        super().__init__()
+        if not isinstance(group, EmbeddingGroup):
+            raise HeadwatchError(f"`group` must be an EmbeddingGroup (find_embedding_group), got {type(group).__name__}")
+        self.group = group
+        self.looked_up: Tensor | None = None
+        self.sharded: Any = None
+        """A :class:`headwatch.core.sharded.ShardedLookup` set by the monitor on steps whose matrix is
+        row-sharded (FSDP2): the flow is then kept compact there instead of in ``gradient``."""
+
+    def attach(self) -> LookupFlowCapture:
+        """Register a forward hook on each distinct member; returns self."""
+        self.detach()
+        seen: set[int] = set()
+        for _, module in self.group.modules:
+            if id(module) not in seen:
+                seen.add(id(module))
+                self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True))
+        return self
+
+    def reset(self) -> None:
+        super().reset()
+        self.looked_up, self.sharded = None, None
+
+    def _on_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.active:
+            if torch.compiler.is_compiling():  # a disabled function would break fullgraph=True
+                self.compiled = True
+                return
+            self._watch(module, args, kwargs, output)
+
+    @torch.compiler.disable
+    def _watch(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        try:
+            ids = args[0] if args else kwargs.get("input")
+            if not isinstance(ids, Tensor) or not isinstance(output, Tensor):
+                return
+            ids = ids.detach()
+            V = self.group.weight.shape[0]
+            if self.looked_up is None:
+                self.looked_up = torch.zeros(V, dtype=torch.bool, device=ids.device)
+            self.looked_up[ids.reshape(-1).long()] = True
+            if output.requires_grad:
+                pad = _padding_idx(module)
+                output.register_hook(lambda grad: self._add(ids, grad, pad))
+        except Exception as err:  # noqa: BLE001 - monitoring never breaks the forward
+            self.error = self.error or err
+
+    def _add(self, ids: Tensor, grad: Tensor, pad: int | None) -> None:
+        try:
+            if self.sharded is not None:
+                self.sharded.add(ids.to(grad.device), grad, pad)
+                return
+            out = self._accumulator(grad, tuple(self.group.weight.shape))
+            lookup_gradient(ids.to(grad.device), grad, out.shape[0], pad, out=out)
+        except Exception as err:  # noqa: BLE001
+            self.error = self.error or err
+
+
+class HeadFlowCapture(_Capture):
+    """``(V, d_model)`` gradient of the effective head, ``sum_n g_n h_n^T``, from hooks on the head.
+
+    Args:
+        head: the module computing ``logits = h @ W_eff.T`` (for LoRA, the PEFT layer itself, so
+            its output includes the adapter's part).
+
+    Attributes:
+        gradient: float32 ``(V, d_model)`` of the steps captured since :meth:`reset`, or None.
+    """
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        if not isinstance(head, nn.Module):
+            raise HeadwatchError(f"`head` must be an nn.Module, got {type(head).__name__}")
+        self.head = head
+
+    def attach(self) -> HeadFlowCapture:
+        """Register the forward hook; returns self."""
+        self.detach()
+        self._handles.append(self.head.register_forward_hook(self._on_forward, with_kwargs=True))
+        return self
+
+    def _on_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.active:
+            if torch.compiler.is_compiling():  # a disabled function would break fullgraph=True
+                self.compiled = True
+                return
+            self._watch(args, kwargs, output)
+
+    @torch.compiler.disable
+    def _watch(self, args: Any, kwargs: Any, output: Any) -> None:
+        try:
+            hidden = args[0] if args else kwargs.get("input")
+            if isinstance(hidden, Tensor) and isinstance(output, Tensor) and output.requires_grad:
+                hidden = hidden.detach()
+                output.register_hook(lambda grad: self._add(hidden, grad))
+        except Exception as err:  # noqa: BLE001
+            self.error = self.error or err
+
+    def _add(self, hidden: Tensor, grad: Tensor) -> None:
+        try:
+            out = self._accumulator(grad, (grad.shape[-1], hidden.shape[-1]))
+            head_weight_gradient(hidden, grad, out=out)
+        except Exception as err:  # noqa: BLE001
+            self.error = self.error or err

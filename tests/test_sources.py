@@ -1,0 +1,172 @@
+"""Which tensor is measured (issue 10 §1, §2, §8; issue 11 §3 detection), against the models' own outputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from headwatch._errors import HeadwatchError  # noqa: E402
+from headwatch._sources_capture import LogitsCapture  # noqa: E402
+from headwatch._sources_stats import captured_statistics  # noqa: E402
+from headwatch.sources import (  # noqa: E402
+    batch_positions,
+    final_logit_transform,
+    resolve_logits_source,
+    tie_config_mismatch,
+)
+
+
+def reference(logits: torch.Tensor, targets: torch.Tensor | None, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """float64 entropy and nll per valid position, straight from softmax."""
+    x = logits.double()[valid]  # (N, V)
+    logp = torch.log_softmax(x, dim=-1)
+    out = {"entropy": -(logp.exp() * logp).sum(-1)}
+    if targets is not None:
+        out["nll"] = -logp.gather(-1, targets[valid].unsqueeze(-1)).squeeze(-1)
+    return out
+
+
+def run_captured(model, source, batch, call, path="auto", vocab_size=None):
+    """Arm a capture for one forward ``call()``; return (per-forward statistics, report, call's output)."""
+    mask, targets = batch_positions(batch, source.alignment)
+    shape = (targets if targets is not None else mask).shape if (targets is not None or mask is not None) else None
+    results = []
+    capture = LogitsCapture(
+        source,
+        lambda c: results.append((c, captured_statistics(c, mask, targets, vocab_size=vocab_size))),
+        path=path,
+        model=model,
+    )
+    capture.attach()
+    capture.begin(shape)
+    out = call()
+    report = capture.end()
+    capture.detach()
+    return results, report, out
+
+
+# ---------------------------------------------------------------------------------------------- Gemma 2
+def tiny_gemma2():
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0, attn_implementation="eager",
+        tie_word_embeddings=False,  # scaling the head leaves the rest of the model as it is
+    )
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        raw = model.lm_head(model.model(input_ids=ids).last_hidden_state)
+        model.lm_head.weight.mul_(110.0 / raw.abs().max())  # raw head output reaches |x| = 110
+    labels = ids.clone()
+    labels[0, 5] = -100
+    return model, {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+
+
+def test_gemma2_softcapped_logits_are_measured():
+    model, batch = tiny_gemma2()
+    source = resolve_logits_source(model)
+    assert source.kind == "model_logits" and source.owner is model and source.alignment == "causal"
+    assert "logits" in source.describe() and "after any post-head transform" in source.describe()
+    with torch.no_grad():
+        results, report, out = run_captured(model, source, batch, lambda: model(**batch))
+        raw = model.lm_head(model.model(input_ids=batch["input_ids"]).last_hidden_state)
+    assert raw.abs().max() == pytest.approx(110.0, rel=1e-4)
+    assert report.measured == 1 and report.path == "logits" and report.problem is None
+    stats = results[0][1].statistics
+    _, targets = batch_positions(batch, "causal")
+    valid = targets != -100
+    assert stats.valid.sum() == 13  # 2 x 7 shifted targets, one of them -100
+    ref = reference(out.logits, targets, valid)
+    assert torch.allclose(stats.entropy[valid].double(), ref["entropy"], atol=1e-5)
+    assert stats.nll[valid].double().mean().item() == pytest.approx(out.loss.item(), abs=1e-5)
+    assert ref["nll"].mean().item() == pytest.approx(out.loss.item(), abs=1e-5)  # the model's loss is of these logits
+    # the raw head output is another distribution: measuring it would be wrong by far
+    raw_entropy = reference(raw, None, valid)["entropy"].mean().item()
+    assert ref["entropy"].mean().item() > 5 * raw_entropy
+
+
+def test_gemma2_hidden_path_applies_the_softcap():
+    model, batch = tiny_gemma2()
+    source = resolve_logits_source(model)
+    assert source.transform is not None and "final_logit_softcapping" in source.transform.description
+    with torch.no_grad():
+        logit_results, _, _ = run_captured(model, source, batch, lambda: model(**batch))
+        hidden_results, report, _ = run_captured(model, source, batch, lambda: model(**batch), path="hidden")
+    assert report.path == "hidden" and report.problem is None and "forced" in report.note
+    a, b = logit_results[0][1].statistics, hidden_results[0][1].statistics
+    assert torch.equal(a.valid, b.valid)
+    assert torch.allclose(a.entropy[a.valid], b.entropy[b.valid], atol=1e-5)
+    assert torch.allclose(a.nll[a.valid], b.nll[b.valid], atol=1e-5)
+
+
+def test_final_logit_transform_keys():
+    assert final_logit_transform(None) is None
+    assert final_logit_transform(transformers.LlamaConfig()) is None
+    t = final_logit_transform(transformers.Gemma2Config(final_logit_softcapping=30.0))
+    x = torch.tensor([110.0, -3.0])
+    assert torch.allclose(t(x), 30.0 * torch.tanh(x / 30.0))
+    cohere = final_logit_transform(transformers.CohereConfig(logit_scale=0.0625))
+    assert torch.allclose(cohere(x), x * 0.0625)
+    granite = final_logit_transform(transformers.GraniteConfig(logits_scaling=8.0))
+    assert torch.allclose(granite(x), x / 8.0)
+
+
+# ---------------------------------------------------------------------------------------------- T5
+def tiny_t5():
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+        tie_word_embeddings=True, decoder_start_token_id=0, pad_token_id=0,
+    )
+    return transformers.T5ForConditionalGeneration(cfg).eval()
+
+
+@pytest.mark.parametrize("encoder_length", [8, 12])
+def test_t5_labels_aligned_and_encoder_mask_ignored(encoder_length):
+    model = tiny_t5()
+    assert model.lm_head.weight is model.shared.weight
+    g = torch.Generator().manual_seed(encoder_length)
+    ids = torch.randint(1, 64, (2, encoder_length), generator=g)
+    attention = torch.ones_like(ids)
+    attention[1, -3:] = 0  # the encoder's padding
+    labels = torch.randint(1, 64, (2, 8), generator=g)
+    labels[0, -1] = labels[1, -2] = -100
+    batch = {"input_ids": ids, "attention_mask": attention, "labels": labels}
+    source = resolve_logits_source(model)
+    assert source.alignment == "seq2seq" and "decoder_attention_mask" in source.describe()
+    with torch.no_grad():
+        results, report, out = run_captured(model, source, batch, lambda: model(**batch))
+    assert report.measured == 1 and report.problem is None
+    stats = results[0][1].statistics
+    valid = labels != -100
+    assert int(stats.valid.sum()) == 14
+    assert torch.equal(stats.valid, valid)
+    ref = reference(out.logits, labels, valid)
+    assert torch.allclose(stats.entropy[valid].double(), ref["entropy"], atol=1e-5)
+    assert stats.nll[valid].double().mean().item() == pytest.approx(out.loss.item(), abs=1e-5)
+
+
+def test_batch_positions_by_alignment():
+    labels = torch.tensor([[1, 2, 3, -100]])
+    enc = torch.tensor([[1, 1, 1, 1, 0, 0]])
+    dec = torch.tensor([[1, 1, 0, 0]])
+    mask, targets = batch_positions({"labels": labels, "attention_mask": enc}, "seq2seq")
+    assert mask is None and torch.equal(targets, labels)
+    mask, _ = batch_positions({"labels": labels, "attention_mask": enc, "decoder_attention_mask": dec}, "seq2seq")
+    assert torch.equal(mask, dec.bool())
+    mask, targets = batch_positions({"labels": labels, "attention_mask": dec}, "causal")
+    assert torch.equal(targets, torch.tensor([[2, 3, -100, -100]])) and torch.equal(mask, dec.bool())
+    _, targets = batch_positions({"labels": labels}, "aligned")
+    assert torch.equal(targets, labels)
+    assert batch_positions((labels, labels), "causal") == (None, None)
+    with pytest.raises(HeadwatchError, match="`alignment` must be one of .*got 'shifted'"):
+        batch_positions({"labels": labels}, "shifted")
+    with pytest.raises(HeadwatchError, match="`alignment` must be None or one of"):
+        resolve_logits_source(tiny_t5(), alignment="shifted")
