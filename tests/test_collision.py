@@ -139,7 +139,7 @@ def test_monitor_measure_planted_rates_and_padded_rows():
     assert scalars["headwatch/collision/rare_sample_size"] == 100
     assert scalars["headwatch/collision/invalid_count"] == 48
     assert scalars["headwatch/collision/unseen_count"] == 900
-    assert scalars["headwatch/collision/zero_count_head"].item() == 0
+    assert scalars["headwatch/collision/untrained_count_head"].item() == 0
     pairs = monitor.last_result["head"]["pairs"]
     assert pairs[0][:2] == (1003, 3)  # most similar first
     assert [p[0] for p in pairs] == [1000 + i for i in np.argsort(-ref_cos, kind="stable") if ref_cos[i] >= 0.9]
@@ -166,7 +166,7 @@ def test_monitor_headline_is_the_planted_fraction_under_drift():
     assert scalars["headwatch/collision/drift/raw_rate_head"].item() >= 0.99
     assert scalars["headwatch/collision/drift/mean_cos_head"].item() > 0.95
     assert scalars["headwatch/collision/drift/removed_variance_head"].item() > 0.5
-    assert scalars["headwatch/collision/zero_count_head"].item() == 1
+    assert scalars["headwatch/collision/untrained_count_head"].item() == 1
     partner = {**dict(zip(a.tolist(), b.tolist())), **dict(zip(b.tolist(), a.tolist()))}
     assert all(partner[r] == j for r, j, _ in monitor.last_result["head"]["pairs"])
     assert "not paired: 1 never-seen, 0 padded or invalid, 1 zero, 0 non-finite rows" in tables["headwatch/collision/top_pairs_head"]

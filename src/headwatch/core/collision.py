@@ -254,7 +254,7 @@ class SynonymCollision(Monitor):
         scalars: dict[str, Any], tables: dict[str, str],
     ) -> dict[str, Any]:  # fmt: skip
         c, dev, budget = f"{self.prefix}/collision", weight.device, self.max_chunk_bytes
-        if sharded.is_sharded(weight):  # row-sharded (FSDP2): the correction needs every row (see README, limits)
+        if sharded.is_sharded(weight):  # row-sharded (FSDP2): the correction needs every row (README: known limit)
             weight = sharded.gather_rows(weight, torch.arange(snap.valid.numel(), device=dev), self.reducer)
         seen = (snap.counts > 0).to(dev)
         p = pairable_rows(weight, snap.valid.to(dev), seen, self.include_unseen, budget)
