@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +61,11 @@ class HeadwatchCallback(TrainerCallback):
     integration receives them; the Trainer's TensorBoard writer shows them as
     ``train/headwatch/...`` (its ``rewrite_logs``), where the headwatch Custom Scalars
     layout, histograms, texts and figures are written too. Under TRL's fused LM head
-    (``SFTTrainer``: ``lm_head`` is never called) the head is called once, without gradient,
-    on the backbone's last hidden states of measured forwards. Evaluation (``LogitStats``):
+    (``SFTTrainer``: ``lm_head`` is never called) ``LogitStats`` measures from the backbone's
+    final hidden states and the head's weight, in chunks, with the model's final transform
+    (:class:`headwatch._sources_capture.LogitsCapture`'s hidden-state path): no ``(B, T, V)``
+    logits are made; the synonym confusion of ``"collision"`` needs the head's output and is
+    not counted on such forwards. Evaluation (``LogitStats``):
     ``headwatch/val/logits/*`` logged at the end of each ``evaluate`` and added to its
     returned metrics as ``eval_headwatch/val/logits/*``.
 
@@ -120,7 +122,6 @@ class HeadwatchCallback(TrainerCallback):
         """The values of the last measurement, by full name."""
         self._trainer: Any = None
         self._hooks: list[Any] = []
-        self._fused = False  # this forward uses TRL's fused LM head (no logits)
         self._started = False  # the current (micro-)batch's first forward was seen
         self._model: nn.Module | None = None
         self._step: int | None = None  # the step being trained (0-based), None outside a training step
@@ -168,10 +169,6 @@ class HeadwatchCallback(TrainerCallback):
         if self._model is not model:
             self.close()
             self._hooks = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
-            inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-            backbone = getattr(inner, "base_model", None)
-            if isinstance(backbone, nn.Module) and backbone is not inner and callable(getattr(inner, "get_output_embeddings", None)):
-                self._hooks.append(backbone.register_forward_hook(partial(self._on_backbone, inner)))
             self._model = model
 
     def _wire_alert(self, args: Any) -> None:
@@ -219,31 +216,16 @@ class HeadwatchCallback(TrainerCallback):
             batch["input_ids"] = args[0]
         training = self._step is not None and module.training
         if training and self._started:  # a second forward of one micro-batch (TRL with compute_loss_func):
-            self._fused = False  # its ids were counted and its logits measured by the first
             for m in self.monitors:
                 m.batch_end()
             return
         self._started = training
-        self._fused = bool(kwargs.get("fused_lm_head")) and (not training or bool(self._logging))
         if training:
             for m in self.monitors:
                 m.step_start(batch, self._step, m in self._logging)
         elif self._step is None and not module.training:
             for m in self.monitors:
                 m.validation_batch_start(batch)
-
-    def _on_backbone(self, inner: nn.Module, module: nn.Module, args: Any, output: Any) -> None:
-        """TRL's fused LM head (``fused_lm_head=True``) never calls the head: on measured forwards, call it
-        once on the backbone's last hidden states without gradient, so the head's hooks see ``(B, T, V)`` logits."""
-        if not self._fused:
-            return
-        self._fused = False
-        hidden = getattr(output, "last_hidden_state", None)
-        if hidden is None and isinstance(output, (tuple, list)) and output:
-            hidden = output[0]
-        if isinstance(hidden, Tensor):
-            with torch.no_grad():
-                inner.get_output_embeddings()(hidden.detach())
 
     # ---------------------------------------------------------------- training
     def is_logging_step(self, m: Monitor, step: int) -> bool:
