@@ -185,3 +185,10 @@ def chart_tag(series: str, kind: str, prefix: str = "headwatch") -> str:
 
 DEFAULT_ALERT_METRICS = ("logits/entropy", "logits/kl_to_uniform")
 """Names (after the prefix) the collapse alert watches by default."""
+
+CONSOLE_KEYS = (
+    "logits/entropy", "logits/target_nll", "logits/rare/target_nll", "val/logits/entropy", "val/logits/target_nll",
+    "grad/embedding_row_density", "grad/head_row_density", "tokens/seen_fraction", "collision/rare_rate_head",
+)  # fmt: skip
+"""Names (after the prefix) the Hugging Face front door prints on the console by default (every key still
+goes to the reporting integrations)."""

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
-from transformers import Trainer, TrainerCallback
+from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerCallback
 
 from headwatch import tensorboard as tb
+from headwatch._errors import HeadwatchError
 from headwatch.core.monitor import Media
 
 if TYPE_CHECKING:
@@ -88,3 +91,56 @@ def prefixed(media: Media, prefix: str) -> Media:
         {prefix + k: v for k, v in media.texts.items()},
         {prefix + k: v for k, v in media.figures.items()},
     )
+
+
+CONSOLE_PRINTERS = (ProgressCallback, PrinterCallback)
+"""The Trainer's callbacks that print every logged record on the console (tqdm bar / ``disable_tqdm``)."""
+
+
+def console_filter(console_keys: Sequence[str] | str | None, prefix: str) -> frozenset[str] | None:
+    """The full names shown on the console: ``None`` -> :data:`headwatch.names.CONSOLE_KEYS`, ``"all"`` -> None
+    (no filter); otherwise each name with or without ``<prefix>/``.
+
+    Raises:
+        HeadwatchError: ``console_keys`` is not None, ``"all"`` or a sequence of str.
+    """
+    from headwatch.names import CONSOLE_KEYS
+
+    if console_keys == "all":
+        return None
+    keys = CONSOLE_KEYS if console_keys is None else console_keys
+    if isinstance(keys, str) or not isinstance(keys, Sequence) or not all(isinstance(k, str) for k in keys):
+        raise HeadwatchError(f"`console_keys` must be None, 'all' or a sequence of metric names, got {console_keys!r}")
+    return frozenset(k if k.startswith(prefix + "/") else f"{prefix}/{k}" for k in keys)
+
+
+class _ConsoleView(TrainerCallback):
+    """A printing callback that sees only the shown keys of one record (nothing when none is shown)."""
+
+    def __init__(self, printer: TrainerCallback, shown: frozenset[str]) -> None:
+        self.printer, self.shown = printer, shown
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.printer, name)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> Any:
+        kept = {k: v for k, v in (logs or {}).items() if k in self.shown}
+        if kept:
+            extra = {k: logs[k] for k in ("epoch",) if logs and k in logs}
+            return self.printer.on_log(args, state, control, logs={**kept, **extra}, **kwargs)
+        return None
+
+
+@contextmanager
+def console_shows(trainer: Trainer, shown: frozenset[str] | None) -> Iterator[None]:
+    """While inside, the Trainer's console printers print only ``shown`` keys; every other callback (the
+    reporting integrations: TensorBoard, W&B ...) receives the whole record. ``shown=None``: no change."""
+    callbacks = trainer.callback_handler.callbacks
+    swapped = [] if shown is None else [(i, cb) for i, cb in enumerate(callbacks) if isinstance(cb, CONSOLE_PRINTERS)]
+    try:
+        for i, cb in swapped:
+            callbacks[i] = _ConsoleView(cb, shown)
+        yield
+    finally:
+        for i, cb in swapped:
+            callbacks[i] = cb

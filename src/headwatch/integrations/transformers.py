@@ -32,6 +32,8 @@ from headwatch.core.reduce import Reducer, TorchDistributedReducer
 from headwatch.core.schedule import Schedule
 from headwatch.integrations._transformers_support import (
     TB_PREFIX,
+    console_filter,
+    console_shows,
     is_rules,
     prefixed,
     WritersSink,
@@ -86,6 +88,11 @@ class HeadwatchCallback(TrainerCallback):
         stop_on_critical, checkpoint_on_critical: on a critical alert, set the Trainer's
             ``control.should_training_stop`` / ``control.should_save`` (a checkpoint at that step).
         strict: raise on a failed measurement instead of warning once.
+        console_keys: which values the Trainer's console printers (``ProgressCallback``,
+            ``PrinterCallback``) show: None, a handful of headline names
+            (:data:`headwatch.names.CONSOLE_KEYS`); names with or without ``<prefix>/``; ``"all"``:
+            every value; ``()``: none. The reporting integrations (``report_to``) and
+            ``state.log_history`` always receive every value.
 
     Raises:
         HeadwatchError: a bad argument; in ``on_train_begin``, no model or no head/embedding.
@@ -101,6 +108,7 @@ class HeadwatchCallback(TrainerCallback):
         stop_on_critical: bool = False,
         checkpoint_on_critical: bool = False,
         strict: bool = False,
+        console_keys: Sequence[str] | str | None = None,
     ) -> None:
         from headwatch.loop import Headwatch
 
@@ -118,6 +126,8 @@ class HeadwatchCallback(TrainerCallback):
         for m in self.monitors:
             m.strict = strict
         self.prefix, self.reducer, self.alert = prefix, reducer or TorchDistributedReducer(), alert
+        self.console_keys = console_filter(console_keys, prefix)
+        """Full names the console printers show (None: all)."""
         self.latest: dict[str, float] = {}
         """The values of the last measurement, by full name."""
         self._trainer: Any = None
@@ -288,7 +298,8 @@ class HeadwatchCallback(TrainerCallback):
         if trainer is not None and numbers:
             should_log = trainer.control.should_log
             # the base method: a subclass's log (TRL's) would flush its own averaged metrics into this record
-            Trainer.log(trainer, dict(numbers))  # its on_log event clears control.should_log ...
+            with console_shows(trainer, self.console_keys):  # the console: headline values; report_to: all
+                Trainer.log(trainer, dict(numbers))  # its on_log event clears control.should_log ...
             trainer.control.should_log = should_log  # ... which must still log the loss of this step
         elif numbers:
             due[0].warn_once(
