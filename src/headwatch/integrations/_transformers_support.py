@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,36 @@ def find_trainer(callback: TrainerCallback) -> Trainer | None:
             frame = frame.f_back
     finally:
         del frame
+    return None
+
+
+STATE_NAME = "headwatch_state.pt"
+"""The monitors' state in each Trainer checkpoint folder (``<output_dir>/checkpoint-<step>/``)."""
+
+
+def resume_dir(callback: TrainerCallback, args: Any, state: Any) -> str | None:
+    """The checkpoint folder a resumed ``train`` started from, or None for a fresh run.
+
+    ``Trainer.train(resume_from_checkpoint=...)`` is read on the call stack (the callback is not
+    handed it; ``True`` is already the resolved folder there), else ``args.resume_from_checkpoint``;
+    a run whose state starts past step 0 without either resumed from
+    ``<output_dir>/checkpoint-<global_step>``.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner, path = frame.f_locals.get("self"), frame.f_locals.get("resume_from_checkpoint")
+            if isinstance(owner, Trainer) and isinstance(path, str) and any(cb is callback for cb in owner.callback_handler.callbacks):
+                return path
+            frame = frame.f_back
+    finally:
+        del frame
+    if isinstance(getattr(args, "resume_from_checkpoint", None), str):
+        return args.resume_from_checkpoint
+    if state.global_step > 0:
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
     return None
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from headwatch.core.monitor import Monitor, to_floats
 from headwatch.core.reduce import Reducer, TorchDistributedReducer
 from headwatch.core.schedule import Schedule
 from headwatch.integrations._transformers_support import (
+    STATE_NAME,
     TB_PREFIX,
     console_filter,
     console_shows,
@@ -39,6 +41,7 @@ from headwatch.integrations._transformers_support import (
     WritersSink,
     find_trainer,
     loss_scale,
+    resume_dir,
     unwrap,
 )
 
@@ -69,7 +72,9 @@ class HeadwatchCallback(TrainerCallback):
     logits are made; the synonym confusion of ``"collision"`` needs the head's output and is
     not counted on such forwards. Evaluation (``LogitStats``):
     ``headwatch/val/logits/*`` logged at the end of each ``evaluate`` and added to its
-    returned metrics as ``eval_headwatch/val/logits/*``.
+    returned metrics as ``eval_headwatch/val/logits/*``. Checkpoints: ``on_save`` writes the monitors'
+    state (token counts, totals) to ``<output_dir>/checkpoint-<step>/headwatch_state.pt``, and a run
+    resumed from a checkpoint (``train(resume_from_checkpoint=...)``) loads it in ``on_train_begin``.
 
     Args:
         monitors: core monitors (``headwatch.core``) or names among ``"logits"``,
@@ -162,6 +167,7 @@ class HeadwatchCallback(TrainerCallback):
             )
         self._first = bool(args.logging_first_step)
         self.attach_model(model, every)
+        self._restore(args, state)
         self._control = control
         self._wire_alert(args)
         if self.reducer.rank == 0:
@@ -333,6 +339,38 @@ class HeadwatchCallback(TrainerCallback):
             m.validation_epoch_end()
 
     # ---------------------------------------------------------------- state
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Write the monitors' state to ``<output_dir>/checkpoint-<step>/headwatch_state.pt``: every rank
+        takes the (collective) state, the process that saves the Trainer's state (``args.should_save``) writes."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        try:
+            state_dict = self.state_dict()
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            if args.should_save:
+                os.makedirs(folder, exist_ok=True)
+                torch.save(state_dict, os.path.join(folder, STATE_NAME))
+        except Exception as err:  # noqa: BLE001
+            self.monitors[0].fail(err, "saving the monitors' state in the checkpoint")
+
+    def _restore(self, args: Any, state: Any) -> None:
+        """On a resumed run, load the state ``on_save`` wrote in the checkpoint folder it resumes from."""
+        folder = resume_dir(self, args, state)
+        if folder is None:
+            return
+        path = os.path.join(folder, STATE_NAME)
+        if not os.path.isfile(path):
+            self.monitors[0].warn_once(
+                "no_state",
+                f"HeadwatchCallback: the run resumes from {folder!r}, which holds no {STATE_NAME}; the monitors' "
+                "counts start afresh. (warned once)",
+            )
+            return
+        try:
+            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        except Exception as err:  # noqa: BLE001
+            self.monitors[0].fail(err, f"restoring the monitors' state from {path}")
+
     def state_dict(self) -> dict[str, Any]:
         return {"monitors": [m.state_dict() for m in self.monitors]}
 
