@@ -19,7 +19,7 @@ BUCKETS = ("top1", "top10", "top50", "tail", "unseen")
 STATS = ("mean", "max", "p50", "p95")
 """Summary statistics of per-row norms."""
 
-ALERT_RULES = ("entropy_floor", "entropy_ceiling", "kl_ceiling", "entropy_drop", "val_stall")
+ALERT_RULES = ("entropy_floor", "entropy_ceiling", "kl_ceiling", "entropy_drop", "val_stall", "rare_nll_rise")
 """The rules of :class:`headwatch.SharpnessCollapseAlert` (``headwatch.alerts.RULES`` is this tuple)."""
 
 PLACEHOLDERS: dict[str, tuple[str, ...]] = {
