@@ -77,6 +77,28 @@ def resume_dir(callback: TrainerCallback, args: Any, state: Any) -> str | None:
     return None
 
 
+def restore_state(callback: HeadwatchCallback, args: Any, state: Any) -> None:
+    """On a resumed run, load into ``callback`` the state its ``on_save`` wrote in the checkpoint folder
+    the run resumes from; warn once when that folder holds none."""
+    import torch
+
+    folder = resume_dir(callback, args, state)
+    if folder is None:
+        return
+    path = os.path.join(folder, STATE_NAME)
+    if not os.path.isfile(path):
+        callback.monitors[0].warn_once(
+            "no_state",
+            f"HeadwatchCallback: the run resumes from {folder!r}, which holds no {STATE_NAME}; the monitors' "
+            "counts start afresh. (warned once)",
+        )
+        return
+    try:
+        callback.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as err:  # noqa: BLE001
+        callback.monitors[0].fail(err, f"restoring the monitors' state from {path}")
+
+
 def loss_scale(trainer: Trainer | None, args: Any) -> Tensor | None:
     """The fp16 ``GradScaler`` scale the backward ran with (gradients unscaled in place first), or None.
 

@@ -41,7 +41,7 @@ from headwatch.integrations._transformers_support import (
     WritersSink,
     find_trainer,
     loss_scale,
-    resume_dir,
+    restore_state,
     unwrap,
 )
 
@@ -167,7 +167,7 @@ class HeadwatchCallback(TrainerCallback):
             )
         self._first = bool(args.logging_first_step)
         self.attach_model(model, every)
-        self._restore(args, state)
+        restore_state(self, args, state)
         self._control = control
         self._wire_alert(args)
         if self.reducer.rank == 0:
@@ -236,6 +236,12 @@ class HeadwatchCallback(TrainerCallback):
                 m.batch_end()
             return
         self._started = training
+        if kwargs.get("fused_lm_head") and any(getattr(m, "synonym_groups", None) for m in self._logging):
+            self.monitors[0].warn_once(
+                "fused_confusion",
+                "HeadwatchCallback: TRL's fused LM head never calls the head, so collision/synonym_confusion_rate is "
+                "not counted on these forwards (the logit statistics use the hidden states). (warned once)",
+            )
         if training:
             for m in self.monitors:
                 m.step_start(batch, self._step, m in self._logging)
@@ -352,24 +358,6 @@ class HeadwatchCallback(TrainerCallback):
                 torch.save(state_dict, os.path.join(folder, STATE_NAME))
         except Exception as err:  # noqa: BLE001
             self.monitors[0].fail(err, "saving the monitors' state in the checkpoint")
-
-    def _restore(self, args: Any, state: Any) -> None:
-        """On a resumed run, load the state ``on_save`` wrote in the checkpoint folder it resumes from."""
-        folder = resume_dir(self, args, state)
-        if folder is None:
-            return
-        path = os.path.join(folder, STATE_NAME)
-        if not os.path.isfile(path):
-            self.monitors[0].warn_once(
-                "no_state",
-                f"HeadwatchCallback: the run resumes from {folder!r}, which holds no {STATE_NAME}; the monitors' "
-                "counts start afresh. (warned once)",
-            )
-            return
-        try:
-            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        except Exception as err:  # noqa: BLE001
-            self.monitors[0].fail(err, f"restoring the monitors' state from {path}")
 
     def state_dict(self) -> dict[str, Any]:
         return {"monitors": [m.state_dict() for m in self.monitors]}
