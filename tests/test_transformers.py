@@ -315,3 +315,19 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(HeadwatchError, match="no `model`"):
         HeadwatchCallback().on_train_begin(hf_args(tmp_path), None, None)
 
+
+
+def test_sft_trainer_warns_synonym_confusion_uncounted(tmp_path):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from headwatch.core import SynonymCollision, TokenCounts
+
+    counts = TokenCounts()
+    cb = HeadwatchCallback(monitors=[counts, SynonymCollision(frequency=counts, synonym_groups=[[RARE, TWIN_OF]])])
+    data = Dataset.from_dict({"input_ids": one_batch()["input_ids"].tolist()})
+    config = SFTConfig(output_dir=str(tmp_path), max_steps=1, logging_steps=1, per_device_train_batch_size=B, report_to="none",
+                       use_cpu=True, save_strategy="no", disable_tqdm=True, max_length=T, padding_free=False)  # fmt: skip
+    trainer = SFTTrainer(model=tiny_llama(tie=True), args=config, train_dataset=data, processing_class=_word_tokenizer(), callbacks=[cb])
+    with pytest.warns(UserWarning, match=r"fused LM head never calls the head, so collision/synonym_confusion_rate is not counted"):
+        trainer.train()

@@ -236,7 +236,7 @@ class HeadwatchCallback(TrainerCallback):
                 m.batch_end()
             return
         self._started = training
-        if kwargs.get("fused_lm_head") and any(getattr(m, "synonym_groups", None) for m in self._logging):
+        if kwargs.get("fused_lm_head") and any(getattr(m, "synonym_groups", None) for m in self.monitors):
             self.monitors[0].warn_once(
                 "fused_confusion",
                 "HeadwatchCallback: TRL's fused LM head never calls the head, so collision/synonym_confusion_rate is "
