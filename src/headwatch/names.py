@@ -3,12 +3,14 @@
 A declaration gives the name pattern (after ``<prefix>/``), the unit, the definition and
 the kind (``scalar``, ``histogram``, ``text``, ``image``). Placeholders in braces take the
 values of :data:`PLACEHOLDERS`. The TensorBoard layout (:data:`CHARTS`, written by
-:mod:`headwatch.dashboard`), the alert's default metrics and the README tables derive from
+:mod:`headwatch.dashboard`), ``headwatch report``'s groups and default selection
+(:data:`GROUPS`, :func:`is_headline`), the alert's default metrics and the README tables derive from
 or are tested against this module: a new metric is one :class:`Metric` line here.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from typing import NamedTuple
@@ -44,6 +46,8 @@ class Metric(NamedTuple):
     kind: str = "scalar"
     readme: str = ""
     """How README.md spells it, when not ``headwatch/<pattern with <placeholders>>``."""
+    headline: bool = True
+    """Shown by ``headwatch report`` by default (False: only with ``--all``; see also :data:`DETAIL`)."""
 
     def regex(self, prefix: str = "headwatch") -> re.Pattern[str]:
         """A regex matching the full names this declaration stands for.
@@ -91,8 +95,8 @@ METRICS: tuple[Metric, ...] = (
     # ---- gradients
     Metric("grad/{flow}_row_density", "fraction", "|{i valid : G_i != 0}| / |valid|", _G),
     Metric("grad/{flow}_row_norm_{stat}", "gradient units", "statistics of ||G_i||_2 over valid rows", _G, readme="headwatch/grad/<flow>_row_norm_{mean,max,p50,p95}"),
-    Metric("grad/{bucket}/{flow}_row_density", "fraction", "row density within a frequency bucket", _G),
-    Metric("grad/{bucket}/{flow}_row_norm_{stat}", "gradient units", "row-norm statistics within a bucket", _G, readme="headwatch/grad/<bucket>/<flow>_row_density`, `_row_norm_{mean,max,p50,p95}"),
+    Metric("grad/{bucket}/{flow}_row_density", "fraction", "row density within a frequency bucket", _G, headline=False),
+    Metric("grad/{bucket}/{flow}_row_norm_{stat}", "gradient units", "row-norm statistics within a bucket", _G, headline=False, readme="headwatch/grad/<bucket>/<flow>_row_density`, `_row_norm_{mean,max,p50,p95}"),
     Metric("grad/{flow}_rare_to_frequent_norm_ratio", "ratio", "mean row norm of rare tokens / of the top1 bucket", _G),
     Metric("grad/tied", "", "1 when head and embedding are one Parameter, else 0", _G),
     Metric("grad/tied_flow_cosine_mean", "cosine", "mean cos(E_i, H_i) over rows with both flows", _G),
@@ -111,7 +115,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("tokens/out_of_range", "count", "input ids outside [0, V)", _T),
     # ---- collision
     Metric("collision/rare_rate_{m}", "fraction", "rare r with max_j cos(W_r, W_j) >= tau / measured rare tokens", _C, readme="headwatch/collision/rare_rate_head"),
-    Metric("collision/{bucket}/{m}_nn_cosine_mean", "cosine", "mean nearest-neighbour cosine of a bucket's rows", _C),
+    Metric("collision/{bucket}/{m}_nn_cosine_mean", "cosine", "mean nearest-neighbour cosine of a bucket's rows", _C, headline=False),
     Metric("collision/rare_count", "count", "rare tokens", _C),
     Metric("collision/rare_sample_size", "count", "rare tokens measured (sampled above max_rare)", _C, readme="rare_sample_size"),
     Metric("collision/unseen_count", "count", "valid tokens never seen", _C, readme="unseen_count"),
@@ -140,8 +144,16 @@ def declaration(name: str, prefix: str = "headwatch") -> Metric | None:
 
 def expand(metric: Metric) -> list[str]:
     """Every concrete name (without prefix) a declaration stands for."""
+    return [name for name, _ in _expansions(metric)]
+
+
+def _expansions(metric: Metric) -> list[tuple[str, dict[str, str]]]:
     fields = re.findall(r"\{(\w+)\}", metric.pattern)
-    return [metric.pattern.format(**dict(zip(fields, values))) for values in itertools.product(*(PLACEHOLDERS[f] for f in fields))]
+    out = []
+    for values in itertools.product(*(PLACEHOLDERS[f] for f in fields)):
+        chosen = dict(zip(fields, values))
+        out.append((metric.pattern.format(**chosen), chosen))
+    return out
 
 
 class Chart(NamedTuple):
@@ -192,3 +204,53 @@ CONSOLE_KEYS = (
 )  # fmt: skip
 """Names (after the prefix) the Hugging Face front door prints on the console by default (every key still
 goes to the reporting integrations)."""
+
+
+# ---- `headwatch report`: groups and the default selection, derived from the declarations above
+
+class Group(NamedTuple):
+    name: str
+    """Heading of the group in ``headwatch report`` (text, HTML, charts)."""
+    monitor: str
+    """The class whose metrics (:attr:`Metric.monitor`) the group holds."""
+    title: str
+
+
+GROUPS: tuple[Group, ...] = (
+    Group("logits", _L, "the head's output distribution: training steps (logits/), validation epochs (val/logits/)"),
+    Group("gradients", _G, "gradient and update rows of embedding and head, frequency gravity (grad/, update/, freq/)"),
+    Group("collision", _C, "rare-token collision (collision/)"),
+    Group("tokens", _T, "token counts (tokens/)"),
+    Group("alerts", _A, "alert markers, 1 at the alert step (alerts/)"),
+)
+"""Report groups in display order: one per monitor."""
+
+DETAIL: dict[str, tuple[str, ...]] = {"q": ("05",), "stat": ("max",)}
+"""Placeholder values ``headwatch report`` shows only with ``--all``: the 5% entropy quantile
+(the median and p95 are shown) and the largest row norm (one row; the mean, p50 and p95 are shown)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _concrete() -> dict[str, tuple[Metric, dict[str, str]]]:
+    return {name: (metric, chosen) for metric in METRICS for name, chosen in _expansions(metric)}
+
+
+def report_group(name: str, prefix: str = "headwatch") -> str | None:
+    """The :class:`Group` name of a full metric name (``<prefix>/...``), or None when it is not declared."""
+    found = _concrete().get(name[len(prefix) + 1 :]) if name.startswith(prefix + "/") else None
+    if found is None:
+        return None
+    return next(g.name for g in GROUPS if g.monitor == found[0].monitor)
+
+
+def is_headline(name: str, prefix: str = "headwatch") -> bool | None:
+    """Whether ``headwatch report`` shows a full metric name by default, None when it is not declared.
+
+    True when its declaration is :attr:`Metric.headline` and none of its placeholder values is
+    listed in :data:`DETAIL`.
+    """
+    found = _concrete().get(name[len(prefix) + 1 :]) if name.startswith(prefix + "/") else None
+    if found is None:
+        return None
+    metric, chosen = found
+    return metric.headline and not any(value in DETAIL.get(field, ()) for field, value in chosen.items())

@@ -12,9 +12,9 @@ from headwatch._capture import logits_from_output
 from headwatch._errors import HeadwatchError
 from headwatch.core.batch import BatchFormat, BatchView
 from headwatch.core.frequency import TokenCounts
+from headwatch.core import sharded
 from headwatch.core.monitor import Monitor
-from headwatch.functional.adapters import zero_rows
-from headwatch.functional.collision import collision_statistics, sample_rows, synonym_pair_rate, top_colliding_pairs
+from headwatch.functional.collision import sample_rows, top_colliding_pairs
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import synonym_confusion, synonym_table
@@ -254,11 +254,13 @@ class SynonymCollision(Monitor):
         tables: dict[str, str] = {}
         result: dict[str, Any] = {"rare_sample": sample.cpu(), "bucket_cosines": {}}
         for name, weight in self._matrices().items():
-            untrained = snap.valid.to(weight.device) & zero_rows(weight)  # never anybody's collision
+            untrained = snap.valid.to(weight.device) & sharded.zero_rows_full(weight, self.reducer)  # never anybody's collision
             scalars[f"{c}/untrained_count_{name}"] = untrained.sum(dtype=torch.float64)
             trained = snap.valid.to(weight.device) & ~untrained
             queries = {b: rows[trained[rows.to(weight.device)].cpu()] for b, rows in bucket_rows.items()}
-            stats, nn_rare, cosines = collision_statistics(weight, queries["rare"], queries, trained, self.tau, self.max_chunk_bytes)
+            stats, nn_rare, cosines = sharded.collision_statistics(  # row-sharded (FSDP2): each process searches its rows
+                weight, queries["rare"], queries, trained, self.tau, self.max_chunk_bytes, self.reducer
+            )
             scalars[f"{c}/rare_rate_{name}"] = stats.pop("rare_rate")
             scalars.update({f"{c}/{k.split('_nn_')[0]}/{name}_nn_cosine_mean": v for k, v in stats.items()})
             result["bucket_cosines"][name] = cosines
@@ -266,7 +268,7 @@ class SynonymCollision(Monitor):
             result[name] = {"rows": queries["rare"].cpu(), "cosine": nn_rare.cosine.cpu(), "neighbour": nn_rare.index.cpu(), "pairs": pairs}
             tables[f"{c}/top_pairs_{name}"] = self._table_text(pairs, snap)
             if self._group_ids:
-                rate, count = synonym_pair_rate(weight, self._group_ids, snap.rare, self.tau)
+                rate, count = sharded.synonym_pair_rate(weight, self._group_ids, snap.rare, self.tau, self.reducer)
                 scalars[f"{c}/synonym_pair_rate_{name}"] = rate
                 scalars[f"{c}/synonym_pairs"] = float(count)
         self.last_result = result

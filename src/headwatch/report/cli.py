@@ -28,10 +28,11 @@ The table: one block per run with
   trend/1k  the least-squares slope over the last 50% of the points, per 1000 steps:
             ↑ / ↓, or → when the fitted change over that span is below 1% of the mean |value|.
   —         the run did not log this metric.
-Rows are grouped by the tag's second component (logits, val, grad, update, freq,
-collision, tokens, alerts); train_loss and val_loss are shown as context when present.
-By default the per-bucket tags (/top1/, /top10/, /top50/, /tail/, /unseen/, /rare/) and
-the _p05 / _max variants are hidden; --all shows them, --match filters by regex.
+Rows are grouped by the monitor that declares the metric in headwatch.names (logits,
+gradients, collision, tokens, alerts; other for undeclared tags); train_loss and val_loss
+are shown as context when present. By default the names declared as detail are hidden (the
+per-bucket tags /top1/, /top10/, /top50/, /tail/, /unseen/, /rare/ and the _p05 / _max
+variants); --all shows them, --match filters by regex.
 
 Alerts come from the markers <prefix>/alerts/<rule> (value 1 at the alert step) and from
 the nearest headwatch_alerts.jsonl in or above each run directory (up to LOGDIR).
