@@ -257,14 +257,19 @@ def test_sft_trainer(tmp_path):
     config = SFTConfig(output_dir=str(tmp_path), max_steps=2, logging_steps=1, per_device_train_batch_size=B, report_to="none",
                        use_cpu=True, save_strategy="no", disable_tqdm=True, max_length=T, padding_free=False)  # fmt: skip
     tokenizer = _word_tokenizer()
-    trainer = SFTTrainer(model=tiny_llama(tie=True), args=config, train_dataset=data, processing_class=tokenizer, callbacks=[cb])
-    trainer.train()
+    model = tiny_llama(tie=True)
+    head_calls = []  # no (B, T, V) logits: neither TRL nor headwatch calls the head
+    model.lm_head.register_forward_hook(lambda mod, a, out: head_calls.append(tuple(out.shape)))
+    trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[cb])
+    with pytest.warns(UserWarning, match=r"`lm_head` never ran in this forward .*in chunks"):  # the hidden-state path
+        trainer.train()
+    assert head_calls == []
     logged = [r for r in trainer.state.log_history if "headwatch/logits/entropy" in r]
     assert [r["step"] for r in logged] == [1, 2]
     assert logged[0]["headwatch/grad/embedding_row_density"] == batch["input_ids"][:, :-1].unique().numel() / V
     trl = {r["step"]: r for r in trainer.state.log_history if "entropy" in r}  # TRL's own metrics, its own records
     assert sorted(trl) == [1, 2] and not any("entropy" in r for r in logged)
-    for r in logged:  # TRL's fused head never calls lm_head: headwatch calls it on the hidden states
+    for r in logged:  # TRL's fused head never calls lm_head: headwatch projects the hidden states in chunks
         assert r["headwatch/logits/positions"] == B * (T - 1)
         assert r["headwatch/logits/entropy"] == pytest.approx(trl[r["step"]]["entropy"], abs=2e-4)  # its chunked kernel
         assert r["headwatch/logits/target_argmax_rate"] == pytest.approx(trl[r["step"]]["mean_token_accuracy"], abs=1e-6)
@@ -313,3 +318,19 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(HeadwatchError, match="no `model`"):
         HeadwatchCallback().on_train_begin(hf_args(tmp_path), None, None)
 
+
+
+def test_sft_trainer_warns_synonym_confusion_uncounted(tmp_path):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from headwatch.core import SynonymCollision, TokenCounts
+
+    counts = TokenCounts()
+    cb = HeadwatchCallback(monitors=[counts, SynonymCollision(frequency=counts, synonym_groups=[[RARE, TWIN_OF]])])
+    data = Dataset.from_dict({"input_ids": one_batch()["input_ids"].tolist()})
+    config = SFTConfig(output_dir=str(tmp_path), max_steps=1, logging_steps=1, per_device_train_batch_size=B, report_to="none",
+                       use_cpu=True, save_strategy="no", disable_tqdm=True, max_length=T, padding_free=False)  # fmt: skip
+    trainer = SFTTrainer(model=tiny_llama(tie=True), args=config, train_dataset=data, processing_class=_word_tokenizer(), callbacks=[cb])
+    with pytest.warns(UserWarning, match=r"fused LM head never calls the head, so collision/synonym_confusion_rate is not counted"):
+        trainer.train()

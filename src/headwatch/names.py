@@ -21,7 +21,7 @@ BUCKETS = ("top1", "top10", "top50", "tail", "unseen")
 STATS = ("mean", "max", "p50", "p95")
 """Summary statistics of per-row norms."""
 
-ALERT_RULES = ("entropy_floor", "entropy_ceiling", "kl_ceiling", "entropy_drop", "val_stall")
+ALERT_RULES = ("entropy_floor", "entropy_ceiling", "kl_ceiling", "entropy_drop", "val_stall", "rare_nll_rise")
 """The rules of :class:`headwatch.SharpnessCollapseAlert` (``headwatch.alerts.RULES`` is this tuple)."""
 
 PLACEHOLDERS: dict[str, tuple[str, ...]] = {
@@ -207,6 +207,13 @@ def chart_tag(series: str, kind: str, prefix: str = "headwatch") -> str:
 
 DEFAULT_ALERT_METRICS = ("logits/entropy", "logits/kl_to_uniform")
 """Names (after the prefix) the collapse alert watches by default."""
+
+CONSOLE_KEYS = (
+    "logits/entropy", "logits/target_nll", "logits/rare/target_nll", "val/logits/entropy", "val/logits/target_nll",
+    "grad/embedding_row_density", "grad/head_row_density", "tokens/seen_fraction", "collision/rare_rate_head",
+)  # fmt: skip
+"""Names (after the prefix) the Hugging Face front door prints on the console by default (every key still
+goes to the reporting integrations)."""
 
 
 # ---- `headwatch report`: groups and the default selection, derived from the declarations above
