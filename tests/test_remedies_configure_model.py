@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from headwatch import GradientDensityMonitor, LogitStatsMonitor
 from headwatch.remedies import HeadWarmup, untie_output_head
@@ -100,6 +101,20 @@ def test_tying_is_said_once_for_the_final_model(tmp_path, caplog):
     lines = _setup_lines(caplog.records)
     assert len(lines) == 1, lines
     assert "separate Parameters: untied." in lines[0] and "one effective matrix" not in lines[0]
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"))
+    acc.Reload()
+    texts = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("headwatch/grad/tying/text_summary")]
+    assert len(texts) == 1 and "separate Parameters: untied." in texts[0], texts
+
+
+def test_validate_says_the_final_model_too(tmp_path, caplog):
+    module = LitLlama()
+    trainer = make_trainer(tmp_path, [GradientDensityMonitor(figure_every_n_steps=0)], limit_val_batches=1)
+    module.validation_step = lambda batch, batch_idx: None
+    with caplog.at_level(logging.INFO):
+        trainer.validate(module, loader(n=8))
+    lines = _setup_lines(caplog.records)
+    assert len(lines) == 1 and "separate Parameters: untied." in lines[0], lines
 
 
 def test_normal_init_reads_initializer_range_of_the_wrapped_hf_model():
