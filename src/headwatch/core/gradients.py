@@ -13,6 +13,7 @@ from headwatch.core.sharded import ShardedLookup, is_sharded, local_rows, row_no
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.rows import dense_rows, spearman
 from headwatch.weight_hooks import HeadFlowCapture, LookupFlowCapture
+from headwatch.adapters import trainable_matrices
 from headwatch.weights import Matrices, effective_weight, resolve_matrices
 
 
@@ -121,9 +122,18 @@ class GradientDensity(Monitor):
             for role, state in m.trains.items()
         )
 
+    def _trainability_changed(self) -> bool:
+        """A matrix was frozen or unfrozen since attach (a head warm-up, a finetuning callback)."""
+        m = self.matrices
+        if m is None:
+            return False
+        now = trainable_matrices(self._head, self._emb)
+        return any(now[role].trains != state.trains for role, state in m.trains.items())
+
     def step_start(self, batch: Any, step: int, logging: bool) -> None:
-        if logging and self.model is not None and self._parameters_replaced():
-            self.attach(self.model)  # FSDP2 swapped in DTensor Parameters after attach: resolve them again
+        if logging and self.model is not None and (self._parameters_replaced() or self._trainability_changed()):
+            # FSDP2 swapped in DTensor Parameters after attach, or a matrix was (un)frozen: resolve again
+            self.attach(self.model)
         if logging:
             if self._step != step:
                 self._reset_step()
