@@ -99,6 +99,7 @@ HEADWATCH_KEYS = {
     "rare_rate_head": "headwatch/collision/rare_rate_head",
     "rare_rate_embedding": "headwatch/collision/rare_rate_embedding",
     "rare_count": "headwatch/collision/rare_count",
+    "drift_raw_rate_head": "headwatch/collision/drift/raw_rate_head",
 }
 """Summary field -> headwatch scalar name."""
 
@@ -396,9 +397,9 @@ def format_summary(s: dict[str, Any]) -> str:
                 f"conflicting rows {_fmt(s['tied_flow_conflict_fraction'], '')}"
             )
         lines.append(
-            f"collision       rare tokens colliding (nn cosine >= 0.9): head {_fmt(s['rare_rate_head'], '')}"
+            f"collision       rare tokens colliding (nn cosine >= 0.9, common drift removed): head {_fmt(s['rare_rate_head'], '')}"
             + ("" if s["tie_weights"] else f", embedding {_fmt(s['rare_rate_embedding'], '')}")
-            + f" of {int(s['rare_count'] or 0)} rare tokens"
+            + f" of {int(s['rare_count'] or 0)} rare tokens (raw cosine, i.e. drift: head {_fmt(s['drift_raw_rate_head'], '')})"
         )
         alerts = s.get("alerts") or []
         lines.append(
