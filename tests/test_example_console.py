@@ -28,7 +28,7 @@ def test_lightning_banners_are_dropped_and_headwatch_lines_kept():
                   "`Trainer(limit_val_batches=1.0)` was configured so 100% of the batches will be used..",
                   "`Trainer.fit` stopped: `max_steps=20` reached."):
         assert not _kept(noise), noise
-    for kept in ("headwatch: measuring the logits of `lm_head` every 2 steps",
+    for kept in ("headwatch: measuring the logits every 2 steps: the output of the head `lm_head` (Linear); targets ...",
                  "GPU available but not used. You can set it by doing `Trainer(accelerator='gpu')`.",
                  "`Trainer.fit` stopped: `max_epochs=3` reached."):
         assert _kept(kept), kept

@@ -334,3 +334,27 @@ def test_sft_trainer_warns_synonym_confusion_uncounted(tmp_path):
     trainer = SFTTrainer(model=tiny_llama(tie=True), args=config, train_dataset=data, processing_class=_word_tokenizer(), callbacks=[cb])
     with pytest.warns(UserWarning, match=r"fused LM head never calls the head, so collision/synonym_confusion_rate is not counted"):
         trainer.train()
+
+
+def test_trainer_run_draws_figures_every_10_logging_steps_and_names_the_layout_headwatch(tmp_path):
+    pytest.importorskip("matplotlib")
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    args = hf_args(tmp_path, max_steps=10, logging_steps=1, logging_first_step=False, report_to="tensorboard",
+                   per_device_train_batch_size=2)  # fmt: skip
+    trainer = Trainer(model=tiny_llama(tie=True), args=args, train_dataset=Rows(one_batch(), repeat=5))
+    cb = attach(trainer, monitors=["logits", "gradients"])  # default figure_every_n_steps="auto": 10 x logging_steps
+    trainer.train()
+    assert [m.figure_every for m in cb.monitors if hasattr(m, "figure_every")] == [10, 10]
+    (logdir,) = {p.parent for p in Path(tmp_path).rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(logdir), size_guidance={"images": 0, "tensors": 0}).Reload()
+    for tag in ("train/headwatch/logits/entropy_over_run", "train/headwatch/grad/row_norm_vs_frequency"):
+        assert [e.step for e in acc.Images(tag)] == [10], tag  # the Trainer's 10th logging step, once
+    # the Custom Scalars page is named "headwatch"; its charts read the Trainer's train/headwatch/ tags
+    proto = acc.Tensors("custom_scalars__config__")[0].tensor_proto
+    layout = layout_pb2.Layout.FromString(proto.string_val[0])
+    assert [c.title for c in layout.category] == ["headwatch"]
+    tags = [t for chart in layout.category[0].chart for t in chart.multiline.tag]
+    assert tags and all(t.startswith("train/headwatch/") or t in ("^train_loss$", "^val_loss$") for t in tags), tags[:5]
+    with pytest.raises(HeadwatchError, match="`figure_every_n_steps` must be 'auto', None, or an int >= 0, got 'x'"):
+        HeadwatchCallback(figure_every_n_steps="x")

@@ -97,7 +97,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("grad/{flow}_row_norm_{stat}", "gradient units", "statistics of ||G_i||_2 over valid rows", _G, readme="headwatch/grad/<flow>_row_norm_{mean,max,p50,p95}"),
     Metric("grad/{bucket}/{flow}_row_density", "fraction", "row density within a frequency bucket", _G, headline=False),
     Metric("grad/{bucket}/{flow}_row_norm_{stat}", "gradient units", "row-norm statistics within a bucket", _G, headline=False, readme="headwatch/grad/<bucket>/<flow>_row_density`, `_row_norm_{mean,max,p50,p95}"),
-    Metric("grad/{flow}_rare_to_frequent_norm_ratio", "ratio", "mean row norm of rare tokens / of the top1 bucket", _G),
+    Metric("grad/{flow}_rare_to_frequent_norm_ratio", "ratio", "mean row norm of rare tokens / of the top1 bucket; NaN when the top1 mean is 0 (no top1 row had a gradient)", _G),
     Metric("grad/tied", "", "1 when head and embedding are one Parameter, else 0", _G),
     Metric("grad/tied_flow_cosine_mean", "cosine", "mean cos(E_i, H_i) over rows with both flows", _G),
     Metric("grad/tied_flow_conflict_fraction", "fraction", "rows with cos(E_i, H_i) < 0 / rows with both flows", _G),

@@ -19,14 +19,14 @@ from headwatch.core.monitor import Media
 _layout_written: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def write_layout(writers: Iterable[Any], prefix: str = "headwatch") -> None:
-    """Write the headwatch Custom Scalars layout into each writer, once per writer."""
+def write_layout(writers: Iterable[Any], prefix: str = "headwatch", category: str | None = None) -> None:
+    """Write the headwatch Custom Scalars layout (:func:`headwatch.dashboard.build_layout`) into each writer, once per writer."""
     from headwatch.dashboard import build_layout
 
     for writer in writers:
         if writer in _layout_written:
             continue
-        writer.add_custom_scalars(build_layout(prefix))
+        writer.add_custom_scalars(build_layout(prefix, category))
         writer.flush()
         _layout_written.add(writer)
 

@@ -276,7 +276,7 @@ class GradientDensity(Monitor):
             groups[f"{g}/rare/{flow}"] = snap.rare.to(device)
             stats, norms = row_statistics(grad, groups, self.reducer)  # (V,) norms, gathered when row-sharded
             out.update(stats)
-            out[f"{g}/{flow}_rare_to_frequent_norm_ratio"] = out[f"{g}/rare/{flow}_row_norm_mean"] / out[f"{g}/top1/{flow}_row_norm_mean"]
+            out[f"{g}/{flow}_rare_to_frequent_norm_ratio"] = norm_ratio(out[f"{g}/rare/{flow}_row_norm_mean"], out[f"{g}/top1/{flow}_row_norm_mean"])
             self._histograms[f"{g}/{flow}_row_norm_histogram"] = norms[valid]
             if flow != "shared":
                 self._full_norms[flow] = norms
@@ -325,3 +325,13 @@ class GradientDensity(Monitor):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.logged_steps = int(state_dict.get("logged_steps", 0))
         self.failures = int(state_dict.get("failures", 0))
+
+
+def norm_ratio(rare: Tensor, frequent: Tensor) -> Tensor:
+    """``rare / frequent`` (the rare-to-frequent row-norm ratio), NaN where ``frequent == 0``.
+
+    A frequent (``top1``) bucket with no gradient on the step (no lookup of its tokens) has
+    mean row norm 0: the ratio is then undefined and reported as NaN, not ``+inf``. Computed
+    on the device with ``torch.where`` (no host sync).
+    """
+    return torch.where(frequent == 0, torch.full_like(rare, float("nan")), rare / frequent)

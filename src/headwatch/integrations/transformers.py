@@ -98,6 +98,11 @@ class HeadwatchCallback(TrainerCallback):
             (:data:`headwatch.names.CONSOLE_KEYS`); names with or without ``<prefix>/``; ``"all"``:
             every value; ``()``: none. The reporting integrations (``report_to``) and
             ``state.log_history`` always receive every value.
+        figure_every_n_steps: images (IMAGES tab, under ``train/headwatch/``) of the monitors built
+            from names, as in the Lightning callbacks: ``"auto"`` (default) every 10 logging intervals
+            (``10 * logging_steps`` steps) when matplotlib is installed, else none; an int: every this
+            many steps (needs matplotlib); None or 0: none (see :func:`headwatch.loop.set_figures`).
+            Core monitors passed in keep their own settings.
 
     Raises:
         HeadwatchError: a bad argument; in ``on_train_begin``, no model or no head/embedding.
@@ -114,8 +119,12 @@ class HeadwatchCallback(TrainerCallback):
         checkpoint_on_critical: bool = False,
         strict: bool = False,
         console_keys: Sequence[str] | str | None = None,
+        figure_every_n_steps: int | str | None = "auto",
     ) -> None:
+        from headwatch.figures import check_figure_argument
         from headwatch.loop import Headwatch
+
+        check_figure_argument(figure_every_n_steps)
 
         if reducer is not None and not isinstance(reducer, Reducer):
             raise HeadwatchError(f"`reducer` must implement headwatch.core.Reducer, got {type(reducer).__name__}")
@@ -128,6 +137,9 @@ class HeadwatchCallback(TrainerCallback):
                 raise HeadwatchError(f"`{name}` must be a bool, got {value!r}")
         self.stop_on_critical, self.checkpoint_on_critical = stop_on_critical, checkpoint_on_critical
         self.monitors = Headwatch._build(monitors, batch_format, prefix)
+        passed = {id(m) for m in monitors or () if isinstance(m, Monitor)}
+        self._named = [m for m in self.monitors if id(m) not in passed]  # get figure_every_n_steps
+        self.figure_every_n_steps = figure_every_n_steps
         for m in self.monitors:
             m.strict = strict
         self.prefix, self.reducer, self.alert = prefix, reducer or TorchDistributedReducer(), alert
@@ -172,7 +184,7 @@ class HeadwatchCallback(TrainerCallback):
         self._wire_alert(args)
         if self.reducer.rank == 0:
             try:
-                tb.write_layout(self.writers(), TB_PREFIX + self.prefix)
+                tb.write_layout(self.writers(), TB_PREFIX + self.prefix, category=self.prefix)
             except Exception as err:  # noqa: BLE001
                 self.monitors[0].fail(err, "writing the TensorBoard dashboard layout")
 
@@ -182,6 +194,9 @@ class HeadwatchCallback(TrainerCallback):
         for m in self.monitors:
             m.configure(Schedule(m.every_factor * every), self.reducer)
             m.attach(model)
+        from headwatch.loop import set_figures
+
+        set_figures(self._named, self.figure_every_n_steps)
         if self._model is not model:
             self.close()
             self._hooks = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True)]

@@ -12,8 +12,9 @@ from headwatch import names
 from headwatch._errors import HeadwatchError
 from headwatch.report.runs import Points
 
-CONTEXT_TAGS = ("train_loss", "val_loss")
-"""Non-headwatch scalars shown, when present, as context for the headwatch metrics."""
+CONTEXT_TAGS = ("train_loss", "val_loss", "train/loss", "eval/loss")
+"""Non-headwatch scalars shown, when present, as context for the headwatch metrics (Lightning's
+``train_loss`` / ``val_loss`` as the examples log them; the Hugging Face Trainer's ``train/loss`` / ``eval/loss``)."""
 
 GROUP_ORDER = ("loss", *(group.name for group in names.GROUPS), "other")
 """Display order of the groups: the context tags, one group per monitor (:data:`headwatch.names.GROUPS`),
@@ -114,7 +115,7 @@ def select_tags(
 ) -> list[str]:
     """The tags to report, in display order (by group, then name).
 
-    Kept: tags under ``<prefix>/`` and the context tags ``train_loss``, ``val_loss``. Unless
+    Kept: tags under ``<prefix>/`` and the context tags (:data:`CONTEXT_TAGS`). Unless
     ``show_all``, the declared names that are not headline (:func:`headwatch.names.is_headline`:
     the per-bucket declarations, the ``_p05`` / ``_max`` variants) are dropped; names that
     :mod:`headwatch.names` does not declare are kept (group ``other``). ``match`` (a regular
