@@ -226,3 +226,28 @@ def test_config_of_the_model_that_holds_the_head():
     holder = nn.Module()
     holder.config = llava
     assert config_tie(holder) is False  # a multimodal config: its text model's setting
+
+
+def test_scaled_embedding_lookup_flow_matches_untied_twin():
+    # Gemma 2 multiplies the looked-up rows by sqrt(d_model) inside its embedding's forward: the
+    # lookup flow is sqrt(d_model) times the scattered output gradient (it was 1/sqrt(d_model) of the truth)
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, tie_word_embeddings=True, final_logit_softcapping=30.0,
+    )
+    model = transformers.Gemma2ForCausalLM(config).float()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    twin = copy.deepcopy(model)
+    twin.lm_head.weight = nn.Parameter(twin.lm_head.weight.detach().clone())
+    ids = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(3))
+    capture = LookupFlowCapture(find_embedding_group(model)).attach()
+    capture.active = True
+    model(input_ids=ids, labels=ids).loss.backward()
+    twin(input_ids=ids, labels=ids).loss.backward()
+    torch.testing.assert_close(capture.gradient, twin.model.embed_tokens.weight.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(model.lm_head.weight.grad - capture.gradient, twin.lm_head.weight.grad, atol=1e-6, rtol=1e-5)
+    assert capture.error is None
+    capture.detach()

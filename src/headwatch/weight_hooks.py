@@ -114,9 +114,36 @@ class LookupFlowCapture(_Capture):
             self.looked_up[ids.reshape(-1).long()] = True
             if output.requires_grad:
                 pad = _padding_idx(module)
-                output.register_hook(lambda grad: self._add(ids, grad, pad))
+                scale = self._output_scale(module, ids, output)
+                output.register_hook(lambda grad: self._add(ids, grad if scale is None else grad * scale, pad))
         except Exception as err:  # noqa: BLE001 - monitoring never breaks the forward
             self.error = self.error or err
+
+    def _output_scale(self, module: nn.Module, ids: Tensor, output: Tensor) -> Tensor | None:
+        """``c`` when the module returns ``c * W[ids]`` with ``c != 1`` (Gemma's ``sqrt(d_model)``), else None.
+
+        ``dL/dW[i] = c * sum dL/dy`` for such a module, so the scattered output gradient is
+        scaled by ``c``. ``c`` is the least-squares ratio of the output to the looked-up rows,
+        checked (one sync, on measuring steps only) to reproduce the output to float32 rounding;
+        an output that is not a fixed multiple of the rows is warned about in ``self.error``.
+        Modules under an adapter (their output is not a multiple of ``weight``) keep ``c = 1``.
+        """
+        weight = getattr(module, "weight", None)
+        if weight is not self.group.weight or not output.is_floating_point() or hasattr(module, "base_layer"):
+            return None
+        with torch.no_grad():
+            rows = weight.detach()[ids.long()].double()
+            y = output.detach().double()
+            c = (y * rows).sum() / (rows * rows).sum().clamp_min(1e-300)
+            residual = float((y - c * rows).abs().max() / y.abs().max().clamp_min(1e-300))
+        tolerance = 1e-2 if output.dtype in (torch.bfloat16, torch.float16) else 1e-5
+        if residual > tolerance:
+            self.error = self.error or HeadwatchError(
+                f"the embedding's output is not a fixed multiple of its looked-up rows (relative residual "
+                f"{residual:.2e}); the lookup flow needs an embedding that returns c * weight[ids]"
+            )
+            return None
+        return None if abs(float(c) - 1.0) <= tolerance else c.to(output.dtype if output.dtype == torch.float64 else torch.float32)
 
     def _add(self, ids: Tensor, grad: Tensor, pad: int | None) -> None:
         try:
