@@ -15,7 +15,7 @@ from headwatch.core.collision import SynonymCollision
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.gradients import GradientDensity
 from headwatch.core.logits import LogitStats
-from headwatch.core.monitor import Monitor, to_floats
+from headwatch.core.monitor import Monitor, compute_due, to_floats
 from headwatch.core.reduce import Reducer, TorchDistributedReducer
 from headwatch.core.schedule import Schedule
 
@@ -181,12 +181,8 @@ class Headwatch:
         step = self.step_index
         self._each("ending the batch", lambda m: m.batch_end())
         due = [m for m in self.monitors if m.schedule.is_logging_step(step)]
-        computed: dict[Monitor, dict[str, Tensor]] = {}
-        failed = self._each("computing the statistics", lambda m: computed.__setitem__(m, m.compute()), due)
-        if self.reducer.world_size > 1 and due and not self.reducer.all(not failed):
-            failed = [m for m in due if not self.reducer.all(m not in failed)]  # same keys on every rank
-        due = [m for m in due if m not in failed]
-        numbers = to_floats({k: v for m in due for k, v in computed[m].items()})
+        scalars, due = compute_due(due, self.reducer)  # a failed monitor is dropped on every rank
+        numbers = to_floats(scalars)
         self._each("publishing the values", lambda m: m.published(numbers), due)
         if self.reducer.rank == 0 and self.writers and numbers:
             try:
