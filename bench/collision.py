@@ -7,9 +7,10 @@ R = 8192 rare rows against V = 32768 rows of d_model 512, float32, on the CPU, i
 - ``headwatch nearest_neighbours``: exact cosine nearest neighbour of every rare row
   among the other valid rows, chunked (normalisation, self-exclusion and running max
   included), working memory bounded by ``max_chunk_bytes`` (default 64 MiB);
-- ``SynonymCollisionMonitor.measure``: everything the monitor computes at one
-  measurement (rare rows plus up to 1024 sampled rows per frequency bucket) for one
-  matrix.
+- ``SynonymCollision.measure``: everything the monitor computes at one measurement
+  (rare rows plus up to 1024 sampled rows per frequency bucket) for one matrix: the
+  trainer-free core of ``SynonymCollisionMonitor`` attached, through its public
+  ``attach``, to a model whose ``embed_tokens`` and ``lm_head`` share the matrix.
 
 Times: 1 warm-up, then the median of ``--repeats`` runs, round-robin. Peak extra memory:
 one run of each method in a fresh process (``multiprocessing`` spawn) that first builds the
@@ -31,7 +32,9 @@ import time
 
 import torch
 
-from headwatch import SynonymCollisionMonitor
+from torch import nn
+
+from headwatch.core import SynonymCollision
 from headwatch.functional import FrequencySnapshot, frequency_buckets, rare_tokens
 from headwatch.functional import nearest_neighbours
 
@@ -45,15 +48,23 @@ def build(V: int, R: int, d: int):
     counts = torch.full((V,), 1000, dtype=torch.long)
     counts[rare_ids] = 1
     snap = FrequencySnapshot(counts, valid, frequency_buckets(counts, valid), rare_tokens(counts, valid, max_count=1))
-    monitor = SynonymCollisionMonitor(max_rare=R, figures=False)
-    monitor.tied = True
-    monitor._head = monitor._emb = torch.nn.Linear(d, V, bias=False)
-    monitor._head.weight.data = W
+    monitor = SynonymCollision(max_rare=R)
+    monitor.attach(TiedModel(W))
     return {
         "matmul rare_rows @ W.T (reference)": lambda: rare_rows @ W.T,
         "headwatch nearest_neighbours": lambda: nearest_neighbours(W, rare_ids, valid),
-        "SynonymCollisionMonitor.measure (1 matrix)": lambda: monitor.measure(snap),
+        "SynonymCollision.measure (1 matrix)": lambda: monitor.measure(snap),
     }
+
+
+class TiedModel(nn.Module):
+    """The two ends of a tied language model around ``W`` (V, d): what the monitor attaches to."""
+
+    def __init__(self, W: torch.Tensor) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(*W.shape, _weight=W)
+        self.lm_head = nn.Linear(W.shape[1], W.shape[0], bias=False)
+        self.lm_head.weight = self.embed_tokens.weight  # tied: one Parameter
 
 
 def _peak_kib() -> int:

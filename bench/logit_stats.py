@@ -55,8 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
-from headwatch.functional import logit_statistics
-from headwatch.functional.logits import _row_tasks, rows_per_chunk, _statistics_from_tasks
+from headwatch.functional import DEFAULT_MAX_CHUNK_BYTES, LogitStatistics, logit_statistics, rows_per_chunk
 
 TRL_MISSING = "not installed (pip install -e .[bench])"
 
@@ -162,11 +161,19 @@ def other_cpu_share(busy0: float | None, own0: float, wall0: float) -> str:
     return f"{100 * share:.0f}% ({verdict})"
 
 
-def chunks_in_one_thread(logits: Tensor) -> object:
-    """headwatch's row math with each chunk's ops multi-threaded in turn (no split across threads)."""
-    rows = rows_per_chunk(logits.shape[-1], logits.dtype, logits.device, 64 * 2**20)
-    tasks = _row_tasks(logits, rows)
-    return _statistics_from_tasks(tasks, logits.shape[:-1], logits.shape[-1], logits.device, rows, None, None, -100)
+def chunks_in_one_thread(logits: Tensor) -> LogitStatistics:
+    """headwatch's row math with each chunk's ops multi-threaded in turn (no split across threads).
+
+    The scheme before the chunks were split across threads, rebuilt from public API: the rows
+    are cut into the cache-sized chunks ``logit_statistics`` uses (``rows_per_chunk`` with the
+    default budget), and ``logit_statistics`` is called on one chunk at a time with a budget
+    that holds the whole chunk, so each call is a single task run in the calling thread with
+    torch's intra-op threads; the per-row results are concatenated.
+    """
+    rows = rows_per_chunk(logits.shape[-1], logits.dtype, logits.device, DEFAULT_MAX_CHUNK_BYTES)
+    budget = DEFAULT_MAX_CHUNK_BYTES * torch.get_num_threads()  # one chunk = one task in every call
+    parts = [logit_statistics(chunk, max_chunk_bytes=budget) for chunk in logits.split(rows)]
+    return LogitStatistics(*(None if field[0] is None else torch.cat(field) for field in zip(*parts)))
 
 
 def contended_comparison(methods: list[Method], warmup: int, repeats: int, spinners: int) -> None:

@@ -43,19 +43,19 @@ from __future__ import annotations
 import time
 
 _T_IMPORT = time.perf_counter()  # the imports below (torch, Lightning) take seconds: report them
+if __name__ == "__main__":
+    print("[start] importing torch, Lightning and headwatch (10-20 s on a cold start)", flush=True)
 
 import argparse
 import math
 import random
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from headwatch import (
     GradientDensityMonitor,
@@ -68,6 +68,7 @@ from headwatch import (
 _EXAMPLES_DIR = str(Path(__file__).resolve().parent)
 if _EXAMPLES_DIR not in sys.path:  # tiny_lm.py sits next to this file
     sys.path.insert(0, _EXAMPLES_DIR)
+from console import Clock, TrainingLines, quiet_third_party, say  # noqa: E402
 from tiny_lm import (  # noqa: E402
     TinyLM,
     TinyLMConfig,
@@ -98,6 +99,7 @@ HEADWATCH_KEYS = {
     "rare_rate_head": "headwatch/collision/rare_rate_head",
     "rare_rate_embedding": "headwatch/collision/rare_rate_embedding",
     "rare_count": "headwatch/collision/rare_count",
+    "drift_raw_rate_head": "headwatch/collision/drift/raw_rate_head",
 }
 """Summary field -> headwatch scalar name."""
 
@@ -236,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--progress-bar", action=argparse.BooleanOptionalAction, default=True, help="show Lightning's progress bar"
     )
+    run.add_argument(
+        "--print-every-s",
+        type=float,
+        default=10.0,
+        help="with --no-progress-bar, print a [training] line (step, loss, elapsed) every this many seconds",
+    )
     return parser
 
 
@@ -314,6 +322,7 @@ class ValLossHistory(Callback):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
             self.history.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
+            say("validation", f"step {trainer.global_step}: val loss {self.history[-1][1]:.3f} nats")
 
 
 def _metric(metrics: dict[str, Any], key: str) -> float | None:
@@ -388,9 +397,9 @@ def format_summary(s: dict[str, Any]) -> str:
                 f"conflicting rows {_fmt(s['tied_flow_conflict_fraction'], '')}"
             )
         lines.append(
-            f"collision       rare tokens colliding (nn cosine >= 0.9): head {_fmt(s['rare_rate_head'], '')}"
+            f"collision       rare tokens colliding (nn cosine >= 0.9, common drift removed): head {_fmt(s['rare_rate_head'], '')}"
             + ("" if s["tie_weights"] else f", embedding {_fmt(s['rare_rate_embedding'], '')}")
-            + f" of {int(s['rare_count'] or 0)} rare tokens"
+            + f" of {int(s['rare_count'] or 0)} rare tokens (raw cosine, i.e. drift: head {_fmt(s['drift_raw_rate_head'], '')})"
         )
         alerts = s.get("alerts") or []
         lines.append(
@@ -431,11 +440,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
-    # The data live in memory: worker processes would only add start-up time.
-    warnings.filterwarnings("ignore", message=r".*does not have many workers.*", category=PossibleUserWarning)
+    quiet_third_party()  # Lightning's banners and tips, in this example only (never in the library)
     pl.seed_everything(args.seed, workers=True, verbose=False)
 
     # --- corpus and tokenizer
+    clock = Clock()
+    source = " ".join(args.data) if args.data else "the standard library's *.py files"
+    say("corpus", f"reading up to {args.max_corpus_mb:g} MiB of {source}")
     try:
         files = collect_text_files(args.data) if args.data else stdlib_source_files()
     except FileNotFoundError as err:
@@ -447,6 +458,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         train_docs, val_docs = split_documents(docs, args.val_fraction, args.seed)
     else:  # one document: its last --val-fraction of tokens
         train_docs, val_docs = docs, []
+    say("corpus", f"{len(docs)} files, {sum(len(d.encode()) for d in docs) / 2**20:.2f} MiB; {len(val_docs)} held out "
+        f"for validation (seed {args.seed}) {clock}")
+    clock = Clock()
+    say("tokenizer", f"training a byte-level BPE tokenizer ({args.vocab_size:,} tokens) on the {len(train_docs)} "
+        "training files, then encoding every file to token ids")
     tokenizer = train_tokenizer(train_docs, vocab_size=args.vocab_size)  # never sees the held-out files
     vocab_size = _pad(tokenizer.get_vocab_size(), args.pad_vocab_multiple)
     try:
@@ -469,6 +485,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"only {len(datamodule.train_set)} training windows of {args.block_size} tokens, fewer than "
             f"--batch-size {args.batch_size}: raise --max-corpus-mb or lower --batch-size / --block-size"
         )
+    say("tokenizer", f"{tokenizer.get_vocab_size():,} tokens; {len(datamodule.train_tokens):,} train / "
+        f"{len(datamodule.val_tokens):,} val tokens {clock}")
 
     # --- model, logger, trainer
     config = TinyLMConfig(
@@ -500,8 +518,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer_path = log_dir / "tokenizer.json"
     tokenizer.save(str(tokenizer_path))
 
+    say("model", f"tiny GPT, {'tied' if args.tie_weights else 'untied'} embed_tokens/lm_head, {args.n_layer} layers, "
+        f"d_model {args.d_model}, {vocab_size:,} rows: {model.num_parameters():,} parameters"
+        + ("; headwatch monitors and the collapse alert attached" if args.headwatch else "; headwatch off"))
     history = ValLossHistory()
     callbacks: list[Callback] = [history]
+    if not args.progress_bar:
+        callbacks.append(TrainingLines(every_s=args.print_every_s))
     alert = None
     if args.headwatch:
         alert = SharpnessCollapseAlert(
@@ -540,13 +563,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
 
     # --- validate, train, validate
+    say("validation", f"measuring the validation loss before training ({len(datamodule.val_set)} windows)")
     trainer.validate(model, datamodule=datamodule, verbose=False)  # the starting point, logged at step 0
+    say("training", f"{args.max_steps} optimizer steps of {args.batch_size} x {args.block_size} tokens; "
+        + ("Lightning's progress bar below" if args.progress_bar else f"a line every {args.print_every_s:g} s"))
     t_fit = time.perf_counter()
     trainer.fit(model, datamodule=datamodule)
     fit_time = time.perf_counter() - t_fit
+    say("training", f"done: {trainer.global_step} steps in {fit_time:.1f} s")
     metrics = {k: v for k, v in trainer.callback_metrics.items()}
     if not history.history or history.history[-1][0] != trainer.global_step:
         # The last scheduled validation did not fall on the last step: measure the end point.
+        say("validation", "measuring the validation loss after the last step")
         trainer.validate(model, datamodule=datamodule, verbose=False)
         metrics.update(trainer.callback_metrics)
     checkpoint_path = None
@@ -598,6 +626,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "fit_time_s": fit_time,
         "import_time_s": IMPORT_TIME_S,
     }
+    say("summary", f"run finished {time.perf_counter() - t_main:.1f} s after start; the figures:")
     print(format_summary(summary), flush=True)
     return summary
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from headwatch import (
     GradientDensityMonitor,
@@ -55,6 +53,7 @@ from headwatch.remedies import HeadWarmup, untie_output_head
 _EXAMPLES_DIR = str(Path(__file__).resolve().parent)
 if _EXAMPLES_DIR not in sys.path:
     sys.path.insert(0, _EXAMPLES_DIR)
+from console import TrainingLines, quiet_third_party, say  # noqa: E402
 from tiny_lm import TinyLM, TinyLMConfig, TokenDataModule, encode_documents, lr_lambda, read_corpus  # noqa: E402
 from tiny_lm import stdlib_source_files, train_tokenizer  # noqa: E402
 from train_tiny_lm import ValLossHistory, _pad, last_scalars  # noqa: E402
@@ -154,7 +153,9 @@ def _run(name: str, model: TinyLM, steps: int, extra: list[Callback], data: Any,
     """Validate, train ``steps`` steps with every monitor, validate; the run's figures."""
     pl.seed_everything(args.seed, workers=True, verbose=False)  # the same batches in every branch
     history = ValLossHistory()
-    trainer = _trainer(name, steps, [history, *extra, *_callbacks(tokenizer, args)], args)
+    lines = [] if args.progress_bar else [TrainingLines()]
+    say("training", f"{name}: {steps} optimizer steps" + ("" if args.progress_bar else ", a line every 10 s"))
+    trainer = _trainer(name, steps, [history, *lines, *extra, *_callbacks(tokenizer, args)], args)
     trainer.validate(model, datamodule=data, verbose=False)
     trainer.fit(model, datamodule=data)
     if history.history[-1][0] != trainer.global_step:
@@ -173,9 +174,12 @@ def _run(name: str, model: TinyLM, steps: int, extra: list[Callback], data: Any,
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the study; returns (and writes to ``<logdir>/study.json``) its summary."""
     args = build_parser().parse_args(argv)
-    warnings.filterwarnings("ignore", message=r".*does not have many workers.*", category=PossibleUserWarning)
+    quiet_third_party()  # Lightning's banners and tips, in this example only
     pl.seed_everything(args.seed, workers=True, verbose=False)
+    say("corpus", f"reading up to {args.max_corpus_mb:g} MiB of the standard library's *.py files")
     docs = read_corpus(stdlib_source_files(), max_bytes=int(args.max_corpus_mb * 2**20))
+    say("tokenizer", f"training a byte-level BPE tokenizer ({args.vocab_size:,} tokens) on {len(docs)} files, "
+        "then encoding them to token ids")
     tokenizer = train_tokenizer(docs, vocab_size=args.vocab_size)
     data = TokenDataModule(encode_documents(tokenizer, docs), block_size=args.block_size, batch_size=args.batch_size)
     config = TinyLMConfig(vocab_size=_pad(tokenizer.get_vocab_size(), 64), block_size=args.block_size,
@@ -183,6 +187,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hparams = dict(learning_rate=args.lr, max_steps=args.pretrain_steps + args.fork_steps,
                    warmup_steps=min(20, args.pretrain_steps))
 
+    say("model", f"tiny GPT, tied, {config.n_layer} layers, d_model {config.d_model}, {config.vocab_size:,} rows; "
+        f"{args.pretrain_steps} steps, then {len(BRANCHES)} forks of {args.fork_steps}: {', '.join(BRANCHES)}")
     model = TinyLM(config, **hparams)
     trainer, pretrain = _run("pretrain", model, args.pretrain_steps, [], data, tokenizer, args)
     ckpt_path = Path(trainer.logger.log_dir) / "fork.ckpt"
@@ -208,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         figures["params_added"] = 0 if report is None else report.params_added
         summary["branches"][name] = figures
     Path(args.logdir, "study.json").write_text(json.dumps(summary, indent=2, default=str))
+    say("summary", f"written to {Path(args.logdir, 'study.json')}")
     print(format_summary(summary), flush=True)
     return summary
 

@@ -104,3 +104,27 @@ def test_val_stall_watches_the_named_dataloader(tmp_path, idx, steps, recwarn):
         assert alert.alerts[0].metrics["val_loss"] == pytest.approx(loss) and "dataloader " + str(idx) in alert.alerts[0].message
     else:
         assert any("val_dataloader_idx=2" in str(w.message) for w in recwarn.list)
+
+
+class PlantedNLL(TinyCausalLM):
+    """Logs planted ``rare_nll`` / ``all_nll`` values at each training step (read by the alert by name)."""
+
+    RARE = [5.0, 5.0, 5.5, 6.2, 6.2, 6.2]
+    ALL = [4.0, 3.9, 3.8, 3.7, 3.7, 3.6]
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("rare_nll", self.RARE[self.global_step])
+        self.log("all_nll", self.ALL[self.global_step])
+        return loss
+
+
+def test_rare_nll_rise_through_the_lightning_alert(tmp_path):
+    # smoothing 1 (no smoothing), window 2: rise over 2 steps and overall falling
+    # k=2: 5.5-5.0=0.5 (all 3.8<4.0) > 0.4 -> fires at 2; k=3: 1.2 still fired; k=4: 6.2-5.5=0.7, 3.7<3.8 held;
+    # k=5: 6.2-6.2=0 <= 0.38 -> resolved; never fires again
+    alert = SharpnessCollapseAlert(entropy_drop=None, rare_nll_rise=0.4, rare_window=2, smoothing=1.0,
+                                   rare_nll_metric="rare_nll", nll_metric="all_nll")
+    trainer = make_trainer(tmp_path, [alert], max_steps=6, log_every_n_steps=1)
+    trainer.fit(PlantedNLL(), loader(n=96, batch_size=8))
+    assert [(a.rule, a.step) for a in alert.alerts] == [("rare_nll_rise", 2)]

@@ -97,6 +97,25 @@ def _snapshot(counts: torch.Tensor, valid: torch.Tensor, max_count: int | None =
     return FrequencySnapshot(counts, valid, frequency_buckets(counts, valid), rare_tokens(counts, valid, max_count))
 
 
+def corrected_reference(w: torch.Tensor, queries: torch.Tensor, pairable: torch.Tensor, k: int = 1):
+    """float64 numpy: mean and top-k principal directions of the pairable rows removed, exact nn cosine."""
+    x = w.double().numpy()
+    basis = x[pairable.numpy()]
+    mu = basis.mean(0)
+    u = np.linalg.eigh((basis - mu).T @ (basis - mu))[1][:, ::-1][:, :k]
+    y = (x - mu) - (x - mu) @ u @ u.T
+    return brute_force(torch.from_numpy(y), queries, pairable)
+
+
+def _collision_monitor(w: torch.Tensor, **kwargs) -> SynonymCollisionMonitor:
+    monitor = SynonymCollisionMonitor(**kwargs)
+    monitor.tied = True
+    monitor._head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    monitor._emb = monitor._head
+    monitor._head.weight.data = w
+    return monitor
+
+
 def test_monitor_measure_planted_rates_and_padded_rows():
     w, plants = planted(V=2048, d=64)
     counts = torch.zeros(2048, dtype=torch.long)
@@ -105,24 +124,52 @@ def test_monitor_measure_planted_rates_and_padded_rows():
     valid = torch.ones(2048, dtype=torch.bool)
     valid[2000:] = False  # padded vocabulary
     w[2001] = w[1010]  # an exact duplicate in the padding must not count
-    monitor = SynonymCollisionMonitor(tau=0.9)
-    monitor.tied = True
-    monitor._head = torch.nn.Linear(64, 2048, bias=False)
-    monitor._emb = monitor._head
-    monitor._head.weight.data = w
+    w[1200] = w[1011]  # nor one among the never-seen rows
+    monitor = _collision_monitor(w, tau=0.9)
     scalars, tables = monitor.measure(_snapshot(counts, valid, max_count=1))
-    # colliding: rows 1000 (tau + eps), 1002 (tau + eps), 1003 (0.99) of the 100 rare rows
-    assert scalars["headwatch/collision/rare_rate_head"].item() == pytest.approx(3 / 100)
+    # raw cosine (now the drift statistic): rows 1000 (tau + eps), 1002 (tau + eps), 1003 (0.99) of 100
+    assert scalars["headwatch/collision/drift/raw_rate_head"].item() == pytest.approx(3 / 100)
+    # headline: drift removed (mean and k = 1 direction of the 1100 seen rows), against float64
+    rare = torch.arange(1000, 1100)
+    ref_cos, ref_idx = corrected_reference(w, rare, (counts > 0) & valid)
+    assert scalars["headwatch/collision/rare_rate_head"].item() == (ref_cos >= 0.9).mean()
+    np.testing.assert_allclose(monitor.last_result["head"]["cosine"].double().numpy(), ref_cos, atol=1e-5)
+    assert monitor.last_result["head"]["neighbour"].tolist() == ref_idx.tolist()
     assert scalars["headwatch/collision/rare_count"] == 100
     assert scalars["headwatch/collision/rare_sample_size"] == 100
     assert scalars["headwatch/collision/invalid_count"] == 48
     assert scalars["headwatch/collision/unseen_count"] == 900
+    assert scalars["headwatch/collision/untrained_count_head"].item() == 0
     pairs = monitor.last_result["head"]["pairs"]
-    assert pairs[0][:2] == (1003, 3)  # most similar first; the two others tie at tau + eps
-    assert {p[:2] for p in pairs[1:]} == {(1000, 0), (1002, 2)}
-    assert "| 1003 `'1003'` | 1 | 3 `'3'` | 1000 | 0.9900 |" in tables["headwatch/collision/top_pairs_head"]
+    assert pairs[0][:2] == (1003, 3)  # most similar first
+    assert [p[0] for p in pairs] == [1000 + i for i in np.argsort(-ref_cos, kind="stable") if ref_cos[i] >= 0.9]
+    table = tables["headwatch/collision/top_pairs_head"]
+    assert f"| 1003 `'1003'` | 1 | 3 `'3'` | 1000 | {ref_cos[3]:.4f} | 0.9900 |" in table
+    assert "not paired: 900 never-seen, 48 padded or invalid, 0 zero, 0 non-finite rows" in table
     assert "headwatch/collision/rare/head_nn_cosine_mean" in scalars
+    assert math.isnan(scalars["headwatch/collision/unseen/head_nn_cosine_mean"])  # never-seen rows are not paired
     assert "headwatch/collision/rare_rate_embedding" not in scalars  # tied: measured once
+
+
+def test_monitor_headline_is_the_planted_fraction_under_drift():
+    """Issue 12 acceptance (a): frequent rows random, rare rows one common direction (raw cosine 0.97)."""
+    from tests.test_drift import drifted_head
+
+    w, rare, a, b = drifted_head()  # 2000 frequent rows, 1000 rare ones, 100 planted pairs among them
+    counts = torch.full((3000,), 1000, dtype=torch.long)
+    counts[rare] = 1
+    counts[5] = 0  # a never-seen row
+    w[7] = 0.0  # a zero row
+    monitor = _collision_monitor(w)
+    scalars, tables = monitor.measure(_snapshot(counts, torch.ones(3000, dtype=torch.bool), max_count=1))
+    assert scalars["headwatch/collision/rare_rate_head"].item() == 200 / 1000  # exactly the planted fraction
+    assert scalars["headwatch/collision/drift/raw_rate_head"].item() >= 0.99
+    assert scalars["headwatch/collision/drift/mean_cos_head"].item() > 0.95
+    assert scalars["headwatch/collision/drift/removed_variance_head"].item() > 0.5
+    assert scalars["headwatch/collision/untrained_count_head"].item() == 1
+    partner = {**dict(zip(a.tolist(), b.tolist())), **dict(zip(b.tolist(), a.tolist()))}
+    assert all(partner[r] == j for r, j, _ in monitor.last_result["head"]["pairs"])
+    assert "not paired: 1 never-seen, 0 padded or invalid, 1 zero, 0 non-finite rows" in tables["headwatch/collision/top_pairs_head"]
 
 
 def test_rare_sample_is_seeded_and_sized():
@@ -156,8 +203,25 @@ def test_supervised_pairs_and_table():
     monitor._head.weight.data = w
     monitor._group_ids = [[1000, 0], [1001, 1], [1500, 7]]
     scalars, _ = monitor.measure(snap)
-    assert scalars["headwatch/collision/synonym_pairs"] == 2
-    assert scalars["headwatch/collision/synonym_pair_rate_head"].item() == pytest.approx(0.5)
+    # ordered pairs of seen rows: (1000, 0), (0, 1000), (1001, 1), (1, 1001); 1500 was never seen
+    assert scalars["headwatch/collision/synonym_pairs"].item() == 4
+    assert scalars["headwatch/collision/synonym_skipped_pairs"].item() == 2
+    # float64 reference on the corrected rows (mean and top direction of the 1100 seen rows removed)
+    seen = counts > 0
+    x = w.double().numpy()
+    mu = x[seen.numpy()].mean(0)
+    u = np.linalg.eigh((x[seen.numpy()] - mu).T @ (x[seen.numpy()] - mu))[1][:, -1:]
+    y = (x - mu) - (x - mu) @ u @ u.T
+    y /= np.linalg.norm(y, axis=1, keepdims=True)
+    cos, ranks = [], []
+    for a, b in [(1000, 0), (0, 1000), (1001, 1), (1, 1001)]:
+        sims = y[seen.numpy()] @ y[a]
+        others = np.delete(sims, [int(seen[:a].sum()), int(seen[:b].sum())])  # all seen rows but a and b
+        cos.append(y[a] @ y[b])
+        ranks.append(1 + int((others > y[a] @ y[b]).sum()))
+    assert scalars["headwatch/collision/synonym_pair_rate_head"].item() == np.mean(np.array(cos) >= 0.9)
+    assert scalars["headwatch/collision/synonym_partner_rank_head"].item() == sorted(ranks)[1]  # lower median
+    assert sorted(ranks)[1] == 1  # planted at raw cosine 0.9: still each other's nearest row
     table = synonym_table([[1, 2, 3], [3, 4]], 6)
     assert table.tolist() == [[-1, -1, -1], [2, 3, -1], [1, 3, -1], [1, 2, 4], [3, -1, -1], [-1, -1, -1]]
     with pytest.raises(HeadwatchError, match="outside"):
@@ -204,7 +268,7 @@ def _collision_run(tmp_path, tie: bool, groups=None, tokenizer=None):
     model = TinyCausalLM(vocab_size=V, tie_weights=tie, lr=0.0)
     with torch.no_grad():
         w = model.lm_head.weight
-        w[40] = w[2] * 2.0  # rare token 40 duplicates frequent token 2 in the head
+        w[40] = w[2]  # rare token 40 duplicates frequent token 2 in the head (any correction keeps cos 1)
         if not tie:
             model.embed_tokens.weight[41] = -model.embed_tokens.weight[5]  # opposite: no collision
     frequent = torch.tensor([2, 3, 5, 7, 11, 13] * 4)
@@ -299,3 +363,70 @@ def test_synonym_group_entries_are_checked():
             return ([1] if add_special_tokens else []) + [{"cat": 5, "kitten": 6}[text]]
 
     assert _encode_group(BosTokenizer(), ["cat", "kitten"]) == [5, 6]
+
+
+class _FixedCounts:
+    """A TokenCounts stand-in: one fixed snapshot."""
+
+    def __init__(self, snap: FrequencySnapshot) -> None:
+        self.snap = snap
+
+    def snapshot(self) -> FrequencySnapshot:
+        return self.snap
+
+    latest_snapshot = snapshot
+
+
+def _confusion_reference(logits: torch.Tensor, labels: torch.Tensor, rare: torch.Tensor, syn: dict) -> tuple[int, int]:
+    """Hand count: next-token targets that are rare and grouped; confused when a synonym's logit >= the target's."""
+    n = confused = 0
+    for b in range(labels.shape[0]):
+        for t in range(labels.shape[1] - 1):
+            target = int(labels[b, t + 1])
+            if target in syn and bool(rare[target]):
+                n += 1
+                confused += max(float(logits[b, t, s]) for s in syn[target]) >= float(logits[b, t, target])
+    return n, confused
+
+
+def test_confusion_counts_every_training_batch_since_the_last_measurement_and_validation():
+    """Was: only the logging step's batch counted (1 or 0 positions in a planted run)."""
+    from headwatch.core.collision import SynonymCollision
+
+    V = 64
+    counts = torch.full((V,), 100, dtype=torch.long)
+    counts[[1, 2, 3, 4]] = 1  # rare and grouped
+    snap = _snapshot(counts, torch.ones(V, dtype=torch.bool), max_count=1)
+    syn = {1: [2], 2: [1], 3: [4], 4: [3]}
+    monitor = SynonymCollision(frequency=_FixedCounts(snap), synonym_groups=[[1, 2], [3, 4]])
+    torch.manual_seed(0)
+    model = TinyCausalLM(vocab_size=V, tie_weights=True)
+    monitor.attach(model)
+    g = torch.Generator().manual_seed(5)
+    expected = {"train": [0, 0], "val": [0, 0]}
+    for step in range(3):  # steps 0 and 1 do not log, step 2 does: all three count
+        ids = torch.randint(0, 6, (4, 10), generator=g)
+        monitor.step_start({"input_ids": ids, "labels": ids}, step, logging=step == 2)
+        logits = model(ids)
+        monitor.batch_end()
+        n, c = _confusion_reference(logits.detach(), ids, snap.rare, syn)
+        expected["train"] = [expected["train"][0] + n, expected["train"][1] + c]
+    for _ in range(2):
+        ids = torch.randint(0, 6, (3, 8), generator=g)
+        monitor.validation_batch_start({"input_ids": ids, "labels": ids})
+        logits = model(ids)
+        monitor.validation_batch_end()
+        n, c = _confusion_reference(logits.detach(), ids, snap.rare, syn)
+        expected["val"] = [expected["val"][0] + n, expected["val"][1] + c]
+    model(ids)  # a forward outside any batch is not counted
+    val = monitor.validation_epoch_end()
+    scalars = monitor.compute()
+    n, c = expected["train"]
+    assert scalars["headwatch/collision/synonym_confusion_positions"].item() == n > 10
+    assert scalars["headwatch/collision/synonym_confusion_rate"].item() == pytest.approx(c / n)
+    n, c = expected["val"]
+    assert val["headwatch/collision/val/synonym_confusion_positions"].item() == n > 5
+    assert val["headwatch/collision/val/synonym_confusion_rate"].item() == pytest.approx(c / n)
+    again = monitor.compute()  # reset at each measurement
+    assert again["headwatch/collision/synonym_confusion_positions"].item() == 0
+    assert math.isnan(again["headwatch/collision/synonym_confusion_rate"].item())

@@ -69,3 +69,23 @@ def test_write_layout_command(tmp_path, capsys):
     capsys.readouterr()
     assert main(["--json", "--prefix", "hw"]) == 0
     assert json.loads(capsys.readouterr().out) == build_layout("hw")
+
+
+def test_histogram_keeps_every_finite_value_and_warns_on_the_rest(tmp_path):
+    import pytest
+    import torch
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from headwatch.tensorboard import write_histogram
+
+    writer = SummaryWriter(tmp_path)
+    values = torch.tensor([2.198e21, 6.005e20, 1e40, float("nan"), float("inf")], dtype=torch.float64)  # 1e40: inf in float32
+    with pytest.warns(UserWarning, match="'h' left out non-finite values"):
+        write_histogram([writer], "h", values, step=3)
+    writer.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    (event,) = acc.Histograms("h")
+    assert event.step == 3 and event.histogram_value.num == 3 and event.histogram_value.max == 1e40

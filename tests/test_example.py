@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -16,10 +17,19 @@ SMALL = ["--max-corpus-mb", "0.2", "--vocab-size", "512", "--log-every-n-steps",
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_small_run_learns_and_reports(tmp_path, tie):
+def test_small_run_learns_and_reports(tmp_path, tie, capsys):
     flag = "--tie-weights" if tie else "--no-tie-weights"
     s = train_tiny_lm.main([*SMALL, flag, "--max-steps", "20", "--val-check-interval", "10", "--collision-every", "10",
-                            "--logdir", str(tmp_path)])
+                            "--logdir", str(tmp_path), "--print-every-s", "0"])
+    out = capsys.readouterr().out
+    phases = [line.split("]")[0] + "]" for line in out.splitlines() if line.startswith("[")]
+    firsts = [p for i, p in enumerate(phases) if p not in phases[:i]]
+    assert firsts == ["[corpus]", "[tokenizer]", "[model]", "[validation]", "[training]", "[summary]"]
+    assert "[tokenizer] training a byte-level BPE tokenizer (512 tokens)" in out
+    # without the progress bar, a training line per print interval (here: every step), step and loss
+    steps = [int(m) for m in re.findall(r"^\[training\] step (\d+)/20  loss \d+\.\d+ nats  \d+ s$", out, re.M)]
+    assert steps == list(range(1, 21))
+    assert re.findall(r"^\[validation\] step (\d+): val loss", out, re.M) == ["0", "10", "20"]
     assert s["tie_weights"] is tie
     assert s["final_val_loss"] < s["initial_val_loss"] - 0.2  # it learns
     assert s["initial_val_loss"] == pytest.approx(math.log(s["vocab_size"]), abs=0.3)  # starts near uniform

@@ -286,7 +286,7 @@ def test_frozen_embedding_is_skipped_with_a_warning(tmp_path):
 
 
 def test_no_work_off_logging_steps(tmp_path, monkeypatch):
-    import headwatch.core.gradients as gd
+    import headwatch.core.sharded as gd  # where GradientDensity computes row norms (plain or sharded rows)
 
     calls = []
     original = gd.row_norms
@@ -390,3 +390,14 @@ def test_resume_after_the_vocabulary_grew(tmp_path):
     with pytest.warns(UserWarning, match="counting starts afresh"):
         shrunk.load_state_dict(saved)
     assert shrunk.latest_snapshot().counts.sum().item() == 0
+
+
+def test_rare_to_frequent_ratio_is_nan_when_the_frequent_bucket_has_no_gradient():
+    from headwatch.core.gradients import norm_ratio
+
+    rare = torch.tensor([0.3, 0.0, 0.25, 0.0], dtype=torch.float32)
+    frequent = torch.tensor([0.0, 0.0, 0.5, 2.0], dtype=torch.float32)
+    got = norm_ratio(rare, frequent)
+    assert torch.isnan(got[0]) and torch.isnan(got[1])  # x / 0 and 0 / 0: undefined, not +inf
+    assert got[2].item() == 0.5 and got[3].item() == 0.0  # float64 by hand: 0.25 / 0.5, 0 / 2
+    assert not torch.isinf(got).any()

@@ -149,3 +149,37 @@ def test_plain_loop_on_a_tiny_llama_equals_float64_and_an_untied_twin(tie):
         assert got["headwatch/grad/tied_flow_rows"] == both.sum().item()
         assert got["headwatch/grad/tied_flow_cosine_mean"] == pytest.approx(cos.mean().item(), abs=1e-5)
     hw.close()
+
+
+def _run_plain(model, batch, writer, steps, **kw):
+    hw = Headwatch(model, monitors=["logits", "gradients"], writer=writer, log_every_n_steps=1, **kw)
+    for step in range(steps):
+        hw.step_start(batch, step)
+        logits = model(batch["input_ids"])
+        V = logits.shape[-1]
+        F.cross_entropy(logits[:, :-1].reshape(-1, V), batch["labels"][:, 1:].reshape(-1)).backward()
+        hw.before_optimizer_step()
+        hw.after_optimizer_step()
+        model.zero_grad()
+        hw.step_end()
+    hw.close()
+    return hw
+
+
+def test_plain_loop_draws_figures_every_10_logging_steps_by_default(tmp_path):
+    pytest.importorskip("matplotlib")
+    torch.manual_seed(0)
+    batch = _batch()
+    writer = SummaryWriter(str(tmp_path / "auto"))
+    hw = _run_plain(TinyCausalLM(lr=0.0), batch, writer, 10)  # default "auto": 10 logging intervals of 1 step
+    writer.close()
+    assert [m.figure_every for m in hw.monitors if hasattr(m, "figure_every")] == [10, 10]
+    acc = EventAccumulator(str(tmp_path / "auto"), size_guidance={"images": 0}).Reload()
+    for tag in ("headwatch/logits/entropy_over_run", "headwatch/grad/row_norm_vs_frequency"):
+        assert [e.step for e in acc.Images(tag)] == [9], tag  # the 10th step (0-based 9), once
+    writer = SummaryWriter(str(tmp_path / "off"))
+    _run_plain(TinyCausalLM(lr=0.0), batch, writer, 10, figure_every_n_steps=None)
+    writer.close()
+    assert EventAccumulator(str(tmp_path / "off")).Reload().Tags()["images"] == []
+    with pytest.raises(HeadwatchError, match="`figure_every_n_steps` must be 'auto', None, or an int >= 0, got -1"):
+        Headwatch(TinyCausalLM(), figure_every_n_steps=-1)

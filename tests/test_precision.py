@@ -175,6 +175,9 @@ def test_cpu_threads_split_chunks_and_restore_the_thread_count():
         many = logit_statistics(x, max_chunk_bytes=600_000)  # 200 kB a thread, 5 rows a chunk: 60 chunks
         with_grad = logit_statistics(x.clone().requires_grad_(), max_chunk_bytes=600_000)  # no graph in workers
         assert torch.equal(with_grad.entropy, many.entropy)
+        with torch.inference_mode():  # Lightning validates under inference mode: the workers must be in it too
+            inference = logit_statistics(x, max_chunk_bytes=200_000)
+        assert torch.equal(inference.entropy, many.entropy)
         assert torch.get_num_threads() == 3
         with pytest.raises(HeadwatchError, match="to return a tensor of shape"):  # a worker's error reaches us
             logit_statistics(x, max_chunk_bytes=600_000, transform=lambda c: c[:, :1])

@@ -136,3 +136,17 @@ def test_a_tied_head_warns_that_the_embedding_trains_too():
     with pytest.warns(UserWarning, match="tied to `embed_tokens`.*trains the input embedding too"):
         HeadWarmup(warmup_steps=2).freeze_before_training(model)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {"embed_tokens.weight"}
+
+
+def test_gradient_density_measures_the_embedding_once_the_warmup_unfreezes_it(tmp_path):
+    from headwatch import GradientDensityMonitor
+
+    # warm-up of 2 steps: the embedding is frozen at steps 0, 1 (no density: it has no gradient),
+    # then trains, and its density must be logged from step 2 on (resolved again when it unfreezes)
+    trainer = make_trainer(tmp_path, [HeadWarmup(warmup_steps=2), GradientDensityMonitor(log_every_n_steps=1)],
+                           max_steps=4, log_every_n_steps=1)
+    trainer.fit(_model(), loader(n=32))
+    acc = EventAccumulator(trainer.logger.log_dir)
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("headwatch/grad/embedding_row_density")] == [2, 3]
+    assert [e.step for e in acc.Scalars("headwatch/grad/head_row_density")] == [0, 1, 2, 3]

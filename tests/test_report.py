@@ -266,7 +266,7 @@ def test_text_table_numbers(logdir, capsys):
     assert kl == ["—", "—", "—"]  # the untied run did not log it
     assert "grad/top1/embedding_row_norm_mean" not in out and "entropy_p05" not in out
     assert "1× (last at step 500)" in _row(out, "alerts/entropy_floor")
-    for group in ("[loss]", "[logits]", "[val]", "[grad]", "[tokens]", "[alerts]"):
+    for group in ("[loss]", "[logits]", "[gradients]", "[tokens]", "[alerts]"):
         assert group in out
     alerts = out.split("\nAlerts\n", 1)[1]
     assert "tied/version_0: 2 alerts" in alerts
@@ -420,3 +420,4 @@ def test_collect_alerts_keeps_severities_apart():
         (40, "entropy_floor", "jsonl+tensorboard", "crit"),
         (40, "entropy_floor_warning", "jsonl+tensorboard", "warn"),
     ]
+

@@ -91,3 +91,21 @@ def test_compiled_before_fit_plain_model_names_the_cause(tmp_path):
     finally:
         torch._dynamo.reset()
     assert not any("every position masked" in str(w.message) for w in record)
+
+
+def test_setup_message_describes_the_softcapped_logits(tmp_path, monkeypatch):
+    """Gemma 2 soft-caps the head's output: the message names the owner's logits, not `model.lm_head`'s output."""
+    import headwatch.integrations.lightning as integration
+    from headwatch.sources import resolve_logits_source
+
+    said: list[str] = []
+    monkeypatch.setattr(integration, "rank_zero_info", said.append)
+    model = tiny_gemma2()[0]
+    monitor = LogitStatsMonitor(validation=False, figure_every_n_steps=None, log_histogram=False, log_every_n_steps=2)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=1, log_every_n_steps=2)
+    trainer.fit(HFModule(model.train()), batches(0, None))
+    lines = [m for m in said if m.startswith("headwatch: measuring")]
+    want = resolve_logits_source(HFModule(model)).describe()
+    assert lines == [f"headwatch: measuring the logits every 2 steps: {want}"]
+    assert "the `logits` returned by `model` (Gemma2ForCausalLM" in lines[0]
+    assert "after any post-head transform" in lines[0] and "the output of the head" not in lines[0]

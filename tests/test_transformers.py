@@ -169,15 +169,18 @@ def test_one_batch_equals_float64_and_the_other_front_doors(tmp_path, tie):
         assert got[f"{h}/grad/tied_flow_conflict_fraction"] == pytest.approx((cosine < 0).double().mean().item(), abs=1e-6)
 
     # collision: float64 brute-force nearest neighbours of the rare rows (lr 0: the weights did not move)
-    rare = cb.monitors[0].snapshot().rare
+    snap = cb.monitors[0].snapshot()
+    rare, pairable = snap.rare, snap.valid & (snap.counts > 0)  # never-seen rows are nobody's neighbour
     assert rare[RARE]
     for name, weight in {"head": model.lm_head.weight, **({} if tie else {"embedding": model.model.embed_tokens.weight})}.items():
         w = torch.nn.functional.normalize(weight.detach().double(), dim=1)
         cos = w[rare] @ w.T
         cos[torch.arange(cos.shape[0]), rare.nonzero().flatten()] = -math.inf  # not its own neighbour
+        cos[:, ~pairable] = -math.inf
         rate = (cos.max(dim=1).values >= TAU).double().mean().item()
-        assert got[f"{h}/collision/rare_rate_{name}"] == pytest.approx(rate, abs=1e-6), name
-    assert got[f"{h}/collision/rare_rate_head"] > 0  # the planted pair is found
+        # raw cosine: the drift statistic (the headline removes the mean and the top direction first)
+        assert got[f"{h}/collision/drift/raw_rate_{name}"] == pytest.approx(rate, abs=1e-6), name
+    assert got[f"{h}/collision/drift/raw_rate_head"] > 0  # the planted pair is found
 
     # the other front doors on the same batch give the same values
     assert_same(loop_values(copy.deepcopy(model)), got, "plain loop")
@@ -254,14 +257,19 @@ def test_sft_trainer(tmp_path):
     config = SFTConfig(output_dir=str(tmp_path), max_steps=2, logging_steps=1, per_device_train_batch_size=B, report_to="none",
                        use_cpu=True, save_strategy="no", disable_tqdm=True, max_length=T, padding_free=False)  # fmt: skip
     tokenizer = _word_tokenizer()
-    trainer = SFTTrainer(model=tiny_llama(tie=True), args=config, train_dataset=data, processing_class=tokenizer, callbacks=[cb])
-    trainer.train()
+    model = tiny_llama(tie=True)
+    head_calls = []  # no (B, T, V) logits: neither TRL nor headwatch calls the head
+    model.lm_head.register_forward_hook(lambda mod, a, out: head_calls.append(tuple(out.shape)))
+    trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[cb])
+    with pytest.warns(UserWarning, match=r"`lm_head` never ran in this forward .*in chunks"):  # the hidden-state path
+        trainer.train()
+    assert head_calls == []
     logged = [r for r in trainer.state.log_history if "headwatch/logits/entropy" in r]
     assert [r["step"] for r in logged] == [1, 2]
     assert logged[0]["headwatch/grad/embedding_row_density"] == batch["input_ids"][:, :-1].unique().numel() / V
     trl = {r["step"]: r for r in trainer.state.log_history if "entropy" in r}  # TRL's own metrics, its own records
     assert sorted(trl) == [1, 2] and not any("entropy" in r for r in logged)
-    for r in logged:  # TRL's fused head never calls lm_head: headwatch calls it on the hidden states
+    for r in logged:  # TRL's fused head never calls lm_head: headwatch projects the hidden states in chunks
         assert r["headwatch/logits/positions"] == B * (T - 1)
         assert r["headwatch/logits/entropy"] == pytest.approx(trl[r["step"]]["entropy"], abs=2e-4)  # its chunked kernel
         assert r["headwatch/logits/target_argmax_rate"] == pytest.approx(trl[r["step"]]["mean_token_accuracy"], abs=1e-6)
@@ -310,3 +318,43 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(HeadwatchError, match="no `model`"):
         HeadwatchCallback().on_train_begin(hf_args(tmp_path), None, None)
 
+
+
+def test_sft_trainer_warns_synonym_confusion_uncounted(tmp_path):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from headwatch.core import SynonymCollision, TokenCounts
+
+    counts = TokenCounts()
+    cb = HeadwatchCallback(monitors=[counts, SynonymCollision(frequency=counts, synonym_groups=[[RARE, TWIN_OF]])])
+    data = Dataset.from_dict({"input_ids": one_batch()["input_ids"].tolist()})
+    config = SFTConfig(output_dir=str(tmp_path), max_steps=1, logging_steps=1, per_device_train_batch_size=B, report_to="none",
+                       use_cpu=True, save_strategy="no", disable_tqdm=True, max_length=T, padding_free=False)  # fmt: skip
+    trainer = SFTTrainer(model=tiny_llama(tie=True), args=config, train_dataset=data, processing_class=_word_tokenizer(), callbacks=[cb])
+    with pytest.warns(UserWarning, match=r"fused LM head never calls the head, so collision/synonym_confusion_rate is not counted"):
+        trainer.train()
+
+
+def test_trainer_run_draws_figures_every_10_logging_steps_and_names_the_layout_headwatch(tmp_path):
+    pytest.importorskip("matplotlib")
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    args = hf_args(tmp_path, max_steps=10, logging_steps=1, logging_first_step=False, report_to="tensorboard",
+                   per_device_train_batch_size=2)  # fmt: skip
+    trainer = Trainer(model=tiny_llama(tie=True), args=args, train_dataset=Rows(one_batch(), repeat=5))
+    cb = attach(trainer, monitors=["logits", "gradients"])  # default figure_every_n_steps="auto": 10 x logging_steps
+    trainer.train()
+    assert [m.figure_every for m in cb.monitors if hasattr(m, "figure_every")] == [10, 10]
+    (logdir,) = {p.parent for p in Path(tmp_path).rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(logdir), size_guidance={"images": 0, "tensors": 0}).Reload()
+    for tag in ("train/headwatch/logits/entropy_over_run", "train/headwatch/grad/row_norm_vs_frequency"):
+        assert [e.step for e in acc.Images(tag)] == [10], tag  # the Trainer's 10th logging step, once
+    # the Custom Scalars page is named "headwatch"; its charts read the Trainer's train/headwatch/ tags
+    proto = acc.Tensors("custom_scalars__config__")[0].tensor_proto
+    layout = layout_pb2.Layout.FromString(proto.string_val[0])
+    assert [c.title for c in layout.category] == ["headwatch"]
+    tags = [t for chart in layout.category[0].chart for t in chart.multiline.tag]
+    assert tags and all(t.startswith("train/headwatch/") or t in ("^train_loss$", "^val_loss$") for t in tags), tags[:5]
+    with pytest.raises(HeadwatchError, match="`figure_every_n_steps` must be 'auto', None, or an int >= 0, got 'x'"):
+        HeadwatchCallback(figure_every_n_steps="x")

@@ -99,7 +99,7 @@ def test_untrained_rows_are_counted_and_nobodys_collision():
     scalars, result = _collision(model, _ids([60, 61]))
     for name in ("head", "embedding"):
         assert scalars[f"headwatch/collision/untrained_count_{name}"].item() == 4
-        assert not set(result[name]["rows"].tolist()) & {60, 61, 62, 63}  # rare but untrained: not measured
+        assert not set(result[name]["queries"].tolist()) & {60, 61, 62, 63}  # rare but untrained: not measured
         assert not set(result[name]["neighbour"].tolist()) & {60, 61, 62, 63}
 
 
@@ -117,7 +117,7 @@ def test_rare_row_planted_through_lora_collides_in_the_monitor():
         B[rare] = B[other]
         B[rare, 0] = 1.0 / s
     scalars, result = _collision(model, _ids([rare, 62]))
-    rows = result["head"]["rows"].tolist()
+    rows = result["head"]["queries"].tolist()
     at = rows.index(rare)
     assert result["head"]["neighbour"][at].item() == other
     assert result["head"]["cosine"][at].item() == pytest.approx(1.0, abs=1e-5)  # was 0.75 on the frozen base

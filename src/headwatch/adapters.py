@@ -193,6 +193,8 @@ def trainable_matrices(head: nn.Module, embedding: nn.Module) -> dict[str, Train
 
 def _key(t: Tensor) -> tuple:
     """Identity of a tensor's memory: two views with equal keys read the same numbers."""
+    if hasattr(t, "to_local"):  # a DTensor (FSDP2): its storage is this process's shard
+        t = t.to_local()
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 

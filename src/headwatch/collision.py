@@ -16,7 +16,7 @@ from headwatch.core.collision import encode_group as _encode_group  # noqa: F401
 from headwatch.figures import check_figure_argument, matplotlib_available
 from headwatch.frequency import TokenFrequency
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.integrations.lightning import MonitorCallback
+from headwatch.integrations.lightning import MonitorCallback, to_floats
 
 __all__ = ["DEFAULT_TAU", "SynonymCollisionMonitor", "decode_token"]
 
@@ -26,13 +26,21 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
 
     For a matrix ``W`` (head rows, and embedding rows when untied; a tied matrix is measured
     once, reported as ``head``) and the rare tokens ``R`` (the trainer's
-    :class:`~headwatch.TokenFrequency` definition), rare token ``r`` *collides* when
-    ``nn_cos(r) = max_{j valid, j != r} cos(W_r, W_j) >= tau``; the collision rate is
-    ``|{r in R : nn_cos(r) >= tau}| / |R|`` (:func:`headwatch.functional.collision_statistics`,
-    exact neighbours by chunked matrix products; above ``max_rare`` a seeded uniform sample).
+    :class:`~headwatch.TokenFrequency` definition), the rows are first corrected for common
+    drift ("all-but-the-top", Mu & Viswanath 2018): ``x' = (x - mu) - U U^T (x - mu)`` with
+    ``mu`` the mean and ``U`` the top ``k`` principal directions of the pairable rows
+    (:func:`headwatch.functional.drift.remove_top_directions`). Rare token ``r`` *collides*
+    when ``nn_cos'(r) = max_{j pairable, j != r} cos(W'_r, W'_j) >= tau``; the collision
+    rate is ``|{r in R : nn_cos'(r) >= tau}| / |R|`` (exact neighbours by chunked matrix
+    products; above ``max_rare`` a seeded uniform sample). Pairable rows: valid, seen,
+    non-zero and finite (never-seen, padded and zero rows are on neither side, and counted).
+    The drift itself (the raw-cosine rate, the rare rows' mean cosine to their mean
+    direction, the removed variance share) is logged under ``collision/drift/``.
     Supervised mode: ``synonym_groups`` (token ids, or strings with a ``tokenizer``) also
-    give the within-group pair rate and, on the logits path, the prediction confusion, with
-    positions and targets read by the one :class:`~headwatch.core.BatchFormat`.
+    give the within-group pair rate and median partner rank on the corrected rows and, on
+    the logits path, the prediction confusion over every training batch since the last
+    measurement (and over each validation epoch), with positions and targets read by the one
+    :class:`~headwatch.core.BatchFormat`.
 
     Every process measures (the weights and the summed counts are the same everywhere), so
     every rank publishes the same keys on the same steps: every ``every_n_steps`` steps and
@@ -57,12 +65,18 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
         strict: raise on a failure to measure instead of warning once.
         batch_format: how to read targets for the confusion rate (``targets_fn``,
             ``shift_labels``, ``mask_fn``, ``ignore_index``).
+        k: principal directions removed before the neighbour search; None:
+            ``max(1, round(d_model / 100))``.
+        include_unseen: let never-seen tokens be nearest neighbours (default: they are not).
 
     Logged metrics (``<m>`` is ``head``, and ``embedding`` when untied; definitions in
-    :mod:`headwatch.names`): ``collision/rare_rate_<m>``,
+    :mod:`headwatch.names`): ``collision/rare_rate_<m>``, ``collision/drift/raw_rate_<m>``,
+    ``drift/mean_cos_<m>``, ``drift/removed_variance_<m>``,
     ``collision/<bucket>/<m>_nn_cosine_mean``, ``collision/rare_count``, ``rare_sample_size``,
-    ``unseen_count``, ``invalid_count``; supervised: ``synonym_pair_rate_<m>``,
-    ``synonym_pairs``, ``synonym_confusion_rate``, ``synonym_confusion_positions``; text
+    ``unseen_count``, ``invalid_count``, ``zero_count_<m>``, ``nonfinite_count_<m>``;
+    supervised: ``synonym_pair_rate_<m>``, ``synonym_partner_rank_<m>``, ``synonym_pairs``,
+    ``synonym_skipped_pairs``, ``synonym_confusion_rate``, ``synonym_confusion_positions``
+    (and ``collision/val/`` ones per validation epoch); text
     ``collision/top_pairs_<m>``; image ``collision/nn_similarity_<m>``.
     """
 
@@ -84,6 +98,8 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
         prefix: str = "headwatch",
         strict: bool = False,
         batch_format: BatchFormat | None = None,
+        k: int | None = None,
+        include_unseen: bool = False,
     ) -> None:
         if every_n_steps is not None:
             check_positive_int("every_n_steps", every_n_steps)
@@ -94,6 +110,9 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
         if not isinstance(tau, (int, float)) or isinstance(tau, bool) or not -1.0 <= tau <= 1.0:
             raise HeadwatchError(f"`tau` must be a cosine in [-1, 1], got {tau!r}")
         check_bool("on_epoch_end", on_epoch_end)
+        check_bool("include_unseen", include_unseen)
+        if k is not None:
+            check_positive_int("k", k)
         for name, value in (("max_rare", max_rare), ("max_per_bucket", max_per_bucket), ("top_pairs", top_pairs), ("max_chunk_bytes", max_chunk_bytes)):
             check_positive_int(name, value)
         check_module_or_name("head", head)
@@ -107,7 +126,7 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
         draw = figures is True or (figures == "auto" and matplotlib_available())
         super().__init__(
             None, tau, max_rare, max_per_bucket, top_pairs, synonym_groups, tokenizer, head, embedding, seed,
-            max_chunk_bytes, draw, on_epoch_end, prefix, strict, batch_format,
+            max_chunk_bytes, draw, on_epoch_end, prefix, strict, batch_format, k, include_unseen,
         )  # fmt: skip
         self.every_n_steps = self.log_every_n_steps = every_n_steps
         self.figures = figures
@@ -119,3 +138,29 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
         self._info_once(
             f"headwatch: synonym collision of rare tokens in {where}, tau={self.tau}, every {self.schedule.every} steps"
         )
+
+    # ---------------------------------------------------------------- validation (synonym confusion)
+    def _measuring_validation(self, trainer: pl.Trainer) -> bool:
+        return self._table is not None and not trainer.sanity_checking and self.model is not None
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self._measuring_validation(trainer):
+            self.validation_batch_start(batch, dataloader_idx)
+
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.validation_batch_end(dataloader_idx)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._measuring_validation(trainer):
+            return
+        try:
+            numbers = to_floats(self.validation_epoch_end())
+            for key, value in numbers.items():  # identical on every rank already
+                pl_module.log(key, value, on_step=False, on_epoch=True, sync_dist=True)
+            self.published(numbers)
+        except Exception as err:  # noqa: BLE001
+            self.fail(err, "logging the validation synonym confusion")

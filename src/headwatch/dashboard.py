@@ -16,9 +16,13 @@ from typing import Any
 
 from headwatch.names import CHARTS, chart_tag
 
-def build_layout(prefix: str = "headwatch") -> dict[str, dict[str, list[Any]]]:
-    """The Custom Scalars layout, ``{category: {chart: [kind, [tags or regexes]]}}``, from :data:`headwatch.names.CHARTS`."""
-    return {prefix: {c.title: [c.kind, [chart_tag(s, c.kind, prefix) for s in c.series]] for c in CHARTS}}
+def build_layout(prefix: str = "headwatch", category: str | None = None) -> dict[str, dict[str, list[Any]]]:
+    """The Custom Scalars layout, ``{category: {chart: [kind, [tags or regexes]]}}``, from :data:`headwatch.names.CHARTS`.
+
+    The charts read the tags under ``prefix``; the page (category) is named ``category``, default
+    ``prefix`` (the Hugging Face front door reads ``train/headwatch/...`` on a page named ``headwatch``).
+    """
+    return {category or prefix: {c.title: [c.kind, [chart_tag(s, c.kind, prefix) for s in c.series]] for c in CHARTS}}
 
 
 def main(argv: list[str] | None = None) -> int:

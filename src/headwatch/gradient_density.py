@@ -81,12 +81,13 @@ class GradientDensityMonitor(GradientDensity, MonitorCallback):
         self.figure_every_n_steps = figure_every_n_steps
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        first = self.model is None
         super()._attach(trainer, pl_module, stage)
         self.frequency = TokenFrequency.of_trainer(trainer, pl_module, self.embedding)
         self.figure_every = resolve_figure_interval(self.figure_every_n_steps, self.schedule.every)
         self._info_once(f"headwatch: {self.tying_text}")
-        if first and stage == "fit" and trainer.is_global_zero:
+        final = not getattr(self, "_hw_provisional", False)  # not setup's look before configure_model
+        if final and stage == "fit" and trainer.is_global_zero and self.tying_text != getattr(self, "_tying_written", None):
+            self._tying_written = self.tying_text
             writers = tensorboard_writers(trainer)
             tb.write_text(writers, f"{self.prefix}/grad/tying", self.tying_text, trainer.global_step)
             tb.flush(writers)

@@ -128,9 +128,8 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
                 "LogitStatsMonitor: the Trainer has no logger, so headwatch metrics go only to "
                 "`trainer.callback_metrics`. Pass `logger=TensorBoardLogger(...)` to chart them.",
             )
-        self._info_once(
-            f"headwatch: measuring the logits of `{self.head_name}` every {self.schedule.every} steps"
-        )
+        what = self.source.describe() if self.source is not None else f"the logits of `{self.head_name}`"
+        self._info_once(f"headwatch: measuring the logits every {self.schedule.every} steps: {what}")
 
     def _shared_frequency(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TokenFrequency | None:
         """The trainer's shared ``TokenFrequency`` (added with defaults if absent), for the target buckets.

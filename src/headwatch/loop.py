@@ -18,6 +18,7 @@ from headwatch.core.logits import LogitStats
 from headwatch.core.monitor import Monitor, compute_due, to_floats
 from headwatch.core.reduce import Reducer, TorchDistributedReducer
 from headwatch.core.schedule import Schedule
+from headwatch.figures import check_figure_argument, resolve_figure_interval
 
 _BY_NAME = {"logits": LogitStats, "gradients": GradientDensity, "tokens": TokenCounts, "collision": SynonymCollision}
 
@@ -53,11 +54,18 @@ class Headwatch:
         batch_format: how batches are read (:class:`~headwatch.core.BatchFormat`).
         reducer: distributed reductions; default ``torch.distributed`` when initialized.
         prefix: first component of every metric name.
+        figure_every_n_steps: images of the monitors built from names (``"logits"``: entropy over
+            the run, ``"gradients"``: row norm against frequency rank, ``"collision"``: similarity
+            histograms at its measurements), as in the Lightning callbacks: ``"auto"`` (default)
+            every 10 logging intervals when matplotlib is installed, else none; an int: every this
+            many steps (needs matplotlib); None or 0: none. Core monitors passed in keep their own
+            ``figure_every`` / ``figures``.
         strict: raise a ``HeadwatchError`` when a monitor fails; default: warn once, skip that
             monitor's values of the step (on every rank alike) and go on training.
 
     Raises:
-        HeadwatchError: a bad argument, or the head/embedding cannot be found in ``model``.
+        HeadwatchError: a bad argument (``figure_every_n_steps`` > 0 without matplotlib), or the
+            head/embedding cannot be found in ``model``.
     """
 
     def __init__(
@@ -69,8 +77,10 @@ class Headwatch:
         batch_format: BatchFormat | None = None,
         reducer: Reducer | None = None,
         prefix: str = "headwatch",
+        figure_every_n_steps: int | str | None = "auto",
         strict: bool = False,
     ) -> None:
+        check_figure_argument(figure_every_n_steps)
         if not isinstance(model, nn.Module):
             raise HeadwatchError(f"`model` must be an nn.Module, got {type(model).__name__}")
         if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
@@ -93,12 +103,19 @@ class Headwatch:
         for m in self.monitors:
             m.configure(Schedule(m.every_factor * log_every_n_steps), self.reducer)
             m.attach(model)
+        self.figure_every_n_steps = figure_every_n_steps
+        set_figures(self._named_monitors(monitors), figure_every_n_steps)
         self.step_index = 0
         self._open = False  # a step_start since the last step_end
         self.latest: dict[str, float] = {}
         self._logging: dict[int, bool] = {}
         if self.reducer.rank == 0:
             tb.write_layout(self.writers, prefix)
+
+    def _named_monitors(self, given: Sequence[Monitor | str] | None) -> list[Monitor]:
+        """The monitors built here from names (not the core monitors the caller passed)."""
+        passed = {id(m) for m in given or () if isinstance(m, Monitor)}
+        return [m for m in self.monitors if id(m) not in passed]
 
     @staticmethod
     def _build(monitors: Sequence[Monitor | str] | None, fmt: BatchFormat | None, prefix: str) -> list[Monitor]:
@@ -215,3 +232,21 @@ class Headwatch:
         self.step_index = int(state.get("step", 0))
         for m, s in zip(self.monitors, state.get("monitors", [])):
             m.load_state_dict(s)
+
+
+def set_figures(monitors: Sequence[Monitor], figure_every_n_steps: int | str | None) -> None:
+    """Set the figure interval of configured monitors (``"auto"``: 10 of each monitor's logging intervals
+    when matplotlib is installed; see :func:`headwatch.figures.resolve_figure_interval`).
+
+    ``LogitStats`` and ``GradientDensity`` draw every ``figure_every`` steps; ``SynonymCollision``
+    draws at each of its measurements when the interval is not 0.
+
+    Raises:
+        HeadwatchError: an explicit interval without matplotlib, or a bad value.
+    """
+    for m in monitors:
+        interval = resolve_figure_interval(figure_every_n_steps, m.schedule.every)
+        if isinstance(m, (LogitStats, GradientDensity)):
+            m.figure_every = interval
+        elif isinstance(m, SynonymCollision):
+            m.draw_figures = interval > 0

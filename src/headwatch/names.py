@@ -3,12 +3,14 @@
 A declaration gives the name pattern (after ``<prefix>/``), the unit, the definition and
 the kind (``scalar``, ``histogram``, ``text``, ``image``). Placeholders in braces take the
 values of :data:`PLACEHOLDERS`. The TensorBoard layout (:data:`CHARTS`, written by
-:mod:`headwatch.dashboard`), the alert's default metrics and the README tables derive from
+:mod:`headwatch.dashboard`), ``headwatch report``'s groups and default selection
+(:data:`GROUPS`, :func:`is_headline`), the alert's default metrics and the README tables derive from
 or are tested against this module: a new metric is one :class:`Metric` line here.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from typing import NamedTuple
@@ -19,7 +21,7 @@ BUCKETS = ("top1", "top10", "top50", "tail", "unseen")
 STATS = ("mean", "max", "p50", "p95")
 """Summary statistics of per-row norms."""
 
-ALERT_RULES = ("entropy_floor", "entropy_ceiling", "kl_ceiling", "entropy_drop", "val_stall")
+ALERT_RULES = ("entropy_floor", "entropy_ceiling", "kl_ceiling", "entropy_drop", "val_stall", "rare_nll_rise")
 """The rules of :class:`headwatch.SharpnessCollapseAlert` (``headwatch.alerts.RULES`` is this tuple)."""
 
 PLACEHOLDERS: dict[str, tuple[str, ...]] = {
@@ -44,6 +46,8 @@ class Metric(NamedTuple):
     kind: str = "scalar"
     readme: str = ""
     """How README.md spells it, when not ``headwatch/<pattern with <placeholders>>``."""
+    headline: bool = True
+    """Shown by ``headwatch report`` by default (False: only with ``--all``; see also :data:`DETAIL`)."""
 
     def regex(self, prefix: str = "headwatch") -> re.Pattern[str]:
         """A regex matching the full names this declaration stands for.
@@ -91,9 +95,9 @@ METRICS: tuple[Metric, ...] = (
     # ---- gradients
     Metric("grad/{flow}_row_density", "fraction", "|{i valid : G_i != 0}| / |valid|", _G),
     Metric("grad/{flow}_row_norm_{stat}", "gradient units", "statistics of ||G_i||_2 over valid rows", _G, readme="headwatch/grad/<flow>_row_norm_{mean,max,p50,p95}"),
-    Metric("grad/{bucket}/{flow}_row_density", "fraction", "row density within a frequency bucket", _G),
-    Metric("grad/{bucket}/{flow}_row_norm_{stat}", "gradient units", "row-norm statistics within a bucket", _G, readme="headwatch/grad/<bucket>/<flow>_row_density`, `_row_norm_{mean,max,p50,p95}"),
-    Metric("grad/{flow}_rare_to_frequent_norm_ratio", "ratio", "mean row norm of rare tokens / of the top1 bucket", _G),
+    Metric("grad/{bucket}/{flow}_row_density", "fraction", "row density within a frequency bucket", _G, headline=False),
+    Metric("grad/{bucket}/{flow}_row_norm_{stat}", "gradient units", "row-norm statistics within a bucket", _G, headline=False, readme="headwatch/grad/<bucket>/<flow>_row_density`, `_row_norm_{mean,max,p50,p95}"),
+    Metric("grad/{flow}_rare_to_frequent_norm_ratio", "ratio", "mean row norm of rare tokens / of the top1 bucket; NaN when the top1 mean is 0 (no top1 row had a gradient)", _G),
     Metric("grad/tied", "", "1 when head and embedding are one Parameter, else 0", _G),
     Metric("grad/tied_flow_cosine_mean", "cosine", "mean cos(E_i, H_i) over rows with both flows", _G),
     Metric("grad/tied_flow_conflict_fraction", "fraction", "rows with cos(E_i, H_i) < 0 / rows with both flows", _G),
@@ -110,17 +114,25 @@ METRICS: tuple[Metric, ...] = (
     Metric("tokens/rare_count", "count", "rare tokens", _T),
     Metric("tokens/out_of_range", "count", "input ids outside [0, V)", _T),
     # ---- collision
-    Metric("collision/rare_rate_{m}", "fraction", "rare r with max_j cos(W_r, W_j) >= tau / measured rare tokens", _C, readme="headwatch/collision/rare_rate_head"),
-    Metric("collision/{bucket}/{m}_nn_cosine_mean", "cosine", "mean nearest-neighbour cosine of a bucket's rows", _C),
+    Metric("collision/rare_rate_{m}", "fraction", "rare r whose nearest other pairable row has cosine >= tau after removing the mean and the top k principal directions (all-but-the-top) / measured rare tokens", _C, readme="headwatch/collision/rare_rate_head"),
+    Metric("collision/drift/raw_rate_{m}", "fraction", "drift, not collision: rare r with raw max_j cos(W_r, W_j) >= tau / measured rare tokens", _C),
+    Metric("collision/drift/mean_cos_{m}", "cosine", "mean cosine of the measured rare rows to their mean direction (mean resultant length)", _C),
+    Metric("collision/drift/removed_variance_{m}", "fraction", "share of the pairable rows' variance held by the removed principal directions", _C),
+    Metric("collision/{bucket}/{m}_nn_cosine_mean", "cosine", "mean nearest-neighbour cosine of a bucket's pairable rows, drift removed", _C, headline=False),
     Metric("collision/rare_count", "count", "rare tokens", _C),
     Metric("collision/rare_sample_size", "count", "rare tokens measured (sampled above max_rare)", _C, readme="rare_sample_size"),
-    Metric("collision/unseen_count", "count", "valid tokens never seen", _C, readme="unseen_count"),
-    Metric("collision/invalid_count", "count", "rows that cannot occur", _C, readme="invalid_count"),
+    Metric("collision/unseen_count", "count", "valid tokens never seen (not paired unless include_unseen)", _C, readme="unseen_count"),
+    Metric("collision/invalid_count", "count", "rows that cannot occur (padded vocabulary; never paired)", _C, readme="invalid_count"),
     Metric("collision/untrained_count_{m}", "count", "valid rows never trained (all zeros), left out of every collision search", _C),
-    Metric("collision/synonym_pair_rate_{m}", "fraction", "within-group pairs (r rare) with cos >= tau / such pairs", _C),
-    Metric("collision/synonym_pairs", "count", "within-group pairs (r, s) with r rare", _C),
-    Metric("collision/synonym_confusion_rate", "fraction", "positions with a rare grouped target where a synonym scores >= the target / such positions", _C),
-    Metric("collision/synonym_confusion_positions", "count", "positions with a rare grouped target", _C),
+    Metric("collision/nonfinite_count_{m}", "count", "valid rows holding NaN or inf (never paired)", _C, readme="nonfinite_count_<m>"),
+    Metric("collision/synonym_pair_rate_{m}", "fraction", "ordered within-group pairs of pairable rows with cos >= tau, drift removed / such pairs", _C),
+    Metric("collision/synonym_partner_rank_{m}", "rank", "median rank of each synonym's partner among its nearest pairable rows, drift removed (1 = nearest)", _C),
+    Metric("collision/synonym_pairs", "count", "ordered within-group pairs measured (both rows pairable in the head)", _C),
+    Metric("collision/synonym_skipped_pairs", "count", "ordered within-group pairs with a row that is not pairable (never seen, padded, zero)", _C),
+    Metric("collision/synonym_confusion_rate", "fraction", "positions with a rare grouped target where a synonym scores >= the target / such positions, over every training batch since the last measurement", _C),
+    Metric("collision/synonym_confusion_positions", "count", "positions with a rare grouped target, every training batch since the last measurement", _C),
+    Metric("collision/val/synonym_confusion_rate", "fraction", "the same over one validation epoch", _C),
+    Metric("collision/val/synonym_confusion_positions", "count", "positions with a rare grouped target in one validation epoch", _C),
     Metric("collision/top_pairs_{m}", "", "text: most similar colliding pairs", _C, kind="text"),
     Metric("collision/nn_similarity_{m}", "", "image: nearest-neighbour cosine histograms, rare vs frequent", _C, kind="image"),
     # ---- alerts
@@ -140,8 +152,16 @@ def declaration(name: str, prefix: str = "headwatch") -> Metric | None:
 
 def expand(metric: Metric) -> list[str]:
     """Every concrete name (without prefix) a declaration stands for."""
+    return [name for name, _ in _expansions(metric)]
+
+
+def _expansions(metric: Metric) -> list[tuple[str, dict[str, str]]]:
     fields = re.findall(r"\{(\w+)\}", metric.pattern)
-    return [metric.pattern.format(**dict(zip(fields, values))) for values in itertools.product(*(PLACEHOLDERS[f] for f in fields))]
+    out = []
+    for values in itertools.product(*(PLACEHOLDERS[f] for f in fields)):
+        chosen = dict(zip(fields, values))
+        out.append((metric.pattern.format(**chosen), chosen))
+    return out
 
 
 class Chart(NamedTuple):
@@ -168,7 +188,9 @@ CHARTS: tuple[Chart, ...] = (
     Chart("tied matrix: cosine of the lookup and scoring flows", "Multiline", ("grad/tied_flow_cosine_mean", "grad/tied_flow_conflict_fraction")),
     Chart("rare / frequent gradient norm ratio", "Multiline", ("grad/{flow}_rare_to_frequent_norm_ratio",)),
     Chart("frequency gravity: Spearman(log frequency, row norm)", "Multiline", ("freq/{matrix}_norm_spearman",)),
-    Chart("rare-token collision rate", "Multiline", ("collision/rare_rate_{m}", "collision/synonym_pair_rate_{m}")),
+    Chart("rare-token collision rate (drift removed)", "Multiline", ("collision/rare_rate_{m}", "collision/synonym_pair_rate_{m}")),
+    Chart("common drift of rare rows", "Multiline", ("collision/drift/raw_rate_{m}", "collision/drift/mean_cos_{m}", "collision/drift/removed_variance_{m}")),
+    Chart("synonym partner rank (median)", "Multiline", ("collision/synonym_partner_rank_{m}",)),
     Chart("nearest-neighbour cosine by frequency bucket", "Multiline", ("collision/{bucket}/{m}_nn_cosine_mean",)),
     Chart("alerts (1 at the alert step)", "Multiline", ("alerts/{rule}", "alerts/{rule}_warning")),
 )
@@ -185,3 +207,60 @@ def chart_tag(series: str, kind: str, prefix: str = "headwatch") -> str:
 
 DEFAULT_ALERT_METRICS = ("logits/entropy", "logits/kl_to_uniform")
 """Names (after the prefix) the collapse alert watches by default."""
+
+CONSOLE_KEYS = (
+    "logits/entropy", "logits/target_nll", "logits/rare/target_nll", "val/logits/entropy", "val/logits/target_nll",
+    "grad/embedding_row_density", "grad/head_row_density", "tokens/seen_fraction", "collision/rare_rate_head",
+)  # fmt: skip
+"""Names (after the prefix) the Hugging Face front door prints on the console by default (every key still
+goes to the reporting integrations)."""
+
+
+# ---- `headwatch report`: groups and the default selection, derived from the declarations above
+
+class Group(NamedTuple):
+    name: str
+    """Heading of the group in ``headwatch report`` (text, HTML, charts)."""
+    monitor: str
+    """The class whose metrics (:attr:`Metric.monitor`) the group holds."""
+    title: str
+
+
+GROUPS: tuple[Group, ...] = (
+    Group("logits", _L, "the head's output distribution: training steps (logits/), validation epochs (val/logits/)"),
+    Group("gradients", _G, "gradient and update rows of embedding and head, frequency gravity (grad/, update/, freq/)"),
+    Group("collision", _C, "rare-token collision (collision/)"),
+    Group("tokens", _T, "token counts (tokens/)"),
+    Group("alerts", _A, "alert markers, 1 at the alert step (alerts/)"),
+)
+"""Report groups in display order: one per monitor."""
+
+DETAIL: dict[str, tuple[str, ...]] = {"q": ("05",), "stat": ("max",)}
+"""Placeholder values ``headwatch report`` shows only with ``--all``: the 5% entropy quantile
+(the median and p95 are shown) and the largest row norm (one row; the mean, p50 and p95 are shown)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _concrete() -> dict[str, tuple[Metric, dict[str, str]]]:
+    return {name: (metric, chosen) for metric in METRICS for name, chosen in _expansions(metric)}
+
+
+def report_group(name: str, prefix: str = "headwatch") -> str | None:
+    """The :class:`Group` name of a full metric name (``<prefix>/...``), or None when it is not declared."""
+    found = _concrete().get(name[len(prefix) + 1 :]) if name.startswith(prefix + "/") else None
+    if found is None:
+        return None
+    return next(g.name for g in GROUPS if g.monitor == found[0].monitor)
+
+
+def is_headline(name: str, prefix: str = "headwatch") -> bool | None:
+    """Whether ``headwatch report`` shows a full metric name by default, None when it is not declared.
+
+    True when its declaration is :attr:`Metric.headline` and none of its placeholder values is
+    listed in :data:`DETAIL`.
+    """
+    found = _concrete().get(name[len(prefix) + 1 :]) if name.startswith(prefix + "/") else None
+    if found is None:
+        return None
+    metric, chosen = found
+    return metric.headline and not any(value in DETAIL.get(field, ()) for field, value in chosen.items())

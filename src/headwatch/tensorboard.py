@@ -7,6 +7,7 @@ writer a plain loop passes). Call it on rank zero only.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -15,18 +16,19 @@ import torch
 from torch import Tensor
 
 from headwatch.core.monitor import Media
+from headwatch.functional.rows import finite_histogram_values
 
 _layout_written: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def write_layout(writers: Iterable[Any], prefix: str = "headwatch") -> None:
-    """Write the headwatch Custom Scalars layout into each writer, once per writer."""
+def write_layout(writers: Iterable[Any], prefix: str = "headwatch", category: str | None = None) -> None:
+    """Write the headwatch Custom Scalars layout (:func:`headwatch.dashboard.build_layout`) into each writer, once per writer."""
     from headwatch.dashboard import build_layout
 
     for writer in writers:
         if writer in _layout_written:
             continue
-        writer.add_custom_scalars(build_layout(prefix))
+        writer.add_custom_scalars(build_layout(prefix, category))
         writer.flush()
         _layout_written.add(writer)
 
@@ -38,13 +40,25 @@ def write_scalars(writers: Iterable[Any], scalars: Mapping[str, float], step: in
 
 
 def write_histogram(writers: Iterable[Any], tag: str, values: Tensor, step: int) -> None:
-    """A histogram of the finite entries of ``values`` (TensorBoard refuses NaN/inf; they are counted elsewhere)."""
-    values = values.detach().float().cpu().reshape(-1)
-    values = values[torch.isfinite(values)]
+    """A histogram of the finite entries of ``values``, in float64 (any finite value is kept).
+
+    TensorBoard refuses NaN/inf (it would drop the whole histogram): they are left out, with a
+    warning naming the tag (shown once per tag by Python's default warning filter).
+    """
+    values, skipped = finite_histogram_values(values.detach().double().cpu())
+    if skipped:
+        warnings.warn(
+            f"headwatch: the histogram {tag!r} left out non-finite values (NaN or inf); the finite ones are written",
+            UserWarning,
+            stacklevel=2,
+        )
     if values.numel() == 0:
         return
+    # TensorBoard's default ("tensorflow") buckets end at 1e20 and drop larger values (an empty
+    # histogram error); beyond that, numpy's automatic bins
+    bins = "tensorflow" if float(values.abs().max()) < 1e20 else "auto"
     for writer in writers:
-        writer.add_histogram(tag, values, global_step=step)
+        writer.add_histogram(tag, values, global_step=step, bins=bins)
 
 
 def write_text(writers: Iterable[Any], tag: str, text: str, step: int) -> None:

@@ -76,6 +76,9 @@ class LookupFlowCapture(_Capture):
             raise HeadwatchError(f"`group` must be an EmbeddingGroup (find_embedding_group), got {type(group).__name__}")
         self.group = group
         self.looked_up: Tensor | None = None
+        self.sharded: Any = None
+        """A :class:`headwatch.core.sharded.ShardedLookup` set by the monitor on steps whose matrix is
+        row-sharded (FSDP2): the flow is then kept compact there instead of in ``gradient``."""
 
     def attach(self) -> LookupFlowCapture:
         """Register a forward hook on each distinct member; returns self."""
@@ -89,7 +92,7 @@ class LookupFlowCapture(_Capture):
 
     def reset(self) -> None:
         super().reset()
-        self.looked_up = None
+        self.looked_up, self.sharded = None, None
 
     def _on_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self.active:
@@ -117,6 +120,9 @@ class LookupFlowCapture(_Capture):
 
     def _add(self, ids: Tensor, grad: Tensor, pad: int | None) -> None:
         try:
+            if self.sharded is not None:
+                self.sharded.add(ids.to(grad.device), grad, pad)
+                return
             out = self._accumulator(grad, tuple(self.group.weight.shape))
             lookup_gradient(ids.to(grad.device), grad, out.shape[0], pad, out=out)
         except Exception as err:  # noqa: BLE001

@@ -75,8 +75,8 @@ def check_alert_args(rules: CollapseRules, actions: Sequence[Any], critical_acti
     """The checks every front door makes: some rule on, metric names, callables, a critical rule for
     checkpoint/stop (``critical_actions``). Raises HeadwatchError naming the argument."""
     if not rules.enabled():
-        raise HeadwatchError("every rule is off: set entropy_floor, entropy_ceiling, kl_ceiling, entropy_drop or patience")
-    for name in ("entropy_metric", "kl_metric", "val_metric", "val_entropy_metric"):
+        raise HeadwatchError("every rule is off: set entropy_floor, entropy_ceiling, kl_ceiling, entropy_drop, rare_nll_rise or patience")
+    for name in ("entropy_metric", "kl_metric", "val_metric", "val_entropy_metric", "rare_nll_metric", "nll_metric"):
         value = getattr(rules, name)
         if not isinstance(value, str) or not value:
             raise HeadwatchError(f"`{name}` must be a metric name, got {value!r}")
@@ -147,7 +147,10 @@ class AlertEngine:
         observed = any(v is not None for v in metrics.values())
         events = self.rules.observe_train(step, metrics) if observed else []
         self._check_ceiling(metrics)
-        shown = {self.rules.entropy_metric: metrics.get(self.rules.entropy_metric), self.rules.kl_metric: metrics.get(self.rules.kl_metric)}
+        r = self.rules
+        shown = {name: metrics.get(name) for name in (r.entropy_metric, r.kl_metric)}
+        if r.thresholds["rare_nll_rise"]:
+            shown.update({name: metrics.get(name) for name in (r.rare_nll_metric, r.nll_metric)})
         return self._decide("train", events, step, epoch, shown)
 
     def observe_val(self, step: int, metrics: Mapping[str, float | None], dataloader_idx: int = 0, epoch: int = 0) -> list[Alert]:

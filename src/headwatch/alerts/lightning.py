@@ -50,6 +50,9 @@ class SharpnessCollapseAlert(HeadwatchCallback):
     - ``kl_ceiling``: fires when ``KL > t`` (nats); re-arms at ``KL <= t - margin |t|``;
     - ``entropy_drop`` ``r``: the smoothed entropy ``S`` fell by ``>= r`` (relative) over
       ``window`` logged values; re-arms below ``r (1 - margin)``;
+    - ``rare_nll_rise`` ``t`` (off by default): the smoothed rare-target NLL (``rare_nll_metric``)
+      rose by more than ``t`` nats over ``rare_window`` logged values while the smoothed overall
+      target NLL (``nll_metric``) fell (:class:`~headwatch.alerts.rules.CollapseRules`);
     - ``val_stall`` (``patience`` P): ``val_metric`` of dataloader ``val_dataloader_idx`` improved
       by less than ``val_delta`` over P validations while the entropy fell by
       ``>= val_min_entropy_drop`` (relative); critical only.
@@ -128,6 +131,10 @@ class SharpnessCollapseAlert(HeadwatchCallback):
         entropy_ceiling: Threshold = None,
         for_steps: int = 1,
         val_dataloader_idx: int = 0,
+        rare_nll_rise: Threshold = None,
+        rare_window: int = 10,
+        rare_nll_metric: str = "headwatch/logits/rare/target_nll",
+        nll_metric: str = "headwatch/logits/target_nll",
     ) -> None:
         super().__init__(log_every_n_steps, prefix, strict)
         rules = CollapseRules(
@@ -135,7 +142,8 @@ class SharpnessCollapseAlert(HeadwatchCallback):
             alpha=smoothing, patience=patience, delta=val_delta, min_entropy_drop=val_min_entropy_drop,
             margin=rearm_margin, warmup_steps=warmup_steps, entropy_ceiling=entropy_ceiling, for_steps=for_steps,
             val_dataloader_idx=val_dataloader_idx, entropy_metric=entropy_metric, kl_metric=kl_metric,
-            val_metric=val_metric, val_entropy_metric=val_entropy_metric,
+            val_metric=val_metric, val_entropy_metric=val_entropy_metric, rare_nll_rise=rare_nll_rise,
+            rare_window=rare_window, rare_nll_metric=rare_nll_metric, nll_metric=nll_metric,
         )
         for name, value in (("jsonl", jsonl), ("save_checkpoint", save_checkpoint), ("stop_training", stop_training)):
             check_bool(name, value)
@@ -248,7 +256,10 @@ class SharpnessCollapseAlert(HeadwatchCallback):
                 "check the names (and that the monitor that logs them is attached). (warned once)",
             )
         observed = entropy_step if entropy_step is not None else kl_step if kl_step is not None else step
-        values = {k: v for k, v in ((self.entropy_metric, entropy), (self.kl_metric, kl)) if v is not None}
+        watched = [(self.entropy_metric, entropy), (self.kl_metric, kl)]
+        if self.rules.rare_nll_rise is not None:
+            watched += [(name, self._fresh(trainer, name)[0]) for name in (self.rules.rare_nll_metric, self.rules.nll_metric)]
+        values = {k: v for k, v in watched if v is not None}
         self.engine.observe_train(observed, values, epoch=trainer.current_epoch)
 
     def _val_value(self, trainer: pl.Trainer, name: str, k: int, n: int) -> float | None:

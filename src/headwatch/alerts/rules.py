@@ -18,8 +18,8 @@ from headwatch._errors import HeadwatchError
 from headwatch.alerts.events import CRITICAL, FIRED, RESOLVED, SEVERITIES, AlertEvent, episode_key
 
 from headwatch.names import ALERT_RULES as RULES  # declared once with the metric names
-TRAIN_RULES = RULES[:4]
-VAL_RULES = RULES[4:]
+VAL_RULES = ("val_stall",)
+TRAIN_RULES = tuple(r for r in RULES if r not in VAL_RULES)
 
 Threshold = Union[float, Mapping[str, float], tuple, None]
 """A plain number (critical), ``(warning, critical)`` or ``{"warning": w, "critical": c}``; None: off."""
@@ -86,6 +86,12 @@ class CollapseRules:
       ``val_entropy_metric`` value, else the smoothed training entropy ``S``), fires when
       ``L_{v-P} - min(L_{v-P+1}, ..., L_v) < delta`` and ``(E_{v-P} - E_v) / E_{v-P} >=
       min_entropy_drop``; re-arms when either stops holding. Critical only.
+    - ``rare_nll_rise`` ``t`` nats over ``rare_window`` ``N`` (off by default; issue 12 §2: the
+      rare targets getting worse while the average improves): with ``R_k`` the rare-target NLL
+      (``rare_nll_metric``) and ``L_k`` the overall target NLL (``nll_metric``), both smoothed
+      like the entropy (``R~_k = alpha R_k + (1 - alpha) R~_{k-1}``, ``R~_0 = R_0``; same for
+      ``L~``), at observations holding both values: fires when ``R~_k - R~_{k-N} > t`` and
+      ``L~_k < L~_{k-N}``; re-arms when the rise is ``<= t - margin * |t|`` or ``L~_k >= L~_{k-N}``.
 
     Each threshold rule takes one plain number (severity ``critical``) or two thresholds,
     ``(warning, critical)`` or ``{"warning": w, "critical": c}``: each severity has its own
@@ -118,18 +124,25 @@ class CollapseRules:
     kl_metric: str = "headwatch/logits/kl_to_uniform"
     val_metric: str = "val_loss"
     val_entropy_metric: str = "headwatch/val/logits/entropy"
+    rare_nll_rise: Threshold = None
+    rare_window: int = 10
+    rare_nll_metric: str = "headwatch/logits/rare/target_nll"
+    nll_metric: str = "headwatch/logits/target_nll"
     smoothed: float | None = None
     history: deque = field(default_factory=deque)  # smoothed entropy, last window + 1 values
     val_history: deque = field(default_factory=deque)  # (val loss, entropy), last patience + 1
     states: dict[str, _Episode] = field(default_factory=dict)  # episode_key(rule, severity) -> episode
+    nll_history: deque = field(default_factory=deque)  # (smoothed rare NLL, smoothed NLL), last rare_window + 1
 
     def __post_init__(self) -> None:
         self.thresholds = {
-            rule: parse_threshold(rule, getattr(self, rule)) for rule in ("entropy_floor", "entropy_ceiling", "kl_ceiling", "entropy_drop")
+            rule: parse_threshold(rule, getattr(self, rule)) for rule in TRAIN_RULES
         }
         _check_order("entropy_floor", self.thresholds["entropy_floor"], warning_first_when_higher=True)
-        for rule in ("entropy_ceiling", "kl_ceiling", "entropy_drop"):
+        for rule in ("entropy_ceiling", "kl_ceiling", "entropy_drop", "rare_nll_rise"):
             _check_order(rule, self.thresholds[rule], warning_first_when_higher=False)
+        if not all(t > 0 for t in self.thresholds["rare_nll_rise"].values()):
+            raise HeadwatchError(f"`rare_nll_rise` must be None or rises > 0 (nats), got {self.rare_nll_rise!r}")
         if not all(0 < r < 1 for r in self.thresholds["entropy_drop"].values()):
             raise HeadwatchError(f"`entropy_drop` must be None or fractions in (0, 1), got {self.entropy_drop!r}")
         self._check_ints()
@@ -148,7 +161,7 @@ class CollapseRules:
         def is_int(v: Any, low: int) -> bool:
             return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
-        for name, low in (("window", 1), ("for_steps", 1), ("warmup_steps", 0), ("val_dataloader_idx", 0)):
+        for name, low in (("window", 1), ("rare_window", 1), ("for_steps", 1), ("warmup_steps", 0), ("val_dataloader_idx", 0)):
             if not is_int(getattr(self, name), low):
                 raise HeadwatchError(f"`{name}` must be an int >= {low}, got {getattr(self, name)!r}")
         if self.patience is not None and not is_int(self.patience, 1):
@@ -176,6 +189,8 @@ class CollapseRules:
             "entropy_ceiling": f"entropy rose above {t} nats (predictions going flat)",
             "kl_ceiling": f"kl_to_uniform rose above {t} nats",
             "entropy_drop": f"smoothed entropy dropped by >= {t:.0%} over {self.window} logged values" if t else "",
+            "rare_nll_rise": f"rare-target NLL (smoothed) rose by more than {t} nats over {self.rare_window} logged "
+            "values while the overall target NLL fell",
             "val_stall": f"entropy falling while {self.val_metric} (dataloader {self.val_dataloader_idx}) improved by "
             f"< {self.delta} over {self.patience} validations",
         }[rule]
@@ -237,6 +252,27 @@ class CollapseRules:
         kl = self._read(metrics, self.kl_metric)
         if kl is not None:
             events += self._level("kl_ceiling", kl, False, step)
+        return events + self._rare(metrics, step)
+
+    def _rare(self, metrics: Mapping[str, float | None], step: int) -> list[AlertEvent]:
+        """``rare_nll_rise``: the smoothed rare-target NLL rising over the window while the overall one falls."""
+        rare, nll = self._read(metrics, self.rare_nll_metric), self._read(metrics, self.nll_metric)
+        if not self.thresholds["rare_nll_rise"] or rare is None or nll is None:
+            return []
+        if self.nll_history:
+            last_rare, last_nll = self.nll_history[-1]
+            rare, nll = self.alpha * rare + (1 - self.alpha) * last_rare, self.alpha * nll + (1 - self.alpha) * last_nll
+        self.nll_history.append((rare, nll))
+        while len(self.nll_history) > self.rare_window + 1:
+            self.nll_history.popleft()
+        if len(self.nll_history) < self.rare_window + 1:
+            return []
+        old_rare, old_nll = self.nll_history[0]
+        rise, falling = rare - old_rare, nll < old_nll
+        events: list[AlertEvent] = []
+        for severity, t in self.thresholds["rare_nll_rise"].items():
+            recovered = rise <= t - self.margin * abs(t) or not falling
+            events += self._update("rare_nll_rise", severity, rise > t and falling, recovered, step)
         return events
 
     def observe_val(self, step: int, metrics: Mapping[str, float | None], dataloader_idx: int = 0) -> list[AlertEvent]:
@@ -264,6 +300,7 @@ class CollapseRules:
         return {
             "version": 2,
             "smoothed": self.smoothed,
+            "nll_history": [list(x) for x in self.nll_history],
             "history": list(self.history),
             "val_history": [list(x) for x in self.val_history],
             "states": {k: {"open": v.open, "fired": v.fired, "pending": v.pending} for k, v in self.states.items()},
@@ -274,6 +311,7 @@ class CollapseRules:
         self.smoothed = state.get("smoothed")
         self.history = deque(state.get("history", []))
         self.val_history = deque(tuple(x) for x in state.get("val_history", []))
+        self.nll_history = deque(tuple(x) for x in state.get("nll_history", []))
         for key, values in state.get("states", {}).items():
             key = key if "/" in key else episode_key(key, CRITICAL)
             if key in self.states:

@@ -1,7 +1,12 @@
-"""``SynonymCollision``: rare tokens whose rows became near-duplicates of other rows, trainer-free."""
+"""``SynonymCollision``: rare tokens whose rows became near-duplicates of other rows, trainer-free.
+
+The headline rate is measured on drift-corrected rows (mean and top principal directions removed,
+:mod:`headwatch.functional.drift`); the common drift itself is logged under ``collision/drift/``.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,77 +16,35 @@ from torch import Tensor, nn
 from headwatch._capture import logits_from_output
 from headwatch._errors import HeadwatchError
 from headwatch.core.batch import BatchFormat, BatchView
+from headwatch.core import sharded
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor
-from headwatch.functional.adapters import zero_rows
-from headwatch.functional.collision import collision_statistics, sample_rows, synonym_pair_rate, top_colliding_pairs
+from headwatch.core.tokens import decode_token, encode_group
+from headwatch.functional.collision import sample_rows, top_colliding_pairs
+from headwatch.functional.drift import default_k, pairable_rows
+from headwatch.functional.drift_pairs import corrected_collision, synonym_statistics
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.functional.neighbors import synonym_confusion, synonym_table
+from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
 from headwatch.weights import effective_weight, resolve_matrices
 
+__all__ = ["DEFAULT_TAU", "SynonymCollision", "decode_token", "encode_group"]
+
 DEFAULT_TAU = 0.9
-"""Default collision threshold on the nearest-neighbour cosine: near-duplicate rows.
+"""Default collision threshold on the (drift-corrected) nearest-neighbour cosine: near-duplicate rows.
 
 Independent random rows almost never reach it: at d_model 64 the largest cosine among
 32768 Gaussian rows is about 0.6, at d_model 256 about 0.3."""
 
-
-def decode_token(tokenizer: Any, token_id: int) -> str:
-    """A token's text from a ``tokenizers.Tokenizer``, a Hugging Face tokenizer, or a callable."""
-    if tokenizer is None:
-        return str(token_id)
-    if callable(tokenizer) and not hasattr(tokenizer, "decode"):
-        return str(tokenizer(token_id))
-    if hasattr(tokenizer, "decode"):
-        try:
-            return str(tokenizer.decode([token_id]))
-        except Exception:  # noqa: BLE001 - fall back to the vocabulary entry
-            pass
-    if hasattr(tokenizer, "id_to_token"):
-        return str(tokenizer.id_to_token(token_id))
-    if hasattr(tokenizer, "convert_ids_to_tokens"):
-        return str(tokenizer.convert_ids_to_tokens(token_id))
-    raise HeadwatchError(
-        f"cannot decode with a {type(tokenizer).__name__}: pass a tokenizers.Tokenizer, a Hugging Face "
-        "tokenizer, or a callable id -> str"
-    )
-
-
-def encode_group(tokenizer: Any, words: Sequence[Any]) -> list[int]:
-    """Token ids of a synonym group given as ids or single-token strings."""
-    ids: list[int] = []
-    for word in words:
-        if isinstance(word, bool):
-            raise HeadwatchError(f"synonym group entry {word!r} is a bool, not a token id or a string")
-        if isinstance(word, int) or (hasattr(word, "__index__") and not isinstance(word, str)):
-            ids.append(int(word.__index__()))  # ints, numpy integers
-            continue
-        if not isinstance(word, str):
-            raise HeadwatchError(f"synonym group entry {word!r} is a {type(word).__name__}: token ids or strings only")
-        if tokenizer is None:
-            raise HeadwatchError(f"synonym group entry {word!r} is a string: pass tokenizer= to encode it")
-        if hasattr(tokenizer, "token_to_id") and tokenizer.token_to_id(word) is not None:
-            ids.append(int(tokenizer.token_to_id(word)))
-            continue
-        try:  # Hugging Face tokenizers add BOS/EOS unless told not to
-            encoded = tokenizer.encode(word, add_special_tokens=False)
-        except TypeError:
-            encoded = tokenizer.encode(word)
-        token_ids = list(getattr(encoded, "ids", encoded))
-        if len(token_ids) != 1:
-            raise HeadwatchError(
-                f"synonym {word!r} is {len(token_ids)} tokens ({token_ids}); synonym groups are of single tokens"
-            )
-        ids.append(int(token_ids[0]))
-    return ids
+_TRAIN, _VAL = 0, 1
 
 
 class SynonymCollision(Monitor):
     """Collision statistics of head (and untied embedding) rows (see :class:`headwatch.SynonymCollisionMonitor`).
 
     Every rank computes the same values (the weights and the summed counts are the same on
-    every process), so every rank publishes the same keys on the same steps.
+    every process; the principal directions are seeded), so every rank publishes the same keys
+    on the same steps.
     """
 
     name = "collision"
@@ -105,10 +68,15 @@ class SynonymCollision(Monitor):
         prefix: str = "headwatch",
         strict: bool = False,
         batch_format: BatchFormat | None = None,
+        k: int | None = None,
+        include_unseen: bool = False,
     ) -> None:
         super().__init__(prefix, strict, batch_format)
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise HeadwatchError(f"`k` (principal directions removed) must be None or an int >= 1, got {k!r}")
         self.frequency = frequency
         self.tau, self.max_rare, self.max_per_bucket, self.top_pairs = float(tau), max_rare, max_per_bucket, top_pairs
+        self.k, self.include_unseen = k, bool(include_unseen)
         self.synonym_groups = [list(g) for g in synonym_groups] if synonym_groups is not None else None
         self.tokenizer, self.head, self.embedding, self.seed = tokenizer, head, embedding, seed
         self.max_chunk_bytes, self.draw_figures, self.on_epoch_end = max_chunk_bytes, figures, on_epoch_end
@@ -120,8 +88,9 @@ class SynonymCollision(Monitor):
         self._hook: Any = None
         self._hooked: nn.Module | None = None
         self._view: BatchView | None = None
+        self._split = _TRAIN
         self._stash: list[Tensor] = []
-        self._confusion = torch.zeros(2, dtype=torch.float64)
+        self._confusion = torch.zeros(2, 2, dtype=torch.float64)  # [train, val] x [positions, confused]
         self._step: int | None = None
         self._last_step = -1
         self.last_result: dict[str, Any] = {}
@@ -153,10 +122,19 @@ class SynonymCollision(Monitor):
 
     # ---------------------------------------------------------------- confusion (logits path)
     def step_start(self, batch: Any, step: int, logging: bool) -> None:
-        # count confusion on the logging step of each measurement
-        self._view = self.batch_format.read(batch) if self._table is not None and logging else None
+        # confusion is counted on every training batch (on the device, no host sync) and
+        # published at the next measurement
+        self._view = self.batch_format.read(batch) if self._table is not None else None
+        self._split = _TRAIN
         if logging:
             self._step = step
+
+    def validation_batch_start(self, batch: Any, dataloader_idx: int = 0) -> None:
+        self._view = self.batch_format.read(batch) if self._table is not None else None
+        self._split = _VAL
+
+    def validation_batch_end(self, dataloader_idx: int = 0) -> None:
+        self.batch_end()
 
     def _on_head_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._view is None:
@@ -182,7 +160,8 @@ class SynonymCollision(Monitor):
             snap = self.frequency.latest_snapshot()
             eligible = snap.rare & (self._table >= 0).any(dim=1).to(snap.rare.device)
             n, confused = synonym_confusion(logits, targets.to(logits.device), self._table, eligible)
-            self._confusion = self._confusion.to(n.device) + torch.stack([n, confused])
+            self._confusion = self._confusion.to(n.device)
+            self._confusion[self._split] += torch.stack([n, confused])
         except Exception as err:  # noqa: BLE001
             self.fail(err, "counting synonym confusion")
 
@@ -191,6 +170,22 @@ class SynonymCollision(Monitor):
         for logits in stash:
             self._count_confusion(logits)
         self._view = None
+
+    def _confusion_scalars(self, split: int, name: str) -> dict[str, Tensor]:
+        """Reduce and reset one split's counts (a collective); ``{}`` without synonym groups."""
+        if self._table is None:
+            return {}
+        n, confused = self.reducer.sum(self._confusion[split].clone())
+        self._confusion[split] = 0.0
+        c = f"{self.prefix}/collision/{name}"
+        return {
+            f"{c}synonym_confusion_positions": n,
+            f"{c}synonym_confusion_rate": torch.where(n > 0, confused / n.clamp(min=1), torch.nan),
+        }
+
+    def validation_epoch_end(self) -> dict[str, Tensor]:
+        """Synonym confusion over the validation epoch's batches (a collective)."""
+        return self._confusion_scalars(_VAL, "val/")
 
     # ---------------------------------------------------------------- schedule
     def train_epoch_end(self, step: int) -> bool:
@@ -206,14 +201,10 @@ class SynonymCollision(Monitor):
         if self.frequency is None:
             raise HeadwatchError("SynonymCollision needs a TokenCounts (`frequency`)")
         snap = self.frequency.snapshot()
-        confusion = self.reducer.sum(self._confusion)
-        self._confusion = torch.zeros_like(self._confusion)
+        confusion = self._confusion_scalars(_TRAIN, "")
         self._last_step = step
         scalars, tables = self.measure(snap, step)
-        if self._table is not None:
-            n, confused = confusion[0], confusion[1]
-            scalars[f"{self.prefix}/collision/synonym_confusion_positions"] = n
-            scalars[f"{self.prefix}/collision/synonym_confusion_rate"] = torch.where(n > 0, confused / n.clamp(min=1), torch.nan)
+        scalars.update(confusion)
         self._measurements += 1
         self.media.texts = tables if self.reducer.rank == 0 else {}
         self.media.figures = self._similarity_figures() if self.draw_figures and self.reducer.rank == 0 else {}
@@ -225,7 +216,7 @@ class SynonymCollision(Monitor):
         out = {}
         for name, by_bucket in self.last_result.get("bucket_cosines", {}).items():
             shown = {b: by_bucket[b] for b in ("top1", "top10", "rare") if b in by_bucket}
-            title = f"{name}: nearest-neighbour cosine, rare vs frequent tokens"
+            title = f"{name}: nearest-neighbour cosine (drift removed), rare vs frequent tokens"
             out[f"{self.prefix}/collision/nn_similarity_{name}"] = figures.nn_similarity_by_bucket(shown, self.tau, title)
         return out
 
@@ -250,38 +241,67 @@ class SynonymCollision(Monitor):
             name: sample_rows((snap.bucket == i).nonzero().flatten(), self.max_per_bucket, generator)
             for i, name in enumerate(BUCKETS)
         }
-        bucket_rows["rare"] = sample
         tables: dict[str, str] = {}
         result: dict[str, Any] = {"rare_sample": sample.cpu(), "bucket_cosines": {}}
         for name, weight in self._matrices().items():
-            untrained = snap.valid.to(weight.device) & zero_rows(weight)  # never anybody's collision
-            scalars[f"{c}/untrained_count_{name}"] = untrained.sum(dtype=torch.float64)
-            trained = snap.valid.to(weight.device) & ~untrained
-            queries = {b: rows[trained[rows.to(weight.device)].cpu()] for b, rows in bucket_rows.items()}
-            stats, nn_rare, cosines = collision_statistics(weight, queries["rare"], queries, trained, self.tau, self.max_chunk_bytes)
-            scalars[f"{c}/rare_rate_{name}"] = stats.pop("rare_rate")
-            scalars.update({f"{c}/{k.split('_nn_')[0]}/{name}_nn_cosine_mean": v for k, v in stats.items()})
-            result["bucket_cosines"][name] = cosines
-            pairs = top_colliding_pairs(queries["rare"].to(weight.device), nn_rare, self.tau, self.top_pairs)
-            result[name] = {"rows": queries["rare"].cpu(), "cosine": nn_rare.cosine.cpu(), "neighbour": nn_rare.index.cpu(), "pairs": pairs}
-            tables[f"{c}/top_pairs_{name}"] = self._table_text(pairs, snap)
-            if self._group_ids:
-                rate, count = synonym_pair_rate(weight, self._group_ids, snap.rare, self.tau)
-                scalars[f"{c}/synonym_pair_rate_{name}"] = rate
-                scalars[f"{c}/synonym_pairs"] = float(count)
+            result[name] = self._measure_matrix(name, weight, snap, sample, bucket_rows, scalars, tables)
+            result["bucket_cosines"][name] = result[name].pop("bucket_cosines")
         self.last_result = result
         return scalars, tables
 
-    def _table_text(self, pairs: list[tuple[int, int, float]], snap: FrequencySnapshot) -> str:
+    def _measure_matrix(
+        self, name: str, weight: Tensor, snap: FrequencySnapshot, sample: Tensor, bucket_rows: dict[str, Tensor],
+        scalars: dict[str, Any], tables: dict[str, str],
+    ) -> dict[str, Any]:  # fmt: skip
+        c, dev, budget = f"{self.prefix}/collision", weight.device, self.max_chunk_bytes
+        if sharded.is_sharded(weight):  # row-sharded (FSDP2): the correction needs every row (README: known limit)
+            weight = sharded.gather_rows(weight, torch.arange(snap.valid.numel(), device=dev), self.reducer)
+        seen = (snap.counts > 0).to(dev)
+        p = pairable_rows(weight, snap.valid.to(dev), seen, self.include_unseen, budget)
+        k = self.k if self.k is not None else default_k(weight.shape[1])
+        res, corr = corrected_collision(weight, sample.to(dev), p.mask, self.tau, min(k, weight.shape[1]), max_chunk_bytes=budget)
+        scalars[f"{c}/rare_rate_{name}"] = res.rate
+        scalars[f"{c}/drift/raw_rate_{name}"] = res.raw_rate
+        scalars[f"{c}/drift/mean_cos_{name}"] = res.drift_mean_cos
+        scalars[f"{c}/drift/removed_variance_{name}"] = res.removed_variance
+        scalars[f"{c}/untrained_count_{name}"] = p.zero.double()  # valid all-zero rows: never trained
+        scalars[f"{c}/nonfinite_count_{name}"] = p.nonfinite.double()
+        cosines = {"rare": res.cosine.cpu()}
+        for group, rows in bucket_rows.items():
+            rows = rows.to(dev)
+            cosines[group] = nearest_neighbours(corr.rows, rows[p.mask[rows]], p.mask, budget).cosine.cpu()
+        for group, cos in cosines.items():
+            finite = cos[torch.isfinite(cos)]
+            scalars[f"{c}/{group}/{name}_nn_cosine_mean"] = finite.double().mean() if finite.numel() else torch.tensor(math.nan, dtype=torch.float64)
+        pairs = top_colliding_pairs(res.queries, Neighbours(res.cosine, res.neighbour), self.tau, self.top_pairs)
+        tables[f"{c}/top_pairs_{name}"] = self._table_text(pairs, weight, snap, p)
+        if self._group_ids:
+            st = synonym_statistics(corr.rows, self._group_ids, p.mask, self.tau, budget)
+            scalars[f"{c}/synonym_pair_rate_{name}"] = st["pair_rate"]
+            scalars[f"{c}/synonym_partner_rank_{name}"] = st["median_rank"]
+            if name == "head":
+                scalars[f"{c}/synonym_pairs"] = st["pairs"]
+                scalars[f"{c}/synonym_skipped_pairs"] = st["skipped_pairs"]
+        return {
+            "cosine": res.cosine.cpu(), "neighbour": res.neighbour.cpu(), "queries": res.queries.cpu(),
+            "raw_cosine": res.raw_cosine.cpu(), "pairs": pairs, "bucket_cosines": cosines,
+        }  # fmt: skip
+
+    def _table_text(self, pairs: list[tuple[int, int, float]], weight: Tensor, snap: FrequencySnapshot, p: Any) -> str:
+        excluded = (
+            f"not paired: {int(p.unseen)} never-seen, {int(p.padded)} padded or invalid, {int(p.zero)} zero, "
+            f"{int(p.nonfinite)} non-finite rows (drift removed: mean and top principal directions)"
+        )
         if not pairs:
-            return f"no rare token collides at tau = {self.tau}"
-        lines = ["| rare token | count | nearest row | count | cosine |", "|---|---|---|---|---|"]
-        for r, j, cos in pairs:
+            return f"no rare token collides at tau = {self.tau}\n\n{excluded}"
+        raw = pair_cosine(weight, torch.tensor([r for r, _, _ in pairs]), torch.tensor([j for _, j, _ in pairs])).tolist()
+        lines = ["| rare token | count | nearest row | count | cosine (drift removed) | raw cosine |", "|---|---|---|---|---|---|"]
+        for (r, j, cos), raw_cos in zip(pairs, raw):
             lines.append(
                 f"| {r} `{decode_token(self.tokenizer, r)!r}` | {int(snap.counts[r])} "
-                f"| {j} `{decode_token(self.tokenizer, j)!r}` | {int(snap.counts[j])} | {cos:.4f} |"
+                f"| {j} `{decode_token(self.tokenizer, j)!r}` | {int(snap.counts[j])} | {cos:.4f} | {raw_cos:.4f} |"
             )
-        return "\n".join(lines)
+        return "\n".join(lines) + f"\n\n{excluded}"
 
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:

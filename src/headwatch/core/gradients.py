@@ -9,10 +9,11 @@ from torch import Tensor, nn
 
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor
+from headwatch.core.sharded import ShardedLookup, is_sharded, local_rows, row_norms_full, row_statistics, tied_flow_statistics
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
-from headwatch.functional.rows import dense_rows, row_norms, spearman
-from headwatch.functional.tied import row_group_statistics, tied_flow_statistics
+from headwatch.functional.rows import dense_rows, spearman
 from headwatch.weight_hooks import HeadFlowCapture, LookupFlowCapture
+from headwatch.adapters import trainable_matrices
 from headwatch.weights import Matrices, effective_weight, resolve_matrices
 
 
@@ -108,7 +109,31 @@ class GradientDensity(Monitor):
         self._before, self._pending, self._snapshot, self._histograms, self._full_norms = {}, {}, None, {}, {}
 
     # ---------------------------------------------------------------- protocol
+    def _parameters_replaced(self) -> bool:
+        """A module's ``weight`` is no longer the Parameter resolved at attach (``fully_shard`` after attach)."""
+        m = self.matrices
+        if m is None:
+            return False
+        modules = {"head": self._head, "embedding": self._emb}
+        return any(
+            state.kind == "plain"
+            and state.gradient_parameter is not None
+            and getattr(modules[role], "weight", None) is not state.gradient_parameter
+            for role, state in m.trains.items()
+        )
+
+    def _trainability_changed(self) -> bool:
+        """A matrix was frozen or unfrozen since attach (a head warm-up, a finetuning callback)."""
+        m = self.matrices
+        if m is None:
+            return False
+        now = trainable_matrices(self._head, self._emb)
+        return any(now[role].trains != state.trains for role, state in m.trains.items())
+
     def step_start(self, batch: Any, step: int, logging: bool) -> None:
+        if logging and self.model is not None and (self._parameters_replaced() or self._trainability_changed()):
+            # FSDP2 swapped in DTensor Parameters after attach, or a matrix was (un)frozen: resolve again
+            self.attach(self.model)
         if logging:
             if self._step != step:
                 self._reset_step()
@@ -117,6 +142,10 @@ class GradientDensity(Monitor):
             self._active = False
         for capture in self._captures():
             capture.active = self._active
+        lookup = self._lookup_capture
+        # row-sharded (FSDP2: a DTensor between steps): keep the tied lookup flow compact
+        if self._active and self.tied and lookup is not None and lookup.sharded is None and is_sharded(self._head.weight):  # type: ignore[union-attr]
+            lookup.sharded = ShardedLookup()
 
     def gradients_ready(self, loss_scale: float | Tensor | None = None) -> None:
         if not self._active or self._measured:
@@ -125,9 +154,8 @@ class GradientDensity(Monitor):
         try:
             self._pending = self._gradient_stats(loss_scale)
             if self.update_density:
-                self._before = {
-                    name: self._scratch(f"before:{name}", w).copy_(w.detach()) for name, w in self._matrices().items()
-                }
+                local = {name: local_rows(w).local for name, w in self._matrices().items()}  # this process's rows
+                self._before = {name: self._scratch(f"before:{name}", w).copy_(w) for name, w in local.items()}
         except Exception as err:  # noqa: BLE001
             self.fail(err, "measuring gradients")
             self._pending = {}
@@ -165,7 +193,7 @@ class GradientDensity(Monitor):
             return {"shared": effective_weight(self._head)}  # type: ignore[arg-type]
         return {"embedding": effective_weight(self._emb), "head": effective_weight(self._head)}  # type: ignore[arg-type]
 
-    def _captured(self, capture: LookupFlowCapture | HeadFlowCapture | None, loss_scale: float | Tensor | None) -> Tensor | None:
+    def _captured(self, capture: LookupFlowCapture | HeadFlowCapture | None, loss_scale: float | Tensor | None) -> Any:
         """A capture's ``(V, d)`` gradient, unscaled and averaged like ``.grad``; None when absent on any rank."""
         if capture is None:
             return None
@@ -178,14 +206,17 @@ class GradientDensity(Monitor):
                 "GradientDensityMonitor: the embedding or head runs inside torch.compile, where its output "
                 "gradient cannot be hooked; the flows that need it are not reported. (warned once)",
             )
-        if not self.reducer.all(capture.gradient is not None):  # every process takes the same path
-            return None
+        sharded = getattr(capture, "sharded", None)
+        if not self.reducer.all(capture.gradient is not None or (sharded is not None and bool(sharded.ids))):
+            return None  # every process takes the same path
+        if sharded is not None:
+            return sharded  # combined on this process's rows in _flows
         grad = capture.gradient
         if loss_scale is not None:
             grad = grad / loss_scale  # captured from the scaled loss; .grad is unscaled already
         return self.reducer.mean(grad)  # as DDP averages .grad
 
-    def _flows(self, loss_scale: float | Tensor | None) -> dict[str, Tensor | None]:
+    def _flows(self, loss_scale: float | Tensor | None) -> dict[str, Any]:
         trains = self.matrices.trains  # type: ignore[union-attr]
         lookup = self._captured(self._lookup_capture, loss_scale)
         head_eff = self._captured(self._head_capture, loss_scale)
@@ -212,6 +243,13 @@ class GradientDensity(Monitor):
                 "scoring flows; only the shared gradient is reported. (warned once)",
             )
             return {"shared": total}
+        if isinstance(lookup, ShardedLookup):  # rows of this process, averaged over processes
+            shard = local_rows(total)
+            lookup = lookup.rows(shard, self.reducer)
+            if loss_scale is not None:
+                lookup = lookup.with_local(lookup.local / loss_scale)
+            scoring = torch.sub(shard.local, lookup.local, out=self._scratch("scoring", lookup.local))
+            return {"embedding": lookup, "head": lookup.with_local(scoring), "shared": shard}
         scoring = torch.sub(total, lookup, out=self._scratch("scoring", total, torch.float32))
         return {"embedding": lookup, "head": scoring, "shared": total}
 
@@ -229,28 +267,28 @@ class GradientDensity(Monitor):
                     "loss); its statistics are skipped. (warned once)",
                 )
                 continue
-            grad = dense_rows(grad)
-            valid = snap.valid.to(grad.device)
-            norms = row_norms(grad)
-            bucket = snap.bucket.to(grad.device)
+            device = local_rows(grad).local.device
+            valid = snap.valid.to(device)
+            bucket = snap.bucket.to(device)
             # the shared gradient is the sum of the two flows: overall and rare vs frequent suffice
             groups = {f"{g}/{flow}": valid}
             groups.update({f"{g}/{name}/{flow}": bucket == BUCKETS.index(name) for name in (("top1",) if flow == "shared" else BUCKETS)})
-            groups[f"{g}/rare/{flow}"] = snap.rare.to(grad.device)
-            out.update(row_group_statistics(grad, groups, norms))
-            out[f"{g}/{flow}_rare_to_frequent_norm_ratio"] = out[f"{g}/rare/{flow}_row_norm_mean"] / out[f"{g}/top1/{flow}_row_norm_mean"]
+            groups[f"{g}/rare/{flow}"] = snap.rare.to(device)
+            stats, norms = row_statistics(grad, groups, self.reducer)  # (V,) norms, gathered when row-sharded
+            out.update(stats)
+            out[f"{g}/{flow}_rare_to_frequent_norm_ratio"] = norm_ratio(out[f"{g}/rare/{flow}_row_norm_mean"], out[f"{g}/top1/{flow}_row_norm_mean"])
             self._histograms[f"{g}/{flow}_row_norm_histogram"] = norms[valid]
             if flow != "shared":
                 self._full_norms[flow] = norms
         if self.tied and flows.get("embedding") is not None:
             stats = tied_flow_statistics(
-                flows["embedding"], flows["head"], snap.valid, self._full_norms["embedding"], self._full_norms["head"]  # type: ignore[arg-type]
+                flows["embedding"], flows["head"], snap.valid, self.reducer, self._full_norms["embedding"], self._full_norms["head"]
             )
             out.update({f"{g}/{k}": v for k, v in stats.items()})
         seen = snap.seen
         log_counts = snap.counts[seen].double().log()
         for name, weight in self._matrices().items():
-            norms = row_norms(weight)
+            norms = row_norms_full(weight, self.reducer)
             rho = spearman(log_counts, norms[seen.to(norms.device)].double().to(log_counts.device))
             out[f"{self.prefix}/freq/{name}_norm_spearman"] = rho
         return out
@@ -263,10 +301,11 @@ class GradientDensity(Monitor):
             before = self._before.get(name)
             if before is None:
                 continue
-            delta = before.sub_(weight)  # W_before - W_after, in place: same row norms and zeros
-            norms = row_norms(delta)
-            valid = snap.valid.to(delta.device) if snap is not None else torch.ones_like(norms, dtype=torch.bool)
-            out.update(row_group_statistics(delta, {f"{u}/{name}": valid}, norms))
+            rows = local_rows(weight)
+            delta = rows.with_local(before.sub_(rows.local))  # W_before - W_after, in place: same row norms and zeros
+            V = rows.num_rows
+            valid = snap.valid.to(before.device) if snap is not None else torch.ones(V, dtype=torch.bool, device=before.device)
+            out.update(row_statistics(delta, {f"{u}/{name}": valid}, self.reducer)[0])
         return out
 
     def _norm_figure(self) -> None:
@@ -286,3 +325,13 @@ class GradientDensity(Monitor):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.logged_steps = int(state_dict.get("logged_steps", 0))
         self.failures = int(state_dict.get("failures", 0))
+
+
+def norm_ratio(rare: Tensor, frequent: Tensor) -> Tensor:
+    """``rare / frequent`` (the rare-to-frequent row-norm ratio), NaN where ``frequent == 0``.
+
+    A frequent (``top1``) bucket with no gradient on the step (no lookup of its tokens) has
+    mean row norm 0: the ratio is then undefined and reported as NaN, not ``+inf``. Computed
+    on the device with ``torch.where`` (no host sync).
+    """
+    return torch.where(frequent == 0, torch.full_like(rare, float("nan")), rare / frequent)

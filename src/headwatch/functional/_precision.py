@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,7 +60,7 @@ def map_rows_single_threaded(
     Tasks are handed out one at a time from a shared queue, so a thread that the OS
     deschedules delays only the task it holds (the others take the rest). torch's thread
     count is set to 1 for the call (new threads read it when they first run an op) and
-    restored afterwards; the caller's grad mode is carried into the threads (autocast is
+    restored afterwards; the caller's grad mode and inference mode are carried into the threads (autocast is
     not: it starts disabled there). ``fn`` must write to disjoint outputs; exceptions are
     re-raised.
     """
@@ -70,9 +71,13 @@ def map_rows_single_threaded(
     lock = threading.Lock()
     queue = iter(tasks)
     grad = torch.is_grad_enabled()  # thread-local in torch: new threads start with grad enabled
+    # inference mode too (Lightning validates under it): outputs allocated by the caller are then
+    # inference tensors, which a thread outside inference mode may not update in place
+    inference = torch.is_inference_mode_enabled()
 
     def work(worker: int) -> None:
-        with torch.set_grad_enabled(grad):
+        # inference_mode(False) would switch grad mode on: enter it only when the caller is in it, grad mode inside
+        with torch.inference_mode() if inference else contextlib.nullcontext(), torch.set_grad_enabled(grad):
             while True:
                 with lock:
                     task = next(queue, None)

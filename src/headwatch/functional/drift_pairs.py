@@ -212,6 +212,8 @@ def partner_ranks(
         raise HeadwatchError(f"expected `a` and `b` as 1-D id tensors of one length, got {tuple(a.shape)} and {tuple(b.shape)}")
     dev = rows.device
     a, b = a.to(dev).long(), b.to(dev).long()
+    if a.numel() == 0:  # no pair: no chunk to size
+        return torch.zeros(0, dtype=torch.long, device=dev)
     target = pair_cosine(rows, a, b).unsqueeze(1)  # (P, 1)
     tiny = torch.finfo(torch.float32).tiny
     keys = valid.nonzero().flatten()

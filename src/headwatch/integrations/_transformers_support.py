@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import inspect
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
-from transformers import Trainer, TrainerCallback
+from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerCallback
 
 from headwatch import tensorboard as tb
+from headwatch._errors import HeadwatchError
 from headwatch.core.monitor import Media
 
 if TYPE_CHECKING:
@@ -41,6 +45,58 @@ def find_trainer(callback: TrainerCallback) -> Trainer | None:
     finally:
         del frame
     return None
+
+
+STATE_NAME = "headwatch_state.pt"
+"""The monitors' state in each Trainer checkpoint folder (``<output_dir>/checkpoint-<step>/``)."""
+
+
+def resume_dir(callback: TrainerCallback, args: Any, state: Any) -> str | None:
+    """The checkpoint folder a resumed ``train`` started from, or None for a fresh run.
+
+    ``Trainer.train(resume_from_checkpoint=...)`` is read on the call stack (the callback is not
+    handed it; ``True`` is already the resolved folder there), else ``args.resume_from_checkpoint``;
+    a run whose state starts past step 0 without either resumed from
+    ``<output_dir>/checkpoint-<global_step>``.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner, path = frame.f_locals.get("self"), frame.f_locals.get("resume_from_checkpoint")
+            if isinstance(owner, Trainer) and isinstance(path, str) and any(cb is callback for cb in owner.callback_handler.callbacks):
+                return path
+            frame = frame.f_back
+    finally:
+        del frame
+    if isinstance(getattr(args, "resume_from_checkpoint", None), str):
+        return args.resume_from_checkpoint
+    if state.global_step > 0:
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+    return None
+
+
+def restore_state(callback: HeadwatchCallback, args: Any, state: Any) -> None:
+    """On a resumed run, load into ``callback`` the state its ``on_save`` wrote in the checkpoint folder
+    the run resumes from; warn once when that folder holds none."""
+    import torch
+
+    folder = resume_dir(callback, args, state)
+    if folder is None:
+        return
+    path = os.path.join(folder, STATE_NAME)
+    if not os.path.isfile(path):
+        callback.monitors[0].warn_once(
+            "no_state",
+            f"HeadwatchCallback: the run resumes from {folder!r}, which holds no {STATE_NAME}; the monitors' "
+            "counts start afresh. (warned once)",
+        )
+        return
+    try:
+        callback.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as err:  # noqa: BLE001
+        callback.monitors[0].fail(err, f"restoring the monitors' state from {path}")
 
 
 def loss_scale(trainer: Trainer | None, args: Any) -> Tensor | None:
@@ -88,3 +144,56 @@ def prefixed(media: Media, prefix: str) -> Media:
         {prefix + k: v for k, v in media.texts.items()},
         {prefix + k: v for k, v in media.figures.items()},
     )
+
+
+CONSOLE_PRINTERS = (ProgressCallback, PrinterCallback)
+"""The Trainer's callbacks that print every logged record on the console (tqdm bar / ``disable_tqdm``)."""
+
+
+def console_filter(console_keys: Sequence[str] | str | None, prefix: str) -> frozenset[str] | None:
+    """The full names shown on the console: ``None`` -> :data:`headwatch.names.CONSOLE_KEYS`, ``"all"`` -> None
+    (no filter); otherwise each name with or without ``<prefix>/``.
+
+    Raises:
+        HeadwatchError: ``console_keys`` is not None, ``"all"`` or a sequence of str.
+    """
+    from headwatch.names import CONSOLE_KEYS
+
+    if console_keys == "all":
+        return None
+    keys = CONSOLE_KEYS if console_keys is None else console_keys
+    if isinstance(keys, str) or not isinstance(keys, Sequence) or not all(isinstance(k, str) for k in keys):
+        raise HeadwatchError(f"`console_keys` must be None, 'all' or a sequence of metric names, got {console_keys!r}")
+    return frozenset(k if k.startswith(prefix + "/") else f"{prefix}/{k}" for k in keys)
+
+
+class _ConsoleView(TrainerCallback):
+    """A printing callback that sees only the shown keys of one record (nothing when none is shown)."""
+
+    def __init__(self, printer: TrainerCallback, shown: frozenset[str]) -> None:
+        self.printer, self.shown = printer, shown
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.printer, name)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> Any:
+        kept = {k: v for k, v in (logs or {}).items() if k in self.shown}
+        if kept:
+            extra = {k: logs[k] for k in ("epoch",) if logs and k in logs}
+            return self.printer.on_log(args, state, control, logs={**kept, **extra}, **kwargs)
+        return None
+
+
+@contextmanager
+def console_shows(trainer: Trainer, shown: frozenset[str] | None) -> Iterator[None]:
+    """While inside, the Trainer's console printers print only ``shown`` keys; every other callback (the
+    reporting integrations: TensorBoard, W&B ...) receives the whole record. ``shown=None``: no change."""
+    callbacks = trainer.callback_handler.callbacks
+    swapped = [] if shown is None else [(i, cb) for i, cb in enumerate(callbacks) if isinstance(cb, CONSOLE_PRINTERS)]
+    try:
+        for i, cb in swapped:
+            callbacks[i] = _ConsoleView(cb, shown)
+        yield
+    finally:
+        for i, cb in swapped:
+            callbacks[i] = cb

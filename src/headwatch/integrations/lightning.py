@@ -129,10 +129,15 @@ class MonitorCallback(Callback):
         if every == 0:
             rank_zero_warn(f"{type(self).__name__}: log_every_n_steps is 0, training steps are not measured.")
         self._attach_error: HeadwatchError | None = None
+        # Lightning calls configure_model after this hook (it may untie or build the head), and
+        # on_fit_start / on_validation_start attach again: say the set-up lines then, on the final model.
+        self._hw_provisional = stage in ("fit", "validate")
         try:
             self._attach(trainer, pl_module, stage)
         except HeadwatchError as err:  # the model may be built later (configure_model, LightningModule.setup)
             self._attach_error = err
+        finally:
+            self._hw_provisional = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._attach(trainer, pl_module, "fit")  # raises now if the model still lacks the modules
@@ -143,7 +148,7 @@ class MonitorCallback(Callback):
             self._core().fail(err, "writing the TensorBoard dashboard layout")
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if getattr(self, "_attach_error", None) is not None and trainer.state.fn != "fit":
+        if trainer.state.fn == "validate":  # after configure_model; raises if the model still lacks the modules
             self._attach(trainer, pl_module, "validate")
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -158,8 +163,10 @@ class MonitorCallback(Callback):
         self._core().batch_end()
 
     def _info_once(self, message: str) -> None:
+        """A set-up line, said once per callback; not while ``setup`` resolves a model that
+        ``configure_model`` may still change (the attach that follows says it)."""
         warned = self._core()._warned
-        if message not in warned:
+        if not getattr(self, "_hw_provisional", False) and message not in warned:
             warned.add(message)
             rank_zero_info(message)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from functools import partial
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +32,16 @@ from headwatch.core.monitor import Monitor, to_floats
 from headwatch.core.reduce import Reducer, TorchDistributedReducer
 from headwatch.core.schedule import Schedule
 from headwatch.integrations._transformers_support import (
+    STATE_NAME,
     TB_PREFIX,
+    console_filter,
+    console_shows,
     is_rules,
     prefixed,
     WritersSink,
     find_trainer,
     loss_scale,
+    restore_state,
     unwrap,
 )
 
@@ -62,10 +66,15 @@ class HeadwatchCallback(TrainerCallback):
     integration receives them; the Trainer's TensorBoard writer shows them as
     ``train/headwatch/...`` (its ``rewrite_logs``), where the headwatch Custom Scalars
     layout, histograms, texts and figures are written too. Under TRL's fused LM head
-    (``SFTTrainer``: ``lm_head`` is never called) the head is called once, without gradient,
-    on the backbone's last hidden states of measured forwards. Evaluation (``LogitStats``):
+    (``SFTTrainer``: ``lm_head`` is never called) ``LogitStats`` measures from the backbone's
+    final hidden states and the head's weight, in chunks, with the model's final transform
+    (:class:`headwatch._sources_capture.LogitsCapture`'s hidden-state path): no ``(B, T, V)``
+    logits are made; the synonym confusion of ``"collision"`` needs the head's output and is
+    not counted on such forwards. Evaluation (``LogitStats``):
     ``headwatch/val/logits/*`` logged at the end of each ``evaluate`` and added to its
-    returned metrics as ``eval_headwatch/val/logits/*``.
+    returned metrics as ``eval_headwatch/val/logits/*``. Checkpoints: ``on_save`` writes the monitors'
+    state (token counts, totals) to ``<output_dir>/checkpoint-<step>/headwatch_state.pt``, and a run
+    resumed from a checkpoint (``train(resume_from_checkpoint=...)``) loads it in ``on_train_begin``.
 
     Args:
         monitors: core monitors (``headwatch.core``) or names among ``"logits"``,
@@ -84,6 +93,16 @@ class HeadwatchCallback(TrainerCallback):
         stop_on_critical, checkpoint_on_critical: on a critical alert, set the Trainer's
             ``control.should_training_stop`` / ``control.should_save`` (a checkpoint at that step).
         strict: raise on a failed measurement instead of warning once.
+        console_keys: which values the Trainer's console printers (``ProgressCallback``,
+            ``PrinterCallback``) show: None, a handful of headline names
+            (:data:`headwatch.names.CONSOLE_KEYS`); names with or without ``<prefix>/``; ``"all"``:
+            every value; ``()``: none. The reporting integrations (``report_to``) and
+            ``state.log_history`` always receive every value.
+        figure_every_n_steps: images (IMAGES tab, under ``train/headwatch/``) of the monitors built
+            from names, as in the Lightning callbacks: ``"auto"`` (default) every 10 logging intervals
+            (``10 * logging_steps`` steps) when matplotlib is installed, else none; an int: every this
+            many steps (needs matplotlib); None or 0: none (see :func:`headwatch.loop.set_figures`).
+            Core monitors passed in keep their own settings.
 
     Raises:
         HeadwatchError: a bad argument; in ``on_train_begin``, no model or no head/embedding.
@@ -99,8 +118,13 @@ class HeadwatchCallback(TrainerCallback):
         stop_on_critical: bool = False,
         checkpoint_on_critical: bool = False,
         strict: bool = False,
+        console_keys: Sequence[str] | str | None = None,
+        figure_every_n_steps: int | str | None = "auto",
     ) -> None:
+        from headwatch.figures import check_figure_argument
         from headwatch.loop import Headwatch
+
+        check_figure_argument(figure_every_n_steps)
 
         if reducer is not None and not isinstance(reducer, Reducer):
             raise HeadwatchError(f"`reducer` must implement headwatch.core.Reducer, got {type(reducer).__name__}")
@@ -113,14 +137,18 @@ class HeadwatchCallback(TrainerCallback):
                 raise HeadwatchError(f"`{name}` must be a bool, got {value!r}")
         self.stop_on_critical, self.checkpoint_on_critical = stop_on_critical, checkpoint_on_critical
         self.monitors = Headwatch._build(monitors, batch_format, prefix)
+        passed = {id(m) for m in monitors or () if isinstance(m, Monitor)}
+        self._named = [m for m in self.monitors if id(m) not in passed]  # get figure_every_n_steps
+        self.figure_every_n_steps = figure_every_n_steps
         for m in self.monitors:
             m.strict = strict
         self.prefix, self.reducer, self.alert = prefix, reducer or TorchDistributedReducer(), alert
+        self.console_keys = console_filter(console_keys, prefix)
+        """Full names the console printers show (None: all)."""
         self.latest: dict[str, float] = {}
         """The values of the last measurement, by full name."""
         self._trainer: Any = None
         self._hooks: list[Any] = []
-        self._fused = False  # this forward uses TRL's fused LM head (no logits)
         self._started = False  # the current (micro-)batch's first forward was seen
         self._model: nn.Module | None = None
         self._step: int | None = None  # the step being trained (0-based), None outside a training step
@@ -151,11 +179,12 @@ class HeadwatchCallback(TrainerCallback):
             )
         self._first = bool(args.logging_first_step)
         self.attach_model(model, every)
+        restore_state(self, args, state)
         self._control = control
         self._wire_alert(args)
         if self.reducer.rank == 0:
             try:
-                tb.write_layout(self.writers(), TB_PREFIX + self.prefix)
+                tb.write_layout(self.writers(), TB_PREFIX + self.prefix, category=self.prefix)
             except Exception as err:  # noqa: BLE001
                 self.monitors[0].fail(err, "writing the TensorBoard dashboard layout")
 
@@ -165,13 +194,12 @@ class HeadwatchCallback(TrainerCallback):
         for m in self.monitors:
             m.configure(Schedule(m.every_factor * every), self.reducer)
             m.attach(model)
+        from headwatch.loop import set_figures
+
+        set_figures(self._named, self.figure_every_n_steps)
         if self._model is not model:
             self.close()
             self._hooks = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
-            inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-            backbone = getattr(inner, "base_model", None)
-            if isinstance(backbone, nn.Module) and backbone is not inner and callable(getattr(inner, "get_output_embeddings", None)):
-                self._hooks.append(backbone.register_forward_hook(partial(self._on_backbone, inner)))
             self._model = model
 
     def _wire_alert(self, args: Any) -> None:
@@ -219,31 +247,22 @@ class HeadwatchCallback(TrainerCallback):
             batch["input_ids"] = args[0]
         training = self._step is not None and module.training
         if training and self._started:  # a second forward of one micro-batch (TRL with compute_loss_func):
-            self._fused = False  # its ids were counted and its logits measured by the first
             for m in self.monitors:
                 m.batch_end()
             return
         self._started = training
-        self._fused = bool(kwargs.get("fused_lm_head")) and (not training or bool(self._logging))
+        if kwargs.get("fused_lm_head") and any(getattr(m, "synonym_groups", None) for m in self.monitors):
+            self.monitors[0].warn_once(
+                "fused_confusion",
+                "HeadwatchCallback: TRL's fused LM head never calls the head, so collision/synonym_confusion_rate is "
+                "not counted on these forwards (the logit statistics use the hidden states). (warned once)",
+            )
         if training:
             for m in self.monitors:
                 m.step_start(batch, self._step, m in self._logging)
         elif self._step is None and not module.training:
             for m in self.monitors:
                 m.validation_batch_start(batch)
-
-    def _on_backbone(self, inner: nn.Module, module: nn.Module, args: Any, output: Any) -> None:
-        """TRL's fused LM head (``fused_lm_head=True``) never calls the head: on measured forwards, call it
-        once on the backbone's last hidden states without gradient, so the head's hooks see ``(B, T, V)`` logits."""
-        if not self._fused:
-            return
-        self._fused = False
-        hidden = getattr(output, "last_hidden_state", None)
-        if hidden is None and isinstance(output, (tuple, list)) and output:
-            hidden = output[0]
-        if isinstance(hidden, Tensor):
-            with torch.no_grad():
-                inner.get_output_embeddings()(hidden.detach())
 
     # ---------------------------------------------------------------- training
     def is_logging_step(self, m: Monitor, step: int) -> bool:
@@ -306,7 +325,8 @@ class HeadwatchCallback(TrainerCallback):
         if trainer is not None and numbers:
             should_log = trainer.control.should_log
             # the base method: a subclass's log (TRL's) would flush its own averaged metrics into this record
-            Trainer.log(trainer, dict(numbers))  # its on_log event clears control.should_log ...
+            with console_shows(trainer, self.console_keys):  # the console: headline values; report_to: all
+                Trainer.log(trainer, dict(numbers))  # its on_log event clears control.should_log ...
             trainer.control.should_log = should_log  # ... which must still log the loss of this step
         elif numbers:
             due[0].warn_once(
@@ -340,6 +360,20 @@ class HeadwatchCallback(TrainerCallback):
             m.validation_epoch_end()
 
     # ---------------------------------------------------------------- state
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Write the monitors' state to ``<output_dir>/checkpoint-<step>/headwatch_state.pt``: every rank
+        takes the (collective) state, the process that saves the Trainer's state (``args.should_save``) writes."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        try:
+            state_dict = self.state_dict()
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            if args.should_save:
+                os.makedirs(folder, exist_ok=True)
+                torch.save(state_dict, os.path.join(folder, STATE_NAME))
+        except Exception as err:  # noqa: BLE001
+            self.monitors[0].fail(err, "saving the monitors' state in the checkpoint")
+
     def state_dict(self) -> dict[str, Any]:
         return {"monitors": [m.state_dict() for m in self.monitors]}
 

@@ -113,17 +113,24 @@ def _untie_hf_config(model: nn.Module) -> bool:
     return bool(subs)
 
 
-def _init_std(model: nn.Module, std: float | None) -> float:
+def _init_std(model: nn.Module, head: nn.Module, std: float | None) -> float:
+    """``std``, else ``initializer_range`` of the config of the innermost module holding ``head``
+    (a LightningModule wrapping a Hugging Face model: the wrapped model's), else of any config
+    in ``model``; each config's text sub-config is read too (multimodal models)."""
     if std is not None:
         return std
-    config = getattr(model, "config", None)
-    for cfg in (config, getattr(config, "get_text_config", lambda: None)() if config is not None else None):
-        value = getattr(cfg, "initializer_range", None)
-        if isinstance(value, (int, float)) and value > 0:
-            return float(value)
+    owners = [m for m in model.modules() if getattr(m, "config", None) is not None]
+    holding = [m for m in owners if any(sub is head for sub in m.modules())]
+    for owner in [*reversed(holding), *owners]:
+        config = owner.config
+        text = getattr(config, "get_text_config", None)
+        for cfg in (config, text() if callable(text) else None):
+            value = getattr(cfg, "initializer_range", None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                return float(value)
     raise HeadwatchError(
-        f'untie_output_head(init="normal") needs the init std: {type(model).__name__} has no '
-        "config.initializer_range, so pass std= (e.g. std=0.02, GPT-2's)"
+        f'untie_output_head(init="normal") needs the init std: neither {type(model).__name__} nor a submodule '
+        "has a config.initializer_range, so pass std= (e.g. std=0.02, GPT-2's)"
     )
 
 
@@ -141,7 +148,8 @@ def untie_output_head(
     ``nn.Parameter`` of the same shape ``(vocab_size, d_model)``, dtype, device and
     ``requires_grad``. With ``init="copy"`` it is a copy of the shared matrix, so the model
     computes the same logits as before, bit for bit; with ``"normal"`` it is drawn from
-    ``N(0, std^2)``, ``std`` defaulting to ``config.initializer_range`` (Hugging Face).
+    ``N(0, std^2)``, ``std`` defaulting to ``config.initializer_range`` of the Hugging Face model
+    that holds the head (itself, or a submodule of a wrapper such as a LightningModule).
 
     For a Hugging Face ``PreTrainedModel`` it also sets ``tie_word_embeddings = False`` on
     the config of every ``PreTrainedModel`` inside (and on its text sub-config, for
@@ -179,7 +187,7 @@ def untie_output_head(
         )
     _check_plain_weight(found.head_name, weight)
     _check_hf_mapping(model, f"{found.head_name}.weight")
-    sigma = _init_std(model, std) if init == "normal" else None
+    sigma = _init_std(model, found.head, std) if init == "normal" else None
     with torch.no_grad():
         if init == "copy":
             data = weight.detach().clone()

@@ -133,6 +133,12 @@ class HeadWarmupCore:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.phase = int(state.get("phase", self.phase))
         self.switched_at_step = state.get("switched_at_step")
+        if self.phase != 0:  # restored after the freeze (a strategy that restores after setup): all train
+            self.release()
+            for handles in self._hooks.values():
+                for handle in handles:
+                    handle.remove()
+            self._hooks = {}
 
 
 class HeadWarmup(BaseFinetuning):
@@ -140,7 +146,9 @@ class HeadWarmup(BaseFinetuning):
 
     Then every parameter it froze trains again, in the param groups ``configure_optimizers``
     built, which the warm-up never changes (see :class:`HeadWarmupCore`). Build the optimizer
-    over all parameters, as usual: frozen ones simply get no gradient. The phase is saved in
+    over all parameters, as usual: frozen ones simply get no gradient. The freeze happens in
+    ``on_fit_start``, after ``LightningModule.configure_model`` (where the README unties), so the
+    head and the embedding are resolved on the model as it trains. The phase is saved in
     checkpoints; resuming mid-warm-up freezes again and switches at the same step.
 
     The head is found as the monitors find it (or pass ``head=``). Its parameters are all
@@ -186,7 +194,12 @@ class HeadWarmup(BaseFinetuning):
                 f"HeadWarmup supports one process only (world_size=1), got world_size={trainer.world_size}: "
                 "under DDP the parameters it unfreezes would not be synchronised"
             )
-        super().setup(trainer, pl_module, stage)  # calls freeze_before_training; refuses DeepSpeed
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        if isinstance(trainer.strategy, DeepSpeedStrategy):  # as BaseFinetuning.setup
+            raise HeadwatchError("HeadWarmup does not support the DeepSpeed strategy: choose another strategy")
+        # No freeze here, unlike BaseFinetuning.setup: Lightning calls `configure_model` after the
+        # callbacks' `setup`, and a model untied or built there is the one that trains (on_fit_start).
 
     def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
         found = find_head_and_embedding(pl_module, self.head)
@@ -204,7 +217,12 @@ class HeadWarmup(BaseFinetuning):
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.core.phase != 0:  # a checkpoint restored after setup says the warm-up is over
+        """Freeze the final model: after ``setup``, ``configure_model`` and the checkpoint's callback
+        state (Lightning restores it before ``on_fit_start`` unless the strategy defers it), before
+        the first forward. The optimizer already holds every parameter; frozen ones get no gradient."""
+        if self.core.phase == 0:
+            self.freeze_before_training(pl_module)
+        else:  # a checkpoint restored after setup says the warm-up is over
             self.core.release()
         for optimizer in trainer.optimizers:
             self.core.attach(optimizer, self._head_params)

@@ -57,7 +57,9 @@ from headwatch.report.runs import (
     find_alerts_file,
     load_runs,
     read_alerts_jsonl,
+    read_run,
     read_scalars,
+    strip_trainer_namespace,
 )
 from headwatch.report.stats import Summary, least_squares_slope, select_tags, summarize, summarize_runs, tag_group
 from headwatch.report.text import format_number, format_trend, render_text, to_json
@@ -89,6 +91,7 @@ __all__ = [
     "main",
     "parse_group_specs",
     "read_alerts_jsonl",
+    "read_run",
     "read_scalars",
     "render_chart",
     "render_comparison",
@@ -97,6 +100,7 @@ __all__ = [
     "render_text",
     "select_tags",
     "student_t_quantile",
+    "strip_trainer_namespace",
     "summarize",
     "summarize_runs",
     "tag_group",

@@ -13,11 +13,11 @@ from typing import Any
 from headwatch._errors import HeadwatchError
 from headwatch.report import charts as _charts
 from headwatch.report.charts import INSTALL_HINT
-from headwatch.report.compare import DEFAULT_LOSS_TAG, compare_groups
+from headwatch.report.compare import compare_groups
 from headwatch.report.group_html import render_group_html
 from headwatch.report.group_text import render_comparison
 from headwatch.report.html import render_html
-from headwatch.report.runs import collect_alerts, discover_groups, discover_runs, find_alerts_file, read_alerts_jsonl, read_scalars
+from headwatch.report.runs import collect_alerts, discover_groups, discover_runs, find_alerts_file, read_alerts_jsonl, read_run
 from headwatch.report.stats import select_tags, tag_group
 from headwatch.report.text import render_text, to_json
 
@@ -28,10 +28,13 @@ The table: one block per run with
   trend/1k  the least-squares slope over the last 50% of the points, per 1000 steps:
             ↑ / ↓, or → when the fitted change over that span is below 1% of the mean |value|.
   —         the run did not log this metric.
-Rows are grouped by the tag's second component (logits, val, grad, update, freq,
-collision, tokens, alerts); train_loss and val_loss are shown as context when present.
-By default the per-bucket tags (/top1/, /top10/, /top50/, /tail/, /unseen/, /rare/) and
-the _p05 / _max variants are hidden; --all shows them, --match filters by regex.
+Rows are grouped by the monitor that declares the metric in headwatch.names (logits,
+gradients, collision, tokens, alerts; other for undeclared tags); train_loss and val_loss
+(train/loss and eval/loss in Hugging Face Trainer runs) are shown as context when present.
+Trainer runs write train/<prefix>/...: when a run has no <prefix>/ tag, its train/<prefix>/
+tags are read as <prefix>/... (no --prefix needed). By default the names declared as detail are hidden (the
+per-bucket tags /top1/, /top10/, /top50/, /tail/, /unseen/, /rare/ and the _p05 / _max
+variants); --all shows them, --match filters by regex.
 
 Alerts come from the markers <prefix>/alerts/<rule> (value 1 at the alert step) and from
 the nearest headwatch_alerts.jsonl in or above each run directory (up to LOGDIR).
@@ -44,7 +47,7 @@ quote them or not): per metric, each group's mean, sample sd (n - 1), [min, max]
 over its runs, and each group's difference to the first group with a 95% Welch
 t-interval (* when it excludes 0), at a matched step (--at-step N, default the last
 common step) and at matched validation loss (each run read where its --loss-tag curve,
-default val_loss, first reaches a common value: --at-loss, default the lowest loss every
+default val_loss, else eval/loss, first reaches a common value: --at-loss, default the lowest loss every
 run reaches; values between logged points are linearly interpolated). --html writes the
 same tables and one chart per metric with every run in the color of its group.
 
@@ -91,7 +94,7 @@ def _add_arguments(report: argparse.ArgumentParser) -> None:
     )
     grouped.add_argument("--at-step", type=int, metavar="N", help="the matched step (default: each metric's last common step)")
     grouped.add_argument(
-        "--loss-tag", metavar="TAG", help=f"the loss curve that defines matched loss (default: {DEFAULT_LOSS_TAG} when logged)"
+        "--loss-tag", metavar="TAG", help="the loss curve that defines matched loss (default: val_loss, else eval/loss, when logged)"
     )
     grouped.add_argument("--at-loss", type=float, metavar="L", help="the matched loss (default: the lowest loss every run reaches)")
 
@@ -168,7 +171,7 @@ def _write(text: str, stream: Any) -> None:
 
 def _run_report(args: argparse.Namespace) -> int:
     found = discover_runs(args.logdirs)
-    runs = {name: read_scalars(run.path) for name, run in found.items()}
+    runs = {name: read_run(run.path, args.prefix) for name, run in found.items()}
     tags = select_tags({tag for scalars in runs.values() for tag in scalars}, show_all=args.show_all, match=args.match, prefix=args.prefix)
     alerts = {}
     for name, run in found.items():
@@ -194,7 +197,7 @@ def _write_page(html_path: str, page: str) -> None:
 
 def _run_groups(args: argparse.Namespace) -> int:
     found = discover_groups(args.group)
-    groups = {g: {name: read_scalars(run.path) for name, run in runs.items()} for g, runs in found.items()}
+    groups = {g: {name: read_run(run.path, args.prefix) for name, run in runs.items()} for g, runs in found.items()}
     every = {tag for runs in groups.values() for scalars in runs.values() for tag in scalars}
     tags = [t for t in select_tags(every, show_all=args.show_all, match=args.match, prefix=args.prefix) if tag_group(t, args.prefix) != "alerts"]
     comparison = compare_groups(groups, tags, at_step=args.at_step, loss_tag=args.loss_tag, at_loss=args.at_loss)

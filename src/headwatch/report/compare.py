@@ -5,7 +5,7 @@ For every metric, each run contributes one value, read at an anchor:
 * **matched step**: the step ``--at-step N``, or by default the *last common step* of the
   metric: the smallest last logged step over the runs that logged it;
 * **matched validation loss**: the first step at which the run's loss curve (``--loss-tag``,
-  default Lightning's ``val_loss``) reaches a common value ``L*``; by default ``L*`` is the
+  default Lightning's ``val_loss``, else the Trainer's ``eval/loss``) reaches a common value ``L*``; by default ``L*`` is the
   highest of the runs' lowest losses, i.e. the lowest loss that every run reaches (``--at-loss``
   sets it). A run that is sharper only because it trained further is then compared with the
   others at the same loss, not at the same step.
@@ -220,6 +220,9 @@ def common_loss_target(curves: Mapping[str, Points]) -> float | None:
 
 DEFAULT_LOSS_TAG = "val_loss"
 """The validation loss Lightning's ``self.log("val_loss", ...)`` writes (the headwatch examples do)."""
+DEFAULT_LOSS_TAGS = (DEFAULT_LOSS_TAG, "eval/loss")
+"""The loss curves tried, in order, when no ``--loss-tag`` is given: Lightning's ``val_loss``, then
+the Hugging Face Trainer's ``eval/loss``; the first that some run logged is used."""
 
 
 @dataclass(frozen=True)
@@ -307,7 +310,8 @@ def compare_groups(
         groups: group name -> run name -> tag -> points; the first group is the reference.
         tags: the metrics to compare, in order.
         at_step: the matched step; ``None``: each metric's last common step.
-        loss_tag: the loss curve that defines matched loss; ``None``: ``val_loss`` when a run has it.
+        loss_tag: the loss curve that defines matched loss; ``None``: the first of :data:`DEFAULT_LOSS_TAGS`
+            (``val_loss``, ``eval/loss``) that a run has.
         at_loss: the common loss ``L*``; ``None``: the lowest loss every run reaches.
         level: the confidence level of the intervals.
 
@@ -324,12 +328,12 @@ def compare_groups(
         by_step.append(_compare_at(groups, tag, {name: step for name in every}, level, step))
     rule = f"step {at_step}" if at_step is not None else "last common step (the smallest last logged step over the runs)"
     notes: list[str] = []
-    tag = loss_tag or DEFAULT_LOSS_TAG
+    tag = loss_tag or next((t for t in DEFAULT_LOSS_TAGS if any(s.get(t) for s in every.values())), DEFAULT_LOSS_TAG)
     curves = {name: scalars[tag] for name, scalars in every.items() if scalars.get(tag)}
     if not curves:
         if loss_tag is not None:
             raise HeadwatchError(f"--loss-tag {loss_tag!r}: no run logged this tag")
-        notes.append(f"no run logged {DEFAULT_LOSS_TAG!r}: no comparison at matched loss (pass --loss-tag)")
+        notes.append(f"no run logged {' or '.join(map(repr, DEFAULT_LOSS_TAGS))}: no comparison at matched loss (pass --loss-tag)")
         return Comparison({g: list(r) for g, r in groups.items()}, level, rule, by_step, None, None, {}, [], notes)
     missing = sorted(set(every) - set(curves))
     if missing:

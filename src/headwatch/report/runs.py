@@ -140,6 +140,35 @@ def load_runs(paths: Sequence[str | os.PathLike[str]]) -> Runs:
     return {name: read_scalars(run.path) for name, run in discover_runs(paths).items()}
 
 
+TRAINER_NAMESPACES = ("train/", "eval/")
+"""The namespaces the Hugging Face Trainer's TensorBoard callback puts before every logged key."""
+
+
+def strip_trainer_namespace(scalars: Mapping[str, Points], prefix: str = "headwatch") -> dict[str, Points]:
+    """Read a Hugging Face Trainer run as if it were logged without the Trainer's ``train/`` namespace.
+
+    The Trainer's TensorBoard callback writes ``train/<prefix>/...`` (and ``train/loss``,
+    ``eval/loss``). When no tag of the run starts with ``<prefix>/`` but some start with
+    ``train/<prefix>/``, those are renamed to ``<prefix>/...`` so that display, grouping and the
+    alert markers work as for a Lightning run; every other tag (``train/loss``, ``eval/loss``,
+    ``eval/<prefix>/...``) is kept as written. A run that already has ``<prefix>/`` tags is
+    returned unchanged (a copy).
+
+    Returns:
+        Tag -> points, with the ``train/<prefix>/`` tags renamed.
+    """
+    head = prefix + "/"
+    if any(tag.startswith(head) for tag in scalars):
+        return dict(scalars)
+    trainer_head = "train/" + head
+    return {(tag[len("train/") :] if tag.startswith(trainer_head) else tag): points for tag, points in scalars.items()}
+
+
+def read_run(run_dir: str | os.PathLike[str], prefix: str = "headwatch") -> dict[str, Points]:
+    """:func:`read_scalars` then :func:`strip_trainer_namespace`: a Lightning or a Hugging Face Trainer run alike."""
+    return strip_trainer_namespace(read_scalars(run_dir), prefix)
+
+
 # --------------------------------------------------------------------------- alerts
 
 

@@ -8,17 +8,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from headwatch import names
 from headwatch._errors import HeadwatchError
 from headwatch.report.runs import Points
 
-CONTEXT_TAGS = ("train_loss", "val_loss")
-"""Non-headwatch scalars shown, when present, as context for the headwatch metrics."""
+CONTEXT_TAGS = ("train_loss", "val_loss", "train/loss", "eval/loss")
+"""Non-headwatch scalars shown, when present, as context for the headwatch metrics (Lightning's
+``train_loss`` / ``val_loss`` as the examples log them; the Hugging Face Trainer's ``train/loss`` / ``eval/loss``)."""
 
-BUCKETS = ("top1", "top10", "top50", "tail", "unseen", "rare")
-"""Path components of the per-frequency-bucket tags, hidden unless ``--all``."""
-
-HIDDEN_SUFFIXES = ("_p05", "_max")
-GROUP_ORDER = ("loss", "logits", "val", "grad", "update", "freq", "collision", "tokens", "alerts")
+GROUP_ORDER = ("loss", *(group.name for group in names.GROUPS), "other")
+"""Display order of the groups: the context tags, one group per monitor (:data:`headwatch.names.GROUPS`),
+then the tags under the prefix that :mod:`headwatch.names` does not declare."""
 FLAT_TOLERANCE = 0.01
 """A trend is shown as flat (→) when the fitted change over its span is below 1% of the mean |value|."""
 
@@ -115,10 +115,11 @@ def select_tags(
 ) -> list[str]:
     """The tags to report, in display order (by group, then name).
 
-    Kept: tags under ``<prefix>/`` and the context tags ``train_loss``, ``val_loss``. Unless
-    ``show_all``, the per-bucket tags (a component in :data:`BUCKETS`) and the ``_p05`` /
-    ``_max`` variants are dropped. ``match`` (a regular expression, ``re.search``) filters
-    what is left.
+    Kept: tags under ``<prefix>/`` and the context tags (:data:`CONTEXT_TAGS`). Unless
+    ``show_all``, the declared names that are not headline (:func:`headwatch.names.is_headline`:
+    the per-bucket declarations, the ``_p05`` / ``_max`` variants) are dropped; names that
+    :mod:`headwatch.names` does not declare are kept (group ``other``). ``match`` (a regular
+    expression, ``re.search``) filters what is left.
 
     Raises:
         HeadwatchError: ``match`` is not a valid regular expression.
@@ -132,10 +133,8 @@ def select_tags(
     for tag in tags:
         if not (tag.startswith(head) or tag in CONTEXT_TAGS):
             continue
-        if not show_all:
-            parts = tag.split("/")
-            if any(p in BUCKETS for p in parts[1:-1]) or tag.endswith(HIDDEN_SUFFIXES):
-                continue
+        if not show_all and names.is_headline(tag, prefix) is False:
+            continue
         if pattern is not None and not pattern.search(tag):
             continue
         keep.add(tag)
@@ -143,11 +142,14 @@ def select_tags(
 
 
 def tag_group(tag: str, prefix: str = "headwatch") -> str:
-    """The display group of a tag: its second component (``logits``, ``grad``, ...), ``loss`` for the context tags."""
+    """The display group of a tag: the group of the monitor that declares it (:data:`headwatch.names.GROUPS`).
+
+    ``loss`` for the tags outside ``<prefix>/`` (the context tags), ``other`` for an undeclared
+    tag under the prefix.
+    """
     if not tag.startswith(prefix + "/"):
         return "loss"
-    rest = tag[len(prefix) + 1 :]
-    return rest.split("/", 1)[0] if "/" in rest else "other"
+    return names.report_group(tag, prefix) or "other"
 
 
 def _sort_key(tag: str, prefix: str) -> tuple[int, str, str]:

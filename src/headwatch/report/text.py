@@ -67,7 +67,7 @@ def render_text(
     """The side-by-side plain-text table and the alerts section.
 
     One column block per run (final, mean over the last 10%, trend per 1000 steps); rows
-    grouped by the tag's second component. Runs that do not fit in ``width`` characters
+    grouped by :func:`~headwatch.report.tag_group` (the declaring monitor). Runs that do not fit in ``width`` characters
     go to further tables below. Alert marker tags show how often they fired.
 
     Args:

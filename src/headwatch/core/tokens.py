@@ -1,0 +1,58 @@
+"""Token ids <-> text for the collision monitor: decode a row id, encode a synonym group."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from headwatch._errors import HeadwatchError
+
+
+def decode_token(tokenizer: Any, token_id: int) -> str:
+    """A token's text from a ``tokenizers.Tokenizer``, a Hugging Face tokenizer, or a callable."""
+    if tokenizer is None:
+        return str(token_id)
+    if callable(tokenizer) and not hasattr(tokenizer, "decode"):
+        return str(tokenizer(token_id))
+    if hasattr(tokenizer, "decode"):
+        try:
+            return str(tokenizer.decode([token_id]))
+        except Exception:  # noqa: BLE001 - fall back to the vocabulary entry
+            pass
+    if hasattr(tokenizer, "id_to_token"):
+        return str(tokenizer.id_to_token(token_id))
+    if hasattr(tokenizer, "convert_ids_to_tokens"):
+        return str(tokenizer.convert_ids_to_tokens(token_id))
+    raise HeadwatchError(
+        f"cannot decode with a {type(tokenizer).__name__}: pass a tokenizers.Tokenizer, a Hugging Face "
+        "tokenizer, or a callable id -> str"
+    )
+
+
+def encode_group(tokenizer: Any, words: Sequence[Any]) -> list[int]:
+    """Token ids of a synonym group given as ids or single-token strings."""
+    ids: list[int] = []
+    for word in words:
+        if isinstance(word, bool):
+            raise HeadwatchError(f"synonym group entry {word!r} is a bool, not a token id or a string")
+        if isinstance(word, int) or (hasattr(word, "__index__") and not isinstance(word, str)):
+            ids.append(int(word.__index__()))  # ints, numpy integers
+            continue
+        if not isinstance(word, str):
+            raise HeadwatchError(f"synonym group entry {word!r} is a {type(word).__name__}: token ids or strings only")
+        if tokenizer is None:
+            raise HeadwatchError(f"synonym group entry {word!r} is a string: pass tokenizer= to encode it")
+        if hasattr(tokenizer, "token_to_id") and tokenizer.token_to_id(word) is not None:
+            ids.append(int(tokenizer.token_to_id(word)))
+            continue
+        try:  # Hugging Face tokenizers add BOS/EOS unless told not to
+            encoded = tokenizer.encode(word, add_special_tokens=False)
+        except TypeError:
+            encoded = tokenizer.encode(word)
+        token_ids = list(getattr(encoded, "ids", encoded))
+        if len(token_ids) != 1:
+            raise HeadwatchError(
+                f"synonym {word!r} is {len(token_ids)} tokens ({token_ids}); synonym groups are of single tokens"
+            )
+        ids.append(int(token_ids[0]))
+    return ids
