@@ -91,3 +91,22 @@ def test_readme_table_is_the_tools_output():
     match = re.search(r"<!-- headwatch-cost-table:start -->\n(.*?)\n<!-- headwatch-cost-table:end -->", text, re.S)
     assert match, "README.md has no headwatch-cost-table block"
     assert match.group(1) == readme_table(), "regenerate it: python -m headwatch.cost --readme-table"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[1, 2]", "must be a JSON object .*got a list"),  # was: AttributeError traceback
+        ('{"text_config": [1], "vocab_size": 5, "hidden_size": 4}', "`text_config` must be a JSON object, got a list"),
+        ('{"vocab_size": 5, "hidden_size": 4, "tie_word_embeddings": "false"}', "must be true or false, got 'false'"),
+    ],
+)
+def test_a_config_that_is_not_a_config_object_is_a_clear_error(tmp_path, capsys, text, message):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(HeadwatchError, match=message):
+        shape_from_config(json.loads(text))
+    with pytest.raises(SystemExit) as exit_info:  # the CLI: a usage error (exit 2), not a traceback
+        main(["--config", str(path)])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

@@ -22,7 +22,7 @@ or given with ``--params`` (the model as its config ships it: tied or not).
 Usage::
 
     headwatch cost --config path/to/config.json [--world-size 8]
-    headwatch cost --vocab-size 128256 --d-model 4096 [--params 8030261248 --untied]
+    headwatch cost --vocab-size 128256 --d-model 4096 [--params 8030261248 --no-tied]
     python -m headwatch.cost --readme-table
 """
 
@@ -170,9 +170,14 @@ def shape_from_config(config: dict[str, Any]) -> tuple[int, int, bool]:
     """``(vocab_size, d_model, tied)`` from a Hugging Face config dict (its text sub-config if any).
 
     Raises:
-        HeadwatchError: no ``vocab_size`` or no hidden size (``hidden_size``/``d_model``/``n_embd``).
+        HeadwatchError: not a JSON object; no ``vocab_size`` or no hidden size
+            (``hidden_size``/``d_model``/``n_embd``); a ``tie_word_embeddings`` that is not a bool.
     """
+    if not isinstance(config, dict):
+        raise HeadwatchError(f"the config must be a JSON object (a Hugging Face config.json), got a {type(config).__name__}")
     text = config.get("text_config") or config
+    if not isinstance(text, dict):
+        raise HeadwatchError(f"the config's `text_config` must be a JSON object, got a {type(text).__name__}")
     vocab = text.get("vocab_size", config.get("vocab_size"))
     d = next((text[k] for k in _D_MODEL_KEYS if isinstance(text.get(k), int)), None)
     if not isinstance(vocab, int) or d is None:
@@ -181,7 +186,9 @@ def shape_from_config(config: dict[str, Any]) -> tuple[int, int, bool]:
             f"{vocab!r}, keys {sorted(text)[:30]}; pass --vocab-size and --d-model instead"
         )
     tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", True))
-    return vocab, d, bool(tied)
+    if not isinstance(tied, bool):  # bool("false") is True: never guess
+        raise HeadwatchError(f"the config's `tie_word_embeddings` must be true or false, got {tied!r}")
+    return vocab, d, tied
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from headwatch.core.collision import SynonymCollision
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.gradients import GradientDensity
 from headwatch.core.logits import LogitStats
-from headwatch.core.monitor import Monitor, to_floats
+from headwatch.core.monitor import Monitor, compute_due, to_floats
 from headwatch.core.reduce import Reducer, TorchDistributedReducer
 from headwatch.core.schedule import Schedule
 from headwatch.figures import check_figure_argument, resolve_figure_interval
@@ -60,6 +60,8 @@ class Headwatch:
             every 10 logging intervals when matplotlib is installed, else none; an int: every this
             many steps (needs matplotlib); None or 0: none. Core monitors passed in keep their own
             ``figure_every`` / ``figures``.
+        strict: raise a ``HeadwatchError`` when a monitor fails; default: warn once, skip that
+            monitor's values of the step (on every rank alike) and go on training.
 
     Raises:
         HeadwatchError: a bad argument (``figure_every_n_steps`` > 0 without matplotlib), or the
@@ -76,14 +78,26 @@ class Headwatch:
         reducer: Reducer | None = None,
         prefix: str = "headwatch",
         figure_every_n_steps: int | str | None = "auto",
+        strict: bool = False,
     ) -> None:
         check_figure_argument(figure_every_n_steps)
         if not isinstance(model, nn.Module):
             raise HeadwatchError(f"`model` must be an nn.Module, got {type(model).__name__}")
         if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
             raise HeadwatchError(f"`log_every_n_steps` must be an int >= 1, got {log_every_n_steps!r}")
-        self.monitors = self._build(monitors, batch_format, prefix)
+        if not isinstance(strict, bool):
+            raise HeadwatchError(f"`strict` must be a bool, got {strict!r}")
+        if reducer is not None and not isinstance(reducer, Reducer):
+            raise HeadwatchError(f"`reducer` must implement headwatch.core.Reducer (or be None), got {type(reducer).__name__}")
         self.writers = [] if writer is None else list(writer) if isinstance(writer, (list, tuple)) else [writer]
+        bad = [type(w).__name__ for w in self.writers if not callable(getattr(w, "add_scalar", None))]
+        if bad:
+            raise HeadwatchError(f"`writer` must be None, a SummaryWriter or a list of them, got {bad}")
+        if isinstance(monitors, (str, Monitor)):
+            monitors = [monitors]
+        self.monitors = self._build(monitors, batch_format, prefix)
+        for m in self.monitors:
+            m.strict = m.strict or strict
         self.reducer = reducer or TorchDistributedReducer()
         self.prefix = prefix
         for m in self.monitors:
@@ -92,6 +106,7 @@ class Headwatch:
         self.figure_every_n_steps = figure_every_n_steps
         set_figures(self._named_monitors(monitors), figure_every_n_steps)
         self.step_index = 0
+        self._open = False  # a step_start since the last step_end
         self.latest: dict[str, float] = {}
         self._logging: dict[int, bool] = {}
         if self.reducer.rank == 0:
@@ -131,39 +146,69 @@ class Headwatch:
         return built
 
     # ---------------------------------------------------------------- protocol
+    def _each(self, where: str, call: Any, monitors: Sequence[Monitor] | None = None) -> list[Monitor]:
+        """``call(m)`` for every monitor; a failure warns once and is skipped (raises when strict).
+
+        Returns the monitors that failed.
+        """
+        failed = []
+        for m in self.monitors if monitors is None else monitors:
+            try:
+                call(m)
+            except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+                m.fail(err, where)
+                failed.append(m)
+        return failed
+
     def step_start(self, batch: Any, step: int | None = None) -> None:
-        """Before the forward of each (micro-)batch of step ``step`` (default: an internal counter)."""
-        self.step_index = self.step_index if step is None else int(step)
-        for m in self.monitors:
-            m.step_start(batch, self.step_index, m.schedule.is_logging_step(self.step_index))
+        """Before the forward of each (micro-)batch of step ``step`` (default: an internal counter).
+
+        Raises:
+            HeadwatchError: ``step`` is not a non-negative int.
+        """
+        if step is not None:
+            if isinstance(step, bool) or not hasattr(step, "__index__") or int(step) < 0:
+                raise HeadwatchError(f"`step` must be None or an int >= 0, got {step!r}")
+            self.step_index = int(step)
+        self._open = True
+        s = self.step_index
+        self._each("starting a batch", lambda m: m.step_start(batch, s, m.schedule.is_logging_step(s)))
 
     def before_optimizer_step(self, loss_scale: float | Tensor | None = None) -> None:
         """Gradients are final (after accumulation and ``scaler.unscale_``; pass ``scaler.get_scale()`` then)."""
-        for m in self.monitors:
-            m.gradients_ready(loss_scale)
+        self._each("reading the gradients", lambda m: m.gradients_ready(loss_scale))
 
     def after_optimizer_step(self) -> None:
-        for m in self.monitors:
-            m.optimizer_stepped()
+        self._each("after the optimizer step", lambda m: m.optimizer_stepped())
 
     def step_end(self) -> dict[str, float]:
-        """After the optimizer step: on a logging step, compute (every rank), write (rank 0), return the values."""
+        """After the optimizer step: on a logging step, compute (every rank), write (rank 0), return the values.
+
+        A monitor that fails is skipped on every rank (its values of this step are dropped everywhere).
+
+        Raises:
+            HeadwatchError: no :meth:`step_start` since the last ``step_end``.
+        """
+        if not self._open:
+            raise HeadwatchError(
+                f"step_end() was called without a step_start(batch, step) since the last step_end() (step {self.step_index}); "
+                "call step_start before each (micro-)batch's forward and step_end once after the optimizer step"
+            )
+        self._open = False
         step = self.step_index
-        scalars: dict[str, Tensor] = {}
-        due = []
-        for m in self.monitors:
-            m.batch_end()
-            if m.schedule.is_logging_step(step):
-                scalars.update(m.compute())
-                due.append(m)
+        self._each("ending the batch", lambda m: m.batch_end())
+        due = [m for m in self.monitors if m.schedule.is_logging_step(step)]
+        scalars, due = compute_due(due, self.reducer)  # a failed monitor is dropped on every rank
         numbers = to_floats(scalars)
-        for m in due:
-            m.published(numbers)
+        self._each("publishing the values", lambda m: m.published(numbers), due)
         if self.reducer.rank == 0 and self.writers and numbers:
-            tb.write_scalars(self.writers, numbers, step)
-            for m in due:
-                tb.write_media(self.writers, m.media, step)
-            tb.flush(self.writers)
+            try:
+                tb.write_scalars(self.writers, numbers, step)
+                for m in due:
+                    tb.write_media(self.writers, m.media, step)
+                tb.flush(self.writers)
+            except Exception as err:  # noqa: BLE001
+                due[0].fail(err, "writing to the SummaryWriter")
         self.latest.update(numbers)
         self.step_index = step + 1
         return numbers

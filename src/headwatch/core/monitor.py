@@ -154,6 +154,29 @@ class Monitor:
         )
 
 
+def compute_due(due: list[Monitor], reducer: Reducer, val: bool = False) -> tuple[dict[str, Tensor], list[Monitor]]:
+    """``compute()`` (or ``validation_epoch_end()`` with ``val``) of every monitor in ``due``, on every rank.
+
+    A monitor that raises warns once (``Monitor.fail``; raises when strict) and its values are dropped;
+    with several processes the failures are agreed (one ``reducer.all`` when none failed), so every rank
+    drops the same monitors and publishes the same keys. Returns ``(scalars, monitors to publish)``
+    (with ``val``, those that returned values).
+    """
+    scalars: dict[Monitor, dict[str, Tensor]] = {}
+    failed: list[Monitor] = []
+    for m in due:
+        try:
+            scalars[m] = m.validation_epoch_end() if val else m.compute()
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            m.fail(err, "computing the statistics")
+            failed.append(m)
+    if reducer.world_size > 1 and due and not reducer.all(not failed):
+        failed = [m for m in due if not reducer.all(m not in failed)]
+    # validation: a monitor without values keeps the media of its last training measurement (not published)
+    ok = [m for m in due if m not in failed and (scalars[m] or not val)]
+    return {k: v for m in ok for k, v in scalars[m].items()}, ok
+
+
 def to_floats(scalars: dict[str, Tensor | float]) -> dict[str, float]:
     """Scalars (tensors on any device, or numbers) as Python floats with one host sync."""
     if not scalars:

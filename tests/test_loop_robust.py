@@ -1,0 +1,148 @@
+"""The plain-loop front door under bad input, calls out of order and failing monitors (1 and 2 processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from headwatch import Headwatch, HeadwatchError
+from headwatch.core import TokenCounts
+
+V, D = 16, 8
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens, self.lm_head = nn.Embedding(V, D), nn.Linear(D, V, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.embed_tokens(ids))  # (B, T, V)
+
+
+def train_step(hw, model, step):
+    ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(step))
+    hw.step_start({"input_ids": ids, "labels": ids}, step)
+    model(ids).logsumexp(-1).mean().backward()
+    hw.before_optimizer_step()
+    hw.after_optimizer_step()
+    model.zero_grad()
+    return hw.step_end()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(writer="runs/x"), r"`writer` must be None, a SummaryWriter or a list of them, got \['str'\]"),
+        (dict(reducer="nccl"), "`reducer` must implement headwatch.core.Reducer .*got str"),
+        (dict(strict="yes"), "`strict` must be a bool, got 'yes'"),
+    ],
+)
+def test_bad_arguments_are_headwatch_errors(kwargs, message):
+    with pytest.raises(HeadwatchError, match=message):  # were: AttributeError at the first write / rank read
+        Headwatch(Tiny(), **kwargs)
+
+
+@pytest.mark.parametrize("step", ["abc", -1, 1.5, True])
+def test_bad_step_is_a_headwatch_error(step):
+    hw = Headwatch(Tiny(), monitors=["tokens"])
+    with pytest.raises(HeadwatchError, match=r"`step` must be None or an int >= 0, got"):  # was: ValueError / accepted
+        hw.step_start({"input_ids": torch.zeros(1, 2, dtype=torch.long)}, step)
+
+
+def test_one_monitor_name_is_one_monitor():
+    hw = Headwatch(Tiny(), monitors="tokens")  # was: "`monitors` entries must be ... got ['t', 'o', 'k', ...]"
+    assert [type(m) for m in hw.monitors] == [TokenCounts]
+
+
+def test_step_end_without_step_start_is_a_headwatch_error():
+    model = Tiny()
+    hw = Headwatch(model, log_every_n_steps=1)
+    with pytest.raises(HeadwatchError, match=r"step_end\(\) was called without a step_start"):
+        hw.step_end()  # was: published token counts of no batch at step 0
+    train_step(hw, model, 0)
+    with pytest.raises(HeadwatchError, match=r"without a step_start.*\(step 1\)"):
+        hw.step_end()  # was: published step 0's counts again, as step 1
+    assert hw.step_index == 1
+
+
+def _break(monitor, method):
+    def boom(*args, **kwargs):
+        raise RuntimeError(f"boom in {method}")
+
+    setattr(monitor, method, boom)
+
+
+@pytest.mark.parametrize("method", ["step_start", "gradients_ready", "batch_end", "compute", "published"])
+def test_a_failing_monitor_warns_and_training_goes_on(method):
+    model = Tiny()
+    hw = Headwatch(model, monitors=["tokens", "logits"], log_every_n_steps=1)
+    logits = hw.monitors[1]
+    _break(logits, method)
+    with pytest.warns(UserWarning, match=f"LogitStats failed while .*boom in {method}.*training goes on"):
+        values = train_step(hw, model, 0)  # was: the RuntimeError reached the training loop
+    assert values["headwatch/tokens/total"] == 10.0  # the other monitor still publishes
+    assert logits.failures >= 1
+    if method == "compute":
+        assert not any(k.startswith("headwatch/logits/") for k in values)
+
+
+def test_strict_raises_a_headwatch_error():
+    model = Tiny()
+    hw = Headwatch(model, monitors=["tokens", "logits"], log_every_n_steps=1, strict=True)
+    _break(hw.monitors[1], "compute")
+    with pytest.raises(HeadwatchError, match="LogitStats failed while computing the statistics: RuntimeError: boom"):
+        train_step(hw, model, 0)
+
+
+WORKER = r'''
+import datetime, json, os, sys, warnings
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+from tests.test_loop_robust import Tiny, train_step
+from headwatch import Headwatch
+rank = int(sys.argv[1])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+warnings.simplefilter("ignore")
+torch.manual_seed(0)
+model = Tiny()
+hw = Headwatch(model, monitors=["tokens", "logits"], log_every_n_steps=1)
+counts = hw.monitors[0]
+if rank == 1:  # fails after its collectives, on rank 1 only
+    original = counts.compute
+    def compute():
+        original()
+        raise RuntimeError("boom on rank 1")
+    counts.compute = compute
+keys = [sorted(train_step(hw, model, s)) for s in range(2)]
+json.dump(keys, open(sys.argv[4] + f"/rank{rank}.json", "w"))
+dist.destroy_process_group()
+'''
+
+
+def test_a_monitor_failing_on_one_rank_is_dropped_on_every_rank(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(root) / "src")}
+    port = str(29500 + os.getpid() % 2000)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, root, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs  # was: rank 1 raised out of step_end, rank 0 crashed
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0 == r1  # the same keys on every rank, every step
+    assert r0[0] and all(k.startswith("headwatch/logits/") for step in r0 for k in step)
