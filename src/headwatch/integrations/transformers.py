@@ -28,7 +28,7 @@ from transformers.integrations import TensorBoardCallback
 from headwatch import tensorboard as tb
 from headwatch._errors import HeadwatchError
 from headwatch.core.batch import BatchFormat
-from headwatch.core.monitor import Monitor, to_floats
+from headwatch.core.monitor import Monitor, compute_due, to_floats
 from headwatch.core.reduce import Reducer, TorchDistributedReducer
 from headwatch.core.schedule import Schedule
 from headwatch.integrations._transformers_support import (
@@ -303,13 +303,12 @@ class HeadwatchCallback(TrainerCallback):
         """compute on every rank (a collective), log through the Trainer, write media on rank zero."""
         if not due:
             return {}
+        # each monitor's compute on its own: one failing monitor loses only its own values, and every
+        # rank drops the same monitors (compute_due agrees on failures)
+        scalars, due = compute_due(due, self.reducer, val)
+        if not due:
+            return {}
         try:
-            scalars: dict[str, Tensor] = {}
-            for m in list(due):
-                values = m.validation_epoch_end() if val else m.compute()
-                scalars.update(values)
-                if val and not values:
-                    due.remove(m)  # its media are those of its last training measurement
             numbers = to_floats(scalars)
             for m in due:
                 m.published(numbers)
