@@ -16,7 +16,7 @@ from headwatch.core.collision import encode_group as _encode_group  # noqa: F401
 from headwatch.figures import check_figure_argument, matplotlib_available
 from headwatch.frequency import TokenFrequency
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.integrations.lightning import MonitorCallback, to_floats
+from headwatch.integrations.lightning import MonitorCallback
 
 __all__ = ["DEFAULT_TAU", "SynonymCollisionMonitor", "decode_token"]
 
@@ -142,25 +142,3 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
     # ---------------------------------------------------------------- validation (synonym confusion)
     def _measuring_validation(self, trainer: pl.Trainer) -> bool:
         return self._table is not None and not trainer.sanity_checking and self.model is not None
-
-    def on_validation_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        if self._measuring_validation(trainer):
-            self.validation_batch_start(batch, dataloader_idx)
-
-    def on_validation_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self.validation_batch_end(dataloader_idx)
-
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._measuring_validation(trainer):
-            return
-        try:
-            numbers = to_floats(self.validation_epoch_end())
-            for key, value in numbers.items():  # identical on every rank already
-                pl_module.log(key, value, on_step=False, on_epoch=True, sync_dist=True)
-            self.published(numbers)
-        except Exception as err:  # noqa: BLE001
-            self.fail(err, "logging the validation synonym confusion")

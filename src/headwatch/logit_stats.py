@@ -15,7 +15,7 @@ from headwatch.core.logits import SCALAR_KEYS, LogitStats
 from headwatch.figures import check_figure_argument, resolve_figure_interval
 from headwatch.frequency import TokenFrequency
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.integrations.lightning import MonitorCallback, tensorboard_writers, to_floats
+from headwatch.integrations.lightning import MonitorCallback
 
 __all__ = ["SCALAR_KEYS", "LogitStatsMonitor"]
 
@@ -153,31 +153,7 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.val_dataloaders = max(len(trainer.num_val_batches), 1)  # several: names get /dataloader_idx_<k>
 
+    validation_media = True  # the validation entropy histogram
+
     def _measuring_validation(self, trainer: pl.Trainer) -> bool:
         return self.validation and not trainer.sanity_checking and self.model is not None
-
-    def on_validation_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        if self._measuring_validation(trainer):
-            self.validation_batch_start(batch, dataloader_idx)
-
-    def on_validation_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self.validation_batch_end(dataloader_idx)
-
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._measuring_validation(trainer):
-            return
-        try:
-            numbers = to_floats(self.validation_epoch_end())
-            for k, v in numbers.items():
-                # identical on every rank already; sync_dist averages equal values (and silences Lightning's warning)
-                pl_module.log(k, v, on_step=False, on_epoch=True, sync_dist=True, add_dataloader_idx=False)
-            self.published(numbers)
-            from headwatch import tensorboard as tb
-
-            tb.write_media(tensorboard_writers(trainer), self.media, trainer.global_step)
-        except Exception as err:  # noqa: BLE001
-            self.fail(err, "logging the statistics")

@@ -200,6 +200,39 @@ class MonitorCallback(Callback):
         if step >= 0 and self._core().train_epoch_end(step):
             self._emit(trainer, step)
 
+    # ---------------------------------------------------------------- validation
+    validation_media = False
+    """Write the monitor's media (histograms) after each validation epoch too."""
+
+    def _measuring_validation(self, trainer: pl.Trainer) -> bool:
+        return False  # a monitor that measures validation batches says when
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self._measuring_validation(trainer):
+            self._core().validation_batch_start(batch, dataloader_idx)
+
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._core().validation_batch_end(dataloader_idx)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._measuring_validation(trainer):
+            return
+        core = self._core()
+        try:
+            numbers = to_floats(core.validation_epoch_end())
+            for k, v in numbers.items():
+                # identical on every rank already; sync_dist averages equal values (and silences Lightning's warning)
+                pl_module.log(k, v, on_step=False, on_epoch=True, sync_dist=True, add_dataloader_idx=False)
+            core.published(numbers)
+            if self.validation_media:
+                tb.write_media(tensorboard_writers(trainer), core.media, trainer.global_step)
+        except Exception as err:  # noqa: BLE001
+            core.fail(err, "logging the validation statistics")
+
     def _emit(self, trainer: pl.Trainer, step: int) -> dict[str, float]:
         """compute (every rank: a collective), publish, then rank zero writes the media."""
         core = self._core()
