@@ -1,9 +1,10 @@
 """Run by tests/test_fsdp.py: every monitor on a tiny LM, tied and untied, either on one process or on
-2 CPU processes under Lightning's ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, gloo), on the same
+2 CPU processes under Lightning's ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, gloo) or ``FSDPStrategy``
+(FSDP1, ``use_orig_params=True``; see :class:`CPUFSDPStrategy`), on the same
 global batches (8 sequences a step: 4 per rank). Each run dumps the headwatch values it published per
 step, and what the sharded run saw (the head weight's type, this rank's rows, the work buffers' shapes).
 
-usage: python tests/fsdp_monitors.py {single,fsdp} OUT_DIR
+usage: python tests/fsdp_monitors.py {single,fsdp,fsdp1} OUT_DIR
 """
 
 from __future__ import annotations
@@ -39,6 +40,28 @@ class ShardedLM(TinyCausalLM):
         fully_shard(self, mesh=mesh["data_parallel"])  # embedding and head (one group: the tie survives)
 
 
+def _cpu_fsdp1_strategy():
+    """Lightning's ``FSDPStrategy`` with one change: FSDP1 on the CPU.
+
+    Lightning refuses ``FSDPStrategy`` without CUDA (``type(strategy) is FSDPStrategy``, a subclass
+    passes) and wraps with ``device_id=None``, which FSDP1 refuses without an accelerator; this
+    wraps first with ``device_id=cpu`` (the ``mix`` layer as its own unit, the root holding the
+    embedding and the head) and hands the wrapped model to Lightning's own ``_setup_model``.
+    """
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+    import functools
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        def _setup_model(self, model):
+            policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m is getattr(model, "mix", None))
+            wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True, auto_wrap_policy=policy)
+            return super()._setup_model(wrapped)
+
+    return CPUFSDPStrategy()
+
+
 class RankSlice(Sampler):
     """Sequences ``rank, rank + world, ...`` in order (Lightning's distributed sampler shuffled them here)."""
 
@@ -67,6 +90,8 @@ class Recorder(pl.Callback):
         w = pl_module.lm_head.weight
         local = w.to_local() if hasattr(w, "to_local") else w
         self.seen = {"weight": type(w).__name__, "grad": type(w.grad).__name__, "local_rows": int(local.shape[0])}
+        if local.ndim == 1:  # FSDP1: a flat 1-D view of this process's part
+            self.seen["local_shape"] = list(local.shape)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps[trainer.global_step - 1] = {
@@ -91,6 +116,9 @@ def run(mode: str, tied: bool) -> tuple[dict, dict, int]:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         kw = {"devices": 2, "strategy": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), "use_distributed_sampler": False}
+        batch = GLOBAL_BATCH // 2
+    elif mode == "fsdp1":
+        kw = {"devices": 2, "strategy": _cpu_fsdp1_strategy(), "use_distributed_sampler": False}
         batch = GLOBAL_BATCH // 2
     else:
         kw, batch = {"devices": 1}, GLOBAL_BATCH

@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).with_name("fsdp_monitors.py")
 PLAIN = Path(__file__).with_name("fsdp_plain.py")
 OPS = Path(__file__).with_name("fsdp_ops.py")
+PLAIN1 = Path(__file__).with_name("fsdp1_plain.py")
 
 
 def _free_port() -> str:
@@ -24,36 +27,45 @@ def _free_port() -> str:
         return str(sock.getsockname()[1])
 
 
-def _run_both(tmp_path: Path) -> tuple[dict, dict, dict]:
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory) -> dict[str, dict]:
+    """The one-process run and the two-process runs under FSDP2 and FSDP1, started together."""
+    out = tmp_path_factory.mktemp("lightning_fsdp")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     procs = [
-        subprocess.Popen([sys.executable, str(SCRIPT), mode, str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for mode in ("fsdp", "single")
+        subprocess.Popen([sys.executable, str(SCRIPT), mode, str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for mode in ("fsdp", "fsdp1", "single")
     ]
     for proc in procs:
-        out, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, out[-4000:]
-    return tuple(json.loads((tmp_path / name).read_text()) for name in ("single_rank0.json", "fsdp_rank0.json", "fsdp_rank1.json"))  # type: ignore[return-value]
+        text, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, text[-4000:]
+    names = ("single_rank0", "fsdp_rank0", "fsdp_rank1", "fsdp1_rank0", "fsdp1_rank1")
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in names}
+
+
+def _assert_equal_steps(single: dict, rank0: dict, rank1: dict, tying: str) -> None:
+    steps = single[tying]["steps"]
+    assert sorted(steps) == sorted(rank0[tying]["steps"]) == sorted(rank1[tying]["steps"]) == ["0", "1", "2", "3"]
+    for step, expected in steps.items():
+        got0, got1 = rank0[tying]["steps"][step], rank1[tying]["steps"][step]
+        assert set(got0) == set(got1) == set(expected), (tying, step, set(got0) ^ set(expected))
+        wrong = {k: (expected[k], got0[k], got1[k]) for k in expected if not (_close(expected[k], got0[k]) and _close(expected[k], got1[k]))}
+        assert not wrong, (tying, step, wrong)
 
 
 def _close(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-8)
 
 
-def test_every_monitor_under_fsdp2_equals_one_process(tmp_path):
-    single, rank0, rank1 = _run_both(tmp_path)
+def test_every_monitor_under_fsdp2_equals_one_process(lightning_runs):
+    single, rank0, rank1 = (lightning_runs[k] for k in ("single_rank0", "fsdp_rank0", "fsdp_rank1"))
     for tying in ("tied", "untied"):
         # the run was sharded: DTensor weight and gradient, 63 rows split 32 + 31, work buffers of local rows only
         assert rank0[tying]["seen"] == {"weight": "DTensor", "grad": "DTensor", "local_rows": 32, "buffers": [[32, 16]]}
         assert rank1[tying]["seen"] == {"weight": "DTensor", "grad": "DTensor", "local_rows": 31, "buffers": [[31, 16]]}
         assert single[tying]["seen"]["buffers"] == [[63, 16]]
+        _assert_equal_steps(single, rank0, rank1, tying)
         steps = single[tying]["steps"]
-        assert sorted(steps) == sorted(rank0[tying]["steps"]) == sorted(rank1[tying]["steps"]) == ["0", "1", "2", "3"]
-        for step, expected in steps.items():
-            got0, got1 = rank0[tying]["steps"][step], rank1[tying]["steps"][step]
-            assert set(got0) == set(got1) == set(expected), (tying, step, set(got0) ^ set(expected))
-            wrong = {k: (expected[k], got0[k], got1[k]) for k in expected if not (_close(expected[k], got0[k]) and _close(expected[k], got1[k]))}
-            assert not wrong, (tying, step, wrong)
         keys = set(steps["3"])
         flows = ("embedding", "head", "shared") if tying == "tied" else ("embedding", "head")
         for flow in flows:
@@ -90,3 +102,45 @@ def test_sharded_functions_equal_one_process_functions_on_a_dtensor(tmp_path):
     proc = subprocess.run([sys.executable, str(OPS), str(tmp_path), _free_port()], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "ops.txt").read_text() == "ok"
+
+
+def test_every_monitor_under_lightning_fsdp1_equals_one_process(lightning_runs):
+    # Lightning's FSDPStrategy (FSDP1, use_orig_params=True): outside forward the head weight is this process's
+    # part of a flat 1-D vector (tied: 1008 values split 504 + 504; untied: the head lies wholly on rank 1),
+    # so every matrix measurement runs inside summon_full_params of the root unit. Was: HeadwatchError at
+    # on_fit_start ("the output head ... has no 2-D `weight`").
+    single, rank0, rank1 = (lightning_runs[k] for k in ("single_rank0", "fsdp1_rank0", "fsdp1_rank1"))
+    assert rank0["tied"]["seen"]["local_shape"] == rank1["tied"]["seen"]["local_shape"] == [504]
+    assert (rank0["untied"]["seen"]["local_shape"], rank1["untied"]["seen"]["local_shape"]) == ([0], [1008])
+    for tying in ("tied", "untied"):
+        _assert_equal_steps(single, rank0, rank1, tying)
+        keys = set(single[tying]["steps"]["3"])
+        matrices = ("shared",) if tying == "tied" else ("embedding", "head")
+        assert {f"headwatch/update/{m}_row_norm_p50" for m in matrices} <= keys
+        assert ("headwatch/grad/tied_flow_cosine_mean" in keys) == (tying == "tied")
+        assert {"headwatch/grad/head_row_density", "headwatch/collision/rare_rate_head", "headwatch/logits/entropy"} <= keys
+
+
+def test_plain_loop_under_fsdp1_equals_one_process(tmp_path):
+    # headwatch.Headwatch created on a FullyShardedDataParallel root (mix: its own unit), tied and untied:
+    # use_orig_params=True gives every value of one process; use_orig_params=False (no per-parameter
+    # gradient in FSDP1) gives the weight and logit values, skips the gradient ones and says why, once
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(PLAIN1), str(tmp_path), _free_port()], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "fsdp1_plain.json").read_text())
+    assert result["tied-orig"]["seen"]["head_weight_shape"] == [504]  # flat: not a (V, d_model) matrix
+    for name, run in result.items():
+        flat = name.endswith("flat")
+        for step, (expected, got) in enumerate(zip(run["single"], run["sharded"])):
+            missing = set(expected) - set(got)
+            assert not set(got) - set(expected), (name, step)
+            assert all(k.startswith(("headwatch/grad/", "headwatch/update/", "headwatch/freq/")) for k in missing), (name, missing)
+            assert bool(missing) == flat, (name, step, len(missing))
+            wrong = {k: (expected[k], got[k]) for k in got if not _close(expected[k], got[k])}
+            assert not wrong, (name, step, wrong)
+        assert {"headwatch/logits/entropy", "headwatch/tokens/seen_fraction"} <= set(run["sharded"][-1])  # collision: the Lightning test
+        said = [w for w in run["warnings"] if "use_orig_params=False" in w]
+        assert len(said) == (1 if flat else 0), (name, run["warnings"])
+        if not flat:
+            assert sum(k.startswith("headwatch/grad/") for k in run["sharded"][-1]) > 70, name

@@ -102,7 +102,9 @@ class Headwatch:
         self.prefix = prefix
         for m in self.monitors:
             m.configure(Schedule(m.every_factor * log_every_n_steps), self.reducer)
-            m.attach(model)
+            m.root = model  # FSDP1: the wrapped model, summoned from on logging steps
+            with m.full_matrices(None):  # FSDP1: resolve on full weights (a collective)
+                m.attach(model)
         self.figure_every_n_steps = figure_every_n_steps
         set_figures(self._named_monitors(monitors), figure_every_n_steps)
         self.step_index = 0

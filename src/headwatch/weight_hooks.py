@@ -76,6 +76,7 @@ class LookupFlowCapture(_Capture):
             raise HeadwatchError(f"`group` must be an EmbeddingGroup (find_embedding_group), got {type(group).__name__}")
         self.group = group
         self.looked_up: Tensor | None = None
+        self.shape: tuple[int, ...] = tuple(group.weight.shape)
         self.sharded: Any = None
         """A :class:`headwatch.core.sharded.ShardedLookup` set by the monitor on steps whose matrix is
         row-sharded (FSDP2): the flow is then kept compact there instead of in ``gradient``."""
@@ -83,6 +84,7 @@ class LookupFlowCapture(_Capture):
     def attach(self) -> LookupFlowCapture:
         """Register a forward hook on each distinct member; returns self."""
         self.detach()
+        self.shape = tuple(self.group.weight.shape)  # (V, d_model), read now: FSDP1 flattens it outside forward
         seen: set[int] = set()
         for _, module in self.group.modules:
             if id(module) not in seen:
@@ -108,7 +110,7 @@ class LookupFlowCapture(_Capture):
             if not isinstance(ids, Tensor) or not isinstance(output, Tensor):
                 return
             ids = ids.detach()
-            V = self.group.weight.shape[0]
+            V = self.shape[0]
             if self.looked_up is None:
                 self.looked_up = torch.zeros(V, dtype=torch.bool, device=ids.device)
             self.looked_up[ids.reshape(-1).long()] = True
@@ -129,7 +131,9 @@ class LookupFlowCapture(_Capture):
         Modules under an adapter (their output is not a multiple of ``weight``) keep ``c = 1``.
         """
         weight = getattr(module, "weight", None)
-        if weight is not self.group.weight or not output.is_floating_point() or hasattr(module, "base_layer"):
+        # FSDP1 swaps in a full view of the weight during forward: same shape, another tensor
+        same = weight is self.group.weight or (isinstance(weight, Tensor) and tuple(weight.shape) == self.shape)
+        if not same or not output.is_floating_point() or hasattr(module, "base_layer"):
             return None
         with torch.no_grad():
             rows = weight.detach()[ids.long()].double()
@@ -150,7 +154,7 @@ class LookupFlowCapture(_Capture):
             if self.sharded is not None:
                 self.sharded.add(ids.to(grad.device), grad, pad)
                 return
-            out = self._accumulator(grad, tuple(self.group.weight.shape))
+            out = self._accumulator(grad, self.shape)
             lookup_gradient(ids.to(grad.device), grad, out.shape[0], pad, out=out)
         except Exception as err:  # noqa: BLE001
             self.error = self.error or err

@@ -203,7 +203,8 @@ class SynonymCollision(Monitor):
         snap = self.frequency.snapshot()
         confusion = self._confusion_scalars(_TRAIN, "")
         self._last_step = step
-        scalars, tables = self.measure(snap, step)
+        with self.full_matrices([self._head, self._emb]):  # FSDP1: the full matrices (a collective)
+            scalars, tables = self.measure(snap, step)
         scalars.update(confusion)
         self._measurements += 1
         self.media.texts = tables if self.reducer.rank == 0 else {}

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from headwatch.core import fsdp1
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor
 from headwatch.core.sharded import ShardedLookup, is_sharded, local_rows, row_norms_full, row_statistics, tied_flow_statistics
@@ -91,6 +92,9 @@ class GradientDensity(Monitor):
     def _captures(self) -> list[LookupFlowCapture | HeadFlowCapture]:
         return [c for c in (self._lookup_capture, self._head_capture) if c is not None]
 
+    def _root(self) -> nn.Module | None:
+        return self.root if self.root is not None else self.model
+
     def _scratch(self, name: str, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """A ``(V, d_model)`` work buffer; kept between logging steps on the CPU only (first-touch page faults)."""
         dtype = dtype or like.dtype
@@ -152,10 +156,20 @@ class GradientDensity(Monitor):
             return
         self._measured = True  # several optimizers: measure once per step
         try:
-            self._pending = self._gradient_stats(loss_scale)
-            if self.update_density:
-                local = {name: local_rows(w).local for name, w in self._matrices().items()}  # this process's rows
-                self._before = {name: self._scratch(f"before:{name}", w).copy_(w) for name, w in local.items()}
+            if fsdp1.uses_orig_params(self._root()):
+                with self.full_matrices([self._head, self._emb], with_grads=True):  # FSDP1: a collective
+                    self._pending = self._gradient_stats(loss_scale)
+                    if self.update_density:
+                        local = {name: local_rows(w).local for name, w in self._matrices().items()}  # this process's rows
+                        self._before = {name: self._scratch(f"before:{name}", w).copy_(w) for name, w in local.items()}
+            else:
+                self.warn_once(
+                    "fsdp1_flat",
+                    "GradientDensityMonitor: FSDP1 runs with use_orig_params=False, which keeps no gradient per "
+                    "parameter, so the embedding and head gradients cannot be measured; their statistics are "
+                    "skipped. Fix: FullyShardedDataParallel(..., use_orig_params=True) (Lightning's FSDPStrategy "
+                    "default), or FSDP2 (fully_shard). (warned once)",
+                )
         except Exception as err:  # noqa: BLE001
             self.fail(err, "measuring gradients")
             self._pending = {}
@@ -171,8 +185,9 @@ class GradientDensity(Monitor):
         self.media.figures.clear()
         try:
             scalars = dict(self._pending)
-            if self._before:
-                scalars.update(self._update_stats())
+            with self.full_matrices([self._head, self._emb]):  # FSDP1: a collective, entered on every process
+                if self._before:
+                    scalars.update(self._update_stats())
             if scalars and step is not None:
                 self.logged_steps += 1
                 if self.log_histogram:

@@ -61,6 +61,9 @@ class Monitor:
         self.reducer: Reducer = NoReducer()
         self.schedule = Schedule(0)
         self.model: nn.Module | None = None
+        self.root: nn.Module | None = None
+        """The model as the engine wraps it (FSDP1's ``FullyShardedDataParallel`` root), when it is
+        not the attached model; :meth:`full_matrices` summons from it. None: the attached model."""
         self.media = Media()
         self.failures = 0
         self._warned: set[str] = set()
@@ -80,6 +83,15 @@ class Monitor:
     def detach(self) -> None:
         """Remove every hook; the monitor keeps its state."""
         self.model = None
+
+    def full_matrices(self, modules: list[nn.Module | None] | None, with_grads: bool = False) -> Any:
+        """Context: ``modules``' full weights (and gradients) under FSDP1, a no-op otherwise (:mod:`headwatch.core.fsdp1`).
+
+        A collective under FSDP1: enter it on every process at the same point.
+        """
+        from headwatch.core.fsdp1 import full_matrices
+
+        return full_matrices(self.root if self.root is not None else self.model, modules, with_grads)
 
     # ------------------------------------------------------------------ training
     def step_start(self, batch: Any, step: int, logging: bool) -> None:

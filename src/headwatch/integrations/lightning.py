@@ -133,14 +133,14 @@ class MonitorCallback(Callback):
         # on_fit_start / on_validation_start attach again: say the set-up lines then, on the final model.
         self._hw_provisional = stage in ("fit", "validate")
         try:
-            self._attach(trainer, pl_module, stage)
+            self._attach_wrapped(trainer, pl_module, stage)
         except HeadwatchError as err:  # the model may be built later (configure_model, LightningModule.setup)
             self._attach_error = err
         finally:
             self._hw_provisional = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._attach(trainer, pl_module, "fit")  # raises now if the model still lacks the modules
+        self._attach_wrapped(trainer, pl_module, "fit")  # raises now if the model still lacks the modules
         try:
             if trainer.is_global_zero:
                 tb.write_layout(tensorboard_writers(trainer), self.prefix)  # type: ignore[attr-defined]
@@ -149,7 +149,17 @@ class MonitorCallback(Callback):
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "validate":  # after configure_model; raises if the model still lacks the modules
-            self._attach(trainer, pl_module, "validate")
+            self._attach_wrapped(trainer, pl_module, "validate")
+
+    def _attach_wrapped(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """:meth:`_attach` with the strategy's wrapped model as the monitor's root; under FSDP1
+        (``FSDPStrategy``, after ``on_fit_start``) inside ``summon_full_params`` of the units that
+        hold vocabulary-sized matrices, so the head and embedding are resolved on full weights."""
+        core = self._core()
+        wrapped = getattr(trainer.strategy, "model", None)
+        core.root = wrapped if isinstance(wrapped, torch.nn.Module) and wrapped is not pl_module else None
+        with core.full_matrices(None):
+            self._attach(trainer, pl_module, stage)
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve modules and register hooks (idempotent); subclasses add their set-up."""

@@ -190,10 +190,12 @@ class HeadwatchCallback(TrainerCallback):
 
     def attach_model(self, model: nn.Module, every: int) -> None:
         """Configure every monitor (schedule ``every`` steps), attach it and hook the model's forward."""
-        model = unwrap(model)
+        wrapped, model = model, unwrap(model)
         for m in self.monitors:
             m.configure(Schedule(m.every_factor * every), self.reducer)
-            m.attach(model)
+            m.root = wrapped  # FSDP1 (accelerate): summoned from on logging steps
+            with m.full_matrices(None):  # FSDP1: resolve on full weights (a collective)
+                m.attach(model)
         from headwatch.loop import set_figures
 
         set_figures(self._named, self.figure_every_n_steps)
