@@ -2,7 +2,8 @@
 
 ``python tests/hf_ddp.py OUT`` (one process, batch 4) or ``torchrun --nproc_per_node 2
 tests/hf_ddp.py OUT`` (two processes, batch 2 each): the same global batches, in order.
-Each rank writes ``OUT/rank<r>.json``: ``{global_step: {name: value}}`` of every headwatch record.
+Each rank writes ``OUT/rank<r>.json``: ``{global_step: {name: value}}`` of every headwatch record; the
+Trainer saves ``OUT/checkpoint-4`` (with headwatch's ``headwatch_state.pt``) at the last step.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def main(out: str) -> None:
     args = TrainingArguments(
         output_dir=out, max_steps=4, logging_steps=2, per_device_train_batch_size=GLOBAL_BATCH // world,
         learning_rate=1e-2, report_to="none", use_cpu=True, ddp_backend="gloo" if world > 1 else None,
-        save_strategy="no", disable_tqdm=True, ddp_find_unused_parameters=False, seed=0,
+        save_strategy="steps", save_steps=4, save_only_model=True, disable_tqdm=True, ddp_find_unused_parameters=False, seed=0,
     )  # fmt: skip
     cb = HeadwatchCallback()
     trainer = InOrder(model=LlamaForCausalLM(config), args=args, train_dataset=Rows(), callbacks=[cb])

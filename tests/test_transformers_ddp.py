@@ -28,7 +28,7 @@ def test_two_processes_equal_one_process(tmp_path):
         proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
         try:
             main(str(tmp_path / "single"))  # meanwhile, in this process
-            proc.wait(timeout=120)
+            proc.wait(timeout=240)  # loaded 2-core CI runners: imports alone take tens of seconds
         except subprocess.TimeoutExpired:
             pass
         finally:
@@ -46,3 +46,11 @@ def test_two_processes_equal_one_process(tmp_path):
             np.testing.assert_allclose(ranks[0][step][key], value, rtol=1e-5, atol=1e-6, err_msg=f"{step} {key}")
     assert single["2"]["headwatch/tokens/total"] == 2 * 4 * T  # counts summed over both processes
     assert single["2"]["headwatch/logits/positions"] == 4 * (T - 1)  # the 4 rows of the logging step, both halves
+    # the checkpoint at step 4: every rank took the (collective) state, one wrote it; the counts are the
+    # whole run's over both processes, as the one-process run saved them
+    import torch
+
+    states = [torch.load(tmp_path / run / "checkpoint-4" / "headwatch_state.pt", weights_only=True) for run in ("single", "ddp")]
+    assert torch.equal(states[0]["monitors"][0]["counts"], states[1]["monitors"][0]["counts"])
+    assert int(states[1]["monitors"][0]["counts"].sum()) == 4 * 4 * T  # 4 steps x 4 rows x T tokens
+
