@@ -88,7 +88,7 @@ def full_matrices(root: nn.Module | None, modules: Iterable[nn.Module | None] | 
         yield
         return
     fsdp = _fsdp_type()
-    held = holding_units(root, modules if modules is not None else _vocabulary_modules(root))  # type: ignore[arg-type]
+    held = holding_units(root, modules) if modules is not None else _vocabulary_units(found, root)  # type: ignore[arg-type]
     chosen = [u for u in (held or found[:1]) if not _summoned(u)]  # re-entrant: nested calls reuse the outer one
     if not chosen:
         yield
@@ -108,10 +108,15 @@ def _summoned(unit: nn.Module) -> bool:
     return getattr(state, "name", "") == "SUMMON_FULL_PARAMS"
 
 
-def _vocabulary_modules(root: nn.Module) -> list[nn.Module]:
-    """Embedding-like modules and linear layers projecting onto one of their vocabularies."""
+def _vocabulary_units(found: list[nn.Module], root: nn.Module) -> list[nn.Module]:
+    """Units whose flat parameter holds a 2-D parameter with as many rows as an embedding-like
+    module (``num_embeddings``) has: the candidates for the head and the embedding (from FSDP's
+    record of the original shapes, without gathering anything)."""
     sizes = {int(m.num_embeddings) for m in root.modules() if isinstance(getattr(m, "num_embeddings", None), int)}
-    return [
-        m for m in root.modules()
-        if isinstance(getattr(m, "num_embeddings", None), int) or getattr(m, "out_features", None) in sizes
-    ]  # fmt: skip
+    out = []
+    for unit in found:
+        flat = getattr(getattr(unit, "_handle", None), "flat_param", None)
+        shapes = getattr(flat, "_shapes", ())
+        if any(len(shape) == 2 and int(shape[0]) in sizes for shape in shapes):
+            out.append(unit)
+    return out
