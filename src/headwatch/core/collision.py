@@ -21,7 +21,13 @@ from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor
 from headwatch.core.tokens import decode_token, encode_group
 from headwatch.functional.collision import sample_rows, top_colliding_pairs
-from headwatch.core.sharded_drift import corrected_collision_rows, pair_cosine_rows, pairable_rows_sharded, synonym_statistics_rows
+from headwatch.core.sharded_drift import (
+    corrected_collision_rows,
+    nn_cosines_rows,
+    pair_cosine_rows,
+    pairable_rows_sharded,
+    synonym_statistics_rows,
+)
 from headwatch.functional.drift import default_k
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
@@ -267,10 +273,7 @@ class SynonymCollision(Monitor):
         scalars[f"{c}/drift/removed_variance_{name}"] = res.removed_variance
         scalars[f"{c}/untrained_count_{name}"] = p.zero.double()  # valid all-zero rows: never trained
         scalars[f"{c}/nonfinite_count_{name}"] = p.nonfinite.double()
-        cosines = {"rare": res.cosine.cpu()}
-        for group, ids in bucket_rows.items():
-            ids = ids.to(dev)
-            cosines[group] = sharded.nearest_neighbours_sharded(corr_rows, ids[p.mask[ids]], p.mask, budget, reducer).cosine.cpu()
+        cosines = {"rare": res.cosine.cpu(), **nn_cosines_rows(corr_rows, bucket_rows, p.mask, budget, reducer)}
         for group, cos in cosines.items():
             finite = cos[torch.isfinite(cos)]
             scalars[f"{c}/{group}/{name}_nn_cosine_mean"] = finite.double().mean() if finite.numel() else torch.tensor(math.nan, dtype=torch.float64)

@@ -42,10 +42,11 @@ from headwatch.functional.drift_pairs import (
     partner_ranks,
     synonym_statistics,
 )
-from headwatch.functional.neighbors import pair_cosine
+from headwatch.functional.neighbors import nearest_neighbours, pair_cosine
 
 __all__ = [
     "corrected_collision_rows",
+    "nn_cosines_rows",
     "pair_cosine_rows",
     "pairable_rows_sharded",
     "principal_directions_sharded",
@@ -154,6 +155,30 @@ def corrected_collision_rows(
         skipped_queries=(~keep).sum(),
     )
     return result, fixed_rows
+
+
+def nn_cosines_rows(
+    matrix: Tensor | Rows, groups: dict[str, Tensor], pairable: Tensor, max_chunk_bytes: int, reducer: Reducer
+) -> dict[str, Tensor]:
+    """Nearest-neighbour cosine ``(Q_g,)`` float32 of each group's pairable rows among the pairable rows.
+
+    Args:
+        matrix: ``(V, d)`` plain or row-sharded (e.g. the corrected rows of :func:`corrected_collision_rows`).
+        groups: name -> ``(Q_g,)`` row ids (e.g. a sample of each frequency bucket).
+        pairable: ``(V,)`` bool, the same on every process.
+
+    Returns:
+        name -> the cosines of the group's rows that are pairable, in order (on the CPU). One
+        process: one search per group; sharded: one search for every group together.
+    """
+    rows = local_rows(matrix)
+    pairable = pairable.to(rows.local.device)
+    kept = {name: ids.to(pairable.device)[pairable[ids.to(pairable.device)]] for name, ids in groups.items()}
+    if not rows.sharded:
+        return {name: nearest_neighbours(rows.local, ids, pairable, max_chunk_bytes).cosine.cpu() for name, ids in kept.items()}
+    found = nearest_neighbours_sharded(rows, torch.cat([torch.zeros(0, dtype=torch.long, device=pairable.device), *kept.values()]),
+                                       pairable, max_chunk_bytes, reducer)
+    return dict(zip(kept, (c.cpu() for c in found.cosine.split([ids.numel() for ids in kept.values()]))))
 
 
 def pair_cosine_rows(matrix: Tensor | Rows, a: Tensor, b: Tensor, reducer: Reducer) -> Tensor:

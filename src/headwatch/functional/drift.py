@@ -26,6 +26,8 @@ chunks of rows when that is cheap, else from randomized subspace iteration on th
 operator (Halko, Martinsson & Tropp, SIAM Review 2011, Alg. 4.4): each pass reads the rows a
 chunk at a time, so the extra memory is one chunk, a few ``(d, k + 10)`` matrices, and the one
 ``(V, d)`` float32 matrix of corrected rows that the neighbour search reads. Never ``(V, V)``.
+A row-sharded matrix (FSDP2) is corrected process by process, its row sums all-reduced
+(:func:`principal_directions_of`, :mod:`headwatch.core.sharded_drift`): ``n x d`` local rows each.
 """
 
 from __future__ import annotations
