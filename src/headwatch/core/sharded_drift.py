@@ -102,7 +102,7 @@ def principal_directions_sharded(
     )
     d = directions.shape[0]
     packed = torch.cat([mean.double(), directions.double().flatten(), variances, trace.reshape(1)])
-    packed = reducer.sum(packed * float(reducer.rank == 0))  # rank 0's values everywhere
+    packed = reducer.sum(packed if reducer.rank == 0 else torch.zeros_like(packed))  # rank 0's values everywhere
     mean, directions = packed[:d].float(), packed[d : d + d * k].reshape(d, k).float()
     return mean, directions, packed[d + d * k : -1], packed[-1]
 
