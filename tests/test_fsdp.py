@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ SCRIPT = Path(__file__).with_name("fsdp_monitors.py")
 PLAIN = Path(__file__).with_name("fsdp_plain.py")
 OPS = Path(__file__).with_name("fsdp_ops.py")
 PLAIN1 = Path(__file__).with_name("fsdp1_plain.py")
+DRIFT = Path(__file__).with_name("fsdp_drift.py")
 
 
 def _free_port() -> str:
@@ -144,3 +146,48 @@ def test_plain_loop_under_fsdp1_equals_one_process(tmp_path):
         assert len(said) == (1 if flat else 0), (name, run["warnings"])
         if not flat:
             assert sum(k.startswith("headwatch/grad/") for k in run["sharded"][-1]) > 70, name
+def _relative(expected: float, got: float) -> float:
+    if math.isnan(expected) or math.isnan(got):
+        return 0.0 if math.isnan(expected) and math.isnan(got) else math.inf
+    return abs(got - expected) / max(abs(expected), 1e-12)
+
+
+def _table_numbers(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\| (-?\d\.\d{4}) (?=\|)", text)]
+
+
+def test_drift_corrected_collision_on_local_rows_equals_one_process(tmp_path):
+    """Was: the sharded path gathered the whole (V, d_model) matrix on every process before the correction."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(DRIFT), str(tmp_path), _free_port()], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"drift_rank{r}.json").read_text()) for r in (0, 1)]
+    V, d = 1001, 32
+    for path in ("exact", "randomized"):
+        single = ranks[0][path]["single"]
+        # the path under test ran (2 matrices: head and embedding), on one process and on both shards
+        assert all(run["calls"][path] == 2 and sum(run["calls"].values()) == 2 for run in (single, *(r[path]["sharded"] for r in ranks)))
+        # the recorder sees the one-process (V, d_model) tensors; the shards hold none
+        assert [V, d] in single["full"] and single["most_rows"] == V
+        for r, rank in enumerate(ranks):
+            got = rank[path]["sharded"]
+            assert got["full"] == [], (path, r, got["full"])
+            assert got["most_rows"] < V, (path, r, got["most_rows"])  # the local rows plus the gathered queries
+            assert set(got["scalars"]) == set(single["scalars"])
+            wrong = {k: (v, got["scalars"][k]) for k, v in single["scalars"].items() if _relative(v, got["scalars"][k]) > 1e-5}
+            assert not wrong, (path, r, wrong)
+            for name, pairs in single["pairs"].items():
+                assert [p[:2] for p in got["pairs"][name]] == [p[:2] for p in pairs]
+                assert all(abs(a[2] - b[2]) < 1e-5 for a, b in zip(got["pairs"][name], pairs))
+            assert got["tables"].keys() == single["tables"].keys()
+            for key, text in single["tables"].items():  # cosines, drift removed and raw (the pair's rows gathered)
+                ours, theirs = _table_numbers(got["tables"][key]), _table_numbers(text)
+                assert len(ours) == len(theirs) > 0 and all(abs(a - b) <= 1.5e-4 for a, b in zip(ours, theirs)), key
+        s = single["scalars"]
+        for m in ("head", "embedding"):
+            # planted: drift makes every raw rare cosine pass tau; corrected, only the 50 planted pairs collide
+            assert s[f"headwatch/collision/drift/raw_rate_{m}"] == 1.0
+            assert 0.05 < s[f"headwatch/collision/rare_rate_{m}"] < 0.4
+            assert s[f"headwatch/collision/synonym_pair_rate_{m}"] == 1 / 3  # 310 ~ 420 only
+            assert s[f"headwatch/collision/synonym_partner_rank_{m}"] > 10  # the median pair is an independent one
+            assert s[f"headwatch/collision/untrained_count_{m}"] == 1.0

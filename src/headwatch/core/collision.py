@@ -21,11 +21,17 @@ from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor
 from headwatch.core.tokens import decode_token, encode_group
 from headwatch.functional.collision import sample_rows, top_colliding_pairs
-from headwatch.functional.drift import default_k, pairable_rows
-from headwatch.functional.drift_pairs import corrected_collision, synonym_statistics
+from headwatch.core.sharded_drift import (
+    corrected_collision_rows,
+    nn_cosines_rows,
+    pair_cosine_rows,
+    pairable_rows_sharded,
+    synonym_statistics_rows,
+)
+from headwatch.functional.drift import default_k
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
+from headwatch.functional.neighbors import Neighbours, synonym_confusion, synonym_table
 from headwatch.weights import effective_weight, resolve_matrices
 
 __all__ = ["DEFAULT_TAU", "SynonymCollision", "decode_token", "encode_group"]
@@ -44,7 +50,9 @@ class SynonymCollision(Monitor):
 
     Every rank computes the same values (the weights and the summed counts are the same on
     every process; the principal directions are seeded), so every rank publishes the same keys
-    on the same steps.
+    on the same steps. A row-sharded matrix (FSDP2, DTensor ``Shard(0)``) is measured on each
+    process's own rows, the sums and maxima combined exactly (:mod:`headwatch.core.sharded_drift`):
+    no process holds the whole ``(V, d_model)`` matrix.
     """
 
     name = "collision"
@@ -254,30 +262,26 @@ class SynonymCollision(Monitor):
         self, name: str, weight: Tensor, snap: FrequencySnapshot, sample: Tensor, bucket_rows: dict[str, Tensor],
         scalars: dict[str, Any], tables: dict[str, str],
     ) -> dict[str, Any]:  # fmt: skip
-        c, dev, budget = f"{self.prefix}/collision", weight.device, self.max_chunk_bytes
-        if sharded.is_sharded(weight):  # row-sharded (FSDP2): the correction needs every row (README: known limit)
-            weight = sharded.gather_rows(weight, torch.arange(snap.valid.numel(), device=dev), self.reducer)
-        seen = (snap.counts > 0).to(dev)
-        p = pairable_rows(weight, snap.valid.to(dev), seen, self.include_unseen, budget)
-        k = self.k if self.k is not None else default_k(weight.shape[1])
-        res, corr = corrected_collision(weight, sample.to(dev), p.mask, self.tau, min(k, weight.shape[1]), max_chunk_bytes=budget)
+        c, budget, reducer = f"{self.prefix}/collision", self.max_chunk_bytes, self.reducer
+        rows = sharded.local_rows(weight)  # row-sharded (FSDP2): this process's rows only, combined exactly
+        dev, d = rows.local.device, rows.local.shape[1]
+        p = pairable_rows_sharded(rows, snap.valid.to(dev), (snap.counts > 0).to(dev), self.include_unseen, budget, reducer)
+        k = min(self.k if self.k is not None else default_k(d), d)
+        res, corr_rows = corrected_collision_rows(rows, sample.to(dev), p.mask, self.tau, k, budget, reducer)
         scalars[f"{c}/rare_rate_{name}"] = res.rate
         scalars[f"{c}/drift/raw_rate_{name}"] = res.raw_rate
         scalars[f"{c}/drift/mean_cos_{name}"] = res.drift_mean_cos
         scalars[f"{c}/drift/removed_variance_{name}"] = res.removed_variance
         scalars[f"{c}/untrained_count_{name}"] = p.zero.double()  # valid all-zero rows: never trained
         scalars[f"{c}/nonfinite_count_{name}"] = p.nonfinite.double()
-        cosines = {"rare": res.cosine.cpu()}
-        for group, rows in bucket_rows.items():
-            rows = rows.to(dev)
-            cosines[group] = nearest_neighbours(corr.rows, rows[p.mask[rows]], p.mask, budget).cosine.cpu()
+        cosines = {"rare": res.cosine.cpu(), **nn_cosines_rows(corr_rows, bucket_rows, p.mask, budget, reducer)}
         for group, cos in cosines.items():
             finite = cos[torch.isfinite(cos)]
             scalars[f"{c}/{group}/{name}_nn_cosine_mean"] = finite.double().mean() if finite.numel() else torch.tensor(math.nan, dtype=torch.float64)
         pairs = top_colliding_pairs(res.queries, Neighbours(res.cosine, res.neighbour), self.tau, self.top_pairs)
         tables[f"{c}/top_pairs_{name}"] = self._table_text(pairs, weight, snap, p)
         if self._group_ids:
-            st = synonym_statistics(corr.rows, self._group_ids, p.mask, self.tau, budget)
+            st = synonym_statistics_rows(corr_rows, self._group_ids, p.mask, self.tau, budget, reducer)
             scalars[f"{c}/synonym_pair_rate_{name}"] = st["pair_rate"]
             scalars[f"{c}/synonym_partner_rank_{name}"] = st["median_rank"]
             if name == "head":
@@ -295,7 +299,7 @@ class SynonymCollision(Monitor):
         )
         if not pairs:
             return f"no rare token collides at tau = {self.tau}\n\n{excluded}"
-        raw = pair_cosine(weight, torch.tensor([r for r, _, _ in pairs]), torch.tensor([j for _, j, _ in pairs])).tolist()
+        raw = pair_cosine_rows(weight, torch.tensor([r for r, _, _ in pairs]), torch.tensor([j for _, j, _ in pairs]), self.reducer).tolist()
         lines = ["| rare token | count | nearest row | count | cosine (drift removed) | raw cosine |", "|---|---|---|---|---|---|"]
         for (r, j, cos), raw_cos in zip(pairs, raw):
             lines.append(

@@ -26,11 +26,13 @@ chunks of rows when that is cheap, else from randomized subspace iteration on th
 operator (Halko, Martinsson & Tropp, SIAM Review 2011, Alg. 4.4): each pass reads the rows a
 chunk at a time, so the extra memory is one chunk, a few ``(d, k + 10)`` matrices, and the one
 ``(V, d)`` float32 matrix of corrected rows that the neighbour search reads. Never ``(V, V)``.
+A row-sharded matrix (FSDP2) is corrected process by process, its row sums all-reduced
+(:func:`principal_directions_of`, :mod:`headwatch.core.sharded_drift`): ``n x d`` local rows each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -150,50 +152,84 @@ def top_principal_directions(
         raise HeadwatchError(f"`k` must be an int in [1, d_model={d}], got {k!r}")
     if method not in ("auto", "exact", "randomized"):
         raise HeadwatchError(f"`method` must be 'auto', 'exact' or 'randomized', got {method!r}")
-    ids = valid.nonzero().flatten()
-    n = ids.numel()
+    return principal_directions_of(rows, valid.nonzero().flatten(), k, method, niter, seed, max_chunk_bytes)
+
+
+def _same(total: Tensor) -> Tensor:
+    return total
+
+
+def principal_directions_of(
+    rows: Tensor,
+    ids: Tensor,
+    k: int,
+    method: str = "auto",
+    niter: int = 2,
+    seed: int = 0,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    total: Callable[[Tensor], Tensor] = _same,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`top_principal_directions` of the rows ``ids`` (sorted, unique), arguments already checked.
+
+    Every row-sum (the count, the mean's ``(d,)`` sum, the ``(d, d)`` covariance or the
+    randomized path's ``(d, k + 10)`` products and trace) goes through ``total``: the identity on
+    one process, an all-reduce sum over processes that each pass their own rows (row-sharded
+    matrices, :mod:`headwatch.core.sharded_drift`). The randomized start is seeded, so every
+    process computes the same directions from the same sums.
+
+    Raises:
+        HeadwatchError: fewer than 2 rows in all.
+    """
+    d = rows.shape[1]
+    n = ids.numel() if total is _same else int(total(torch.tensor(float(ids.numel()), dtype=torch.float64, device=rows.device)))
     if n < 2:
         raise HeadwatchError(f"principal directions need at least 2 valid rows, got {n}")
     q = min(d, k + _OVERSAMPLE)
     step = _chunk_rows(d, max(d, q), max_chunk_bytes)
-    total = torch.zeros(d, dtype=torch.float64, device=rows.device)
+    sums = torch.zeros(d, dtype=torch.float64, device=rows.device)
     for chunk in _chunks(rows, ids, step):
-        total += chunk.sum(0, dtype=torch.float64)
-    mean64 = total / n
+        sums += chunk.sum(0, dtype=torch.float64)
+    mean64 = total(sums) / n
     mean = mean64.float()
     if method == "exact" or (method == "auto" and n * d * d <= _EXACT_MACS):
-        directions, variances, trace = _exact_directions(rows, ids, mean64, k, step)
+        directions, variances, trace = _exact_directions(rows, ids, mean64, k, step, total)
     else:
-        directions, variances, trace = _randomized_directions(rows, ids, mean, k, q, niter, seed, step)
+        directions, variances, trace = _randomized_directions(rows, ids, mean, k, q, niter, seed, step, total)
     return mean, directions, variances, trace
 
 
-def _exact_directions(rows: Tensor, ids: Tensor, mean64: Tensor, k: int, step: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Top-``k`` eigenpairs of the float64 covariance accumulated over chunks, and its trace."""
+def _exact_directions(
+    rows: Tensor, ids: Tensor, mean64: Tensor, k: int, step: int, total: Callable[[Tensor], Tensor] = _same
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Top-``k`` eigenpairs of the float64 covariance accumulated over chunks (summed by ``total``), and its trace."""
     d = rows.shape[1]
     cov = torch.zeros(d, d, dtype=torch.float64, device=rows.device)
     for chunk in _chunks(rows, ids, step):
         xc = chunk.double().sub_(mean64)
         cov.addmm_(xc.T, xc)
+    cov = total(cov)
     values, vectors = torch.linalg.eigh(cov)  # ascending
     return vectors.flip(1)[:, :k].float(), values.flip(0)[:k].clamp(min=0.0), cov.diagonal().sum()
 
 
 def _randomized_directions(
-    rows: Tensor, ids: Tensor, mean: Tensor, k: int, q: int, niter: int, seed: int, step: int
+    rows: Tensor, ids: Tensor, mean: Tensor, k: int, q: int, niter: int, seed: int, step: int,
+    total: Callable[[Tensor], Tensor] = _same,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Subspace iteration on the covariance operator (Halko et al. 2011, Alg. 4.4), then Rayleigh-Ritz."""
     d = rows.shape[1]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     basis = torch.linalg.qr(torch.randn(d, q, generator=gen, dtype=torch.float64).to(rows.device)).Q
     for _ in range(niter):
-        basis = torch.linalg.qr(_covariance_times(rows, ids, mean, basis, step)).Q
+        basis = torch.linalg.qr(total(_covariance_times(rows, ids, mean, basis, step))).Q
     trace = torch.zeros((), dtype=torch.float64, device=rows.device)
     projected = torch.zeros_like(basis)
     b32 = basis.float()
     for xc in _centred_chunks(rows, ids, mean, step):
         trace += xc.double().square().sum()
         projected += (xc.T @ (xc @ b32)).double()
+    both = total(torch.cat([projected, trace.reshape(1, 1).expand(1, projected.shape[1])]))  # one collective
+    projected, trace = both[:-1], both[-1, 0]
     values, vectors = torch.linalg.eigh(basis.T @ projected)  # (q, q), ascending
     directions = torch.linalg.qr(basis @ vectors.flip(1)[:, :k]).Q
     return directions.float(), values.flip(0)[:k].clamp(min=0.0), trace
@@ -229,15 +265,24 @@ def remove_top_directions(
     mean, directions, variances, total = top_principal_directions(
         rows, valid, k, method=method, niter=niter, seed=seed, max_chunk_bytes=max_chunk_bytes
     )
-    V, d = rows.shape
-    out = torch.empty(V, d, dtype=torch.float32, device=rows.device)
+    return DriftCorrection(apply_correction(rows, mean, directions, max_chunk_bytes), mean, directions, variances, total)
+
+
+def apply_correction(rows: Tensor, mean: Tensor, directions: Tensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> Tensor:
+    """``x' = (x - mean) - U U^T (x - mean)`` of every row: ``(n, d)`` rows, ``(d,)`` mean, ``(d, k)`` ``U``.
+
+    Returns one new ``(n, d)`` float32 tensor (on a row-sharded matrix: the local rows only),
+    computed a chunk of rows at a time.
+    """
+    n, d = rows.shape
+    out = torch.empty(n, d, dtype=torch.float32, device=rows.device)
     step = _chunk_rows(d, directions.shape[1], max_chunk_bytes)
     w = rows.detach()
-    for s in range(0, V, step):
+    for s in range(0, n, step):
         block = out[s : s + step]
         torch.sub(w[s : s + step], mean, out=block)  # (c, d) float32
         block.addmm_(block @ directions, directions.T, alpha=-1.0)
-    return DriftCorrection(out, mean, directions, variances, total)
+    return out
 
 
 class Pairable(NamedTuple):
@@ -300,6 +345,12 @@ def mean_resultant_length(rows: Tensor, ids: Tensor, max_chunk_bytes: int = DEFA
     1 when all rows point one way, about ``1/sqrt(n)`` for random directions. Zero rows
     count as zero vectors.
     """
+    total = unit_row_sum(rows, ids, max_chunk_bytes)
+    return torch.linalg.vector_norm(total) / ids.numel() if ids.numel() else total.new_tensor(float("nan"))
+
+
+def unit_row_sum(rows: Tensor, ids: Tensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> Tensor:
+    """``sum_i x_i / ||x_i||`` over the rows ``ids`` of ``(n, d)`` ``rows``: ``(d,)`` float64 (a zero row adds 0)."""
     d = rows.shape[1]
     total = torch.zeros(d, dtype=torch.float64, device=rows.device)
     tiny = torch.finfo(torch.float32).tiny
@@ -308,4 +359,4 @@ def mean_resultant_length(rows: Tensor, ids: Tensor, max_chunk_bytes: int = DEFA
     for s in range(0, ids.numel(), step):
         x = rows.index_select(0, ids[s : s + step]).float()
         total += (x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp(min=tiny)).double().sum(0)
-    return torch.linalg.vector_norm(total) / ids.numel() if ids.numel() else total.new_tensor(float("nan"))
+    return total

@@ -64,6 +64,22 @@ def _rate(cos: Tensor, tau: float) -> Tensor:
     return (cos >= tau).double().mean()
 
 
+def check_queries(queries: Tensor, tau: float, V: int, device: torch.device) -> Tensor:
+    """``(Q,)`` int64 ``queries`` on ``device``, checked: 1-D integer ids in ``[0, V)``, ``tau`` in ``[-1, 1]``.
+
+    Raises:
+        HeadwatchError: ``tau`` is not a cosine, or ``queries`` not 1-D integer ids in ``[0, V)``.
+    """
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not -1.0 <= tau <= 1.0:
+        raise HeadwatchError(f"`tau` must be a cosine in [-1, 1], got {tau!r}")
+    if not isinstance(queries, Tensor) or queries.ndim != 1 or queries.is_floating_point():
+        raise HeadwatchError("expected `queries` to be a 1-D integer tensor of row ids")
+    queries = queries.to(device).long()
+    if queries.numel() and (int(queries.min()) < 0 or int(queries.max()) >= V):
+        raise HeadwatchError(f"query row ids must be in [0, {V}), got values from {int(queries.min())} to {int(queries.max())}")
+    return queries
+
+
 @torch.no_grad()
 def corrected_collision(
     rows: Tensor,
@@ -98,14 +114,7 @@ def corrected_collision(
         :func:`headwatch.functional.drift.remove_top_directions`.
     """
     pairable = _check_rows(rows, pairable)
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not -1.0 <= tau <= 1.0:
-        raise HeadwatchError(f"`tau` must be a cosine in [-1, 1], got {tau!r}")
-    if not isinstance(queries, Tensor) or queries.ndim != 1 or queries.is_floating_point():
-        raise HeadwatchError("expected `queries` to be a 1-D integer tensor of row ids")
-    queries = queries.to(rows.device).long()
-    V = rows.shape[0]
-    if queries.numel() and (int(queries.min()) < 0 or int(queries.max()) >= V):
-        raise HeadwatchError(f"query row ids must be in [0, {V}), got values from {int(queries.min())} to {int(queries.max())}")
+    queries = check_queries(queries, tau, rows.shape[0], rows.device)
     if correction is None:
         correction = remove_top_directions(rows, pairable if basis is None else basis, k, max_chunk_bytes=max_chunk_bytes)
     keep = pairable[queries]
