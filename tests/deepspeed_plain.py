@@ -3,8 +3,9 @@ under a DeepSpeed ZeRO engine (stages 1, 2, 3; fp32; a torch SGD client optimize
 also trains a one-process twin without DeepSpeed on the same global batches and writes both runs' values,
 the warnings headwatch gave, and what the engine did to the head's Parameter.
 
-usage: python tests/deepspeed_plain.py OUT_DIR PORT STAGE [STAGE ...] [--after]
+usage: python tests/deepspeed_plain.py OUT_DIR PORT STAGE [STAGE ...] [--after] [--late]
   --after: create ``Headwatch`` after ``deepspeed.initialize`` (default: before)
+  --late: call ``before_optimizer_step`` after ``engine.step()`` (a misuse: the gradient is gone)
 """
 
 from __future__ import annotations
@@ -72,18 +73,21 @@ def plain_step(model, opt):
     return step
 
 
-def engine_step(engine):
+def engine_step(engine, late: bool):
     def step(x, hw):
         logits = engine(x)
         engine.backward(F.cross_entropy(logits[:, :-1].reshape(-1, V), x[:, 1:].reshape(-1)))
-        hw.before_optimizer_step()  # gradients final: reduced (stage 1, 2) or partitioned (stage 3) by ZeRO
+        if not late:
+            hw.before_optimizer_step()  # gradients final: reduced (stage 1, 2) or partitioned (stage 3) by ZeRO
         engine.step()  # optimizer step and zero_grad
+        if late:
+            hw.before_optimizer_step()
         hw.after_optimizer_step()
 
     return step
 
 
-def run_zero(stage: int, tied: bool, data, rank: int, after: bool) -> dict:
+def run_zero(stage: int, tied: bool, data, rank: int, after: bool, late: bool) -> dict:
     import deepspeed
 
     from headwatch import Headwatch
@@ -108,7 +112,7 @@ def run_zero(stage: int, tied: bool, data, rank: int, after: bool) -> dict:
             result["seen"] = {"shape": list(w.shape), "ds_id": hasattr(w, "ds_id"), "hp_mapping": hasattr(w, "_hp_mapping")}
             if after:
                 hw = Headwatch(engine.module, monitors=monitors(), log_every_n_steps=1, figure_every_n_steps=0)
-            result["values"] = train(engine_step(engine), hw, data, rank, 2)
+            result["values"] = train(engine_step(engine, late), hw, data, rank, 2)
             hw.close()
         except Exception as err:  # noqa: BLE001 - recorded for the test
             result["error"] = f"{type(err).__name__}: {err}"
@@ -128,7 +132,7 @@ def run_single(tied: bool, data) -> list[dict[str, float]]:
     return out
 
 
-def work(rank: int, out_dir: str, port: str, stages: list[int], after: bool) -> None:
+def work(rank: int, out_dir: str, port: str, stages: list[int], after: bool, late: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     import deepspeed
@@ -142,12 +146,12 @@ def work(rank: int, out_dir: str, port: str, stages: list[int], after: bool) -> 
         if rank == 0:
             result[f"single/{tying}"] = run_single(tied, data)
         for stage in stages:
-            result[f"zero{stage}/{tying}"] = run_zero(stage, tied, data, rank, after)
+            result[f"zero{stage}/{tying}"] = run_zero(stage, tied, data, rank, after, late)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, default=str))
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--after"]
-    mp.spawn(work, args=(args[0], args[1], [int(s) for s in args[2:]], "--after" in sys.argv), nprocs=2)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    mp.spawn(work, args=(args[0], args[1], [int(s) for s in args[2:]], "--after" in sys.argv, "--late" in sys.argv), nprocs=2)

@@ -222,9 +222,9 @@ class GradientDensity(Monitor):
         lookup = self._captured(self._lookup_capture, loss_scale)
         head_eff = self._captured(self._head_capture, loss_scale)
         param = {role: state.gradient_parameter for role, state in trains.items()}
-        head_grad = full_gradient(param["head"], self.info_once) if param["head"] is not None else head_eff  # ZeRO: DeepSpeed holds it
+        head_grad = full_gradient(param["head"], self.reducer, self.info_once) if param["head"] is not None else head_eff  # ZeRO: DeepSpeed holds it
         if not self.tied:
-            emb_grad = full_gradient(param["embedding"], self.info_once) if param["embedding"] is not None else lookup
+            emb_grad = full_gradient(param["embedding"], self.reducer, self.info_once) if param["embedding"] is not None else lookup
             flows = {"embedding": emb_grad, "head": head_grad}
             return {flow: grad for flow, grad in flows.items() if trains[flow].trains}  # frozen: said once
         if not trains["head"].trains:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from headwatch._errors import HeadwatchError
+from headwatch.core.reduce import Reducer
 
 __all__ = ["full_gradient", "full_weight", "gathered", "zero_stage"]
 
@@ -40,37 +41,63 @@ def zero_stage(param: Tensor | None) -> int:
     return 1 if hasattr(param, "_hp_mapping") else 0
 
 
-def full_gradient(param: Tensor | None, say: Callable[[str], None] | None = None) -> Tensor | None:
+def _fragment_ready(param: Tensor) -> bool:
+    """ZeRO stage 1/2: whether this process's fragment of ``param``'s gradient exists (no collective).
+
+    ``safe_get_full_grad`` raises on a process whose fragment is gone (after ``engine.step``) while
+    the others wait in its all-reduce; checking first, and agreeing, keeps every process on one path.
+    Reads the attributes ``safe_get_full_grad`` itself reads (DeepSpeed 0.19).
+    """
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:  # this process holds no fragment of the parameter
+        return True
+    try:
+        mapping.get_lp_grad_fragment(param._index_in_param_group)  # type: ignore[attr-defined]
+    except (ValueError, KeyError, AttributeError, IndexError):
+        return False
+    return True
+
+
+def full_gradient(param: Tensor | None, reducer: Reducer | None = None, say: Callable[[str], None] | None = None) -> Tensor | None:
     """``param.grad``, or, for a Parameter whose gradient DeepSpeed ZeRO holds, the full averaged gradient.
 
-    Between ``engine.backward`` and ``engine.step`` (on the gradient-accumulation boundary) this is
+    Between ``engine.backward`` and ``engine.step``, on the gradient-accumulation boundary, this is
     ``deepspeed.utils.safe_get_full_grad(param)``, shape ``param``'s full shape (``ds_shape`` at stage
-    3), averaged over processes like DDP's ``.grad``. A collective under ZeRO. ``say`` (a monitor's
-    ``info_once``) receives one line saying so and what it costs.
+    3), averaged over processes like DDP's ``.grad`` (measured equal to one process's ``.grad`` within
+    4e-7 relative, fp32). A collective under ZeRO: ``reducer`` (every process) first agrees that the
+    gradient is there. ``say`` (a monitor's ``info_once``) receives one line saying so and what it costs.
+
+    Not detectable here: a call on a micro-step that is not the accumulation boundary (stage 1 then
+    returns each process's own partial sum).
 
     Raises:
-        HeadwatchError: DeepSpeed holds the gradient but returns none (called outside that window,
-            or a set-up DeepSpeed cannot assemble); the message says where to call from.
+        HeadwatchError: DeepSpeed holds the gradient but cannot give it on some process (called
+            after ``engine.step``); the message says where to call from.
     """
     if param is None or param.grad is not None or not param.requires_grad or not zero_stage(param):
         return None if param is None else param.grad
-    from deepspeed.utils import safe_get_full_grad
-
     stage = "3" if zero_stage(param) == 3 else "1 or 2"
+    ready = zero_stage(param) == 3 or _fragment_ready(param)
+    if reducer is not None:
+        ready = reducer.all(ready)
+    if not ready:
+        raise HeadwatchError(
+            f"DeepSpeed ZeRO stage {stage} holds this matrix's gradient (`param.grad` is None) and no longer "
+            "has it (`engine.step()` already ran?): call `before_optimizer_step()` after `engine.backward(loss)` "
+            "and before `engine.step()`, on a gradient-accumulation boundary; or train under FSDP2 "
+            "(`fully_shard`), where headwatch reads `.grad`"
+        )
     if say is not None:
         say(
             f"headwatch: DeepSpeed ZeRO stage {stage} holds the gradients (`param.grad` is None); read with "
             "`deepspeed.utils.safe_get_full_grad`, which assembles each full (vocab_size, d_model) float32 "
             "gradient on every process on logging steps (a collective)"
         )
+    from deepspeed.utils import safe_get_full_grad
+
     grad = safe_get_full_grad(param)
     if grad is None:
-        raise HeadwatchError(
-            f"DeepSpeed ZeRO stage {stage} holds this matrix's gradient (`param.grad` is None) and "
-            "`deepspeed.utils.safe_get_full_grad` returned None: call `before_optimizer_step()` after "
-            "`engine.backward(loss)` and before `engine.step()`, on a gradient-accumulation boundary; "
-            "or train under FSDP2 (`fully_shard`) or ZeRO stage 0, where headwatch reads `.grad`"
-        )
+        raise HeadwatchError(f"DeepSpeed ZeRO stage {stage}: `deepspeed.utils.safe_get_full_grad` returned None for a trained matrix")
     return grad
 
 
