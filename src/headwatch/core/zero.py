@@ -41,13 +41,24 @@ def zero_stage(param: Tensor | None) -> int:
     return 1 if hasattr(param, "_hp_mapping") else 0
 
 
-def _fragment_ready(param: Tensor) -> bool:
-    """ZeRO stage 1/2: whether this process's fragment of ``param``'s gradient exists (no collective).
+def _gradient_ready(param: Tensor) -> bool:
+    """Whether ZeRO still holds this process's part of ``param``'s gradient (no collective).
 
-    ``safe_get_full_grad`` raises on a process whose fragment is gone (after ``engine.step``) while
-    the others wait in its all-reduce; checking first, and agreeing, keeps every process on one path.
-    Reads the attributes ``safe_get_full_grad`` itself reads (DeepSpeed 0.19).
+    After ``engine.step()`` it does not: stage 1/2's ``safe_get_full_grad`` then raises on the
+    processes that own a fragment while the others wait in its all-reduce, and stage 3's returns the
+    values left in its fp32 buffer. Checking first, and agreeing, keeps every process on one path.
+    Reads the attributes DeepSpeed's own accessors read (DeepSpeed 0.19); where they are missing
+    (another version, ZeRO-3 optimizer offload), trusts ``safe_get_full_grad``.
     """
+    if zero_stage(param) == 3:
+        opt = getattr(param, "_z3_optimizer", None)
+        try:
+            if opt.offload_optimizer:  # type: ignore[union-attr]
+                return True
+            group = opt.grad_position[opt.get_param_id(param)][0]  # type: ignore[union-attr]
+            return opt.averaged_gradients.get(group) is not None  # type: ignore[union-attr]  # set by backward, None after step
+        except (AttributeError, KeyError, TypeError, IndexError):
+            return True
     mapping = getattr(param, "_hp_mapping", None)
     if mapping is None:  # this process holds no fragment of the parameter
         return True
@@ -68,7 +79,7 @@ def full_gradient(param: Tensor | None, reducer: Reducer | None = None, say: Cal
     gradient is there. ``say`` (a monitor's ``info_once``) receives one line saying so and what it costs.
 
     Not detectable here: a call on a micro-step that is not the accumulation boundary (stage 1 then
-    returns each process's own partial sum).
+    returns each process's own partial sum). Detected and refused: a call after ``engine.step()``.
 
     Raises:
         HeadwatchError: DeepSpeed holds the gradient but cannot give it on some process (called
@@ -77,15 +88,17 @@ def full_gradient(param: Tensor | None, reducer: Reducer | None = None, say: Cal
     if param is None or param.grad is not None or not param.requires_grad or not zero_stage(param):
         return None if param is None else param.grad
     stage = "3" if zero_stage(param) == 3 else "1 or 2"
-    ready = zero_stage(param) == 3 or _fragment_ready(param)
+    ready = _gradient_ready(param)
     if reducer is not None:
         ready = reducer.all(ready)
     if not ready:
         raise HeadwatchError(
             f"DeepSpeed ZeRO stage {stage} holds this matrix's gradient (`param.grad` is None) and no longer "
-            "has it (`engine.step()` already ran?): call `before_optimizer_step()` after `engine.backward(loss)` "
-            "and before `engine.step()`, on a gradient-accumulation boundary; or train under FSDP2 "
-            "(`fully_shard`), where headwatch reads `.grad`"
+            "has it: `engine.step()` already ran. In a plain loop call `before_optimizer_step()` after "
+            "`engine.backward(loss)` and before `engine.step()`, on a gradient-accumulation boundary; the Hugging "
+            "Face Trainer (accelerate) steps the engine inside `accelerator.backward`, before `on_pre_optimizer_step`, "
+            "so its gradients cannot be read there: use the plain loop, or FSDP2 (`fully_shard`), where headwatch "
+            "reads `.grad`"
         )
     if say is not None:
         say(
