@@ -11,6 +11,7 @@ usage: python tests/deepspeed_plain.py OUT_DIR PORT STAGE [STAGE ...] [--after] 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import warnings
@@ -103,6 +104,11 @@ def run_zero(stage: int, tied: bool, data, rank: int, after: bool, late: bool) -
         "steps_per_print": 10**6,
     }
     result: dict = {"error": None, "values": [], "warnings": []}
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("headwatch").addHandler(handler)
+    logging.getLogger("headwatch").setLevel(logging.INFO)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -117,6 +123,8 @@ def run_zero(stage: int, tied: bool, data, rank: int, after: bool, late: bool) -
         except Exception as err:  # noqa: BLE001 - recorded for the test
             result["error"] = f"{type(err).__name__}: {err}"
     result["warnings"] = sorted({str(w.message) for w in caught if "headwatch" in str(w.message).lower() or "Monitor" in str(w.message)})
+    result["info"] = [m for m in said if "DeepSpeed" in m]  # rank 0 only
+    logging.getLogger("headwatch").removeHandler(handler)
     return result
 
 

@@ -61,6 +61,9 @@ def _compare(rank0: dict, rank1: dict, run: str, tying: str) -> tuple[list[dict]
 def _assert_equal_to_one_process(rank0: dict, rank1: dict, run: str, tying: str) -> None:
     got, single = _compare(rank0, rank1, run, tying)
     assert rank0[run]["warnings"] == [], (run, rank0[run]["warnings"])
+    # said once, on rank 0, with the cost
+    assert len(rank0[run]["info"]) == 1 and "safe_get_full_grad" in rank0[run]["info"][0], rank0[run]["info"]
+    assert rank1[run]["info"] == []
     for step, (expected, values) in enumerate(zip(single, got)):
         assert set(values) == set(expected), (run, step, set(values) ^ set(expected))
         wrong = {k: (expected[k], values[k]) for k in expected if not _close(expected[k], values[k])}
