@@ -6,6 +6,7 @@ the warnings headwatch gave, and what the engine did to the head's Parameter.
 usage: python tests/deepspeed_plain.py OUT_DIR PORT STAGE [STAGE ...] [--after] [--late]
   --after: create ``Headwatch`` after ``deepspeed.initialize`` (default: before)
   --late: call ``before_optimizer_step`` after ``engine.step()`` (a misuse: the gradient is gone)
+  --bf16: DeepSpeed's bf16 mode (bf16 weights and forward; the twin stays float32)
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def run_zero(stage: int, tied: bool, data, rank: int, after: bool, late: bool) -
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default here: the plain twin does not clip
         "steps_per_print": 10**6,
+        "bf16": {"enabled": "--bf16" in sys.argv},
     }
     result: dict = {"error": None, "values": [], "warnings": []}
     said: list[str] = []

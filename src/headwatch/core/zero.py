@@ -10,8 +10,7 @@ needed to recognise them:
   ``param`` is an empty ``torch.Size([0])`` placeholder.
 
 The full values are read with DeepSpeed's documented accessors
-(``deepspeed.utils.safe_get_full_grad``, ``safe_get_full_fp32_param``,
-``deepspeed.zero.GatheredParameters``). Each is a collective over the data-parallel group: every
+(``deepspeed.utils.safe_get_full_grad``, ``deepspeed.zero.GatheredParameters``). Each is a collective over the data-parallel group: every
 process calls them in the same order (headwatch's measurements already run on every process), and
 each assembles the whole ``(V, d_model)`` tensor on every process (``4 V d_model`` bytes in
 float32: 2.1 GB at ``V = 128256``, ``d_model = 4096``) for the measurement's duration.
@@ -115,23 +114,20 @@ def full_gradient(param: Tensor | None, reducer: Reducer | None = None, say: Cal
 
 
 def full_weight(weight: Tensor | None) -> Tensor | None:
-    """``weight``, or, for a ZeRO-3 partitioned Parameter, its full float32 value (a collective).
+    """``weight``, or, for a ZeRO-3 partitioned Parameter, a float32 copy of its full value (a collective).
 
-    ZeRO-3: ``deepspeed.utils.safe_get_full_fp32_param`` (the optimizer's float32 master copy,
-    equal to the weight in float32 training; under bf16/fp16 training the forward uses its
-    rounding), shape ``ds_shape``. Other tensors are returned unchanged.
+    ZeRO-3: gathered with ``deepspeed.zero.GatheredParameters`` (released on exit) and copied, shape
+    ``ds_shape``: the weight the forward computes with, in its dtype (bf16 under DeepSpeed's bf16
+    mode), as stages 1 and 2 and plain models give it; not the optimizer's float32 master copy
+    (``safe_get_full_fp32_param``), whose update differs from the bf16 weights' by their rounding.
+    Other tensors are returned unchanged.
     """
     if zero_stage(weight) != 3:
         return weight
-    from deepspeed.utils import safe_get_full_fp32_param
+    import deepspeed  # `deepspeed.zero` is an attribute, not an importable module
 
-    full = safe_get_full_fp32_param(weight)
-    if full is None:  # not managed by a ZeRO-3 optimizer (frozen?): gather the module's own values
-        import deepspeed  # `deepspeed.zero` is an attribute, not an importable module
-
-        with deepspeed.zero.GatheredParameters([weight]):
-            full = weight.detach().to(torch.float32, copy=True)
-    return full.reshape(weight.ds_shape)  # type: ignore[attr-defined]
+    with deepspeed.zero.GatheredParameters([weight]):
+        return weight.detach().to(torch.float32, copy=True)  # type: ignore[union-attr]
 
 
 def _vocabulary_matrices(model: nn.Module) -> list[Tensor]:
