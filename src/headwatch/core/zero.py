@@ -10,8 +10,9 @@ needed to recognise them:
   ``param`` is an empty ``torch.Size([0])`` placeholder.
 
 The full values are read with DeepSpeed's documented accessors
-(``deepspeed.utils.safe_get_full_grad``, ``deepspeed.zero.GatheredParameters``). Each is a collective over the data-parallel group: every
-process calls them in the same order (headwatch's measurements already run on every process), and
+(``deepspeed.utils.safe_get_full_grad``, ``deepspeed.zero.GatheredParameters``). Each is a
+collective over the data-parallel group: every process calls them in the same order (headwatch's
+measurements already run on every process), and
 each assembles the whole ``(V, d_model)`` tensor on every process (``4 V d_model`` bytes in
 float32: 2.1 GB at ``V = 128256``, ``d_model = 4096``) for the measurement's duration.
 ``deepspeed`` is imported only for a Parameter that carries these marks.
