@@ -103,6 +103,7 @@ def test_gradient_read_after_engine_step_is_refused_once(tmp_path):
         got, single = _compare(rank0, rank1, run, tying)
         warned = rank0[run]["warnings"]
         assert len(warned) == 1 and "`engine.step()` already ran" in warned[0] and "before `engine.step()`" in warned[0], warned
+        assert rank1[run]["warnings"] == []  # said on rank 0 only; rank 1 took the same path, silently
         for expected, values in zip(single, got):
             assert not any(k.startswith("headwatch/grad/") for k in values)  # skipped, on both ranks
             assert "headwatch/logits/entropy" in values
