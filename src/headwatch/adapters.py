@@ -118,7 +118,9 @@ def effective_weight(module: nn.Module, copy: bool = False) -> Tensor:
         chosen = _saved_active(module)
         return effective_weight(chosen, copy)
     if kind == "plain" and not _is_lora(module):
-        weight = getattr(module, "weight", None)
+        from headwatch.core.zero import full_weight  # DeepSpeed ZeRO-3: the partitioned weight's full value
+
+        weight = full_weight(getattr(module, "weight", None))
         if not isinstance(weight, Tensor) or weight.ndim != 2:
             raise HeadwatchError(f"{type(module).__name__} has no 2-D `weight`; expected a head or an embedding")
         return weight.detach().to(torch.float32, copy=copy)

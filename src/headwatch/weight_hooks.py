@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from headwatch._errors import HeadwatchError
+from headwatch.core.zero import zero_stage
 from headwatch.functional.adapters import head_weight_gradient
 from headwatch.functional.rows import lookup_gradient
 from headwatch.weights import EmbeddingGroup
@@ -89,7 +90,8 @@ class LookupFlowCapture(_Capture):
         for _, module in self.group.modules:
             if id(module) not in seen:
                 seen.add(id(module))
-                self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True))
+                # DeepSpeed ZeRO-3 releases the weight in its own forward hook: run before it (rows are read here)
+                self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True, prepend=zero_stage(self.group.weight) == 3))
         return self
 
     def reset(self) -> None:

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from headwatch.core import fsdp1
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor
+from headwatch.core.zero import full_gradient
 from headwatch.core.sharded import ShardedLookup, is_sharded, local_rows, row_norms_full, row_statistics, tied_flow_statistics
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.rows import dense_rows, spearman
@@ -236,9 +237,9 @@ class GradientDensity(Monitor):
         lookup = self._captured(self._lookup_capture, loss_scale)
         head_eff = self._captured(self._head_capture, loss_scale)
         param = {role: state.gradient_parameter for role, state in trains.items()}
-        head_grad = param["head"].grad if param["head"] is not None else head_eff
+        head_grad = full_gradient(param["head"], self.reducer, self.info_once) if param["head"] is not None else head_eff  # ZeRO: DeepSpeed holds it
         if not self.tied:
-            emb_grad = param["embedding"].grad if param["embedding"] is not None else lookup
+            emb_grad = full_gradient(param["embedding"], self.reducer, self.info_once) if param["embedding"] is not None else lookup
             flows = {"embedding": emb_grad, "head": head_grad}
             return {flow: grad for flow, grad in flows.items() if trains[flow].trains}  # frozen: said once
         if not trains["head"].trains:

@@ -15,6 +15,7 @@ from headwatch import tensorboard as tb
 from headwatch._errors import HeadwatchError
 from headwatch.core.monitor import Monitor, to_floats
 from headwatch.core.schedule import Schedule
+from headwatch.core.zero import gathered
 
 
 class LightningReducer:
@@ -163,7 +164,8 @@ class MonitorCallback(Callback):
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve modules and register hooks (idempotent); subclasses add their set-up."""
-        self._core().attach(pl_module)
+        with gathered(pl_module):  # DeepSpeed ZeRO-3 partitions the matrices: full shapes while resolving
+            self._core().attach(pl_module)
         self._attach_error = None
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
