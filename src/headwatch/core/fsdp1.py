@@ -26,6 +26,8 @@ from typing import Any
 
 from torch import nn
 
+from headwatch._errors import HeadwatchError
+
 __all__ = ["full_matrices", "holding_units", "uses_orig_params", "units"]
 
 
@@ -84,11 +86,13 @@ def full_matrices(root: nn.Module | None, modules: Iterable[nn.Module | None] | 
         with_grads: also the full ``.grad`` (needs ``use_orig_params=True``).
     """
     found = units(root)
+    held = holding_units(root, modules if modules is not None else _vocabulary_modules(root)) if found else []  # type: ignore[arg-type]
+    if modules is not None and not held:
+        _refuse_wrapped_after(root, modules)
     if not found:
         yield
         return
     fsdp = _fsdp_type()
-    held = holding_units(root, modules if modules is not None else _vocabulary_modules(root))  # type: ignore[arg-type]
     chosen = [u for u in (held or found[:1]) if not _summoned(u)]  # re-entrant: nested calls reuse the outer one
     if not chosen:
         yield
@@ -101,6 +105,23 @@ def full_matrices(root: nn.Module | None, modules: Iterable[nn.Module | None] | 
         for unit in chosen:
             stack.enter_context(fsdp.summon_full_params(unit, recurse=False, writeback=False, with_grads=with_grads))
         yield
+
+
+def _refuse_wrapped_after(root: nn.Module | None, modules: Iterable[nn.Module | None]) -> None:
+    """Raise when FSDP1 flattened ``modules`` but no unit of ``root`` holds them (wrapped after attach)."""
+    wanted = {sub for m in modules if m is not None for sub in m.modules()}
+    # use_orig_params=True: FSDP1 marks the Parameters it flattened; False: the wrapped module keeps the FlatParameter
+    marked = any(getattr(p, "_fsdp_flattened", False) for m in wanted for p in m.parameters(recurse=False))
+    flats = (getattr(m, "_flat_param", None) for m in (root.modules() if root is not None else ()))
+    if marked or any(set(getattr(flat, "_modules", ())) & wanted for flat in flats if flat is not None):
+        err = HeadwatchError(
+            "the head and embedding weights were flattened by FullyShardedDataParallel (FSDP1), which "
+            "wrapped the model after headwatch attached to it: from the inner model headwatch cannot "
+            "summon the full matrices, so the gradient, update and collision statistics are skipped. "
+            "Fix: create headwatch.Headwatch on the wrapped model, after FullyShardedDataParallel(model, ...)"
+        )
+        err.warn_key = "fsdp1_wrapped_after"  # type: ignore[attr-defined]  # Monitor.fail: said once per monitor
+        raise err
 
 
 def _summoned(unit: nn.Module) -> bool:
