@@ -4,7 +4,8 @@ model, tied and untied, ``use_orig_params`` True and False; rank 0 also trains a
 same global batches and writes both runs' values and the warnings each run gave. Then, against those twins:
 ``before-wrap`` (Headwatch created on the model before FullyShardedDataParallel wrapped it), ``accum-headunit``
 (untied, the head its own unit, 2 micro-batches per step, the first under ``no_sync()``) and ``fail-rank1``
-(measurements made to fail on rank 1 only; rank 1 writes its published keys to fsdp1_plain_r1.json).
+(measurements made to fail on rank 1 only; rank 1 writes its published keys to fsdp1_plain_r1.json); and a tiny
+tied ``LlamaForCausalLM`` wrapped with ``transformer_auto_wrap_policy`` against its own one-process twin.
 
 usage: python tests/fsdp1_plain.py OUT_DIR PORT
 """
@@ -120,6 +121,47 @@ def adversarial(rank: int, data, result: dict, out_dir: str) -> None:
             Path(out_dir, "fsdp1_plain_r1.json").write_text(json.dumps({name: values}))
 
 
+def llama(rank: int, data, result: dict) -> None:
+    """A tiny tied LlamaForCausalLM, LlamaDecoderLayer units (transformer_auto_wrap_policy): the root holds the
+    embedding, the final norm and the head; headwatch's defaults, the loss the model computes from ``labels``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from headwatch import Headwatch
+    from headwatch.core import NoReducer
+
+    def build() -> LlamaForCausalLM:
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=True)  # fmt: skip
+        return LlamaForCausalLM(config)
+
+    def run(model, hw, rank: int, world: int) -> list[dict[str, float]]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        out = []
+        for step, batch in enumerate(data):
+            x = batch[rank::world]
+            hw.step_start({"input_ids": x, "labels": x}, step)
+            model(input_ids=x, labels=x).loss.backward()
+            hw.before_optimizer_step()
+            opt.step()
+            hw.after_optimizer_step()
+            opt.zero_grad()
+            out.append(hw.step_end())
+        return out
+
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    model = FullyShardedDataParallel(build(), device_id=torch.device("cpu"), use_orig_params=True, auto_wrap_policy=policy)
+    hw = Headwatch(model, log_every_n_steps=1)
+    sharded = run(model, hw, rank, 2)
+    hw.close()
+    if rank == 0:
+        twin = build()
+        result["llama-tied"] = {"sharded": sharded, "single": run(twin, Headwatch(twin, log_every_n_steps=1, reducer=NoReducer()), 0, 1)}
+
+
 def work(rank: int, out_dir: str, port: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -148,6 +190,7 @@ def work(rank: int, out_dir: str, port: str) -> None:
                     "sharded": sharded, "single": single, "seen": seen, "warnings": [str(w.message) for w in caught],
                 }
             hw.close()
+    llama(rank, data, result)
     adversarial(rank, data, result, out_dir)
     if rank == 0:
         Path(out_dir, "fsdp1_plain.json").write_text(json.dumps(result))

@@ -170,6 +170,11 @@ def test_plain_loop_under_fsdp1_hostile_uses(plain1_run):
     run = result["accum-headunit"]
     for expected, got in zip(run["single"], run["sharded"]):
         assert set(got) == set(expected) and all(_close(expected[k], got[k]) for k in got)
+    # a tiny tied LlamaForCausalLM, decoder layers as units, headwatch's defaults: one process's values
+    run = result["llama-tied"]
+    for expected, got in zip(run["single"], run["sharded"]):
+        assert set(got) == set(expected) and all(_close(expected[k], got[k]) for k in got)
+    assert {"headwatch/grad/tied_flow_cosine_mean", "headwatch/update/shared_row_norm_p50"} <= set(run["sharded"][-1])
     # 3. measurements failing on rank 1 only (local math, after their collectives): no hang, both ranks publish
     # the same keys, rank 0 says once per monitor that another process failed, and what is published is exact.
     # Was: rank 0 published the gradient values rank 1 dropped, and said nothing.
