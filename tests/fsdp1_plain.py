@@ -182,6 +182,7 @@ def work(rank: int, out_dir: str, port: str) -> None:
                 hw = Headwatch(model, monitors=MONITORS, log_every_n_steps=1)  # on the wrapped model
                 sharded = train(model, hw, data, rank, 2)
             seen = {"head_weight_shape": list(inner.lm_head.weight.shape)}  # outside a measurement: the flat part
+            seen["tying"] = next(m.tying_text for m in hw.monitors if hasattr(m, "tying_text"))
             if rank == 0:
                 torch.manual_seed(0)
                 twin = LM(tied)

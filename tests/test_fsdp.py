@@ -137,6 +137,8 @@ def test_plain_loop_under_fsdp1_equals_one_process(plain1_run):
     # gradient in FSDP1) gives the weight and logit values, skips the gradient ones and says why, once
     result = plain1_run[0]
     assert result["tied-orig"]["seen"]["head_weight_shape"] == [504]  # flat: not a (V, d_model) matrix
+    # the model's own names in messages; was "head `_fsdp_wrapped_module.lm_head` and embedding ..."
+    assert result["untied-orig"]["seen"]["tying"].startswith("head `lm_head` and embedding `embed_tokens`"), result["untied-orig"]["seen"]
     for name in ("tied-orig", "tied-flat", "untied-orig", "untied-flat"):
         run = result[name]
         flat = name.endswith("flat")

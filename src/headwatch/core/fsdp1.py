@@ -28,7 +28,7 @@ from torch import nn
 
 from headwatch._errors import HeadwatchError
 
-__all__ = ["full_matrices", "holding_units", "uses_orig_params", "units"]
+__all__ = ["full_matrices", "holding_units", "unwrapped", "uses_orig_params", "units"]
 
 
 def _fsdp_type() -> Any:
@@ -45,6 +45,16 @@ def units(root: nn.Module | None) -> list[nn.Module]:
     if root is None or fsdp is None:
         return []
     return [m for m in root.modules() if isinstance(m, fsdp)]
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The module a ``FullyShardedDataParallel`` root wraps (whose names are the model's own), else ``model``.
+
+    Attaching there rather than to the root keeps FSDP1's ``_fsdp_wrapped_module.`` out of the names
+    headwatch prints; the measurements still summon from the root.
+    """
+    fsdp = _fsdp_type()
+    return model.module if fsdp is not None and isinstance(model, fsdp) else model
 
 
 def _held_modules(unit: nn.Module) -> set[nn.Module]:
