@@ -94,6 +94,10 @@ def full_matrices(root: nn.Module | None, modules: Iterable[nn.Module | None] | 
             containing the units).
         modules: the watched modules (head, embedding), or None (resolution, see above).
         with_grads: also the full ``.grad`` (needs ``use_orig_params=True``).
+
+    Raises:
+        HeadwatchError: FSDP1 flattened ``modules`` but no unit of ``root`` holds them (the model
+            was wrapped after headwatch attached to it); said once per monitor (``warn_key``).
     """
     found = units(root)
     held = holding_units(root, modules if modules is not None else _vocabulary_modules(root)) if found else []  # type: ignore[arg-type]
@@ -128,7 +132,8 @@ def _refuse_wrapped_after(root: nn.Module | None, modules: Iterable[nn.Module | 
             "the head and embedding weights were flattened by FullyShardedDataParallel (FSDP1), which "
             "wrapped the model after headwatch attached to it: from the inner model headwatch cannot "
             "summon the full matrices, so the gradient, update and collision statistics are skipped. "
-            "Fix: create headwatch.Headwatch on the wrapped model, after FullyShardedDataParallel(model, ...)"
+            "Fix: create headwatch.Headwatch on the wrapped model, after FullyShardedDataParallel(model, ...) "
+            "(the Lightning and Hugging Face callbacks find the wrapped model themselves)"
         )
         err.warn_key = "fsdp1_wrapped_after"  # type: ignore[attr-defined]  # Monitor.fail: said once per monitor
         raise err
