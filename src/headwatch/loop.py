@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from headwatch import tensorboard as tb
 from headwatch._errors import HeadwatchError
+from headwatch.core import fsdp1
 from headwatch.core.batch import BatchFormat
 from headwatch.core.collision import SynonymCollision
 from headwatch.core.frequency import TokenCounts
@@ -106,7 +107,7 @@ class Headwatch:
                 m.configure(Schedule(m.every_factor * log_every_n_steps), self.reducer)
                 m.root = model  # FSDP1: the wrapped model, summoned from on logging steps
                 with m.full_matrices(None):  # FSDP1: resolve on full weights (a collective)
-                    m.attach(model)
+                    m.attach(fsdp1.unwrapped(model))  # FSDP1: the inner model's names (no `_fsdp_wrapped_module.`)
         self.figure_every_n_steps = figure_every_n_steps
         set_figures(self._named_monitors(monitors), figure_every_n_steps)
         self.step_index = 0

@@ -26,7 +26,9 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["full_matrices", "holding_units", "uses_orig_params", "units"]
+from headwatch._errors import HeadwatchError
+
+__all__ = ["full_matrices", "holding_units", "unwrapped", "uses_orig_params", "units"]
 
 
 def _fsdp_type() -> Any:
@@ -43,6 +45,16 @@ def units(root: nn.Module | None) -> list[nn.Module]:
     if root is None or fsdp is None:
         return []
     return [m for m in root.modules() if isinstance(m, fsdp)]
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The module a ``FullyShardedDataParallel`` root wraps (whose names are the model's own), else ``model``.
+
+    Attaching there rather than to the root keeps FSDP1's ``_fsdp_wrapped_module.`` out of the names
+    headwatch prints; the measurements still summon from the root.
+    """
+    fsdp = _fsdp_type()
+    return model.module if fsdp is not None and isinstance(model, fsdp) else model
 
 
 def _held_modules(unit: nn.Module) -> set[nn.Module]:
@@ -82,13 +94,19 @@ def full_matrices(root: nn.Module | None, modules: Iterable[nn.Module | None] | 
             containing the units).
         modules: the watched modules (head, embedding), or None (resolution, see above).
         with_grads: also the full ``.grad`` (needs ``use_orig_params=True``).
+
+    Raises:
+        HeadwatchError: FSDP1 flattened ``modules`` but no unit of ``root`` holds them (the model
+            was wrapped after headwatch attached to it); said once per monitor (``warn_key``).
     """
     found = units(root)
+    held = (holding_units(root, modules) if modules is not None else _vocabulary_units(found, root)) if found else []  # type: ignore[arg-type]
+    if modules is not None and not held:
+        _refuse_wrapped_after(root, modules)
     if not found:
         yield
         return
     fsdp = _fsdp_type()
-    held = holding_units(root, modules) if modules is not None else _vocabulary_units(found, root)  # type: ignore[arg-type]
     chosen = [u for u in (held or found[:1]) if not _summoned(u)]  # re-entrant: nested calls reuse the outer one
     if not chosen:
         yield
@@ -101,6 +119,24 @@ def full_matrices(root: nn.Module | None, modules: Iterable[nn.Module | None] | 
         for unit in chosen:
             stack.enter_context(fsdp.summon_full_params(unit, recurse=False, writeback=False, with_grads=with_grads))
         yield
+
+
+def _refuse_wrapped_after(root: nn.Module | None, modules: Iterable[nn.Module | None]) -> None:
+    """Raise when FSDP1 flattened ``modules`` but no unit of ``root`` holds them (wrapped after attach)."""
+    wanted = {sub for m in modules if m is not None for sub in m.modules()}
+    # use_orig_params=True: FSDP1 marks the Parameters it flattened; False: the wrapped module keeps the FlatParameter
+    marked = any(getattr(p, "_fsdp_flattened", False) for m in wanted for p in m.parameters(recurse=False))
+    flats = (getattr(m, "_flat_param", None) for m in (root.modules() if root is not None else ()))
+    if marked or any(set(getattr(flat, "_modules", ())) & wanted for flat in flats if flat is not None):
+        err = HeadwatchError(
+            "the head and embedding weights were flattened by FullyShardedDataParallel (FSDP1), which "
+            "wrapped the model after headwatch attached to it: from the inner model headwatch cannot "
+            "summon the full matrices, so the gradient, update and collision statistics are skipped. "
+            "Fix: create headwatch.Headwatch on the wrapped model, after FullyShardedDataParallel(model, ...) "
+            "(the Lightning and Hugging Face callbacks find the wrapped model themselves)"
+        )
+        err.warn_key = "fsdp1_wrapped_after"  # type: ignore[attr-defined]  # Monitor.fail: said once per monitor
+        raise err
 
 
 def _summoned(unit: nn.Module) -> bool:

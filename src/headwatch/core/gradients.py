@@ -156,6 +156,7 @@ class GradientDensity(Monitor):
         if not self._active or self._measured:
             return
         self._measured = True  # several optimizers: measure once per step
+        ok = True
         try:
             if fsdp1.uses_orig_params(self._root()):
                 with self.full_matrices([self._head, self._emb], with_grads=True):  # FSDP1: a collective
@@ -173,7 +174,9 @@ class GradientDensity(Monitor):
                 )
         except Exception as err:  # noqa: BLE001
             self.fail(err, "measuring gradients")
-            self._pending = {}
+            ok = False
+        if not self.agree(ok, "measuring gradients"):  # every process keeps the same values (a collective)
+            self._pending, self._before = {}, {}
         for capture in self._captures():
             capture.reset()
 
@@ -186,9 +189,16 @@ class GradientDensity(Monitor):
         self.media.figures.clear()
         try:
             scalars = dict(self._pending)
-            with self.full_matrices([self._head, self._emb]):  # FSDP1: a collective, entered on every process
-                if self._before:
-                    scalars.update(self._update_stats())
+            ok = True
+            try:
+                with self.full_matrices([self._head, self._emb]):  # FSDP1: a collective, entered on every process
+                    if self._before:
+                        scalars.update(self._update_stats())
+            except Exception as err:  # noqa: BLE001
+                self.fail(err, "logging gradient statistics")
+                ok = False
+            if not self.agree(ok, "logging gradient statistics"):  # the same keys on every process
+                return {}
             if scalars and step is not None:
                 self.logged_steps += 1
                 if self.log_histogram:

@@ -15,6 +15,14 @@ from headwatch.core.reduce import NoReducer, Reducer
 from headwatch.core.schedule import Schedule
 
 
+FAILED_ELSEWHERE = HeadwatchError(
+    "it failed on another process (whose warning is not shown: warnings come from rank zero); "
+    "its values of this step are dropped on every process"
+)
+"""The error a process that succeeded reports when the same measurement failed on another one."""
+FAILED_ELSEWHERE.warn_key = "failed_elsewhere"  # type: ignore[attr-defined]  # said once per monitor, wherever
+
+
 @dataclass
 class Media:
     """What a measurement produced besides scalars; written by rank zero only."""
@@ -153,6 +161,19 @@ class Monitor:
 
             logging.getLogger("headwatch").info(message)
 
+    def agree(self, ok: bool, where: str) -> bool:
+        """Whether the measurement succeeded on every process (a collective with several processes).
+
+        A process where it succeeded but failed elsewhere says so once (the failing process's own
+        warning is not shown: warnings come from rank zero), so every rank drops the same values.
+        """
+        if self.reducer.world_size <= 1:
+            return ok
+        everywhere = self.reducer.all(ok)
+        if ok and not everywhere:
+            self.fail(FAILED_ELSEWHERE, where)
+        return everywhere
+
     def fail(self, err: Exception, where: str) -> None:
         """A measurement failed: raise when ``strict``, else warn once, count it and go on."""
         label = type(self).__name__
@@ -160,7 +181,7 @@ class Monitor:
             raise HeadwatchError(f"{label} failed while {where}: {type(err).__name__}: {err}") from err
         self.failures += 1
         self.warn_once(
-            f"fail:{where}",
+            getattr(err, "warn_key", f"fail:{where}"),  # one cause met at several places: said once
             f"{label} failed while {where} ({type(err).__name__}: {err}); training goes on and "
             "this measurement is skipped. Pass strict=True to raise instead. (warned once)",
         )
@@ -183,7 +204,10 @@ def compute_due(due: list[Monitor], reducer: Reducer, val: bool = False) -> tupl
             m.fail(err, "computing the statistics")
             failed.append(m)
     if reducer.world_size > 1 and due and not reducer.all(not failed):
-        failed = [m for m in due if not reducer.all(m not in failed)]
+        here, failed = failed, [m for m in due if not reducer.all(m not in failed)]
+        for m in failed:
+            if m not in here:
+                m.fail(FAILED_ELSEWHERE, "computing the statistics")
     # validation: a monitor without values keeps the media of its last training measurement (not published)
     ok = [m for m in due if m not in failed and (scalars[m] or not val)]
     return {k: v for m in ok for k, v in scalars[m].items()}, ok
