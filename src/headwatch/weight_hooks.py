@@ -20,7 +20,6 @@ import torch
 from torch import Tensor, nn
 
 from headwatch._errors import HeadwatchError
-from headwatch.core.zero import zero_stage
 from headwatch.functional.adapters import head_weight_gradient
 from headwatch.functional.rows import lookup_gradient
 from headwatch.weights import EmbeddingGroup
@@ -85,13 +84,16 @@ class LookupFlowCapture(_Capture):
     def attach(self) -> LookupFlowCapture:
         """Register a forward hook on each distinct member; returns self."""
         self.detach()
+        from headwatch.core.zero import zero_stage  # here: headwatch.core imports this module
+
         self.shape = tuple(self.group.weight.shape)  # (V, d_model), read now: FSDP1 flattens it outside forward
+        zero3 = zero_stage(self.group.weight) == 3
         seen: set[int] = set()
         for _, module in self.group.modules:
             if id(module) not in seen:
                 seen.add(id(module))
                 # DeepSpeed ZeRO-3 releases the weight in its own forward hook: run before it (rows are read here)
-                self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True, prepend=zero_stage(self.group.weight) == 3))
+                self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True, prepend=zero3))
         return self
 
     def reset(self) -> None:
