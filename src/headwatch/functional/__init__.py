@@ -110,14 +110,18 @@ from headwatch.functional.calibration import (  # noqa: E402
 from headwatch.functional.drift import (  # noqa: E402
     DriftCorrection,
     Pairable,
+    apply_correction,
     default_k,
     mean_resultant_length,
     pairable_rows,
+    principal_directions_of,
     remove_top_directions,
     top_principal_directions,
+    unit_row_sum,
 )
 from headwatch.functional.drift_pairs import (  # noqa: E402
     CorrectedCollision,
+    check_queries,
     corrected_collision,
     nn_cosine_by_bucket,
     ordered_pairs,
@@ -142,6 +146,10 @@ __all__ += [
     "pairable_rows",
     "partner_ranks",
     "remove_top_directions",
+    "apply_correction",
+    "principal_directions_of",
+    "unit_row_sum",
+    "check_queries",
     "synonym_statistics",
     "top_principal_directions",
 ]
