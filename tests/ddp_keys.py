@@ -1,5 +1,6 @@
 """Run by tests/test_ddp_keys.py: every monitor on 2 CPU processes (gloo), with ModelCheckpoint and
-EarlyStopping watching headwatch keys; each rank dumps the headwatch keys and values it published.
+EarlyStopping watching headwatch keys, the logit statistics failing on rank 1 only at step 2; each
+rank dumps the headwatch keys and values it published.
 
 usage: python tests/ddp_keys.py OUT_DIR
 """
@@ -15,22 +16,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint  # noqa: E402
 
+import torch  # noqa: E402
+
 from headwatch import GradientDensityMonitor, LogitStatsMonitor, SynonymCollisionMonitor, TokenFrequency  # noqa: E402
+from headwatch.integrations.lightning import published_steps  # noqa: E402
 from tests.helpers import TinyCausalLM, loader, shutdown_distributed  # noqa: E402
 
 MONITORS = {"logits": "headwatch/logits/", "grad": "headwatch/grad/", "tokens": "headwatch/tokens/", "collision": "headwatch/collision/"}
 
 
+class FailsOnRank1(LogitStatsMonitor):
+    """Its statistics fail on rank 1 only, at step 2 (the third logging step), after their collectives
+    (a failure before one leaves the other rank waiting in it: the README's known limit)."""
+
+    calls = 0
+
+    def compute(self):
+        self.calls += 1
+        out = super().compute()
+        if self.calls == 3 and torch.distributed.get_rank() == 1:
+            raise RuntimeError("injected on rank 1")
+        return out
+
+
 class Recorder(pl.Callback):
-    """Per step: the headwatch keys (by monitor) and values each rank holds after the batch."""
+    """Per step: the headwatch keys (by monitor) and values each rank holds after the batch, and the
+    step each logits key was last published at."""
 
     def __init__(self):
         self.steps: dict[int, dict[str, float]] = {}
+        self.published: dict[int, list[int]] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.steps[trainer.global_step - 1] = {
-            k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("headwatch/")
-        }
+        step = trainer.global_step - 1
+        self.steps[step] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("headwatch/")}
+        last = published_steps(trainer)
+        self.published[step] = sorted({v for k, v in last.items() if k.startswith("headwatch/logits/")})
 
 
 def main() -> None:
@@ -54,7 +75,7 @@ def main() -> None:
         num_sanity_val_steps=0,
         callbacks=[
             TokenFrequency(),
-            LogitStatsMonitor(figure_every_n_steps=0),
+            FailsOnRank1(figure_every_n_steps=0),
             GradientDensityMonitor(figure_every_n_steps=0),
             SynonymCollisionMonitor(every_n_steps=2, figures=False),
             checkpoint,
@@ -64,7 +85,7 @@ def main() -> None:
     )
     trainer.fit(TinyCausalLM(tie_weights=True), loader(n=32, batch_size=4))
     saved = sorted(p.name for p in (out / "ckpt").glob("*.ckpt"))
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps({"steps": recorder.steps, "saved": saved}))
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps({"steps": recorder.steps, "saved": saved, "published": recorder.published}))
 
 
 if __name__ == "__main__":

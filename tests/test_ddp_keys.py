@@ -30,3 +30,7 @@ def test_same_keys_and_values_on_every_rank_and_checkpoint_on_a_collision_key(tm
         assert a == b or all(a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]) for k in a), step  # NaN == NaN
     assert "headwatch/collision/rare_rate_head" in r0["steps"]["1"]
     assert r0["saved"] == r1["saved"] and len(r0["saved"]) == 2  # steps 2 and 4
+    # the logit statistics failed on rank 1 only at step 2: dropped on both ranks (was: rank 0 published its
+    # values, rank 1 did not, and the ranks' callback_metrics differed from step 2 on)
+    assert [r0["published"][s] for s in ("1", "2", "3")] == [r1["published"][s] for s in ("1", "2", "3")] == [[1], [1], [3]]
+

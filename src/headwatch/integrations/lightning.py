@@ -13,7 +13,7 @@ from torch import Tensor
 
 from headwatch import tensorboard as tb
 from headwatch._errors import HeadwatchError
-from headwatch.core.monitor import Monitor, to_floats
+from headwatch.core.monitor import Monitor, compute_due, to_floats
 from headwatch.core.schedule import Schedule
 from headwatch.core.zero import gathered
 
@@ -234,8 +234,9 @@ class MonitorCallback(Callback):
         if not self._measuring_validation(trainer):
             return
         core = self._core()
+        scalars, _ = compute_due([core], core.reducer, val=True)  # a failure on one rank is dropped on every rank
         try:
-            numbers = to_floats(core.validation_epoch_end())
+            numbers = to_floats(scalars)
             for k, v in numbers.items():
                 # identical on every rank already; sync_dist averages equal values (and silences Lightning's warning)
                 pl_module.log(k, v, on_step=False, on_epoch=True, sync_dist=True, add_dataloader_idx=False)
@@ -248,8 +249,11 @@ class MonitorCallback(Callback):
     def _emit(self, trainer: pl.Trainer, step: int) -> dict[str, float]:
         """compute (every rank: a collective), publish, then rank zero writes the media."""
         core = self._core()
+        scalars, ok = compute_due([core], core.reducer)  # a failure on one rank is dropped on every rank
+        if not ok:
+            return {}
         try:
-            numbers = publish(trainer, core.compute(), step)
+            numbers = publish(trainer, scalars, step)
             core.published(numbers)
             tb.write_media(tensorboard_writers(trainer), core.media, step)
             return numbers
