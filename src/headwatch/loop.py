@@ -16,10 +16,9 @@ from headwatch.core.collision import SynonymCollision
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.gradients import GradientDensity
 from headwatch.core.logits import LogitStats
-from headwatch.core.monitor import Monitor, compute_due, to_floats
+from headwatch.core.monitor import Monitor, compute_due, to_floats, whole_matrices
 from headwatch.core.reduce import Reducer, TorchDistributedReducer
 from headwatch.core.schedule import Schedule
-from headwatch.core.zero import gathered
 from headwatch.figures import check_figure_argument, resolve_figure_interval
 
 _BY_NAME = {"logits": LogitStats, "gradients": GradientDensity, "tokens": TokenCounts, "collision": SynonymCollision}
@@ -102,12 +101,11 @@ class Headwatch:
             m.strict = m.strict or strict
         self.reducer = reducer or TorchDistributedReducer()
         self.prefix = prefix
-        with gathered(model):  # DeepSpeed ZeRO-3 after deepspeed.initialize: full shapes while resolving
+        with whole_matrices(model, model):  # FSDP1 / DeepSpeed ZeRO-3: full shapes while resolving (a collective)
             for m in self.monitors:
                 m.configure(Schedule(m.every_factor * log_every_n_steps), self.reducer)
                 m.root = model  # FSDP1: the wrapped model, summoned from on logging steps
-                with m.full_matrices(None):  # FSDP1: resolve on full weights (a collective)
-                    m.attach(fsdp1.unwrapped(model))  # FSDP1: the inner model's names (no `_fsdp_wrapped_module.`)
+                m.attach(fsdp1.unwrapped(model))  # FSDP1: the inner model's names (no `_fsdp_wrapped_module.`)
         self.figure_every_n_steps = figure_every_n_steps
         set_figures(self._named_monitors(monitors), figure_every_n_steps)
         self.step_index = 0

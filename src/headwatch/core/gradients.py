@@ -184,31 +184,26 @@ class GradientDensity(Monitor):
         return self._step is not None
 
     def compute(self) -> dict[str, Tensor]:
+        """The step's gradient and update statistics (a collective). A failure raises: the front
+        doors' :func:`~headwatch.core.monitor.compute_due` then drops the values on every process alike."""
         step = self._step
         self.media.histograms.clear()
         self.media.figures.clear()
         try:
             scalars = dict(self._pending)
-            ok = True
-            try:
-                with self.full_matrices([self._head, self._emb]):  # FSDP1: a collective, entered on every process
-                    if self._before:
-                        scalars.update(self._update_stats())
-            except Exception as err:  # noqa: BLE001
-                self.fail(err, "logging gradient statistics")
-                ok = False
-            if not self.agree(ok, "logging gradient statistics"):  # the same keys on every process
-                return {}
+            with self.full_matrices([self._head, self._emb]):  # FSDP1: a collective, entered on every process
+                if self._before:
+                    scalars.update(self._update_stats())
             if scalars and step is not None:
                 self.logged_steps += 1
                 if self.log_histogram:
                     self.media.histograms.update(self._histograms)
                 if self.figure_every > 0 and (step + 1) % self.figure_every == 0 and self.reducer.rank == 0:
-                    self._norm_figure()
+                    try:  # rank zero only: a figure that fails loses the figure, not the scalars
+                        self._norm_figure()
+                    except Exception as err:  # noqa: BLE001
+                        self.fail(err, "drawing the row-norm figure")
             return scalars
-        except Exception as err:  # noqa: BLE001
-            self.fail(err, "logging gradient statistics")
-            return {}
         finally:
             self._reset_step()
 

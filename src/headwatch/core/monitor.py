@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,6 +187,21 @@ class Monitor:
             f"{label} failed while {where} ({type(err).__name__}: {err}); training goes on and "
             "this measurement is skipped. Pass strict=True to raise instead. (warned once)",
         )
+
+
+@contextmanager
+def whole_matrices(root: nn.Module, model: nn.Module) -> Iterator[None]:
+    """Inside, the vocabulary-sized matrices are whole, for a front door to :meth:`Monitor.attach` (resolve) them.
+
+    FSDP1 units that hold them are summoned from ``root`` (the model as the engine wraps it,
+    :mod:`headwatch.core.fsdp1`); DeepSpeed ZeRO-3 Parameters of ``model`` are gathered
+    (:mod:`headwatch.core.zero`). A collective under either (every process enters it); a no-op otherwise.
+    """
+    from headwatch.core.fsdp1 import full_matrices
+    from headwatch.core.zero import gathered
+
+    with gathered(model), full_matrices(root, None):
+        yield
 
 
 def compute_due(due: list[Monitor], reducer: Reducer, val: bool = False) -> tuple[dict[str, Tensor], list[Monitor]]:

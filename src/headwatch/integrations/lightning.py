@@ -13,9 +13,8 @@ from torch import Tensor
 
 from headwatch import tensorboard as tb
 from headwatch._errors import HeadwatchError
-from headwatch.core.monitor import Monitor, compute_due, to_floats
+from headwatch.core.monitor import Monitor, compute_due, to_floats, whole_matrices
 from headwatch.core.schedule import Schedule
-from headwatch.core.zero import gathered
 
 
 class LightningReducer:
@@ -159,13 +158,12 @@ class MonitorCallback(Callback):
         core = self._core()
         wrapped = getattr(trainer.strategy, "model", None)
         core.root = wrapped if isinstance(wrapped, torch.nn.Module) and wrapped is not pl_module else None
-        with core.full_matrices(None):
+        with whole_matrices(core.root if core.root is not None else pl_module, pl_module):  # FSDP1 / ZeRO-3 (a collective)
             self._attach(trainer, pl_module, stage)
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve modules and register hooks (idempotent); subclasses add their set-up."""
-        with gathered(pl_module):  # DeepSpeed ZeRO-3 partitions the matrices: full shapes while resolving
-            self._core().attach(pl_module)
+        self._core().attach(pl_module)
         self._attach_error = None
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

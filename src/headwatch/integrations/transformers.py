@@ -28,10 +28,9 @@ from transformers.integrations import TensorBoardCallback
 from headwatch import tensorboard as tb
 from headwatch._errors import HeadwatchError
 from headwatch.core.batch import BatchFormat
-from headwatch.core.monitor import Monitor, compute_due, to_floats
+from headwatch.core.monitor import Monitor, compute_due, to_floats, whole_matrices
 from headwatch.core.reduce import Reducer, TorchDistributedReducer
 from headwatch.core.schedule import Schedule
-from headwatch.core.zero import gathered
 from headwatch.integrations._transformers_support import (
     STATE_NAME,
     TB_PREFIX,
@@ -192,12 +191,11 @@ class HeadwatchCallback(TrainerCallback):
     def attach_model(self, model: nn.Module, every: int) -> None:
         """Configure every monitor (schedule ``every`` steps), attach it and hook the model's forward."""
         wrapped, model = model, unwrap(model)
-        with gathered(model):  # DeepSpeed ZeRO-3 partitions the matrices: full shapes while resolving
+        with whole_matrices(wrapped, model):  # FSDP1 / DeepSpeed ZeRO-3: full shapes while resolving (a collective)
             for m in self.monitors:
                 m.configure(Schedule(m.every_factor * every), self.reducer)
                 m.root = wrapped  # FSDP1 (accelerate): summoned from on logging steps
-                with m.full_matrices(None):  # FSDP1: resolve on full weights (a collective)
-                    m.attach(model)
+                m.attach(model)
         from headwatch.loop import set_figures
 
         set_figures(self._named, self.figure_every_n_steps)
