@@ -24,25 +24,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-V, D, STEPS = 63, 16, 3
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-class LM(nn.Module):
-    def __init__(self, tied: bool) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(V, D)
-        self.mix = nn.Linear(D, D)
-        self.lm_head = nn.Linear(D, V, bias=False)
-        if tied:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(x)  # (B, T, d)
-        return self.lm_head(h + torch.tanh(self.mix(h)))  # (B, T, V)
+from fsdp_plain import LM, STEPS, V  # noqa: E402  # the tiny LM of the FSDP tests
 
 
 def monitors() -> list:

@@ -43,6 +43,17 @@ class InOrder(Trainer):
         return torch.utils.data.SequentialSampler(self.train_dataset)
 
 
+def write_records(trainer: Trainer, out: str) -> int:
+    """``OUT/rank<r>.json``: ``{global_step: {name: value}}`` of every headwatch record; returns the rank."""
+    records: dict[int, dict[str, float]] = {}
+    for r in trainer.state.log_history:
+        records.setdefault(r["step"], {}).update({k: v for k, v in r.items() if k.startswith("headwatch/")})
+    rank = trainer.args.process_index
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({s: v for s, v in records.items() if v}))
+    return rank
+
+
 def main(out: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(0)
@@ -56,12 +67,7 @@ def main(out: str) -> None:
     cb = HeadwatchCallback()
     trainer = InOrder(model=LlamaForCausalLM(config), args=args, train_dataset=Rows(), callbacks=[cb])
     trainer.train()
-    records: dict[int, dict[str, float]] = {}
-    for r in trainer.state.log_history:
-        records.setdefault(r["step"], {}).update({k: v for k, v in r.items() if k.startswith("headwatch/")})
-    rank = trainer.args.process_index
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps({s: v for s, v in records.items() if v}))
+    rank = write_records(trainer, out)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

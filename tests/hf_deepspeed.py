@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from hf_ddp import GLOBAL_BATCH, V, InOrder, Rows  # this directory is sys.path[0] under torchrun
+from hf_ddp import GLOBAL_BATCH, V, InOrder, Rows, write_records  # this directory is sys.path[0] under torchrun
 from headwatch.integrations.transformers import HeadwatchCallback
 
 
@@ -36,12 +36,7 @@ def main(out: str, stage: int) -> None:
         warnings.simplefilter("always")
         trainer = InOrder(model=LlamaForCausalLM(config), args=args, train_dataset=Rows(), callbacks=[HeadwatchCallback()])
         trainer.train()
-    records: dict[int, dict[str, float]] = {}
-    for r in trainer.state.log_history:
-        records.setdefault(r["step"], {}).update({k: v for k, v in r.items() if k.startswith("headwatch/")})
-    rank = trainer.args.process_index
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps({s: v for s, v in records.items() if v}))
+    rank = write_records(trainer, out)
     said = sorted({str(w.message) for w in caught if "Monitor" in str(w.message) or "headwatch" in str(w.message).lower()})
     (Path(out) / f"warnings{rank}.json").write_text(json.dumps(said))
     torch.distributed.barrier()
