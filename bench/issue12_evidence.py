@@ -6,7 +6,7 @@ usage: python bench/issue12_evidence.py RUN/checkpoints/last.ckpt RUN/tokenizer.
 import sys, json
 import torch
 from tokenizers import Tokenizer
-from headwatch.frequency import frequency_buckets, rare_tokens, BUCKETS
+from headwatch.integrations.lightning.frequency import frequency_buckets, rare_tokens, BUCKETS
 from headwatch.functional.drift import pairable_rows, mean_resultant_length
 from headwatch.functional.drift_pairs import corrected_collision, nn_cosine_by_bucket
 
@@ -53,7 +53,7 @@ for name, w in mats.items():
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "examples"))
 from tiny_lm import TinyLM, TinyLMConfig, read_corpus, stdlib_source_files, encode_documents, TokenWindows
 from train_tiny_lm import split_documents
-from headwatch.metrics_evidence import FrequencyCalibrationMetric
+from headwatch.core.metrics_evidence import FrequencyCalibrationMetric
 hp = ck["hyper_parameters"]
 cfg = hp.get("config")
 model = TinyLM(cfg) if cfg is not None else None

@@ -1,4 +1,4 @@
-"""Run by tests/test_fsdp.py: the functions of ``headwatch.core.sharded`` on a DTensor split by rows over 2 CPU
+"""Run by tests/test_fsdp.py: the functions of ``headwatch.distributed.sharded`` on a DTensor split by rows over 2 CPU
 processes (gloo) against the one-process functions on the full matrix, including the edge cases: no
 query, duplicate rows (tied cosines), a NaN row, a zero row, rows of an uneven split. Rank 0 writes "ok".
 

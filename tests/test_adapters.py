@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from headwatch.functional.neighbors import nearest_neighbours
-from headwatch.weight_hooks import HeadFlowCapture
-from headwatch.weights import effective_tie, effective_weight, find_embedding_group, trainable_matrices
+from headwatch.model.flows import HeadFlowCapture
+from headwatch.model.weights import effective_tie, effective_weight, find_embedding_group, trainable_matrices
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -176,7 +176,7 @@ def test_ensure_weight_tying_keeps_the_adapted_matrices_tied(lora):
 
 
 def test_resolve_matrices_says_what_trains_once():
-    from headwatch.weights import resolve_matrices
+    from headwatch.model.find import resolve_matrices
 
     lora_emb = resolve_matrices(adapted(target_modules=["embed_tokens"]))
     assert lora_emb.head_name.endswith("lm_head") and not lora_emb.tie.tied
@@ -189,7 +189,7 @@ def test_resolve_matrices_says_what_trains_once():
 def test_tied_split_holds_for_adapted_matrices_that_stay_tied():
     """ensure_weight_tying LoRA: lookup flow (all lookups) + scoring flow (g.T h) of the ONE effective
     matrix, each against autograd on a functional twin with two leaf copies of W_eff."""
-    from headwatch.weight_hooks import LookupFlowCapture
+    from headwatch.model.flows import LookupFlowCapture
 
     model = adapted(target_modules=["lm_head"], ensure_weight_tying=True)
     head = model.get_output_embeddings()
@@ -224,7 +224,7 @@ def test_gpt2_wte_and_lm_head_are_one_tied_matrix():
 
 
 def test_dora_is_refused_with_the_reason():
-    from headwatch._errors import HeadwatchError
+    from headwatch.errors import HeadwatchError
 
     model = adapted(target_modules=["lm_head"], use_dora=True)
     with pytest.raises(HeadwatchError, match=r"LoRA variant \(DoRA"):
@@ -232,7 +232,7 @@ def test_dora_is_refused_with_the_reason():
 
 
 def test_find_head_and_embedding_reports_the_effective_tie():
-    from headwatch._capture import find_head_and_embedding
+    from headwatch.model.find import find_head_and_embedding
 
     assert find_head_and_embedding(tiny_llama()).tied
     assert not find_head_and_embedding(adapted(target_modules=["lm_head"])).tied  # was 1.0: the frozen base is shared

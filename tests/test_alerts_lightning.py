@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from headwatch import LogitStatsMonitor, SharpnessCollapseAlert
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from tests.helpers import TinyCausalLM, loader
 from tests.test_monitor import make_trainer, read_events
 

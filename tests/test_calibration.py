@@ -15,10 +15,10 @@ import torch
 from torchmetrics.classification import MulticlassCalibrationError
 
 from headwatch import HeadwatchError
-from headwatch.frequency import BUCKETS
+from headwatch.integrations.lightning.frequency import BUCKETS
 from headwatch.functional.calibration import calibration_update
 from headwatch.functional.logits import logit_statistics
-from headwatch.metrics_evidence import FrequencyCalibrationMetric
+from headwatch.core.metrics_evidence import FrequencyCalibrationMetric
 
 V = 50
 
@@ -139,7 +139,7 @@ DDP_SCRIPT = """
 import json, os, sys, torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
 from tests.test_calibration import batch, buckets_and_rare
-from headwatch.metrics_evidence import FrequencyCalibrationMetric
+from headwatch.core.metrics_evidence import FrequencyCalibrationMetric
 rank, world, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", rank=rank, world_size=world)
 bucket, rare = buckets_and_rare()

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from headwatch import HeadwatchError, find_output_head
-from headwatch._capture import positions_from_batch
+from headwatch.model.find import positions_from_batch
 
 
 class Named(nn.Module):

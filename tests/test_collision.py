@@ -13,8 +13,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from headwatch import HeadwatchError, SynonymCollisionMonitor, TokenFrequency
-from headwatch.collision import decode_token
-from headwatch.frequency import FrequencySnapshot, frequency_buckets, rare_tokens
+from headwatch.integrations.lightning.collision import decode_token
+from headwatch.integrations.lightning.frequency import FrequencySnapshot, frequency_buckets, rare_tokens
 from headwatch.functional.neighbors import nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
 from tests.helpers import TinyCausalLM, ids_loader
 from tests.test_monitor import make_trainer
@@ -254,7 +254,7 @@ def test_decoding():
     assert decode_token(tok, 2) == "kitten"
     assert decode_token(lambda i: f"<{i}>", 3) == "<3>"
     assert decode_token(None, 3) == "3"
-    from headwatch.collision import _encode_group
+    from headwatch.integrations.lightning.collision import _encode_group
 
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     assert _encode_group(tok, ["cat", "kitten", 3]) == [1, 2, 3]
@@ -348,7 +348,7 @@ def test_a_nan_row_is_nobodys_neighbour():
 
 
 def test_synonym_group_entries_are_checked():
-    from headwatch.collision import _encode_group
+    from headwatch.integrations.lightning.collision import _encode_group
 
     assert _encode_group(None, [np.int64(3), 4]) == [3, 4]
     with pytest.raises(HeadwatchError, match="is a bool"):

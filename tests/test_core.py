@@ -180,7 +180,7 @@ def test_every_emitted_name_is_declared_and_documented(tmp_path):
 
     from headwatch import names
     from headwatch.core.logits import SCALAR_KEYS
-    from headwatch.metrics import LogitStatsMetric
+    from headwatch.core.metrics import LogitStatsMetric
 
     emitted = _emitted(tmp_path / "untied", False) | _emitted(tmp_path / "tied", True)
     undeclared = sorted(n for n in emitted if names.declaration(n) is None)
@@ -199,7 +199,7 @@ def test_every_emitted_name_is_declared_and_documented(tmp_path):
 
 def test_dashboard_and_alert_defaults_use_declared_names():
     from headwatch import names
-    from headwatch.dashboard import build_layout
+    from headwatch.tensorboard.layout import build_layout
 
     for chart in names.CHARTS:
         for series in chart.series:
@@ -218,7 +218,7 @@ def test_core_imports_no_lightning_and_functional_all_is_complete():
     import subprocess
     import sys
 
-    code = "import sys, headwatch.core, headwatch.loop, headwatch.names; print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
+    code = "import sys, headwatch.core, headwatch.integrations.loop, headwatch.names; print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", out
     names_only = "import sys, headwatch.names; print('torch' in sys.modules)"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from headwatch import HeadwatchError
-from headwatch.cost import KNOWN_CONFIGS, count_parameters, main, readme_table, shape_from_config, untie_cost
+from headwatch.remedies.cost import KNOWN_CONFIGS, count_parameters, main, readme_table, shape_from_config, untie_cost
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -79,7 +79,7 @@ def test_errors(tmp_path, capsys):
 
 def test_python_dash_m():
     out = subprocess.run(
-        [sys.executable, "-m", "headwatch.cost", "--vocab-size", "50257", "--d-model", "768"],
+        [sys.executable, "-m", "headwatch.remedies.cost", "--vocab-size", "50257", "--d-model", "768"],
         capture_output=True, text=True, check=True,
     ).stdout
     assert "38,597,376" in out
@@ -90,7 +90,7 @@ def test_readme_table_is_the_tools_output():
     text = README.read_text()
     match = re.search(r"<!-- headwatch-cost-table:start -->\n(.*?)\n<!-- headwatch-cost-table:end -->", text, re.S)
     assert match, "README.md has no headwatch-cost-table block"
-    assert match.group(1) == readme_table(), "regenerate it: python -m headwatch.cost --readme-table"
+    assert match.group(1) == readme_table(), "regenerate it: python -m headwatch.remedies.cost --readme-table"
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2, metadata
 
 from headwatch import GradientDensityMonitor, LogitStatsMonitor
-from headwatch.dashboard import build_layout, main
+from headwatch.tensorboard.layout import build_layout, main
 from tests.helpers import TinyCausalLM, loader
 from tests.test_monitor import make_trainer
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from headwatch.core.zero import full_gradient, full_weight, gathered, zero_stage
+from headwatch.distributed.zero import full_gradient, full_weight, gathered, zero_stage
 
 SCRIPT = Path(__file__).with_name("deepspeed_plain.py")
 REASON = "deepspeed is not installed (optional: pip install deepspeed; DS_ACCELERATOR=cpu runs it on CPU)"

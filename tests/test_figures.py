@@ -8,7 +8,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from headwatch import GradientDensityMonitor, HeadwatchError, LogitStatsMonitor, SynonymCollisionMonitor
-from headwatch import figures
+from headwatch.core import figures
 from tests.helpers import TinyCausalLM, loader
 from tests.test_monitor import make_trainer
 

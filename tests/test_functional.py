@@ -20,7 +20,8 @@ from headwatch.functional import (
     logit_statistics,
     logit_statistics_from_hidden,
 )
-from headwatch.functional.logits import _logit_stats_compute, _logit_stats_update, rows_per_chunk
+from headwatch.functional.logits import rows_per_chunk
+from headwatch.functional.sums import logit_stats_compute, logit_stats_update
 
 NINF = float("-inf")
 
@@ -138,8 +139,8 @@ def test_nan_and_posinf_rows_are_counted_and_excluded():
     got = logit_statistics(logits)
     assert got.nonfinite.tolist() == [False, True, True, False, True, False]
     assert got.valid.tolist() == [True, False, False, True, False, True]
-    sums = _logit_stats_update(got)
-    means = _logit_stats_compute(sums)
+    sums = logit_stats_update(got)
+    means = logit_stats_compute(sums)
     assert sums.nonfinite_positions.item() == 3
     assert sums.positions.item() == 3
     ref = reference(logits)
@@ -227,7 +228,7 @@ def test_sums_and_means():
     logits = _gen(3, 4, 25)
     mask = torch.tensor([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     targets = torch.randint(0, 25, (3, 4), generator=torch.Generator().manual_seed(5))
-    means = _logit_stats_compute(_logit_stats_update(logit_statistics(logits, mask, targets)))
+    means = logit_stats_compute(logit_stats_update(logit_statistics(logits, mask, targets)))
     ref = reference(logits, mask, targets)
     assert means["positions"].item() == 7
     for name in ("entropy", "kl_to_uniform", "kl_from_uniform", "max_prob"):
@@ -238,7 +239,7 @@ def test_sums_and_means():
 
 def test_all_masked_gives_nan_means_and_zero_count():
     logits = _gen(2, 3, 10)
-    means = _logit_stats_compute(_logit_stats_update(logit_statistics(logits, torch.zeros(2, 3, dtype=torch.bool))))
+    means = logit_stats_compute(logit_stats_update(logit_statistics(logits, torch.zeros(2, 3, dtype=torch.bool))))
     assert means["positions"].item() == 0
     assert math.isnan(means["entropy"].item())
 

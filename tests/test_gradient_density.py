@@ -286,7 +286,7 @@ def test_frozen_embedding_is_skipped_with_a_warning(tmp_path):
 
 
 def test_no_work_off_logging_steps(tmp_path, monkeypatch):
-    import headwatch.core.sharded as gd  # where GradientDensity computes row norms (plain or sharded rows)
+    import headwatch.distributed.sharded as gd  # where GradientDensity computes row norms (plain or sharded rows)
 
     calls = []
     original = gd.row_norms

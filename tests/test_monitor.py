@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from headwatch import HeadwatchError, LogitStatsMonitor
-from headwatch.metrics import LogitStatsMetric
+from headwatch.core.metrics import LogitStatsMetric
 from tests.helpers import TinyCausalLM, loader
 from tests.test_functional import reference
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from headwatch import HeadwatchError, SynonymCollisionMonitor
-from headwatch._capture import find_head_and_embedding
+from headwatch.model.find import find_head_and_embedding
 from headwatch.remedies import TiedOutputProjection, install_tied_projection
 from tests.helpers import TinyCausalLM, loader
 from tests.test_gradient_density import GradRecorder, Recording

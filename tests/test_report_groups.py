@@ -320,13 +320,13 @@ def test_cli_dispatches_report(root, capsys):
 
 def test_cli_cost_is_imported_lazily(monkeypatch, capsys):
     seen = []
-    fake = types.ModuleType("headwatch.cost")
+    fake = types.ModuleType("headwatch.remedies.cost")
     fake.main = lambda argv: seen.append(argv) or 7
-    monkeypatch.setitem(sys.modules, "headwatch.cost", fake)
+    monkeypatch.setitem(sys.modules, "headwatch.remedies.cost", fake)
     assert cli_main(["cost", "--model", "x"]) == 7 and seen == [["--model", "x"]]
-    monkeypatch.setitem(sys.modules, "headwatch.cost", None)  # as if the module were missing
+    monkeypatch.setitem(sys.modules, "headwatch.remedies.cost", None)  # as if the module were missing
     assert cli_main(["cost"]) == 2
-    assert "no `headwatch.cost` module" in capsys.readouterr().err
+    assert "no `headwatch.remedies.cost` module" in capsys.readouterr().err
 
 
 def test_cli_usage(capsys):

@@ -11,10 +11,10 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from headwatch._errors import HeadwatchError  # noqa: E402
-from headwatch._sources_capture import LogitsCapture  # noqa: E402
-from headwatch._sources_stats import captured_statistics  # noqa: E402
-from headwatch.sources import (  # noqa: E402
+from headwatch.errors import HeadwatchError  # noqa: E402
+from headwatch.model.capture import LogitsCapture  # noqa: E402
+from headwatch.model.captured import captured_statistics  # noqa: E402
+from headwatch.model.sources import (  # noqa: E402
     batch_positions,
     final_logit_transform,
     resolve_logits_source,

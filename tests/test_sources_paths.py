@@ -9,9 +9,9 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from headwatch._errors import HeadwatchError  # noqa: E402
+from headwatch.errors import HeadwatchError  # noqa: E402
 from headwatch.functional.padding import padded_mass  # noqa: E402
-from headwatch.sources import resolve_logits_source, tie_config_mismatch  # noqa: E402
+from headwatch.model.sources import resolve_logits_source, tie_config_mismatch  # noqa: E402
 from tests.test_sources import run_captured  # noqa: E402
 
 
@@ -227,7 +227,7 @@ def test_resolution_of_named_modules():
     with pytest.raises(HeadwatchError, match="`hidden_module` is a Linear that is not a submodule"):
         resolve_logits_source(model, hidden_module=nn.Linear(2, 2))
     with pytest.raises(HeadwatchError, match="`path` must be one of"):
-        from headwatch._sources_capture import LogitsCapture
+        from headwatch.model.capture import LogitsCapture
 
         LogitsCapture(source, print, path="both")
 
@@ -256,8 +256,8 @@ def test_statistics_inside_autocast_stay_float32():
         outside, _, _ = run_captured(model, source, batch, lambda: model(**batch), path="hidden")
         captured = outside[0][0]
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            from headwatch._sources_stats import captured_statistics
-            from headwatch.sources import batch_positions
+            from headwatch.model.captured import captured_statistics
+            from headwatch.model.sources import batch_positions
 
             mask, targets = batch_positions(batch, "causal")
             inside = captured_statistics(captured, mask, targets, vocab_size=50)
@@ -282,7 +282,7 @@ def test_t5_hidden_path_is_the_head_input():
 
 
 def test_a_failure_while_measuring_never_stops_the_forward():
-    from headwatch._sources_capture import LogitsCapture
+    from headwatch.model.capture import LogitsCapture
 
     model, batch = tiny_llama(), llama_batch()
     source = resolve_logits_source(model)
@@ -317,9 +317,9 @@ def test_pre_head_transform_is_refused_on_the_hidden_path():
 
 
 def test_hooks_attached_before_compile_fullgraph_measure_exactly():
-    from headwatch._sources_capture import LogitsCapture
-    from headwatch._sources_stats import captured_statistics
-    from headwatch.sources import batch_positions
+    from headwatch.model.capture import LogitsCapture
+    from headwatch.model.captured import captured_statistics
+    from headwatch.model.sources import batch_positions
 
     lm, batch = tiny_llama(), llama_batch()
     source = resolve_logits_source(lm)

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 from headwatch import GradientDensityMonitor, HeadwatchError, LogitStatsMonitor, SynonymCollisionMonitor, TokenFrequency
 from headwatch.core import Schedule
 from headwatch.integrations.transformers import HeadwatchCallback, attach
-from headwatch.loop import Headwatch
+from headwatch.integrations.loop import Headwatch
 from tests.test_core import StepLogger
 from tests.test_functional import reference
 

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headwatch._capture import find_input_embedding
-from headwatch._errors import HeadwatchError
+from headwatch.model.find import find_input_embedding
+from headwatch.errors import HeadwatchError
 from headwatch.functional.adapters import add_low_rank_, head_weight_gradient, zero_rows
 from headwatch.functional.neighbors import nearest_neighbours
-from headwatch.weight_hooks import HeadFlowCapture, LookupFlowCapture
-from headwatch.weights import (
+from headwatch.model.flows import HeadFlowCapture, LookupFlowCapture
+from headwatch.model.weights import (
     config_tie,
     config_tie_mismatch,
     effective_tie,
@@ -196,7 +196,7 @@ def test_add_low_rank_chunks_match_one_product():
 
 
 def test_resolve_matrices_on_tied_t5():
-    from headwatch.weights import resolve_matrices
+    from headwatch.model.find import resolve_matrices
 
     found = resolve_matrices(tiny_t5())
     assert found.head_name == "lm_head" and found.tie.tied and found.tie.storage_tied

@@ -46,7 +46,7 @@ def test_tied_t5_lookup_flow_counts_encoder_and_decoder_lookups():
 def test_lora_head_gradient_and_update_are_of_the_effective_head():
     from tests.test_adapters import V, adapted
 
-    from headwatch.weights import effective_weight
+    from headwatch.model.weights import effective_weight
 
     model = adapted(target_modules=["lm_head"])
     head = model.get_output_embeddings()
@@ -128,7 +128,7 @@ def test_auto_added_token_frequency_follows_the_monitors_embedding(tmp_path):
     from torch import nn
 
     from headwatch import GradientDensityMonitor, HeadwatchError, TokenFrequency
-    from headwatch._capture import find_input_embedding
+    from headwatch.model.find import find_input_embedding
     from tests.helpers import TinyCausalLM, loader
     from tests.test_monitor import make_trainer
 

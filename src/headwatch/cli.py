@@ -28,11 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cost(argv: list[str]) -> int:
     try:
-        module = importlib.import_module("headwatch.cost")
+        module = importlib.import_module("headwatch.remedies.cost")
     except ModuleNotFoundError as err:
-        if err.name != "headwatch.cost":
+        if err.name != "headwatch.remedies.cost":
             raise
-        print("headwatch cost: error: this headwatch has no `headwatch.cost` module; upgrade headwatch", file=sys.stderr)
+        print("headwatch cost: error: this headwatch has no `headwatch.remedies.cost` module; upgrade headwatch", file=sys.stderr)
         return 2
     return int(module.main(argv))
 
@@ -40,7 +40,7 @@ def _cost(argv: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch ``argv`` (without the program name) to a subcommand; returns its exit status.
 
-    ``report`` runs :func:`headwatch.report.main`; ``cost`` imports ``headwatch.cost`` lazily
+    ``report`` runs :func:`headwatch.report.main`; ``cost`` imports ``headwatch.remedies.cost`` lazily
     and runs its ``main(argv)``. Anything else is a usage error (exit status 2).
     """
     args = list(sys.argv[1:] if argv is None else argv)

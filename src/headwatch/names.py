@@ -3,7 +3,7 @@
 A declaration gives the name pattern (after ``<prefix>/``), the unit, the definition and
 the kind (``scalar``, ``histogram``, ``text``, ``image``). Placeholders in braces take the
 values of :data:`PLACEHOLDERS`. The TensorBoard layout (:data:`CHARTS`, written by
-:mod:`headwatch.dashboard`), ``headwatch report``'s groups and default selection
+:mod:`headwatch.tensorboard.layout`), ``headwatch report``'s groups and default selection
 (:data:`GROUPS`, :func:`is_headline`), the alert's default metrics and the README tables derive from
 or are tested against this module: a new metric is one :class:`Metric` line here.
 """

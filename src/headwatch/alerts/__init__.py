@@ -3,7 +3,7 @@
 - :mod:`headwatch.alerts.rules`: :class:`CollapseRules`, the rules as a pure state machine;
 - :mod:`headwatch.alerts.engine`: :class:`AlertEngine`, rules + actions for any loop;
 - :mod:`headwatch.alerts.actions`, :mod:`headwatch.alerts.webhook`: what happens at an alert;
-- :mod:`headwatch.alerts.lightning`: :class:`SharpnessCollapseAlert` (imports Lightning, loaded
+- :mod:`headwatch.integrations.lightning.alert`: :class:`SharpnessCollapseAlert` (imports Lightning, loaded
   on first use of its name; everything else here imports neither torch nor Lightning).
 """
 
@@ -26,7 +26,7 @@ from headwatch.alerts.rules import RULES, CollapseRules
 from headwatch.alerts.webhook import WEBHOOK_ENV, WebhookSender, redact_url
 
 if TYPE_CHECKING:
-    from headwatch.alerts.lightning import SharpnessCollapseAlert
+    from headwatch.integrations.lightning.alert import SharpnessCollapseAlert
 
 __all__ = [
     "CRITICAL",
@@ -54,7 +54,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "SharpnessCollapseAlert":
-        from headwatch.alerts.lightning import SharpnessCollapseAlert
+        from headwatch.integrations.lightning.alert import SharpnessCollapseAlert
 
         return SharpnessCollapseAlert
     raise AttributeError(f"module 'headwatch.alerts' has no attribute {name!r}")

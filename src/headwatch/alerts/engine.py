@@ -24,7 +24,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Any
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.alerts.actions import AlertSink, ConsoleWarning, JsonlLog, OnCritical, SinkMarker, action_name, runs_for
 from headwatch.alerts.events import CRITICAL, FIRED, RESOLVED, Alert, AlertEvent, finite_or_none
 from headwatch.alerts.rules import CollapseRules

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.alerts.events import CRITICAL, FIRED, RESOLVED, SEVERITIES, AlertEvent, episode_key
 
 from headwatch.names import ALERT_RULES as RULES  # declared once with the metric names

@@ -14,7 +14,7 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.alerts.events import Alert
 
 WEBHOOK_ENV = "HEADWATCH_WEBHOOK_URL"

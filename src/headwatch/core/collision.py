@@ -13,15 +13,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch._capture import logits_from_output
-from headwatch._errors import HeadwatchError
-from headwatch.core.batch import BatchFormat, BatchView
-from headwatch.core import sharded
+from headwatch.model.find import logits_from_output
+from headwatch.errors import HeadwatchError
+from headwatch.model.batch import BatchFormat, BatchView
+from headwatch.distributed import sharded
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor
 from headwatch.core.tokens import decode_token, encode_group
 from headwatch.functional.collision import sample_rows, top_colliding_pairs
-from headwatch.core.sharded_drift import (
+from headwatch.distributed.sharded_drift import (
     corrected_collision_rows,
     nn_cosines_rows,
     pair_cosine_rows,
@@ -32,7 +32,8 @@ from headwatch.functional.drift import default_k
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import Neighbours, synonym_confusion, synonym_table
-from headwatch.weights import effective_weight, resolve_matrices
+from headwatch.model.find import resolve_matrices
+from headwatch.model.weights import effective_weight
 
 __all__ = ["DEFAULT_TAU", "SynonymCollision", "decode_token", "encode_group"]
 
@@ -51,7 +52,7 @@ class SynonymCollision(Monitor):
     Every rank computes the same values (the weights and the summed counts are the same on
     every process; the principal directions are seeded), so every rank publishes the same keys
     on the same steps. A row-sharded matrix (FSDP2, DTensor ``Shard(0)``) is measured on each
-    process's own rows, the sums and maxima combined exactly (:mod:`headwatch.core.sharded_drift`):
+    process's own rows, the sums and maxima combined exactly (:mod:`headwatch.distributed.sharded_drift`):
     no process holds the whole ``(V, d_model)`` matrix.
     """
 
@@ -220,7 +221,7 @@ class SynonymCollision(Monitor):
         return scalars
 
     def _similarity_figures(self) -> dict[str, Any]:
-        from headwatch import figures
+        from headwatch.core import figures
 
         out = {}
         for name, by_bucket in self.last_result.get("bucket_cosines", {}).items():

@@ -7,9 +7,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch._capture import find_input_embedding
-from headwatch._errors import HeadwatchError
-from headwatch.core.batch import BatchFormat
+from headwatch.model.find import find_input_embedding
+from headwatch.errors import HeadwatchError
+from headwatch.model.batch import BatchFormat
 from headwatch.core.monitor import Monitor
 from headwatch.functional.frequency import FrequencySnapshot, frequency_snapshot, token_scalars
 

@@ -7,23 +7,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch.core import fsdp1
+from headwatch.distributed import fsdp1
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor
-from headwatch.core.zero import full_gradient
-from headwatch.core.sharded import ShardedLookup, is_sharded, local_rows, row_norms_full, row_statistics, tied_flow_statistics
+from headwatch.distributed.zero import full_gradient
+from headwatch.distributed.sharded import ShardedLookup, is_sharded, local_rows, row_norms_full, row_statistics, tied_flow_statistics
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.rows import dense_rows, spearman
-from headwatch.weight_hooks import HeadFlowCapture, LookupFlowCapture
-from headwatch.adapters import trainable_matrices
-from headwatch.weights import Matrices, effective_weight, resolve_matrices
+from headwatch.model.flows import HeadFlowCapture, LookupFlowCapture
+from headwatch.model.adapters import trainable_matrices
+from headwatch.model.find import Matrices, resolve_matrices
+from headwatch.model.weights import effective_weight
 
 
 class GradientDensity(Monitor):
     """Per-row gradient and update statistics (see :class:`headwatch.GradientDensityMonitor`).
 
     Needs a :class:`TokenCounts` (``frequency``) attached to the same model. The matrices are the
-    effective ones (:mod:`headwatch.weights`): the lookup flow is captured on every module that
+    effective ones (:mod:`headwatch.model.weights`): the lookup flow is captured on every module that
     looks up the embedding's weight (tied T5: encoder and decoder), a LoRA head's row gradient is
     ``g.T @ h`` from hooks on the head, and a frozen matrix gets no gradient statistics at all.
     """
@@ -330,7 +331,7 @@ class GradientDensity(Monitor):
         return out
 
     def _norm_figure(self) -> None:
-        from headwatch import figures
+        from headwatch.core import figures
 
         snap, norms = self._snapshot, dict(self._full_norms)
         if snap is None or not norms:

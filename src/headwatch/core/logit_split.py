@@ -2,8 +2,8 @@
 
 A split is the training logging step, or one validation dataloader's epoch. Each keeps:
 
-- a :class:`~headwatch.metrics.LogitStatsMetric` (entropy, sharpness, target NLL, ...);
-- a :class:`~headwatch.metrics_evidence.FrequencyCalibrationMetric` fed from the *same*
+- a :class:`~headwatch.core.metrics.LogitStatsMetric` (entropy, sharpness, target NLL, ...);
+- a :class:`~headwatch.core.metrics_evidence.FrequencyCalibrationMetric` fed from the *same*
   per-position statistics (no second pass over the logits): per target-frequency bucket mean
   target NLL, accuracy and confidence, and the ECE (15 bins) and over-confidence gap overall and
   for rare targets (:mod:`headwatch.functional.calibration`);
@@ -19,11 +19,11 @@ import warnings
 import torch
 from torch import Tensor
 
-from headwatch.core.reduce import Reducer
+from headwatch.distributed.reduce import Reducer
 from headwatch.functional.frequency import BUCKETS
 from headwatch.functional.logits import LogitStatistics
-from headwatch.metrics import LogitStatsMetric
-from headwatch.metrics_evidence import FrequencyCalibrationMetric
+from headwatch.core.metrics import LogitStatsMetric
+from headwatch.core.metrics_evidence import FrequencyCalibrationMetric
 
 CALIBRATION_KEYS = ("ece", "overconfidence")
 """Published for every split: ECE of the top-1 prediction and mean confidence minus accuracy."""
@@ -56,7 +56,7 @@ class SplitSums:
         """Add one forward's per-position ``stats`` (fields ``(B, T)``), no host sync.
 
         Args:
-            stats: from :func:`headwatch._sources_stats.captured_statistics`.
+            stats: from :func:`headwatch.model.captured.captured_statistics`.
             targets: ``(B, T)`` targets the statistics were computed with (None: no calibration).
             frequency: ``(bucket (V,) int64, rare (V,) bool)`` of the shared token counts, or None.
             padded_mass: ``(B, T)`` probability on padded columns, or None.

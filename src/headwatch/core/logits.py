@@ -7,15 +7,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch._errors import HeadwatchError
-from headwatch._sources_capture import PATHS, Captured, LogitsCapture
-from headwatch._sources_stats import captured_statistics
-from headwatch.core.batch import BatchFormat, BatchView
+from headwatch.errors import HeadwatchError
+from headwatch.model.capture import PATHS, Captured, LogitsCapture
+from headwatch.model.captured import captured_statistics
+from headwatch.model.batch import BatchFormat, BatchView
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.logit_split import SplitSums
 from headwatch.core.monitor import Monitor
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.sources import ALIGNMENTS, LogitsSource, resolve_logits_source
+from headwatch.model.sources import ALIGNMENTS, LogitsSource, resolve_logits_source
 
 SCALAR_KEYS = (
     "entropy", "kl_to_uniform", "kl_from_uniform", "entropy_p05", "entropy_p50", "entropy_p95",
@@ -27,10 +27,10 @@ SCALAR_KEYS = (
 class LogitStats(Monitor):
     """Logit statistics of the logits the model returns, on logging steps (see :class:`headwatch.LogitStatsMonitor`).
 
-    Which tensor: :func:`headwatch.sources.resolve_logits_source` (a Hugging Face model's
+    Which tensor: :func:`headwatch.model.sources.resolve_logits_source` (a Hugging Face model's
     ``outputs.logits``, after any post-head transform; else the head's output, or
     ``logits_module=``); the final hidden states and the head's weight when the logits are not
-    there (fused loss, ``logits_to_keep``): :class:`headwatch._sources_capture.LogitsCapture`.
+    there (fused loss, ``logits_to_keep``): :class:`headwatch.model.capture.LogitsCapture`.
     Off logging steps each hook returns after one attribute check. Under ``torch.compile``
     the hooks only keep detached references (no graph break, so ``fullgraph=True`` works) and
     they are measured in :meth:`batch_end`.
@@ -279,7 +279,7 @@ class LogitStats(Monitor):
     def _entropy_figure(self, entropies: Tensor | None, step: int) -> None:
         """Keep a binned entropy distribution per logging step; draw them all every figure interval."""
         try:
-            from headwatch import figures
+            from headwatch.core import figures
 
             if entropies is None or self.vocab_size == 0:
                 return

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch._errors import HeadwatchError
-from headwatch.core.batch import BatchFormat
-from headwatch.core.reduce import NoReducer, Reducer
+from headwatch.errors import HeadwatchError
+from headwatch.model.batch import BatchFormat
+from headwatch.distributed.reduce import NoReducer, Reducer
 from headwatch.core.schedule import Schedule
 
 
@@ -95,11 +95,11 @@ class Monitor:
         self.model = None
 
     def full_matrices(self, modules: list[nn.Module | None] | None, with_grads: bool = False) -> Any:
-        """Context: ``modules``' full weights (and gradients) under FSDP1, a no-op otherwise (:mod:`headwatch.core.fsdp1`).
+        """Context: ``modules``' full weights (and gradients) under FSDP1, a no-op otherwise (:mod:`headwatch.distributed.fsdp1`).
 
         A collective under FSDP1: enter it on every process at the same point.
         """
-        from headwatch.core.fsdp1 import full_matrices
+        from headwatch.distributed.fsdp1 import full_matrices
 
         return full_matrices(self.root if self.root is not None else self.model, modules, with_grads)
 
@@ -194,11 +194,11 @@ def whole_matrices(root: nn.Module, model: nn.Module) -> Iterator[None]:
     """Inside, the vocabulary-sized matrices are whole, for a front door to :meth:`Monitor.attach` (resolve) them.
 
     FSDP1 units that hold them are summoned from ``root`` (the model as the engine wraps it,
-    :mod:`headwatch.core.fsdp1`); DeepSpeed ZeRO-3 Parameters of ``model`` are gathered
-    (:mod:`headwatch.core.zero`). A collective under either (every process enters it); a no-op otherwise.
+    :mod:`headwatch.distributed.fsdp1`); DeepSpeed ZeRO-3 Parameters of ``model`` are gathered
+    (:mod:`headwatch.distributed.zero`). A collective under either (every process enters it); a no-op otherwise.
     """
-    from headwatch.core.fsdp1 import full_matrices
-    from headwatch.core.zero import gathered
+    from headwatch.distributed.fsdp1 import full_matrices
+    from headwatch.distributed.zero import gathered
 
     with gathered(model), full_matrices(root, None):
         yield

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from headwatch.functional.frequency import (
 from headwatch.functional.logits import (
     DEFAULT_MAX_CHUNK_BYTES,
     LogitStatistics,
-    LogitStatSums,
     compute_dtype,
     entropy,
     kl_from_uniform,
@@ -25,6 +24,7 @@ from headwatch.functional.logits import (
     logit_statistics,
     rows_per_chunk,
 )
+from headwatch.functional.sums import LogitStatSums
 from headwatch.functional.hidden import hidden_chunk_plan, logit_scale, logit_softcap, logit_statistics_from_hidden
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
 from headwatch.functional.quantiles import quantiles, sorted_quantiles
@@ -111,6 +111,7 @@ from headwatch.functional.drift import (  # noqa: E402
     DriftCorrection,
     Pairable,
     apply_correction,
+    check_rows,
     default_k,
     mean_resultant_length,
     pairable_rows,
@@ -123,6 +124,7 @@ from headwatch.functional.drift_pairs import (  # noqa: E402
     CorrectedCollision,
     check_queries,
     corrected_collision,
+    rate_above,
     nn_cosine_by_bucket,
     ordered_pairs,
     partner_ranks,
@@ -144,6 +146,8 @@ __all__ += [
     "nn_cosine_by_bucket",
     "ordered_pairs",
     "pairable_rows",
+    "check_rows",
+    "rate_above",
     "partner_ranks",
     "remove_top_directions",
     "apply_correction",

@@ -27,7 +27,7 @@ operator (Halko, Martinsson & Tropp, SIAM Review 2011, Alg. 4.4): each pass read
 chunk at a time, so the extra memory is one chunk, a few ``(d, k + 10)`` matrices, and the one
 ``(V, d)`` float32 matrix of corrected rows that the neighbour search reads. Never ``(V, V)``.
 A row-sharded matrix (FSDP2) is corrected process by process, its row sums all-reduced
-(:func:`principal_directions_of`, :mod:`headwatch.core.sharded_drift`): ``n x d`` local rows each.
+(:func:`principal_directions_of`, :mod:`headwatch.distributed.sharded_drift`): ``n x d`` local rows each.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import nearest_neighbours
 
@@ -72,7 +72,7 @@ class DriftCorrection(NamedTuple):
         return self.variances.sum() / self.total_variance
 
 
-def _check_rows(rows: Tensor, valid: Tensor | None) -> Tensor:
+def check_rows(rows: Tensor, valid: Tensor | None) -> Tensor:
     if not isinstance(rows, Tensor) or rows.ndim != 2 or not rows.is_floating_point():
         got = tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__
         raise HeadwatchError(f"expected a floating `rows` matrix of shape [vocab_size, d_model], got {got}")
@@ -145,7 +145,7 @@ def top_principal_directions(
         HeadwatchError: bad shapes or dtypes, ``k`` outside ``[1, d]``, an unknown ``method``,
             or fewer than 2 valid rows.
     """
-    valid = _check_rows(rows, valid)
+    valid = check_rows(rows, valid)
     d = rows.shape[1]
     k = default_k(d) if k is None else k
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= d:
@@ -174,7 +174,7 @@ def principal_directions_of(
     Every row-sum (the count, the mean's ``(d,)`` sum, the ``(d, d)`` covariance or the
     randomized path's ``(d, k + 10)`` products and trace) goes through ``total``: the identity on
     one process, an all-reduce sum over processes that each pass their own rows (row-sharded
-    matrices, :mod:`headwatch.core.sharded_drift`). The randomized start is seeded, so every
+    matrices, :mod:`headwatch.distributed.sharded_drift`). The randomized start is seeded, so every
     process computes the same directions from the same sums.
 
     Raises:
@@ -322,8 +322,8 @@ def pairable_rows(
     Raises:
         HeadwatchError: bad shapes or dtypes.
     """
-    valid = _check_rows(rows, valid)
-    seen = _check_rows(rows, seen)
+    valid = check_rows(rows, valid)
+    seen = check_rows(rows, seen)
     norms = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
     step = _chunk_rows(rows.shape[1], 0, max_chunk_bytes)
     for s in range(0, rows.shape[0], step):

@@ -20,16 +20,16 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.functional.drift import (
     DEFAULT_TAU,
     DriftCorrection,
-    _check_rows,
+    check_rows,
     mean_resultant_length,
     remove_top_directions,
 )
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.functional.neighbors import _chunk_sizes, nearest_neighbours, pair_cosine
+from headwatch.functional.neighbors import chunk_sizes, nearest_neighbours, pair_cosine
 
 
 class CorrectedCollision(NamedTuple):
@@ -58,7 +58,7 @@ class CorrectedCollision(NamedTuple):
     """int64 scalar, queries given that were not pairable (not measured)."""
 
 
-def _rate(cos: Tensor, tau: float) -> Tensor:
+def rate_above(cos: Tensor, tau: float) -> Tensor:
     if cos.numel() == 0:
         return torch.tensor(float("nan"), dtype=torch.float64, device=cos.device)
     return (cos >= tau).double().mean()
@@ -113,7 +113,7 @@ def corrected_collision(
         HeadwatchError: bad shapes or dtypes, ``tau`` outside ``[-1, 1]``, or as
         :func:`headwatch.functional.drift.remove_top_directions`.
     """
-    pairable = _check_rows(rows, pairable)
+    pairable = check_rows(rows, pairable)
     queries = check_queries(queries, tau, rows.shape[0], rows.device)
     if correction is None:
         correction = remove_top_directions(rows, pairable if basis is None else basis, k, max_chunk_bytes=max_chunk_bytes)
@@ -122,8 +122,8 @@ def corrected_collision(
     fixed = nearest_neighbours(correction.rows, measured, pairable, max_chunk_bytes)
     raw = nearest_neighbours(rows, measured, pairable, max_chunk_bytes)
     result = CorrectedCollision(
-        rate=_rate(fixed.cosine, tau),
-        raw_rate=_rate(raw.cosine, tau),
+        rate=rate_above(fixed.cosine, tau),
+        raw_rate=rate_above(raw.cosine, tau),
         drift_mean_cos=mean_resultant_length(rows, measured, max_chunk_bytes),
         removed_variance=correction.removed_variance,
         queries=measured,
@@ -160,7 +160,7 @@ def nn_cosine_by_bucket(
     Returns:
         ``(sums (num_buckets,), counts (num_buckets,))`` float64; mean = sums / counts.
     """
-    pairable = _check_rows(rows, pairable)
+    pairable = check_rows(rows, pairable)
     V = rows.shape[0]
     if bucket.shape != (V,) or bucket.is_floating_point():
         raise HeadwatchError(f"expected an integer `bucket` of shape ({V},), got {tuple(bucket.shape)} {bucket.dtype}")
@@ -216,7 +216,7 @@ def partner_ranks(
     Raises:
         HeadwatchError: ``a`` and ``b`` are not 1-D of one length, or bad shapes.
     """
-    valid = _check_rows(rows, valid)
+    valid = check_rows(rows, valid)
     if a.ndim != 1 or a.shape != b.shape:
         raise HeadwatchError(f"expected `a` and `b` as 1-D id tensors of one length, got {tuple(a.shape)} and {tuple(b.shape)}")
     dev = rows.device
@@ -226,7 +226,7 @@ def partner_ranks(
     target = pair_cosine(rows, a, b).unsqueeze(1)  # (P, 1)
     tiny = torch.finfo(torch.float32).tiny
     keys = valid.nonzero().flatten()
-    qc, kc = _chunk_sizes(a.numel(), keys.numel(), rows.shape[1], max_chunk_bytes)
+    qc, kc = chunk_sizes(a.numel(), keys.numel(), rows.shape[1], max_chunk_bytes)
     above = torch.zeros(a.numel(), dtype=torch.long, device=dev)
     for k0 in range(0, keys.numel(), kc):
         ids = keys[k0 : k0 + kc]
@@ -255,7 +255,7 @@ def synonym_statistics(
         (lower median of :func:`partner_ranks`), ``pairs`` (measured), ``skipped_pairs``;
         float64 scalars (NaN rate and rank when no pair was measured).
     """
-    pairable = _check_rows(rows, pairable)
+    pairable = check_rows(rows, pairable)
     a, b = ordered_pairs(groups)
     a, b = a.to(rows.device), b.to(rows.device)
     V = rows.shape[0]

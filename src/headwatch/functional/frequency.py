@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.names import BUCKETS
 
 __all__ = ["BUCKETS", "FrequencySnapshot", "count_order", "frequency_buckets", "frequency_snapshot", "rare_tokens", "token_scalars"]

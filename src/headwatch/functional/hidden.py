@@ -15,16 +15,16 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from headwatch._errors import HeadwatchError
-from headwatch.functional._precision import full_precision
+from headwatch.errors import HeadwatchError
+from headwatch.functional.precision import full_precision
 from headwatch.functional.logits import (
     DEFAULT_MAX_CHUNK_BYTES,
     LogitStatistics,
     LogitTransform,
     Task,
-    _check_inputs,
-    _check_transform,
-    _statistics_from_tasks,
+    check_inputs,
+    check_transform,
+    statistics_from_tasks,
 )
 
 
@@ -126,10 +126,10 @@ def logit_statistics_from_hidden(
             ``weight``'s second, ``bias`` is not ``(V,)``), or as :func:`logit_statistics`.
     """
     _check_head(hidden, weight, bias)
-    _check_transform(transform)
+    check_transform(transform)
     V, d = weight.shape
     lead = hidden.shape[:-1]
-    _check_inputs(hidden.new_empty(()).expand(*lead, V), mask, targets, max_chunk_bytes)
+    check_inputs(hidden.new_empty(()).expand(*lead, V), mask, targets, max_chunk_bytes)
     rows, vocab_step = hidden_chunk_plan(V, d, weight.dtype, max_chunk_bytes)
     w = weight.detach()
     b = bias.detach().float() if bias is not None else None
@@ -153,5 +153,5 @@ def logit_statistics_from_hidden(
 
     tasks: list[Task] = [(start, partial(project, start)) for start in range(0, flat.shape[0], rows)]
     with full_precision(hidden.device):  # also covers the projections, made lazily inside
-        return _statistics_from_tasks(tasks, lead, V, hidden.device, rows, mask, targets, ignore_index,
+        return statistics_from_tasks(tasks, lead, V, hidden.device, rows, mask, targets, ignore_index,
                                      transform=transform, workers=1)

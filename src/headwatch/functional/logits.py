@@ -28,7 +28,7 @@ Precision: the math runs in float32 (float64 for float64 logits) with autocast d
 so a call inside ``torch.autocast`` (Lightning's ``precision="bf16-mixed"``) gives the
 same values as outside (issue 11, section 1). Speed on the CPU: chunks are cache-sized
 and shared among torch's threads, each running single-threaded ops (see
-``headwatch.functional._precision``), so a busy machine does not stall every op.
+``headwatch.functional.precision``), so a busy machine does not stall every op.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from headwatch._errors import HeadwatchError
-from headwatch.functional._precision import cpu_workers, full_precision, map_rows_single_threaded
+from headwatch.errors import HeadwatchError
+from headwatch.functional.precision import cpu_workers, full_precision, map_rows_single_threaded
 
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 """Default budget for the working buffers of one chunk of rows: 64 MiB."""
@@ -84,7 +84,7 @@ class LogitStatistics(NamedTuple):
     """bool, the position was selected but its target is outside ``[0, V)`` and not ``ignore_index``."""
 
 
-def _check_inputs(
+def check_inputs(
     logits: Tensor, mask: Tensor | None, targets: Tensor | None, max_chunk_bytes: int
 ) -> None:
     if not isinstance(logits, Tensor):
@@ -207,8 +207,8 @@ def logit_statistics(
     Definitions: see the module docstring; entropy after Shannon (1948), KL divergence
     after Kullback and Leibler (1951).
     """
-    _check_inputs(logits, mask, targets, max_chunk_bytes)
-    _check_transform(transform)
+    check_inputs(logits, mask, targets, max_chunk_bytes)
+    check_transform(transform)
     V = logits.shape[-1]
     extra = 1 if transform is not None and compute_dtype(logits.dtype) == logits.dtype else 0
     # the budget is shared by the CPU threads, each with its own chunk buffers
@@ -216,13 +216,13 @@ def logit_statistics(
     budget = max(1, max_chunk_bytes // workers)
     rows = rows_per_chunk(V, logits.dtype, logits.device, budget, extra_buffers=extra)
     tasks = _row_tasks(logits, rows)
-    return _statistics_from_tasks(
+    return statistics_from_tasks(
         tasks, logits.shape[:-1], V, logits.device, rows, mask, targets, ignore_index,
         compute_dtype(logits.dtype), transform, workers=min(workers, max(1, len(tasks))),
     )
 
 
-def _check_transform(transform: object) -> None:
+def check_transform(transform: object) -> None:
     if transform is not None and not callable(transform):
         raise HeadwatchError(
             f"expected `transform` to be None or a callable taking and returning an (n, V) tensor, "
@@ -275,7 +275,7 @@ def _measure_block(
     out.finite[start : start + n] = finite.squeeze(-1)
 
 
-def _statistics_from_tasks(
+def statistics_from_tasks(
     tasks: list[Task],
     lead: torch.Size,
     V: int,
@@ -379,8 +379,3 @@ def kl_to_uniform(logits: Tensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
 def kl_from_uniform(logits: Tensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> Tensor:
     """``KL(U || p) = -log V - (1/V) sum_v log p_v`` in nats at every position, ``(..., V) -> (...)``."""
     return logit_statistics(logits, max_chunk_bytes=max_chunk_bytes).kl_from_uniform
-
-
-# re-exports from the modules these moved to (their old home stays importable)
-from headwatch.functional.hidden import logit_statistics_from_hidden  # noqa: E402
-from headwatch.functional.sums import LogitStatSums, _logit_stats_compute, _logit_stats_update  # noqa: E402

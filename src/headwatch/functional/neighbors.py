@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from headwatch._errors import HeadwatchError
-from headwatch.functional._precision import full_precision
+from headwatch.errors import HeadwatchError
+from headwatch.functional.precision import full_precision
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 
 
@@ -34,7 +34,7 @@ class Neighbours(NamedTuple):
     """``(Q,)`` int64, row id of the nearest neighbour (-1 if none)."""
 
 
-def _chunk_sizes(num_queries: int, num_keys: int, d: int, max_chunk_bytes: int) -> tuple[int, int]:
+def chunk_sizes(num_queries: int, num_keys: int, d: int, max_chunk_bytes: int) -> tuple[int, int]:
     """Query and key rows per chunk.
 
     Working set, float32: similarities ``(q, k)``, normalised keys ``(k, d)`` (counted twice:
@@ -117,7 +117,7 @@ def nearest_neighbours(
         return Neighbours(best, best_idx)
 
     w = matrix.detach()
-    qc, kc = _chunk_sizes(Q, K, d, max_chunk_bytes)
+    qc, kc = chunk_sizes(Q, K, d, max_chunk_bytes)
     # position of each query among the keys (for excluding itself), -1 when not a key
     pos = torch.searchsorted(key_ids, queries)
     is_key = (pos < K) & (key_ids[pos.clamp(max=K - 1)] == queries)

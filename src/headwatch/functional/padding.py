@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES, compute_dtype, rows_per_chunk
 
 

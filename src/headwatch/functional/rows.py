@@ -24,8 +24,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from headwatch._errors import HeadwatchError
-from headwatch.functional._precision import full_precision
+from headwatch.errors import HeadwatchError
+from headwatch.functional.precision import full_precision
 from headwatch.functional.quantiles import quantiles, sorted_quantiles
 
 

@@ -31,7 +31,7 @@ class LogitStatSums(NamedTuple):
     invalid_target_positions: Tensor
 
 
-def _logit_stats_update(stats: LogitStatistics) -> LogitStatSums:
+def logit_stats_update(stats: LogitStatistics) -> LogitStatSums:
     """Reduce per-position statistics to float64 sums over the valid positions (no host sync)."""
     valid = stats.valid
 
@@ -57,7 +57,7 @@ def _logit_stats_update(stats: LogitStatistics) -> LogitStatSums:
     )
 
 
-def _logit_stats_compute(sums: LogitStatSums) -> dict[str, Tensor]:
+def logit_stats_compute(sums: LogitStatSums) -> dict[str, Tensor]:
     """Means from sums: NaN when there were no valid positions (an explicit 'no data')."""
     nan = torch.tensor(float("nan"), dtype=torch.float64, device=sums.positions.device)
 

@@ -26,12 +26,12 @@ from transformers import Trainer, TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
 from headwatch import tensorboard as tb
-from headwatch._errors import HeadwatchError
-from headwatch.core.batch import BatchFormat
+from headwatch.errors import HeadwatchError
+from headwatch.model.batch import BatchFormat
 from headwatch.core.monitor import Monitor, compute_due, to_floats, whole_matrices
-from headwatch.core.reduce import Reducer, TorchDistributedReducer
+from headwatch.distributed.reduce import Reducer, TorchDistributedReducer
 from headwatch.core.schedule import Schedule
-from headwatch.integrations._transformers_support import (
+from headwatch.integrations.hf_support import (
     STATE_NAME,
     TB_PREFIX,
     console_filter,
@@ -68,7 +68,7 @@ class HeadwatchCallback(TrainerCallback):
     layout, histograms, texts and figures are written too. Under TRL's fused LM head
     (``SFTTrainer``: ``lm_head`` is never called) ``LogitStats`` measures from the backbone's
     final hidden states and the head's weight, in chunks, with the model's final transform
-    (:class:`headwatch._sources_capture.LogitsCapture`'s hidden-state path): no ``(B, T, V)``
+    (:class:`headwatch.model.capture.LogitsCapture`'s hidden-state path): no ``(B, T, V)``
     logits are made; the synonym confusion of ``"collision"`` needs the head's output and is
     not counted on such forwards. Evaluation (``LogitStats``):
     ``headwatch/val/logits/*`` logged at the end of each ``evaluate`` and added to its
@@ -101,7 +101,7 @@ class HeadwatchCallback(TrainerCallback):
         figure_every_n_steps: images (IMAGES tab, under ``train/headwatch/``) of the monitors built
             from names, as in the Lightning callbacks: ``"auto"`` (default) every 10 logging intervals
             (``10 * logging_steps`` steps) when matplotlib is installed, else none; an int: every this
-            many steps (needs matplotlib); None or 0: none (see :func:`headwatch.loop.set_figures`).
+            many steps (needs matplotlib); None or 0: none (see :func:`headwatch.integrations.loop.set_figures`).
             Core monitors passed in keep their own settings.
 
     Raises:
@@ -121,8 +121,8 @@ class HeadwatchCallback(TrainerCallback):
         console_keys: Sequence[str] | str | None = None,
         figure_every_n_steps: int | str | None = "auto",
     ) -> None:
-        from headwatch.figures import check_figure_argument
-        from headwatch.loop import Headwatch
+        from headwatch.core.figures import check_figure_argument
+        from headwatch.integrations.loop import Headwatch
 
         check_figure_argument(figure_every_n_steps)
 
@@ -196,7 +196,7 @@ class HeadwatchCallback(TrainerCallback):
                 m.configure(Schedule(m.every_factor * every), self.reducer)
                 m.root = wrapped  # FSDP1 (accelerate): summoned from on logging steps
                 m.attach(model)
-        from headwatch.loop import set_figures
+        from headwatch.integrations.loop import set_figures
 
         set_figures(self._named, self.figure_every_n_steps)
         if self._model is not model:

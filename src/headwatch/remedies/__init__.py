@@ -1,6 +1,6 @@
 """Remedies for what the monitors show: untie the head, warm up a new head, a tied-head projection.
 
-``headwatch cost`` (:mod:`headwatch.cost`) says what untying costs.
+``headwatch cost`` (:mod:`headwatch.remedies.cost`) says what untying costs.
 """
 
 from __future__ import annotations

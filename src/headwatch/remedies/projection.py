@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from headwatch._capture import find_head_and_embedding
-from headwatch._errors import HeadwatchError
+from headwatch.model.find import find_head_and_embedding
+from headwatch.errors import HeadwatchError
 
 
 class TiedOutputProjection(nn.Module):

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch._capture import find_head_and_embedding
-from headwatch._errors import HeadwatchError
+from headwatch.model.find import find_head_and_embedding
+from headwatch.errors import HeadwatchError
 
 INITS = ("copy", "normal")
 """Allowed values of ``untie_output_head(init=...)``."""

@@ -15,8 +15,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from torch import nn
 from torch.optim import Optimizer
 
-from headwatch._capture import find_head_and_embedding
-from headwatch._errors import HeadwatchError
+from headwatch.model.find import find_head_and_embedding
+from headwatch.errors import HeadwatchError
 
 PHASE_KEY = "headwatch/remedies/head_warmup_phase"
 """Logged scalar: 0 while only the head trains, 1 once everything trains."""

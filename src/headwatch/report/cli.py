@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.report import charts as _charts
 from headwatch.report.charts import INSTALL_HINT
 from headwatch.report.compare import compare_groups

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from collections.abc import Mapping, Sequence
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.report import charts as _charts
 from headwatch.report.charts import INSTALL_HINT, color, render_chart
 from headwatch.report.runs import AlertRecord, Points

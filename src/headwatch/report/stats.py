@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from headwatch import names
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.report.runs import Points
 
 CONTEXT_TAGS = ("train_loss", "val_loss", "train/loss", "eval/loss")

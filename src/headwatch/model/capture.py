@@ -1,6 +1,6 @@
 """Capture the measured tensor on logging steps, and say what is wrong when it cannot.
 
-:class:`LogitsCapture` registers forward hooks from a :class:`~headwatch.sources.LogitsSource`
+:class:`LogitsCapture` registers forward hooks from a :class:`~headwatch.model.sources.LogitsSource`
 and, on the forwards of a step it was armed for (:meth:`LogitsCapture.begin`), hands one
 :class:`Captured` per forward to a ``consume`` callback, from inside the forward (no
 ``(B, T, V)`` tensor outlives it):
@@ -27,9 +27,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from headwatch._capture import logits_from_output
-from headwatch._errors import HeadwatchError
-from headwatch.sources import FinalTransform, LogitsSource, compiled_modules
+from headwatch.model.find import logits_from_output
+from headwatch.errors import HeadwatchError
+from headwatch.model.sources import FinalTransform, LogitsSource, compiled_modules
 
 Path = Literal["auto", "logits", "hidden"]
 PATHS = ("auto", "logits", "hidden")
@@ -74,7 +74,7 @@ class LogitsCapture:
     """Forward hooks that hand the measured tensor to ``consume`` on armed steps.
 
     Args:
-        source: from :func:`headwatch.sources.resolve_logits_source`.
+        source: from :func:`headwatch.model.sources.resolve_logits_source`.
         consume: called with a :class:`Captured` inside the forward, at most once per forward
             of the owner module (the monitor computes its statistics there and drops the tensor).
         path: ``"auto"`` (logits when they cover every position, else hidden states),

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.functional.adapters import add_low_rank_
 
 
@@ -22,7 +22,7 @@ def _is_lora(module: nn.Module) -> bool:
     return hasattr(module, "get_base_layer") and (hasattr(module, "lora_A") or hasattr(module, "lora_embedding_A"))
 
 
-def _is_saved_copy(module: nn.Module) -> bool:
+def is_saved_copy(module: nn.Module) -> bool:
     return hasattr(module, "modules_to_save") and hasattr(module, "original_module")
 
 
@@ -35,7 +35,7 @@ def storage_weight(module: nn.Module) -> Tensor | None:
     seen = 0
     while seen < 8:  # wrappers nest at most a few levels
         seen += 1
-        if _is_saved_copy(module):
+        if is_saved_copy(module):
             module = module.original_module
         elif hasattr(module, "get_base_layer") and hasattr(module, "base_layer"):
             base = module.get_base_layer()
@@ -82,7 +82,7 @@ def _saved_active(wrapper: nn.Module) -> nn.Module:
 def adapter_kind(module: nn.Module) -> str:
     """How ``module``'s matrix is made: ``"plain"``, ``"lora"`` (a delta added in the forward),
     ``"lora_merged"`` (merged into the base: the forward reads the base) or ``"modules_to_save"``."""
-    if _is_saved_copy(module):
+    if is_saved_copy(module):
         return "modules_to_save"
     if _is_lora(module):
         if getattr(module, "disable_adapters", False):
@@ -118,7 +118,7 @@ def effective_weight(module: nn.Module, copy: bool = False) -> Tensor:
         chosen = _saved_active(module)
         return effective_weight(chosen, copy)
     if kind == "plain" and not _is_lora(module):
-        from headwatch.core.zero import full_weight  # DeepSpeed ZeRO-3: the partitioned weight's full value
+        from headwatch.distributed.zero import full_weight  # DeepSpeed ZeRO-3: the partitioned weight's full value
 
         weight = full_weight(getattr(module, "weight", None))
         if not isinstance(weight, Tensor) or weight.ndim != 2:

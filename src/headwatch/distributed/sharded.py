@@ -17,7 +17,7 @@ per-row statistic is computed on each process's own rows and combined exactly:
 No process ever holds the full ``(V, d_model)`` matrix here. A plain (not sharded) tensor, a
 replicated DTensor, or one process, take the one-process path unchanged. Layouts other than
 ``Shard(0)`` / ``Replicate`` (tensor parallelism's ``Shard(1)``, ``Partial``) raise
-:class:`~headwatch._errors.HeadwatchError`.
+:class:`~headwatch.errors.HeadwatchError`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from headwatch._errors import HeadwatchError
-from headwatch.core.reduce import Reducer
+from headwatch.errors import HeadwatchError
+from headwatch.distributed.reduce import Reducer
 from headwatch.functional import collision as fcollision
 from headwatch.functional.adapters import zero_rows
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours
@@ -122,7 +122,7 @@ def local_rows(matrix: Tensor | Rows) -> Rows:
     return Rows(local, int(offset[0]), int(matrix.shape[0]), True)
 
 
-def _gather_by_rows(values: Tensor, rows: Rows, reducer: Reducer) -> Tensor:
+def gather_by_rows(values: Tensor, rows: Rows, reducer: Reducer) -> Tensor:
     """``(n, k)`` float64 values of this process's rows -> ``(V, k)`` on every process (one gather).
 
     Raises:
@@ -151,7 +151,7 @@ def _norms_and_nonzero(rows: Rows, reducer: Reducer) -> tuple[Tensor, Tensor]:
     nonzero = row_nonzero_given_norms(local, norms)
     if not rows.sharded:
         return norms, nonzero
-    both = _gather_by_rows(torch.stack([norms.double(), nonzero.double()], dim=1), rows, reducer)
+    both = gather_by_rows(torch.stack([norms.double(), nonzero.double()], dim=1), rows, reducer)
     return both[:, 0].to(norms.dtype), both[:, 1] != 0
 
 
@@ -166,7 +166,7 @@ def zero_rows_full(matrix: Tensor | Rows, reducer: Reducer) -> Tensor:
     zero = zero_rows(rows.local)
     if not rows.sharded:
         return zero
-    return _gather_by_rows(torch.stack([zero.double(), zero.double()], dim=1), rows, reducer)[:, 0] != 0
+    return gather_by_rows(torch.stack([zero.double(), zero.double()], dim=1), rows, reducer)[:, 0] != 0
 
 
 def row_statistics(matrix: Tensor | Rows, groups: dict[str, Tensor], reducer: Reducer) -> tuple[dict[str, Tensor], Tensor]:

@@ -9,9 +9,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-from headwatch._base import check_every
-from headwatch._errors import HeadwatchError
-from headwatch.core.batch import BatchFormat
+from headwatch.integrations.lightning.base import check_every
+from headwatch.errors import HeadwatchError
+from headwatch.model.batch import BatchFormat
 from headwatch.core.frequency import TokenCounts
 from headwatch.functional.frequency import (  # noqa: F401  (import path of 0.1)
     BUCKETS,
@@ -20,7 +20,7 @@ from headwatch.functional.frequency import (  # noqa: F401  (import path of 0.1)
     frequency_buckets,
     rare_tokens,
 )
-from headwatch.integrations.lightning import MonitorCallback
+from headwatch.integrations.lightning.door import MonitorCallback
 
 __all__ = ["BUCKETS", "FrequencySnapshot", "TokenFrequency", "frequency_buckets", "rare_tokens"]
 

@@ -8,15 +8,15 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import nn
 
-from headwatch._base import check_bool, check_module_or_name, check_positive_int
-from headwatch._errors import HeadwatchError
-from headwatch.core.batch import BatchFormat
+from headwatch.integrations.lightning.base import check_bool, check_module_or_name, check_positive_int
+from headwatch.errors import HeadwatchError
+from headwatch.model.batch import BatchFormat
 from headwatch.core.collision import DEFAULT_TAU, SynonymCollision, decode_token
 from headwatch.core.collision import encode_group as _encode_group  # noqa: F401  (import path of 0.1)
-from headwatch.figures import check_figure_argument, matplotlib_available
-from headwatch.frequency import TokenFrequency
+from headwatch.core.figures import check_figure_argument, matplotlib_available
+from headwatch.integrations.lightning.frequency import TokenFrequency
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.integrations.lightning import MonitorCallback
+from headwatch.integrations.lightning.door import MonitorCallback
 
 __all__ = ["DEFAULT_TAU", "SynonymCollisionMonitor", "decode_token"]
 

@@ -26,8 +26,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from headwatch._errors import HeadwatchError
-from headwatch.core.reduce import Reducer
+from headwatch.errors import HeadwatchError
+from headwatch.distributed.reduce import Reducer
 
 __all__ = ["full_gradient", "full_weight", "gathered", "zero_stage"]
 

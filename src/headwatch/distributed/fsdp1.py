@@ -12,7 +12,7 @@ root unit: embedding, final norm, head), on logging steps only, with every proce
 Cost, per process, while a measurement runs: the full flat parameter of those units (``V d``
 values per matrix in the parameter's dtype: 2.1 GB per float32 matrix at ``V = 128256``,
 ``d = 4096``) and, with ``with_grads``, its full gradient (the same again); freed on exit.
-FSDP2 (``fully_shard``, row-sharded DTensors, :mod:`headwatch.core.sharded`) needs none of this.
+FSDP2 (``fully_shard``, row-sharded DTensors, :mod:`headwatch.distributed.sharded`) needs none of this.
 
 Gradient statistics need ``use_orig_params=True`` (Lightning's default): with
 ``use_orig_params=False`` FSDP1 keeps no per-parameter gradient (``with_grads`` refuses).
@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 
 __all__ = ["full_matrices", "holding_units", "unwrapped", "uses_orig_params", "units"]
 

@@ -24,10 +24,10 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from headwatch._errors import HeadwatchError
-from headwatch.adapters import (
+from headwatch.errors import HeadwatchError
+from headwatch.model.adapters import (
     Trainability,  # noqa: F401 - re-exported
-    _is_saved_copy,
+    is_saved_copy,
     adapter_kind,
     effective_weight,
     matrix_signature,  # noqa: F401 - re-exported
@@ -57,7 +57,7 @@ class EmbeddingGroup(NamedTuple):
 
 def _is_lookup(module: nn.Module) -> bool:
     inner = module
-    if _is_saved_copy(inner):
+    if is_saved_copy(inner):
         inner = inner.original_module
     if hasattr(inner, "get_base_layer"):
         inner = inner.get_base_layer()
@@ -190,7 +190,7 @@ class TieState(NamedTuple):
 
 def effective_tie(head: nn.Module, embedding: nn.Module) -> TieState:
     """Whether head and embedding are tied as they really compute: their effective matrices are
-    made of the same memory (:func:`~headwatch.adapters.matrix_signature`). An unmerged LoRA delta
+    made of the same memory (:func:`~headwatch.model.adapters.matrix_signature`). An unmerged LoRA delta
     on one side or a ``modules_to_save`` copy unties them; a merged LoRA writes into the shared
     Parameter, and PEFT's ``ensure_weight_tying`` shares the adapters too: both stay tied.
 
@@ -263,59 +263,3 @@ def warn_config_tie_once(model: nn.Module, storage_tied: bool, head: nn.Module |
         _WARNED.add((id(model), message))
         warnings.warn(message, UserWarning, stacklevel=2)
     return message
-
-
-# ---------------------------------------------------------------- one call for a monitor's attach
-class Matrices(NamedTuple):
-    """What a monitor needs to know about the two vocabulary-sized matrices of a model."""
-
-    head_name: str
-    head: nn.Module
-    embedding: EmbeddingGroup
-    tie: TieState
-    trains: dict[str, Trainability]
-    """``{"head": ..., "embedding": ...}`` from :func:`trainable_matrices`."""
-    config_message: str | None
-    """:func:`config_tie_mismatch` (warn it once), None when config and storage agree."""
-
-    def text(self) -> str:
-        """One paragraph for the console and the TensorBoard text (say it once)."""
-        shape = tuple(self.embedding.weight.shape)
-        members = ", ".join(f"`{n}`" for n, _ in self.embedding.modules)
-        parts = [f"head `{self.head_name}` and embedding {members} {shape}: {self.tie.reason}."]
-        for role, state in self.trains.items():
-            name = self.head_name if role == "head" else self.embedding.name
-            if not state.trains:
-                parts.append(f"`{name}` is FROZEN: it gets no gradient, so its gradient density is not measured.")
-            elif state.gradient_parameter is None:
-                parts.append(f"`{name}` trains through {state.kind}: its row gradient is the effective matrix's.")
-        if self.config_message:
-            parts.append(self.config_message)
-        return " ".join(parts)
-
-
-def resolve_matrices(
-    model: nn.Module, head: str | nn.Module | None = None, embedding: str | nn.Module | None = None
-) -> Matrices:
-    """The head, the embedding group, their effective tie and what trains, in one call (``attach``).
-
-    Raises:
-        HeadwatchError: as :func:`headwatch._capture.find_output_head` (``head=``) and
-            :func:`find_embedding_group` (``embedding=``); or the two matrices differ in vocabulary size.
-    """
-    from headwatch._capture import find_output_head  # _capture imports this module lazily too
-
-    head_name, head_module = find_output_head(model, head)
-    head_weight = storage_weight(head_module)
-    if head_weight is None:
-        raise HeadwatchError(f"the output head `{head_name}` has no 2-D `weight`; pass head= explicitly")
-    rows = head_weight.shape[1] if getattr(head_module, "fan_in_fan_out", False) else head_weight.shape[0]
-    group = find_embedding_group(model, embedding, vocab_size=rows)
-    if group.weight.shape[0] != rows:
-        raise HeadwatchError(
-            f"vocabulary mismatch: the input embedding `{group.name}` has {group.weight.shape[0]} rows but the "
-            f"output head `{head_name}` has {rows}; per-row comparisons need both to be (vocab_size, d_model)"
-        )
-    tie = effective_tie(head_module, group.module)
-    trains = trainable_matrices(head_module, group.module)
-    return Matrices(head_name, head_module, group, tie, trains, config_tie_mismatch(model, tie.storage_tied, head_module))

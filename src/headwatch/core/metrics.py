@@ -9,15 +9,10 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.functional.quantiles import quantiles
-from headwatch.functional.logits import (
-    DEFAULT_MAX_CHUNK_BYTES,
-    LogitStatSums,
-    _logit_stats_compute,
-    _logit_stats_update,
-    logit_statistics,
-)
+from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES, logit_statistics
+from headwatch.functional.sums import LogitStatSums, logit_stats_compute, logit_stats_update
 
 ENTROPY_QUANTILES = (0.05, 0.50, 0.95)
 """Quantiles of per-position entropy reported by :class:`LogitStatsMetric` (p05, p50, p95)."""
@@ -79,7 +74,7 @@ class LogitStatsMetric(Metric):
 
     def update_from_statistics(self, stats: Any) -> None:
         """Add per-position statistics already computed by :func:`logit_statistics` (no host sync)."""
-        sums = _logit_stats_update(stats)
+        sums = logit_stats_update(stats)
         for name, value in sums._asdict().items():
             setattr(self, name, getattr(self, name) + value)
         if self.keep_entropies:
@@ -88,7 +83,7 @@ class LogitStatsMetric(Metric):
 
     def compute(self) -> dict[str, Tensor]:
         sums = LogitStatSums(**{name: getattr(self, name) for name in LogitStatSums._fields})
-        out = _logit_stats_compute(sums)
+        out = logit_stats_compute(sums)
         if self.keep_entropies:
             values = dim_zero_cat(self.entropies) if len(self.entropies) else torch.zeros(0, device=sums.positions.device)
             values = values[~torch.isnan(values)]  # invalid positions are NaN

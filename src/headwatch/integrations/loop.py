@@ -9,17 +9,17 @@ from typing import Any
 from torch import Tensor, nn
 
 from headwatch import tensorboard as tb
-from headwatch._errors import HeadwatchError
-from headwatch.core import fsdp1
-from headwatch.core.batch import BatchFormat
+from headwatch.errors import HeadwatchError
+from headwatch.distributed import fsdp1
+from headwatch.model.batch import BatchFormat
 from headwatch.core.collision import SynonymCollision
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.gradients import GradientDensity
 from headwatch.core.logits import LogitStats
 from headwatch.core.monitor import Monitor, compute_due, to_floats, whole_matrices
-from headwatch.core.reduce import Reducer, TorchDistributedReducer
+from headwatch.distributed.reduce import Reducer, TorchDistributedReducer
 from headwatch.core.schedule import Schedule
-from headwatch.figures import check_figure_argument, resolve_figure_interval
+from headwatch.core.figures import check_figure_argument, resolve_figure_interval
 
 _BY_NAME = {"logits": LogitStats, "gradients": GradientDensity, "tokens": TokenCounts, "collision": SynonymCollision}
 
@@ -239,7 +239,7 @@ class Headwatch:
 
 def set_figures(monitors: Sequence[Monitor], figure_every_n_steps: int | str | None) -> None:
     """Set the figure interval of configured monitors (``"auto"``: 10 of each monitor's logging intervals
-    when matplotlib is installed; see :func:`headwatch.figures.resolve_figure_interval`).
+    when matplotlib is installed; see :func:`headwatch.core.figures.resolve_figure_interval`).
 
     ``LogitStats`` and ``GradientDensity`` draw every ``figure_every`` steps; ``SynonymCollision``
     draws at each of its measurements when the interval is not 0.

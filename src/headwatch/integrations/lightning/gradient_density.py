@@ -7,11 +7,11 @@ import lightning.pytorch as pl
 from torch import nn
 
 from headwatch import tensorboard as tb
-from headwatch._base import check_bool, check_every, check_module_or_name
+from headwatch.integrations.lightning.base import check_bool, check_every, check_module_or_name
 from headwatch.core.gradients import GradientDensity
-from headwatch.figures import check_figure_argument, resolve_figure_interval
-from headwatch.frequency import TokenFrequency
-from headwatch.integrations.lightning import MonitorCallback, tensorboard_writers
+from headwatch.core.figures import check_figure_argument, resolve_figure_interval
+from headwatch.integrations.lightning.frequency import TokenFrequency
+from headwatch.integrations.lightning.door import MonitorCallback, tensorboard_writers
 from headwatch.names import STATS  # noqa: F401  (import path of 0.1)
 
 __all__ = ["GradientDensityMonitor"]

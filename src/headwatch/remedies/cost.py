@@ -23,7 +23,7 @@ Usage::
 
     headwatch cost --config path/to/config.json [--world-size 8]
     headwatch cost --vocab-size 128256 --d-model 4096 [--params 8030261248 --no-tied]
-    python -m headwatch.cost --readme-table
+    python -m headwatch.remedies.cost --readme-table
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 
 TRAINING_BYTES_PER_PARAM = {
     "fp32 (weights, grads, AdamW m+v)": 4 + 4 + 8,

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.functional.calibration import (
     ECE_BINS,
     CalibrationSums,
@@ -64,7 +64,7 @@ class FrequencyCalibrationMetric(Metric):
     ) -> None:
         super().__init__(**kwargs)
         if bucket_names is None:
-            from headwatch.frequency import BUCKETS  # imports Lightning: only when the default is used
+            from headwatch.functional.frequency import BUCKETS
 
             bucket_names = BUCKETS
         if isinstance(bucket_names, str) or not all(isinstance(n, str) for n in bucket_names) or not bucket_names:

@@ -18,7 +18,7 @@ labels already aligned with the decoder's logits, and the batch's ``attention_ma
 encoder's, so only ``decoder_attention_mask`` masks decoder positions.
 
 When the logits are not there (a fused linear cross-entropy never calls the head; HF
-``logits_to_keep`` keeps a few positions), :class:`headwatch._sources_capture.LogitsCapture`
+``logits_to_keep`` keeps a few positions), :class:`headwatch.model.capture.LogitsCapture`
 measures from the final hidden states and the head's weight, with the family's final
 transform (:func:`final_logit_transform`).
 """
@@ -32,8 +32,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from headwatch._capture import _name_of, find_input_embedding, find_output_head
-from headwatch._errors import HeadwatchError
+from headwatch.model.find import name_of, find_input_embedding, find_output_head
+from headwatch.errors import HeadwatchError
 
 Alignment = Literal["causal", "seq2seq", "aligned"]
 ALIGNMENTS = ("causal", "seq2seq", "aligned")
@@ -66,7 +66,7 @@ def final_logit_transform(config: Any) -> FinalTransform | None:
     ``final_logit_softcapping`` (Gemma 2/3/4: ``cap * tanh(x / cap)``), ``logit_scale``
     (Cohere: ``x * s``), ``logits_scaling`` (Granite: ``x / s``). On the logits path none of
     this matters (the model's own ``outputs.logits`` are measured); on the hidden-state path
-    :class:`~headwatch._sources_capture.LogitsCapture` also checks the transform against the
+    :class:`~headwatch.model.capture.LogitsCapture` also checks the transform against the
     model's logits whenever the head runs on some positions.
 
     Returns:
@@ -142,7 +142,7 @@ class LogitsSource:
 
 def _resolve_module(model: nn.Module, value: str | nn.Module, argument: str) -> tuple[str, nn.Module]:
     if isinstance(value, nn.Module):
-        name = _name_of(model, value)
+        name = name_of(model, value)
         if name is None:
             raise HeadwatchError(f"`{argument}` is a {type(value).__name__} that is not a submodule of the model")
         return name, value
@@ -176,7 +176,7 @@ def _base_of(owner: nn.Module, model: nn.Module) -> tuple[str, nn.Module] | tupl
     base = getattr(owner, "base_model", None) if hasattr(owner, "base_model_prefix") else None
     if not isinstance(base, nn.Module) or base is owner:
         return None, None
-    name = _name_of(model, base)
+    name = name_of(model, base)
     return (name, base) if name is not None else (None, None)
 
 
@@ -274,7 +274,7 @@ def batch_positions(
     Raises:
         HeadwatchError: ``alignment`` is not one of the three values.
     """
-    from headwatch.core.batch import BatchFormat  # the one batch reader (imported here: core imports this module)
+    from headwatch.model.batch import BatchFormat  # the one batch reader (imported here: core imports this module)
 
     if alignment not in ALIGNMENTS:
         raise HeadwatchError(f"`alignment` must be one of {ALIGNMENTS}, got {alignment!r}")

@@ -12,9 +12,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from headwatch import tensorboard as tb
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.core.schedule import Schedule
-from headwatch.integrations.lightning import publish, published_steps, tensorboard_writers, to_floats
+from headwatch.integrations.lightning.door import publish, published_steps, tensorboard_writers, to_floats
 
 __all__ = ["HeadwatchCallback", "check_bool", "check_every", "check_module_or_name", "check_positive_int",
            "check_prefix", "published_steps", "to_floats"]  # fmt: skip

@@ -22,8 +22,8 @@ _layout_written: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def write_layout(writers: Iterable[Any], prefix: str = "headwatch", category: str | None = None) -> None:
-    """Write the headwatch Custom Scalars layout (:func:`headwatch.dashboard.build_layout`) into each writer, once per writer."""
-    from headwatch.dashboard import build_layout
+    """Write the headwatch Custom Scalars layout (:func:`headwatch.tensorboard.layout.build_layout`) into each writer, once per writer."""
+    from headwatch.tensorboard.layout import build_layout
 
     for writer in writers:
         if writer in _layout_written:

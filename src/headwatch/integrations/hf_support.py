@@ -6,17 +6,15 @@ import inspect
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor, nn
 from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerCallback
 
 from headwatch import tensorboard as tb
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.core.monitor import Media
 
-if TYPE_CHECKING:
-    from headwatch.integrations.transformers import HeadwatchCallback
 
 TB_PREFIX = "train/"
 """What the Trainer's ``TensorBoardCallback`` puts before every logged key (``rewrite_logs``)."""
@@ -77,7 +75,7 @@ def resume_dir(callback: TrainerCallback, args: Any, state: Any) -> str | None:
     return None
 
 
-def restore_state(callback: HeadwatchCallback, args: Any, state: Any) -> None:
+def restore_state(callback: Any, args: Any, state: Any) -> None:
     """On a resumed run, load into ``callback`` the state its ``on_save`` wrote in the checkpoint folder
     the run resumes from; warn once when that folder holds none."""
     import torch
@@ -123,7 +121,7 @@ def is_rules(alert: Any) -> bool:
 class WritersSink:
     """The alert's markers and messages in the Trainer's TensorBoard writer, beside its ``train/`` scalars."""
 
-    def __init__(self, callback: HeadwatchCallback) -> None:
+    def __init__(self, callback: Any) -> None:
         self.callback = callback
 
     def scalar(self, tag: str, value: float, step: int) -> None:

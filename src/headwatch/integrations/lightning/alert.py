@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from headwatch._base import HeadwatchCallback, check_bool, published_steps
+from headwatch.integrations.lightning.base import HeadwatchCallback, check_bool, published_steps
 from headwatch.alerts.actions import JSONL_NAME
 from headwatch.alerts.engine import AlertEngine, check_alert_args, closest_names, standard_actions
 from headwatch.alerts.events import Alert

@@ -7,7 +7,15 @@ from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
+from headwatch.model.adapters import Trainability, storage_weight, trainable_matrices
+from headwatch.model.weights import (
+    EmbeddingGroup,
+    TieState,
+    config_tie_mismatch,
+    effective_tie,
+    find_embedding_group,
+)
 
 HEAD_NAMES = ("lm_head", "output", "head")
 """Leaf module names taken as the output head when the model has no ``get_output_embeddings()``."""
@@ -21,7 +29,7 @@ def _describe(name: str, module: nn.Module) -> str:
     return f"{name or '<root>'} ({type(module).__name__})"
 
 
-def _name_of(model: nn.Module, target: nn.Module) -> str | None:
+def name_of(model: nn.Module, target: nn.Module) -> str | None:
     for name, module in model.named_modules(remove_duplicate=False):
         if module is target:
             return name
@@ -39,7 +47,7 @@ def _from_getter(model: nn.Module, getter_name: str) -> dict[int, tuple[str, nn.
             except Exception:  # noqa: BLE001 - a model's own getter may fail; fall through to other rules
                 out = None
             if isinstance(out, nn.Module):
-                name = _name_of(model, out)
+                name = name_of(model, out)
                 if name is not None:
                     found[id(out)] = (name, out)
     return found
@@ -68,7 +76,7 @@ def find_output_head(model: nn.Module, head: str | nn.Module | None = None) -> t
             matches, decides. The message lists the candidates and how to pass ``head=``.
     """
     if isinstance(head, nn.Module):
-        name = _name_of(model, head)
+        name = name_of(model, head)
         if name is None:
             raise HeadwatchError(
                 f"`head` is a {type(head).__name__} that is not a submodule of {type(model).__name__}; "
@@ -145,10 +153,8 @@ def find_input_embedding(
 
     Modules that share one stored weight (a tied T5's ``shared``, ``encoder.embed_tokens`` and
     ``decoder.embed_tokens``) are one embedding, not an ambiguity: this returns the primary one;
-    :func:`headwatch.weights.find_embedding_group` returns them all (hook all of them).
+    :func:`headwatch.model.weights.find_embedding_group` returns them all (hook all of them).
     """
-    from headwatch.weights import find_embedding_group
-
     group = find_embedding_group(model, embedding, vocab_size)
     return group.name, group.module
 
@@ -159,7 +165,7 @@ class HeadAndEmbedding(NamedTuple):
     embedding_name: str
     embedding: nn.Module
     tied: bool
-    """One effective matrix (:func:`headwatch.weights.effective_tie`): one stored Parameter and no
+    """One effective matrix (:func:`headwatch.model.weights.effective_tie`): one stored Parameter and no
     adapter changing one side only (LoRA on a tied ``lm_head`` unties it)."""
 
 
@@ -183,8 +189,6 @@ def find_head_and_embedding(
             f"the output head `{head_name}` has weight {tuple(weight.shape)}; per-row comparisons need "
             "both to be (vocab_size, d_model)"
         )
-    from headwatch.weights import effective_tie
-
     return HeadAndEmbedding(head_name, head_module, emb_name, emb, effective_tie(head_module, emb).tied)
 
 
@@ -231,7 +235,7 @@ def positions_from_batch(
     ``attention_mask != 0``, and ``labels`` shifted by one (``ignore_index`` last) when
     ``shift_labels``, else as they are; tuples give ``(None, None)``.
     """
-    from headwatch.core.batch import BatchFormat
+    from headwatch.model.batch import BatchFormat
 
     view = BatchFormat(shift_labels=shift_labels, ignore_index=ignore_index).read(batch)
     return view.mask, view.targets
@@ -239,3 +243,57 @@ def positions_from_batch(
 
 MaskFn = Callable[[Any], Tensor]
 TargetsFn = Callable[[Any], Tensor]
+
+
+# ---------------------------------------------------------------- one call for a monitor's attach
+class Matrices(NamedTuple):
+    """What a monitor needs to know about the two vocabulary-sized matrices of a model."""
+
+    head_name: str
+    head: nn.Module
+    embedding: EmbeddingGroup
+    tie: TieState
+    trains: dict[str, Trainability]
+    """``{"head": ..., "embedding": ...}`` from :func:`~headwatch.model.weights.trainable_matrices`."""
+    config_message: str | None
+    """:func:`~headwatch.model.weights.config_tie_mismatch` (warn it once), None when config and storage agree."""
+
+    def text(self) -> str:
+        """One paragraph for the console and the TensorBoard text (say it once)."""
+        shape = tuple(self.embedding.weight.shape)
+        members = ", ".join(f"`{n}`" for n, _ in self.embedding.modules)
+        parts = [f"head `{self.head_name}` and embedding {members} {shape}: {self.tie.reason}."]
+        for role, state in self.trains.items():
+            name = self.head_name if role == "head" else self.embedding.name
+            if not state.trains:
+                parts.append(f"`{name}` is FROZEN: it gets no gradient, so its gradient density is not measured.")
+            elif state.gradient_parameter is None:
+                parts.append(f"`{name}` trains through {state.kind}: its row gradient is the effective matrix's.")
+        if self.config_message:
+            parts.append(self.config_message)
+        return " ".join(parts)
+
+
+def resolve_matrices(
+    model: nn.Module, head: str | nn.Module | None = None, embedding: str | nn.Module | None = None
+) -> Matrices:
+    """The head, the embedding group, their effective tie and what trains, in one call (``attach``).
+
+    Raises:
+        HeadwatchError: as :func:`find_output_head` (``head=``) and
+            :func:`~headwatch.model.weights.find_embedding_group` (``embedding=``); or the two matrices differ in vocabulary size.
+    """
+    head_name, head_module = find_output_head(model, head)
+    head_weight = storage_weight(head_module)
+    if head_weight is None:
+        raise HeadwatchError(f"the output head `{head_name}` has no 2-D `weight`; pass head= explicitly")
+    rows = head_weight.shape[1] if getattr(head_module, "fan_in_fan_out", False) else head_weight.shape[0]
+    group = find_embedding_group(model, embedding, vocab_size=rows)
+    if group.weight.shape[0] != rows:
+        raise HeadwatchError(
+            f"vocabulary mismatch: the input embedding `{group.name}` has {group.weight.shape[0]} rows but the "
+            f"output head `{head_name}` has {rows}; per-row comparisons need both to be (vocab_size, d_model)"
+        )
+    tie = effective_tie(head_module, group.module)
+    trains = trainable_matrices(head_module, group.module)
+    return Matrices(head_name, head_module, group, tie, trains, config_tie_mismatch(model, tie.storage_tied, head_module))

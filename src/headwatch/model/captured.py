@@ -1,4 +1,4 @@
-"""Statistics of a :class:`~headwatch._sources_capture.Captured`: either path, the same numbers.
+"""Statistics of a :class:`~headwatch.model.capture.Captured`: either path, the same numbers.
 
 The logits path calls :func:`headwatch.functional.logit_statistics` on the model's logits.
 The hidden-state path computes ``transform(hidden @ weight.T + bias)`` a chunk of rows at a
@@ -20,8 +20,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from headwatch._errors import HeadwatchError
-from headwatch._sources_capture import Captured
+from headwatch.errors import HeadwatchError
+from headwatch.model.capture import Captured
 from headwatch.functional import logit_statistics_from_hidden  # its module moves on another branch
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES, LogitStatistics, logit_statistics, rows_per_chunk
 from headwatch.functional.padding import padded_mass
@@ -46,9 +46,9 @@ def captured_statistics(
     """Per-position statistics of what one forward gave, whichever path it came by.
 
     Args:
-        captured: from a :class:`~headwatch._sources_capture.LogitsCapture`.
+        captured: from a :class:`~headwatch.model.capture.LogitsCapture`.
         mask, targets: ``(B, T)`` aligned with the logits (see
-            :func:`headwatch.sources.batch_positions`); moved to the tensor's device.
+            :func:`headwatch.model.sources.batch_positions`); moved to the tensor's device.
         ignore_index: target value of positions that are not predictions.
         vocab_size: the tokenizer's vocabulary size, when known; with ``V > vocab_size``
             the padded mass is computed too.

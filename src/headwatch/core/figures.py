@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 
 INSTALL_HINT = 'matplotlib is needed for headwatch figures: pip install "headwatch[figures]" (or pip install matplotlib)'
 

@@ -14,7 +14,7 @@ rows and the sums are all-reduced (:func:`headwatch.functional.drift.principal_d
 - mean resultant length of the rare rows: the ``(d,)`` sum of unit rows, all-reduced;
 - corrected rows: a float32 copy of the LOCAL rows only (``n x d``);
 - nearest neighbours (rare sample, corrected and raw; bucket samples):
-  :func:`headwatch.core.sharded.nearest_neighbours_sharded` (queries gathered, local search,
+  :func:`headwatch.distributed.sharded.nearest_neighbours_sharded` (queries gathered, local search,
   maxima combined);
 - synonym pairs: their few rows gathered (``U x d``); partner ranks count each process's closer
   rows, and the counts are all-reduced.
@@ -29,13 +29,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from headwatch._errors import HeadwatchError
-from headwatch.core.reduce import Reducer
-from headwatch.core.sharded import Rows, _gather_by_rows, gather_rows, local_rows, nearest_neighbours_sharded
+from headwatch.errors import HeadwatchError
+from headwatch.distributed.reduce import Reducer
+from headwatch.distributed.sharded import Rows, gather_by_rows, gather_rows, local_rows, nearest_neighbours_sharded
 from headwatch.functional.drift import Pairable, apply_correction, pairable_rows, principal_directions_of, unit_row_sum
 from headwatch.functional.drift_pairs import (
     CorrectedCollision,
-    _rate,
+    rate_above,
     check_queries,
     corrected_collision,
     ordered_pairs,
@@ -60,7 +60,7 @@ def pairable_rows_sharded(
     """:func:`headwatch.functional.drift.pairable_rows` of a plain or row-sharded matrix.
 
     Args:
-        rows: this process's rows (:func:`headwatch.core.sharded.local_rows`).
+        rows: this process's rows (:func:`headwatch.distributed.sharded.local_rows`).
         valid, seen: ``(V,)`` bool, the same on every process.
 
     Returns:
@@ -71,7 +71,7 @@ def pairable_rows_sharded(
     if not rows.sharded:
         return local
     flags = local.mask.double()
-    mask = _gather_by_rows(torch.stack([flags, flags], dim=1), rows, reducer)[:, 0] != 0
+    mask = gather_by_rows(torch.stack([flags, flags], dim=1), rows, reducer)[:, 0] != 0
     counts = reducer.sum(torch.stack([local.padded, local.unseen, local.zero, local.nonfinite]))
     return Pairable(mask, *counts.unbind())
 
@@ -113,7 +113,7 @@ def corrected_collision_rows(
     """:func:`headwatch.functional.drift_pairs.corrected_collision` of a plain or row-sharded matrix.
 
     Args:
-        matrix: ``(V, d)`` tensor, DTensor (``Shard(0)``) or :class:`~headwatch.core.sharded.Rows`.
+        matrix: ``(V, d)`` tensor, DTensor (``Shard(0)``) or :class:`~headwatch.distributed.sharded.Rows`.
         queries: ``(Q,)`` row ids; pairable: ``(V,)`` bool (:func:`pairable_rows_sharded`),
             also the basis of the mean and the directions; the same on every process.
         tau, k, max_chunk_bytes: as ``corrected_collision``.
@@ -122,7 +122,7 @@ def corrected_collision_rows(
         ``(CorrectedCollision, corrected rows)``: the corrected rows are the ``(V, d)`` float32
         tensor on the one-process path and a :class:`Rows` of the ``(n, d)`` local rows when
         sharded. Memory when sharded: ``n d`` float32 corrected rows plus the neighbour search's
-        work copy (:func:`~headwatch.core.sharded.nearest_neighbours_sharded`).
+        work copy (:func:`~headwatch.distributed.sharded.nearest_neighbours_sharded`).
 
     Raises:
         HeadwatchError: as ``corrected_collision``.
@@ -143,8 +143,8 @@ def corrected_collision_rows(
     units = reducer.sum(unit_row_sum(rows.local, mine, max_chunk_bytes))  # (d,) float64
     nan = torch.tensor(float("nan"), dtype=torch.float64, device=device)
     result = CorrectedCollision(
-        rate=_rate(fixed.cosine, tau),
-        raw_rate=_rate(raw.cosine, tau),
+        rate=rate_above(fixed.cosine, tau),
+        raw_rate=rate_above(raw.cosine, tau),
         drift_mean_cos=torch.linalg.vector_norm(units) / measured.numel() if measured.numel() else nan,
         removed_variance=variances.sum() / trace,
         queries=measured,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 
 
 def field(batch: Any, key: str | None) -> Any:
@@ -67,7 +67,7 @@ class BatchFormat:
                 raise HeadwatchError(f"`{name}` must be None or a callable taking the batch, got {value!r}")
 
     def for_alignment(self, alignment: str) -> BatchFormat:
-        """This format adapted to the model kind (:data:`headwatch.sources.ALIGNMENTS`).
+        """This format adapted to the model kind (:data:`headwatch.model.sources.ALIGNMENTS`).
 
         ``"causal"``: unchanged. ``"aligned"``: labels as given (``shift_labels=False``).
         ``"seq2seq"`` (T5): labels as given and, unless ``mask_fn``/``targets_fn`` say

@@ -3,8 +3,8 @@
 Every headwatch front door writes this layout (:func:`headwatch.tensorboard.write_layout`) into the run's TensorBoard log directory at
 fit start (once per writer), so ``tensorboard --logdir runs`` shows a "headwatch" page
 under CUSTOM SCALARS with the related charts grouped. The same layout is kept in
-``dashboards/headwatch.json``; regenerate it with ``python -m headwatch.dashboard --json``,
-or write it into an existing log directory with ``python -m headwatch.dashboard --write LOGDIR``.
+``dashboards/headwatch.json``; regenerate it with ``python -m headwatch.tensorboard.layout --json``,
+or write it into an existing log directory with ``python -m headwatch.tensorboard.layout --write LOGDIR``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def build_layout(prefix: str = "headwatch", category: str | None = None) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m headwatch.dashboard", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m headwatch.tensorboard.layout", description=__doc__.splitlines()[0])
     parser.add_argument("--prefix", default="headwatch")
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--json", action="store_true", help="print the layout as JSON (dashboards/headwatch.json)")

@@ -7,15 +7,15 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import nn
 
-from headwatch._base import check_bool, check_every, check_module_or_name, check_positive_int
-from headwatch._capture import MaskFn, TargetsFn
-from headwatch._errors import HeadwatchError
-from headwatch.core.batch import BatchFormat
+from headwatch.integrations.lightning.base import check_bool, check_every, check_module_or_name, check_positive_int
+from headwatch.model.find import MaskFn, TargetsFn
+from headwatch.errors import HeadwatchError
+from headwatch.model.batch import BatchFormat
 from headwatch.core.logits import SCALAR_KEYS, LogitStats
-from headwatch.figures import check_figure_argument, resolve_figure_interval
-from headwatch.frequency import TokenFrequency
+from headwatch.core.figures import check_figure_argument, resolve_figure_interval
+from headwatch.integrations.lightning.frequency import TokenFrequency
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.integrations.lightning import MonitorCallback
+from headwatch.integrations.lightning.door import MonitorCallback
 
 __all__ = ["SCALAR_KEYS", "LogitStatsMonitor"]
 
@@ -24,7 +24,7 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
     """Log the entropy and sharpness of the model's next-token distributions while it trains.
 
     Add it to a Trainer and change nothing else: ``Trainer(callbacks=[LogitStatsMonitor()])``.
-    The monitor finds the logits the model returns (:func:`headwatch.sources.resolve_logits_source`:
+    The monitor finds the logits the model returns (:func:`headwatch.model.sources.resolve_logits_source`:
     a Hugging Face model's ``outputs.logits``, after any post-head transform; else the output
     head's), hooks them before the first forward, and on logging steps only computes their
     statistics ``(B, T, V)`` under ``no_grad``, outside autocast, in bounded memory

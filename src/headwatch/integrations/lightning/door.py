@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from headwatch import tensorboard as tb
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.core.monitor import Monitor, compute_due, to_floats, whole_matrices
 from headwatch.core.schedule import Schedule
 

@@ -1,6 +1,6 @@
 """Captures of the two gradient flows of the matrices that really train.
 
-- :class:`LookupFlowCapture`: the lookup flow of an :class:`~headwatch.weights.EmbeddingGroup`,
+- :class:`LookupFlowCapture`: the lookup flow of an :class:`~headwatch.model.weights.EmbeddingGroup`,
   ``E_i = sum over every lookup n of the group's weight with x_n = i of g_n`` (``g_n`` the gradient
   at the looking-up module's output): hooks EVERY member (a tied T5 reads its matrix in the encoder
   and in the decoder). For a tied matrix the scoring flow is ``grad - E``.
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch._errors import HeadwatchError
+from headwatch.errors import HeadwatchError
 from headwatch.functional.adapters import head_weight_gradient
 from headwatch.functional.rows import lookup_gradient
-from headwatch.weights import EmbeddingGroup
+from headwatch.model.weights import EmbeddingGroup
 
 
 def _padding_idx(module: nn.Module) -> int | None:
@@ -63,7 +63,7 @@ class LookupFlowCapture(_Capture):
     """``(V, d_model)`` lookup-flow gradient of one embedding weight, over all its lookup modules.
 
     Args:
-        group: from :func:`headwatch.weights.find_embedding_group`.
+        group: from :func:`headwatch.model.weights.find_embedding_group`.
 
     Attributes:
         gradient: float32 ``(V, d_model)`` ``E`` of the steps captured since :meth:`reset`, or None.
@@ -78,13 +78,13 @@ class LookupFlowCapture(_Capture):
         self.looked_up: Tensor | None = None
         self.shape: tuple[int, ...] = tuple(group.weight.shape)
         self.sharded: Any = None
-        """A :class:`headwatch.core.sharded.ShardedLookup` set by the monitor on steps whose matrix is
+        """A :class:`headwatch.distributed.sharded.ShardedLookup` set by the monitor on steps whose matrix is
         row-sharded (FSDP2): the flow is then kept compact there instead of in ``gradient``."""
 
     def attach(self) -> LookupFlowCapture:
         """Register a forward hook on each distinct member; returns self."""
         self.detach()
-        from headwatch.core.zero import zero_stage  # here: headwatch.core imports this module
+        from headwatch.distributed.zero import zero_stage  # here: headwatch.core imports this module
 
         self.shape = tuple(self.group.weight.shape)  # (V, d_model), read now: FSDP1 flattens it outside forward
         zero3 = zero_stage(self.group.weight) == 3
