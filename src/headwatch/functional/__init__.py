@@ -24,9 +24,9 @@ from headwatch.functional.logits import (
     logit_statistics,
     rows_per_chunk,
 )
-from headwatch.functional.sums import LogitStatSums
+from headwatch.functional.sums import LogitStatSums, logit_stats_compute, logit_stats_update
 from headwatch.functional.hidden import hidden_chunk_plan, logit_scale, logit_softcap, logit_statistics_from_hidden
-from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
+from headwatch.functional.neighbors import Neighbours, chunk_sizes, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
 from headwatch.functional.quantiles import quantiles, sorted_quantiles
 from headwatch.functional.rows import (
     Summary,
@@ -148,6 +148,9 @@ __all__ += [
     "pairable_rows",
     "check_rows",
     "rate_above",
+    "chunk_sizes",
+    "logit_stats_compute",
+    "logit_stats_update",
     "partner_ranks",
     "remove_top_directions",
     "apply_correction",

@@ -44,6 +44,11 @@ from torch import Tensor
 from headwatch.errors import HeadwatchError
 from headwatch.functional.precision import cpu_workers, full_precision, map_rows_single_threaded
 
+__all__ = [  # check_inputs, check_transform, statistics_from_tasks: building blocks of functional.hidden
+    "DEFAULT_MAX_CHUNK_BYTES", "LogitStatistics", "compute_dtype", "entropy", "kl_from_uniform", "kl_to_uniform",
+    "logit_statistics", "rows_per_chunk",
+]  # fmt: skip
+
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 """Default budget for the working buffers of one chunk of rows: 64 MiB."""
 

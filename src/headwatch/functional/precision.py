@@ -23,6 +23,8 @@ from typing import TypeVar
 
 import torch
 
+__all__: list[str] = []  # plumbing of the other functional modules, not part of the API
+
 T = TypeVar("T")
 
 
