@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from pathlib import Path
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -85,7 +86,7 @@ def restore_state(callback: Any, args: Any, state: Any) -> None:
         return
     path = os.path.join(folder, STATE_NAME)
     if not os.path.isfile(path):
-        callback.monitors[0].warn_once(
+        callback.run.warn_once(
             "no_state",
             f"HeadwatchCallback: the run resumes from {folder!r}, which holds no {STATE_NAME}; the monitors' "
             "counts start afresh. (warned once)",
@@ -94,7 +95,7 @@ def restore_state(callback: Any, args: Any, state: Any) -> None:
     try:
         callback.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     except Exception as err:  # noqa: BLE001
-        callback.monitors[0].fail(err, f"restoring the monitors' state from {path}")
+        callback.run.fail(err, f"restoring the monitors' state from {path}")
 
 
 def loss_scale(trainer: Trainer | None, args: Any) -> Tensor | None:
@@ -118,6 +119,41 @@ def is_rules(alert: Any) -> bool:
     return isinstance(alert, CollapseRules)
 
 
+def wire_alert(callback: Any, args: Any) -> None:
+    """Build the ``AlertEngine`` of a callback's ``CollapseRules`` (standard actions: console, a marker in the
+    Trainer's TensorBoard, ``<output_dir>/headwatch_alerts.jsonl``); decisions through its reducer, rank zero
+    runs the main-process actions."""
+    from headwatch.alerts import AlertEngine, standard_actions
+    from headwatch.alerts.actions import JSONL_NAME
+
+    if is_rules(callback.alert):
+        actions = standard_actions(
+            sink=WritersSink(callback), prefix=callback.prefix, jsonl_path=Path(args.output_dir) / JSONL_NAME,
+            save_checkpoint=callback.save_checkpoint if callback.checkpoint_on_critical else None,
+            stop=callback.stop_training if callback.stop_on_critical else None,
+        )  # fmt: skip
+        callback.alert = AlertEngine(callback.alert, actions, name="HeadwatchCallback alert")
+    if isinstance(callback.alert, AlertEngine):
+        callback.alert.reduce_bool = lambda fired: not callback.reducer.all(not fired)
+        callback.alert.main_process = callback.reducer.rank == 0
+
+
+def save_state(callback: Any, args: Any, state: Any) -> None:
+    """Write the callback's state to ``<output_dir>/checkpoint-<step>/headwatch_state.pt``: every rank takes the
+    (collective) state, the process that saves the Trainer's state (``args.should_save``) writes."""
+    import torch
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    try:
+        state_dict = callback.state_dict()
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if args.should_save:
+            os.makedirs(folder, exist_ok=True)
+            torch.save(state_dict, os.path.join(folder, STATE_NAME))
+    except Exception as err:  # noqa: BLE001
+        callback.run.fail(err, "saving the monitors' state in the checkpoint")
+
+
 class WritersSink:
     """The alert's markers and messages in the Trainer's TensorBoard writer, beside its ``train/`` scalars."""
 
@@ -135,13 +171,38 @@ class WritersSink:
         tb.flush(writers)
 
 
-def prefixed(media: Media, prefix: str) -> Media:
-    """``media`` with every tag under ``prefix`` (next to the Trainer's ``train/`` scalars)."""
-    return Media(
-        {prefix + k: v for k, v in media.histograms.items()},
-        {prefix + k: v for k, v in media.texts.items()},
-        {prefix + k: v for k, v in media.figures.items()},
-    )
+class TrainerSink:
+    """The values through ``Trainer.log`` (every ``report_to`` integration, ``log_history``, the console's
+    headline keys), media to the Trainer's TensorBoard writer under ``train/``, then the alert."""
+
+    def __init__(self, callback: Any) -> None:
+        self.callback = callback
+
+    def publish(self, numbers: dict[str, float], media: list[Media], step: int, val: bool) -> None:
+        cb, trainer = self.callback, self.callback.trainer
+        writers = cb.writers()
+        for m in media:  # before Trainer.log, whose TensorBoardCallback flushes the writer: one flush
+            tb.write_media(writers, tb.prefixed(m, TB_PREFIX), step)
+        if trainer is not None:
+            should_log = trainer.control.should_log
+            # the base method: a subclass's log (TRL's) would flush its own averaged metrics into this record
+            with console_shows(trainer, cb.console_keys):  # the console: headline values; report_to: all
+                Trainer.log(trainer, dict(numbers))  # its on_log event clears control.should_log ...
+            trainer.control.should_log = should_log  # ... which must still log the loss of this step
+        else:
+            tb.flush(writers)
+            cb.run.warn_once(
+                "no_trainer",
+                "HeadwatchCallback could not find its Trainer; values are only kept in `.latest`. Attach it with "
+                "headwatch.integrations.transformers.attach(trainer, callback). (warned once)",
+            )
+        if cb.alert is not None and not is_rules(cb.alert):
+            if val:
+                extra = {k: v for k, v in cb._eval_metrics.items() if isinstance(v, (int, float))}
+                cb.alert.observe_val(step, {**extra, **numbers})
+            else:
+                cb.alert.observe_train(step, numbers)
+
 
 
 CONSOLE_PRINTERS = (ProgressCallback, PrinterCallback)

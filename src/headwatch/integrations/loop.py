@@ -9,19 +9,14 @@ from typing import Any
 from torch import Tensor, nn
 
 from headwatch import tensorboard as tb
+from headwatch.core.figures import check_figure_argument
+from headwatch.core.monitor import Monitor
+from headwatch.core.orchestrator import Orchestrator, set_figures
+from headwatch.distributed.reduce import Reducer
 from headwatch.errors import HeadwatchError
-from headwatch.distributed import fsdp1
 from headwatch.model.batch import BatchFormat
-from headwatch.core.collision import SynonymCollision
-from headwatch.core.frequency import TokenCounts
-from headwatch.core.gradients import GradientDensity
-from headwatch.core.logits import LogitStats
-from headwatch.core.monitor import Monitor, compute_due, to_floats, whole_matrices
-from headwatch.distributed.reduce import Reducer, TorchDistributedReducer
-from headwatch.core.schedule import Schedule
-from headwatch.core.figures import check_figure_argument, resolve_figure_interval
 
-_BY_NAME = {"logits": LogitStats, "gradients": GradientDensity, "tokens": TokenCounts, "collision": SynonymCollision}
+__all__ = ["Headwatch", "set_figures"]
 
 
 class Headwatch:
@@ -86,83 +81,36 @@ class Headwatch:
             raise HeadwatchError(f"`model` must be an nn.Module, got {type(model).__name__}")
         if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
             raise HeadwatchError(f"`log_every_n_steps` must be an int >= 1, got {log_every_n_steps!r}")
-        if not isinstance(strict, bool):
-            raise HeadwatchError(f"`strict` must be a bool, got {strict!r}")
-        if reducer is not None and not isinstance(reducer, Reducer):
-            raise HeadwatchError(f"`reducer` must implement headwatch.core.Reducer (or be None), got {type(reducer).__name__}")
         self.writers = [] if writer is None else list(writer) if isinstance(writer, (list, tuple)) else [writer]
         bad = [type(w).__name__ for w in self.writers if not callable(getattr(w, "add_scalar", None))]
         if bad:
             raise HeadwatchError(f"`writer` must be None, a SummaryWriter or a list of them, got {bad}")
-        if isinstance(monitors, (str, Monitor)):
-            monitors = [monitors]
-        self.monitors = self._build(monitors, batch_format, prefix)
-        for m in self.monitors:
-            m.strict = m.strict or strict
-        self.reducer = reducer or TorchDistributedReducer()
+        self.run = Orchestrator(monitors, batch_format, prefix, reducer, strict)
+        self.run.sinks.append(tb.WriterSink(lambda: self.writers if self.run.reducer.rank == 0 else []))
         self.prefix = prefix
-        with whole_matrices(model, model):  # FSDP1 / DeepSpeed ZeRO-3: full shapes while resolving (a collective)
-            for m in self.monitors:
-                m.configure(Schedule(m.every_factor * log_every_n_steps), self.reducer)
-                m.root = model  # FSDP1: the wrapped model, summoned from on logging steps
-                m.attach(fsdp1.unwrapped(model))  # FSDP1: the inner model's names (no `_fsdp_wrapped_module.`)
+        self.run.configure(log_every_n_steps)
+        self.run.attach(model)  # FSDP1 / DeepSpeed ZeRO-3: full shapes while resolving (a collective)
         self.figure_every_n_steps = figure_every_n_steps
-        set_figures(self._named_monitors(monitors), figure_every_n_steps)
+        set_figures(self.run.named, figure_every_n_steps)
         self.step_index = 0
         self._open = False  # a step_start since the last step_end
-        self.latest: dict[str, float] = {}
-        self._logging: dict[int, bool] = {}
-        if self.reducer.rank == 0:
+        if self.run.reducer.rank == 0:
             tb.write_layout(self.writers, prefix)
 
-    def _named_monitors(self, given: Sequence[Monitor | str] | None) -> list[Monitor]:
-        """The monitors built here from names (not the core monitors the caller passed)."""
-        passed = {id(m) for m in given or () if isinstance(m, Monitor)}
-        return [m for m in self.monitors if id(m) not in passed]
+    @property
+    def monitors(self) -> list[Monitor]:
+        return self.run.monitors
 
-    @staticmethod
-    def _build(monitors: Sequence[Monitor | str] | None, fmt: BatchFormat | None, prefix: str) -> list[Monitor]:
-        items = list(monitors) if monitors is not None else ["tokens", "logits", "gradients", "collision"]
-        bad = [m for m in items if not isinstance(m, Monitor) and m not in _BY_NAME]
-        if bad:
-            raise HeadwatchError(f"`monitors` entries must be core monitors or one of {sorted(_BY_NAME)}, got {bad!r}")
-        counts = next((m for m in items if isinstance(m, TokenCounts)), None)
-        if counts is None and any(m in ("tokens", "gradients", "collision") or isinstance(m, (GradientDensity, SynonymCollision)) for m in items):
-            counts = TokenCounts(prefix=prefix, batch_format=fmt)
-        built: list[Monitor] = [counts] if counts is not None else []
-        for m in items:
-            if m == "tokens" or m is counts:
-                continue
-            if isinstance(m, str):
-                cls = _BY_NAME[m]
-                if cls in (GradientDensity, SynonymCollision):
-                    m = cls(frequency=counts, prefix=prefix)
-                elif cls is LogitStats:  # counts, when kept, give the calibration's target buckets
-                    m = cls(prefix=prefix, batch_format=fmt, frequency=counts)
-                else:
-                    m = cls(prefix=prefix, batch_format=fmt)
-                if fmt is not None:
-                    m.batch_format = fmt
-            elif getattr(m, "frequency", counts) is None:
-                m.frequency = counts  # type: ignore[attr-defined]
-            built.append(m)
-        return built
+    @property
+    def reducer(self) -> Reducer:
+        return self.run.reducer
+
+    @property
+    def latest(self) -> dict[str, float]:
+        """The values of the last measurement, by full name."""
+        return self.run.latest
 
     # ---------------------------------------------------------------- protocol
-    def _each(self, where: str, call: Any, monitors: Sequence[Monitor] | None = None) -> list[Monitor]:
-        """``call(m)`` for every monitor; a failure warns once and is skipped (raises when strict).
-
-        Returns the monitors that failed.
-        """
-        failed = []
-        for m in self.monitors if monitors is None else monitors:
-            try:
-                call(m)
-            except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
-                m.fail(err, where)
-                failed.append(m)
-        return failed
-
     def step_start(self, batch: Any, step: int | None = None) -> None:
         """Before the forward of each (micro-)batch of step ``step`` (default: an internal counter).
 
@@ -174,15 +122,16 @@ class Headwatch:
                 raise HeadwatchError(f"`step` must be None or an int >= 0, got {step!r}")
             self.step_index = int(step)
         self._open = True
-        s = self.step_index
-        self._each("starting a batch", lambda m: m.step_start(batch, s, m.schedule.is_logging_step(s)))
+        if self.run.step != self.step_index:
+            self.run.begin_step(self.step_index)
+        self.run.step_start(batch)
 
     def before_optimizer_step(self, loss_scale: float | Tensor | None = None) -> None:
         """Gradients are final (after accumulation and ``scaler.unscale_``; pass ``scaler.get_scale()`` then)."""
-        self._each("reading the gradients", lambda m: m.gradients_ready(loss_scale))
+        self.run.gradients_ready(loss_scale)
 
     def after_optimizer_step(self) -> None:
-        self._each("after the optimizer step", lambda m: m.optimizer_stepped())
+        self.run.optimizer_stepped()
 
     def step_end(self) -> dict[str, float]:
         """After the optimizer step: on a logging step, compute (every rank), write (rank 0), return the values.
@@ -199,20 +148,8 @@ class Headwatch:
             )
         self._open = False
         step = self.step_index
-        self._each("ending the batch", lambda m: m.batch_end())
-        due = [m for m in self.monitors if m.schedule.is_logging_step(step)]
-        scalars, due = compute_due(due, self.reducer)  # a failed monitor is dropped on every rank
-        numbers = to_floats(scalars)
-        self._each("publishing the values", lambda m: m.published(numbers), due)
-        if self.reducer.rank == 0 and self.writers and numbers:
-            try:
-                tb.write_scalars(self.writers, numbers, step)
-                for m in due:
-                    tb.write_media(self.writers, m.media, step)
-                tb.flush(self.writers)
-            except Exception as err:  # noqa: BLE001
-                due[0].fail(err, "writing to the SummaryWriter")
-        self.latest.update(numbers)
+        self.run.batch_end()
+        numbers = self.run.end_step(step)
         self.step_index = step + 1
         return numbers
 
@@ -225,31 +162,11 @@ class Headwatch:
 
     def close(self) -> None:
         """Remove every hook."""
-        for m in self.monitors:
-            m.detach()
+        self.run.detach()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step_index, "monitors": [m.state_dict() for m in self.monitors]}
+        return {"step": self.step_index, **self.run.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step_index = int(state.get("step", 0))
-        for m, s in zip(self.monitors, state.get("monitors", [])):
-            m.load_state_dict(s)
-
-
-def set_figures(monitors: Sequence[Monitor], figure_every_n_steps: int | str | None) -> None:
-    """Set the figure interval of configured monitors (``"auto"``: 10 of each monitor's logging intervals
-    when matplotlib is installed; see :func:`headwatch.core.figures.resolve_figure_interval`).
-
-    ``LogitStats`` and ``GradientDensity`` draw every ``figure_every`` steps; ``SynonymCollision``
-    draws at each of its measurements when the interval is not 0.
-
-    Raises:
-        HeadwatchError: an explicit interval without matplotlib, or a bad value.
-    """
-    for m in monitors:
-        interval = resolve_figure_interval(figure_every_n_steps, m.schedule.every)
-        if isinstance(m, (LogitStats, GradientDensity)):
-            m.figure_every = interval
-        elif isinstance(m, SynonymCollision):
-            m.draw_figures = interval > 0
+        self.run.load_state_dict(state)

@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers.Trainer`` front door: one ``TrainerCallback`` feeding the core monitors.
+"""Hugging Face ``transformers.Trainer`` front door: one ``TrainerCallback`` feeding headwatch's orchestrator.
 
 Use either::
 
@@ -16,36 +16,34 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-import os
-from pathlib import Path
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
 from headwatch import tensorboard as tb
+from headwatch.core.figures import check_figure_argument
+from headwatch.core.monitor import Monitor
+from headwatch.core.orchestrator import Orchestrator
+from headwatch.distributed.reduce import Reducer
 from headwatch.errors import HeadwatchError
-from headwatch.model.batch import BatchFormat
-from headwatch.core.monitor import Monitor, compute_due, to_floats, whole_matrices
-from headwatch.distributed.reduce import Reducer, TorchDistributedReducer
-from headwatch.core.schedule import Schedule
 from headwatch.integrations.hf_support import (
-    STATE_NAME,
     TB_PREFIX,
+    TrainerSink,
     console_filter,
-    console_shows,
-    is_rules,
-    prefixed,
-    WritersSink,
     find_trainer,
+    is_rules,
     loss_scale,
     restore_state,
+    save_state,
     unwrap,
+    wire_alert,
 )
+from headwatch.model.batch import BatchFormat
 
 __all__ = ["HeadwatchCallback", "attach"]
+
 
 class HeadwatchCallback(TrainerCallback):
     """Watch the embedding and the head of the model a ``transformers.Trainer`` trains.
@@ -101,7 +99,7 @@ class HeadwatchCallback(TrainerCallback):
         figure_every_n_steps: images (IMAGES tab, under ``train/headwatch/``) of the monitors built
             from names, as in the Lightning callbacks: ``"auto"`` (default) every 10 logging intervals
             (``10 * logging_steps`` steps) when matplotlib is installed, else none; an int: every this
-            many steps (needs matplotlib); None or 0: none (see :func:`headwatch.integrations.loop.set_figures`).
+            many steps (needs matplotlib); None or 0: none (see :func:`headwatch.core.orchestrator.set_figures`).
             Core monitors passed in keep their own settings.
 
     Raises:
@@ -121,13 +119,7 @@ class HeadwatchCallback(TrainerCallback):
         console_keys: Sequence[str] | str | None = None,
         figure_every_n_steps: int | str | None = "auto",
     ) -> None:
-        from headwatch.core.figures import check_figure_argument
-        from headwatch.integrations.loop import Headwatch
-
         check_figure_argument(figure_every_n_steps)
-
-        if reducer is not None and not isinstance(reducer, Reducer):
-            raise HeadwatchError(f"`reducer` must implement headwatch.core.Reducer, got {type(reducer).__name__}")
         if alert is not None and not is_rules(alert) and not all(callable(getattr(alert, f, None)) for f in ("observe_train", "observe_val")):
             raise HeadwatchError(
                 f"`alert` must be a headwatch.alerts.CollapseRules or have observe_train and observe_val methods, got {type(alert).__name__}"
@@ -135,26 +127,31 @@ class HeadwatchCallback(TrainerCallback):
         for name, value in (("stop_on_critical", stop_on_critical), ("checkpoint_on_critical", checkpoint_on_critical)):
             if not isinstance(value, bool):
                 raise HeadwatchError(f"`{name}` must be a bool, got {value!r}")
+        self.run = Orchestrator(monitors, batch_format, prefix, reducer, strict, sinks=[TrainerSink(self)])
         self.stop_on_critical, self.checkpoint_on_critical = stop_on_critical, checkpoint_on_critical
-        self.monitors = Headwatch._build(monitors, batch_format, prefix)
-        passed = {id(m) for m in monitors or () if isinstance(m, Monitor)}
-        self._named = [m for m in self.monitors if id(m) not in passed]  # get figure_every_n_steps
         self.figure_every_n_steps = figure_every_n_steps
-        for m in self.monitors:
-            m.strict = strict
-        self.prefix, self.reducer, self.alert = prefix, reducer or TorchDistributedReducer(), alert
+        self.prefix, self.alert = prefix, alert
         self.console_keys = console_filter(console_keys, prefix)
         """Full names the console printers show (None: all)."""
-        self.latest: dict[str, float] = {}
-        """The values of the last measurement, by full name."""
         self._trainer: Any = None
         self._hooks: list[Any] = []
-        self._started = False  # the current (micro-)batch's first forward was seen
         self._model: nn.Module | None = None
-        self._step: int | None = None  # the step being trained (0-based), None outside a training step
-        self._logging: list[Monitor] = []  # monitors measuring the current step
         self._first = False
         self._control: Any = None
+        self._eval_metrics: dict[str, Any] = {}
+
+    @property
+    def monitors(self) -> list[Monitor]:
+        return self.run.monitors
+
+    @property
+    def reducer(self) -> Reducer:
+        return self.run.reducer
+
+    @property
+    def latest(self) -> dict[str, float]:
+        """The values of the last measurement, by full name."""
+        return self.run.latest
 
     # ---------------------------------------------------------------- wiring
     @property
@@ -172,7 +169,7 @@ class HeadwatchCallback(TrainerCallback):
             self.set_trainer(found)
         every = int(getattr(state, "logging_steps", 0) or args.logging_steps) if args.logging_strategy == "steps" else 0
         if args.logging_strategy == "epoch":
-            self.monitors[0].warn_once(
+            self.run.warn_once(
                 "epoch_strategy",
                 "HeadwatchCallback measures on logging steps; with logging_strategy='epoch' only collision "
                 "(at epoch ends) and logging_first_step are measured. Use logging_strategy='steps'. (warned once)",
@@ -181,45 +178,22 @@ class HeadwatchCallback(TrainerCallback):
         self.attach_model(model, every)
         restore_state(self, args, state)
         self._control = control
-        self._wire_alert(args)
+        wire_alert(self, args)
         if self.reducer.rank == 0:
             try:
                 tb.write_layout(self.writers(), TB_PREFIX + self.prefix, category=self.prefix)
             except Exception as err:  # noqa: BLE001
-                self.monitors[0].fail(err, "writing the TensorBoard dashboard layout")
+                self.run.fail(err, "writing the TensorBoard dashboard layout")
 
     def attach_model(self, model: nn.Module, every: int) -> None:
         """Configure every monitor (schedule ``every`` steps), attach it and hook the model's forward."""
-        wrapped, model = model, unwrap(model)
-        with whole_matrices(wrapped, model):  # FSDP1 / DeepSpeed ZeRO-3: full shapes while resolving (a collective)
-            for m in self.monitors:
-                m.configure(Schedule(m.every_factor * every), self.reducer)
-                m.root = wrapped  # FSDP1 (accelerate): summoned from on logging steps
-                m.attach(model)
-        from headwatch.integrations.loop import set_figures
-
-        set_figures(self._named, self.figure_every_n_steps)
-        if self._model is not model:
+        self.run.configure(every, figure_every_n_steps=self.figure_every_n_steps)
+        self.run.attach(unwrap(model), root=model)  # FSDP1 (accelerate): summoned from the wrapped model
+        inner = unwrap(model)
+        if self._model is not inner:
             self.close()
-            self._hooks = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
-            self._model = model
-
-    def _wire_alert(self, args: Any) -> None:
-        """Build the ``AlertEngine`` of ``CollapseRules``; decisions through the reducer, rank zero runs the
-        main-process actions."""
-        from headwatch.alerts import AlertEngine, standard_actions
-        from headwatch.alerts.actions import JSONL_NAME
-
-        if is_rules(self.alert):
-            actions = standard_actions(
-                sink=WritersSink(self), prefix=self.prefix, jsonl_path=Path(args.output_dir) / JSONL_NAME,
-                save_checkpoint=self.save_checkpoint if self.checkpoint_on_critical else None,
-                stop=self.stop_training if self.stop_on_critical else None,
-            )  # fmt: skip
-            self.alert = AlertEngine(self.alert, actions, name="HeadwatchCallback alert")
-        if isinstance(self.alert, AlertEngine):
-            self.alert.reduce_bool = lambda fired: not self.reducer.all(not fired)
-            self.alert.main_process = self.reducer.rank == 0
+            self._hooks = [inner.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
+            self._model = inner
 
     def stop_training(self, alert: Any = None) -> None:
         """An alert action: the Trainer stops after this step (every rank decides alike)."""
@@ -247,140 +221,61 @@ class HeadwatchCallback(TrainerCallback):
         batch = dict(kwargs)
         if args and "input_ids" not in batch:
             batch["input_ids"] = args[0]
-        training = self._step is not None and module.training
-        if training and self._started:  # a second forward of one micro-batch (TRL with compute_loss_func):
-            for m in self.monitors:
-                m.batch_end()
-            return
-        self._started = training
         if kwargs.get("fused_lm_head") and any(getattr(m, "synonym_groups", None) for m in self.monitors):
-            self.monitors[0].warn_once(
+            self.run.warn_once(
                 "fused_confusion",
                 "HeadwatchCallback: TRL's fused LM head never calls the head, so collision/synonym_confusion_rate is "
                 "not counted on these forwards (the logit statistics use the hidden states). (warned once)",
             )
-        if training:
-            for m in self.monitors:
-                m.step_start(batch, self._step, m in self._logging)
-        elif self._step is None and not module.training:
-            for m in self.monitors:
-                m.validation_batch_start(batch)
+        self.run.forward(batch, training=module.training)
 
     # ---------------------------------------------------------------- training
-    def is_logging_step(self, m: Monitor, step: int) -> bool:
-        """``DefaultFlowCallback``'s rule for 0-based step ``step`` (``global_step = step + 1``)."""
-        return m.schedule.is_logging_step(step) or (self._first and step == 0)
-
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._step, self._started = state.global_step, False
-        self._logging = [m for m in self.monitors if self.is_logging_step(m, self._step)]
+        self.run.begin_step(state.global_step, first=self._first)  # DefaultFlowCallback's rule, global_step = step + 1
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._started = False
-        for m in self.monitors:
-            m.batch_end()
+        self.run.batch_end()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        scale = loss_scale(self.trainer, args) if self._logging else None
-        for m in self.monitors:
-            m.gradients_ready(scale)
+        self.run.gradients_ready(loss_scale(self.trainer, args) if self.run.logging else None)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._started = False
-        for m in self.monitors:
-            m.optimizer_stepped()
-            m.batch_end()
+        self.run.optimizer_stepped()
+        self.run.batch_end()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        due, self._logging, self._step, self._control = self._logging, [], None, control
-        if due and not control.should_log:
-            due[0].warn_once("should_log", "HeadwatchCallback measured a step the Trainer does not log. (warned once)")
-        self._emit(due, state, control)
+        self._control = control
+        if self.run.logging and not control.should_log:
+            self.run.warn_once("should_log", "HeadwatchCallback measured a step the Trainer does not log. (warned once)")
+        self.run.end_step(state.global_step)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        step = state.global_step - 1
-        self._emit([m for m in self.monitors if step >= 0 and m.train_epoch_end(step)], state, control)
-
-    def _emit(self, due: list[Monitor], state: Any, control: Any, val: bool = False) -> dict[str, float]:
-        """compute on every rank (a collective), log through the Trainer, write media on rank zero."""
-        if not due:
-            return {}
-        # each monitor's compute on its own: one failing monitor loses only its own values, and every
-        # rank drops the same monitors (compute_due agrees on failures)
-        scalars, due = compute_due(due, self.reducer, val)
-        if not due:
-            return {}
-        try:
-            numbers = to_floats(scalars)
-            for m in due:
-                m.published(numbers)
-            self._publish(numbers, state.global_step, due, val)
-            return numbers
-        except Exception as err:  # noqa: BLE001
-            due[0].fail(err, "logging the statistics")
-            return {}
-
-    def _publish(self, numbers: dict[str, float], step: int, due: list[Monitor], val: bool) -> None:
-        self.latest.update(numbers)
-        trainer = self.trainer
-        if trainer is not None and numbers:
-            should_log = trainer.control.should_log
-            # the base method: a subclass's log (TRL's) would flush its own averaged metrics into this record
-            with console_shows(trainer, self.console_keys):  # the console: headline values; report_to: all
-                Trainer.log(trainer, dict(numbers))  # its on_log event clears control.should_log ...
-            trainer.control.should_log = should_log  # ... which must still log the loss of this step
-        elif numbers:
-            due[0].warn_once(
-                "no_trainer",
-                "HeadwatchCallback could not find its Trainer; values are only kept in `.latest`. Attach it with "
-                "headwatch.integrations.transformers.attach(trainer, callback). (warned once)",
-            )
-        writers = self.writers()
-        for m in due:
-            tb.write_media(writers, prefixed(m.media, TB_PREFIX), step)
-        if self.alert is not None and not is_rules(self.alert):
-            if val:
-                extra = {k: v for k, v in getattr(self, "_eval_metrics", {}).items() if isinstance(v, (int, float))}
-                self.alert.observe_val(step, {**extra, **numbers})
-            else:
-                self.alert.observe_train(step, numbers)
+        self.run.epoch_end(state.global_step - 1, at=state.global_step)
 
     # ---------------------------------------------------------------- evaluation
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        for m in self.monitors:
-            m.validation_batch_end()
+        self.run.validation_batch_end()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict | None = None, **kwargs: Any) -> None:
         self._control, self._eval_metrics = control, dict(metrics or {})
-        numbers = self._emit(list(self.monitors), state, control, val=True)
+        numbers = self.run.validation_end(state.global_step)
         if metrics is not None:
             metrics.update({f"eval_{k}": v for k, v in numbers.items()})
 
     def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
-        for m in self.monitors:  # predict() has no evaluation log: reset the validation sums
-            m.validation_epoch_end()
+        self.run.each("resetting after predict", lambda m: m.validation_epoch_end())  # predict() logs nothing
 
     # ---------------------------------------------------------------- state
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Write the monitors' state to ``<output_dir>/checkpoint-<step>/headwatch_state.pt``: every rank
         takes the (collective) state, the process that saves the Trainer's state (``args.should_save``) writes."""
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        try:
-            state_dict = self.state_dict()
-            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            if args.should_save:
-                os.makedirs(folder, exist_ok=True)
-                torch.save(state_dict, os.path.join(folder, STATE_NAME))
-        except Exception as err:  # noqa: BLE001
-            self.monitors[0].fail(err, "saving the monitors' state in the checkpoint")
+        save_state(self, args, state)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"monitors": [m.state_dict() for m in self.monitors]}
+        return self.run.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for m, s in zip(self.monitors, state.get("monitors", [])):
-            m.load_state_dict(s)
+        self.run.load_state_dict(state)
 
 
 def attach(trainer: Trainer, callback: HeadwatchCallback | None = None, **kwargs: Any) -> HeadwatchCallback:

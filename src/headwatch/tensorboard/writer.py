@@ -74,7 +74,7 @@ def write_figure(writers: Iterable[Any], tag: str, figure: Any, step: int) -> No
 
 
 def write_media(writers: Iterable[Any], media: Media, step: int, histograms: bool = True) -> None:
-    """A monitor's histograms, texts and figures of one measurement."""
+    """A monitor's histograms, texts and figures of one measurement (the caller flushes once)."""
     writers = list(writers)
     if not writers:
         return
@@ -85,10 +85,41 @@ def write_media(writers: Iterable[Any], media: Media, step: int, histograms: boo
         write_text(writers, tag, text, step)
     for tag, figure in media.figures.items():
         write_figure(writers, tag, figure, step)
-    flush(writers)
 
 
 def flush(writers: Iterable[Any]) -> None:
     """Flush now: TensorBoard reloads every 5 s, Lightning's logger flushes only every 120 s."""
     for writer in writers:
         writer.flush()
+
+
+class WriterSink:
+    """A :class:`~headwatch.core.orchestrator.Sink` over ``SummaryWriter`` objects: scalars and media at
+    ``step``, then one flush. ``writers``: a list, or a callable returning the writers of this moment
+    (empty on ranks that do not write). ``tag_prefix`` goes before every tag (the Hugging Face Trainer's
+    ``train/``)."""
+
+    def __init__(self, writers: Any, tag_prefix: str = "", scalars: bool = True) -> None:
+        self.writers, self.tag_prefix, self.scalars = writers, tag_prefix, scalars
+
+    def current(self) -> list[Any]:
+        return list(self.writers() if callable(self.writers) else self.writers)
+
+    def publish(self, numbers: dict[str, float], media: list[Media], step: int, val: bool) -> None:
+        writers = self.current()
+        if not writers:
+            return
+        if self.scalars:
+            write_scalars(writers, {self.tag_prefix + k: v for k, v in numbers.items()}, step)
+        for m in media:
+            write_media(writers, prefixed(m, self.tag_prefix) if self.tag_prefix else m, step)
+        flush(writers)
+
+
+def prefixed(media: Media, prefix: str) -> Media:
+    """``media`` with every tag under ``prefix``."""
+    return Media(
+        {prefix + k: v for k, v in media.histograms.items()},
+        {prefix + k: v for k, v in media.texts.items()},
+        {prefix + k: v for k, v in media.figures.items()},
+    )

@@ -12,9 +12,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from headwatch import tensorboard as tb
-from headwatch.errors import HeadwatchError
-from headwatch.core.monitor import Monitor, compute_due, to_floats, whole_matrices
+from headwatch.core.monitor import Media, Monitor, to_floats, whole_matrices  # noqa: F401 - to_floats: base.py
+from headwatch.core.orchestrator import Orchestrator, to_host
 from headwatch.core.schedule import Schedule
+from headwatch.errors import HeadwatchError
 
 
 class LightningReducer:
@@ -89,17 +90,51 @@ def published_steps(trainer: Any) -> dict[str, int]:
     return steps
 
 
-def publish(trainer: pl.Trainer, scalars: dict[str, Tensor | float], step: int) -> dict[str, float]:
-    """Scalars to every logger at ``step``, to ``trainer.callback_metrics`` (every rank), then flush."""
-    numbers = to_floats(scalars)
+def publish(trainer: pl.Trainer, scalars: dict[str, Tensor | float], step: int, media: list[Media] = ()) -> dict[str, float]:
+    """Scalars to every logger at ``step``, to ``trainer.callback_metrics`` (every rank), media to the
+    TensorBoard loggers (rank zero), then one flush."""
+    numbers = to_host(scalars, media) if any(isinstance(v, Tensor) for v in scalars.values()) else dict(scalars)
     if not numbers:
         return {}
     for logger in trainer.loggers:
         logger.log_metrics(numbers, step=step)
     trainer.callback_metrics.update({k: torch.tensor(v) for k, v in numbers.items()})
     published_steps(trainer).update(dict.fromkeys(numbers, step))
-    tb.flush(tensorboard_writers(trainer))  # live charts: TensorBoardLogger alone flushes every 120 s
+    writers = tensorboard_writers(trainer)
+    for m in media:
+        tb.write_media(writers, m, step)
+    tb.flush(writers)  # live charts: TensorBoardLogger alone flushes every 120 s
     return numbers
+
+
+class LightningSink:
+    """The orchestrator's sink for one Lightning trainer: :func:`publish` (training values)."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = weakref.ref(trainer)
+
+    def publish(self, numbers: dict[str, float], media: list[Media], step: int, val: bool) -> None:
+        trainer = self.trainer()
+        if trainer is not None:
+            publish(trainer, numbers, step, media)
+
+
+_RUNS: "weakref.WeakKeyDictionary[Any, Orchestrator]" = weakref.WeakKeyDictionary()
+
+
+def lightning_run(trainer: pl.Trainer) -> Orchestrator:
+    """The one orchestrator of ``trainer``'s run, driving the cores of every headwatch callback in
+    ``trainer.callbacks`` (in that order): one computation, one host transfer and one publication per
+    logging step, however many headwatch callbacks there are."""
+    run = _RUNS.get(trainer)
+    if run is None:
+        run = _RUNS[trainer] = Orchestrator(monitors=(), reducer=LightningReducer(trainer.strategy), sinks=[LightningSink(trainer)])
+    run.monitors = [cb._core() for cb in monitor_callbacks(trainer)]
+    return run
+
+
+def monitor_callbacks(trainer: pl.Trainer) -> list[MonitorCallback]:
+    return [cb for cb in trainer.callbacks if isinstance(cb, MonitorCallback)]
 
 
 class MonitorCallback(Callback):
@@ -181,34 +216,42 @@ class MonitorCallback(Callback):
             rank_zero_info(message)
 
     # ---------------------------------------------------------------- training
+    def _drives(self, trainer: pl.Trainer) -> bool:
+        """The first headwatch callback in ``trainer.callbacks`` drives the run's one orchestrator for all of them
+        (before an alert placed after the monitors reads their values)."""
+        callbacks = monitor_callbacks(trainer)
+        return bool(callbacks) and callbacks[0] is self
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        core = self._core()
-        self._hw_step = lightning_step(trainer)
-        self._hw_global_step = trainer.global_step
-        core.step_start(batch, self._hw_step, core.schedule.is_logging_step(self._hw_step))
+        if not self._drives(trainer):
+            return
+        run = lightning_run(trainer)
+        self._hw_step, self._hw_global_step = lightning_step(trainer), trainer.global_step
+        run.begin_step(self._hw_step)
+        run.step_start(batch)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self._core().gradients_ready(loss_scale(trainer))
+        if self._drives(trainer):
+            lightning_run(trainer).gradients_ready(loss_scale(trainer))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        core = self._core()
-        core.batch_end()
-        step = getattr(self, "_hw_step", None)
+        if not self._drives(trainer):
+            return
+        run = lightning_run(trainer)
+        run.batch_end()
         stepped = (
             not pl_module.automatic_optimization
             or trainer.global_step != self._hw_global_step
             or (batch_idx + 1) % trainer.accumulate_grad_batches == 0
         )
-        if step is not None and stepped and core.schedule.is_logging_step(step):
-            self._hw_step = None
-            self._emit(trainer, step)
+        if stepped and run.step is not None:
+            run.end_step()  # the due monitors' values, one host transfer, one publication
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        step = lightning_step(trainer) - 1  # the last step of the epoch
-        if step >= 0 and self._core().train_epoch_end(step):
-            self._emit(trainer, step)
+        if self._drives(trainer):
+            lightning_run(trainer).epoch_end(lightning_step(trainer) - 1)  # the last step of the epoch
 
     # ---------------------------------------------------------------- validation
     validation_media = False
@@ -220,41 +263,33 @@ class MonitorCallback(Callback):
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if self._measuring_validation(trainer):
-            self._core().validation_batch_start(batch, dataloader_idx)
+        if self._drives(trainer):
+            measuring = [cb._core() for cb in monitor_callbacks(trainer) if cb._measuring_validation(trainer)]
+            lightning_run(trainer).each("starting a validation batch", lambda m: m.validation_batch_start(batch, dataloader_idx), measuring)
 
     def on_validation_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._core().validation_batch_end(dataloader_idx)
+        if self._drives(trainer):
+            lightning_run(trainer).validation_batch_end(dataloader_idx)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._measuring_validation(trainer):
+        if not self._drives(trainer):  # the first headwatch callback publishes every measuring monitor at once
             return
-        core = self._core()
-        scalars, _ = compute_due([core], core.reducer, val=True)  # a failure on one rank is dropped on every rank
+        measuring = [cb for cb in monitor_callbacks(trainer) if cb._measuring_validation(trainer)]
+        run = lightning_run(trainer)
+        numbers, ok = run.compute([cb._core() for cb in measuring], val=True)  # one failing rank: dropped everywhere
+        if not ok:
+            return
         try:
-            numbers = to_floats(scalars)
             for k, v in numbers.items():
                 # identical on every rank already; sync_dist averages equal values (and silences Lightning's warning)
                 pl_module.log(k, v, on_step=False, on_epoch=True, sync_dist=True, add_dataloader_idx=False)
-            core.published(numbers)
-            if self.validation_media:
-                tb.write_media(tensorboard_writers(trainer), core.media, trainer.global_step)
+            media = [cb._core().media for cb in measuring if cb.validation_media and cb._core() in ok]
+            if media:
+                writers = tensorboard_writers(trainer)
+                for m in media:
+                    tb.write_media(writers, m, trainer.global_step)
+                tb.flush(writers)
         except Exception as err:  # noqa: BLE001
-            core.fail(err, "logging the validation statistics")
-
-    def _emit(self, trainer: pl.Trainer, step: int) -> dict[str, float]:
-        """compute (every rank: a collective), publish, then rank zero writes the media."""
-        core = self._core()
-        scalars, ok = compute_due([core], core.reducer)  # a failure on one rank is dropped on every rank
-        if not ok:
-            return {}
-        try:
-            numbers = publish(trainer, scalars, step)
-            core.published(numbers)
-            tb.write_media(tensorboard_writers(trainer), core.media, step)
-            return numbers
-        except Exception as err:  # noqa: BLE001
-            core.fail(err, "logging the statistics")
-            return {}
+            ok[0].fail(err, "logging the validation statistics")
