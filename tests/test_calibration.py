@@ -129,7 +129,7 @@ def test_bad_inputs():
         calibration_update(stats, targets[:, :2], bucket, 5)
     with pytest.raises(HeadwatchError, match="`rare` of shape \\(50,\\)"):
         calibration_update(stats, targets, bucket, 5, rare[:3])
-    with pytest.raises(HeadwatchError, match="`n_bins` must be a positive int, got 0"):
+    with pytest.raises(HeadwatchError, match="`n_bins` must be an int >= 1, got 0"):
         FrequencyCalibrationMetric(n_bins=0)
     with pytest.raises(HeadwatchError, match="`bucket_names`"):
         FrequencyCalibrationMetric(bucket_names="top1")

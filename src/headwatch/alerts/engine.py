@@ -24,7 +24,17 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Any
 
-from headwatch.errors import HeadwatchError
+from headwatch.errors import (
+    HeadwatchError,
+    check_bool,
+    check_callable,
+    check_instance,
+    check_optional,
+    check_prefix,
+    check_protocol,
+    check_sequence,
+    check_str,
+)
 from headwatch.alerts.actions import AlertSink, ConsoleWarning, JsonlLog, OnCritical, SinkMarker, action_name, runs_for
 from headwatch.alerts.events import CRITICAL, FIRED, RESOLVED, Alert, AlertEvent, finite_or_none
 from headwatch.alerts.rules import CollapseRules
@@ -47,7 +57,17 @@ def standard_actions(
     stop: Callable[[Alert], Any] | None = None,
 ) -> list[Any]:
     """The actions in their usual order: console, marker + text, JSON Lines, ``callables``, webhook,
-    checkpoint (critical only), stop (critical only). None leaves an action out (the console is always on)."""
+    checkpoint (critical only), stop (critical only). None leaves an action out (the console is always on).
+
+    Raises:
+        HeadwatchError: an invalid argument (a ``prefix`` ending in ``/``, a non-callable, ...).
+    """
+    for name, fn in (("warn", warn), ("webhook", webhook), ("save_checkpoint", save_checkpoint), ("stop", stop)):
+        check_optional(check_callable, name, fn)
+    check_optional(check_protocol, "sink", sink, ["scalar", "text"], "an AlertSink (scalar and text methods)")
+    check_prefix(prefix)
+    check_optional(check_instance, "jsonl_path", jsonl_path, (str, os.PathLike), "a path (str or os.PathLike)")
+    callables = check_actions(callables, "callables")
     actions: list[Any] = [ConsoleWarning(warn)]
     if sink is not None:
         actions.append(SinkMarker(sink, prefix))
@@ -72,19 +92,19 @@ def closest_names(name: str, logged: Sequence[str]) -> str:
 
 
 def check_alert_args(rules: CollapseRules, actions: Sequence[Any], critical_actions: bool) -> None:
-    """The checks every front door makes: some rule on, metric names, callables, a critical rule for
-    checkpoint/stop (``critical_actions``). Raises HeadwatchError naming the argument."""
+    """The checks every front door makes beyond :class:`CollapseRules`' own: some rule on, ``actions``
+    callables, a critical rule for checkpoint/stop (``critical_actions``). Raises HeadwatchError."""
     if not rules.enabled():
         raise HeadwatchError("every rule is off: set entropy_floor, entropy_ceiling, kl_ceiling, entropy_drop, rare_nll_rise or patience")
-    for name in ("entropy_metric", "kl_metric", "val_metric", "val_entropy_metric", "rare_nll_metric", "nll_metric"):
-        value = getattr(rules, name)
-        if not isinstance(value, str) or not value:
-            raise HeadwatchError(f"`{name}` must be a metric name, got {value!r}")
     if critical_actions and not any(s == CRITICAL for _, s in rules.enabled()):
         raise HeadwatchError("save_checkpoint / stop_training act on critical alerts, and every rule is warning-only: "
                              "give a critical threshold (a plain number is critical)")
-    if not all(callable(a) for a in actions):
-        raise HeadwatchError("`actions` must be callables taking an Alert")
+    check_actions(actions)
+
+
+def check_actions(actions: Any, name: str = "actions") -> list[Any]:
+    """Callables taking an :class:`Alert` (read once; returned as a list)."""
+    return check_sequence(name, actions, "callables taking an Alert", callable)
 
 
 class AlertEngine:
@@ -106,7 +126,8 @@ class AlertEngine:
     A failing action is warned about once (per action) and counted in ``action_failures``.
 
     Raises:
-        HeadwatchError: ``actions`` that are not callables; with ``strict``, a failed action.
+        HeadwatchError: an invalid argument (``rules`` not a CollapseRules, ``actions`` not callables,
+            ...); with ``strict``, a failed action.
     """
 
     def __init__(
@@ -121,18 +142,16 @@ class AlertEngine:
         info: Callable[[str], Any] | None = None,
         name: str = "SharpnessCollapseAlert",
     ) -> None:
-        if not isinstance(rules, CollapseRules):
-            raise HeadwatchError(f"`rules` must be a CollapseRules, got {type(rules).__name__}")
-        if not all(callable(a) for a in actions):
-            raise HeadwatchError("`actions` must be callables taking an Alert")
-        self.rules = rules
-        self.actions = list(actions)
-        self.reduce_bool = reduce_bool
-        self.main_process = main_process
-        self.strict = strict
+        self.rules = check_instance("rules", rules, CollapseRules)
+        self.actions = check_actions(actions)
+        self.reduce_bool = check_callable("reduce_bool", reduce_bool, "a callable bool -> bool")
+        self.main_process = check_bool("main_process", main_process)
+        self.strict = check_bool("strict", strict)
+        check_optional(check_callable, "warn", warn, "a callable taking a message")
+        check_optional(check_callable, "info", info, "a callable taking a message")
         self.warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
         self.info = info or (lambda message: None)
-        self.name = name
+        self.name = check_str("name", name)
         self.alerts: list[Alert] = []
         self.action_failures = 0
         self._warned: set[str] = set()

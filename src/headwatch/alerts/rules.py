@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, argument_error, check_instance, check_int, check_optional, check_range, check_str
 from headwatch.alerts.events import CRITICAL, FIRED, RESOLVED, SEVERITIES, AlertEvent, episode_key
 
 from headwatch.names import ALERT_RULES as RULES  # declared once with the metric names
@@ -42,15 +42,13 @@ def parse_threshold(name: str, value: Threshold) -> dict[str, float]:
         return {}
     if _is_number(value):
         return {CRITICAL: float(value)}
-    if isinstance(value, tuple) and len(value) == 2:
-        value = dict(zip(SEVERITIES, value))
-    if isinstance(value, Mapping) and set(value) <= set(SEVERITIES):
-        out = {s: value[s] for s in SEVERITIES if value.get(s) is not None}
+    pair = dict(zip(SEVERITIES, value)) if isinstance(value, tuple) and len(value) == 2 else value
+    if isinstance(pair, Mapping) and set(pair) <= set(SEVERITIES):
+        out = {s: pair[s] for s in SEVERITIES if pair.get(s) is not None}
         if out and all(_is_number(v) for v in out.values()):
             return {s: float(v) for s, v in out.items()}
-    raise HeadwatchError(
-        f"`{name}` must be None, a finite number (critical), a (warning, critical) pair or a dict with keys "
-        f"{SEVERITIES}, got {value!r}"
+    raise argument_error(
+        name, f"None, a finite number (critical), a (warning, critical) pair or a dict with keys {SEVERITIES}", value
     )
 
 
@@ -104,7 +102,9 @@ class CollapseRules:
     Raises:
         HeadwatchError: a threshold that is not a finite number (or a pair in the wrong order:
             a warning floor below the critical floor), ``entropy_drop`` outside (0, 1), an
-            invalid ``window``, ``patience``, ``for_steps``, ``alpha``, ``margin``, ``warmup_steps``.
+            invalid ``window``, ``patience``, ``for_steps``, ``alpha``, ``margin``, ``warmup_steps``,
+            ``delta``, ``min_entropy_drop``, ``val_dataloader_idx``, ``rare_window``, or a metric
+            name that is not a non-empty string.
     """
 
     entropy_floor: Threshold = None
@@ -142,30 +142,26 @@ class CollapseRules:
         for rule in ("entropy_ceiling", "kl_ceiling", "entropy_drop", "rare_nll_rise"):
             _check_order(rule, self.thresholds[rule], warning_first_when_higher=False)
         if not all(t > 0 for t in self.thresholds["rare_nll_rise"].values()):
-            raise HeadwatchError(f"`rare_nll_rise` must be None or rises > 0 (nats), got {self.rare_nll_rise!r}")
+            raise argument_error("rare_nll_rise", "None or rises > 0 (nats)", self.rare_nll_rise)
         if not all(0 < r < 1 for r in self.thresholds["entropy_drop"].values()):
-            raise HeadwatchError(f"`entropy_drop` must be None or fractions in (0, 1), got {self.entropy_drop!r}")
-        self._check_ints()
-        if not _is_number(self.alpha) or not 0 < self.alpha <= 1:
-            raise HeadwatchError(f"`smoothing` (alpha) must be in (0, 1], got {self.alpha!r}")
-        if not _is_number(self.margin) or not 0 <= self.margin < 1:
-            raise HeadwatchError(f"`rearm_margin` must be in [0, 1), got {self.margin!r}")
-        if not _is_number(self.delta) or self.delta < 0:
-            raise HeadwatchError(f"`val_delta` must be a number >= 0, got {self.delta!r}")
-        if not _is_number(self.min_entropy_drop) or self.min_entropy_drop < 0:
-            raise HeadwatchError(f"`val_min_entropy_drop` must be a number >= 0, got {self.min_entropy_drop!r}")
+            raise argument_error("entropy_drop", "None or fractions in (0, 1)", self.entropy_drop)
+        for name, low in (("window", 1), ("rare_window", 1), ("for_steps", 1), ("warmup_steps", 0), ("val_dataloader_idx", 0)):
+            check_int(name, getattr(self, name), minimum=low)
+        check_optional(check_int, "patience", self.patience, minimum=1)
+        # each field named with the argument of SharpnessCollapseAlert (Lightning) that sets it
+        check_range("`alpha` (`smoothing`)", self.alpha, 0, 1, low_open=True)
+        check_range("`margin` (`rearm_margin`)", self.margin, 0, 1, high_open=True)
+        check_range("`delta` (`val_delta`)", self.delta, 0)
+        check_range("`min_entropy_drop` (`val_min_entropy_drop`)", self.min_entropy_drop, 0)
+        for name in ("entropy_metric", "kl_metric", "val_metric", "val_entropy_metric", "rare_nll_metric", "nll_metric"):
+            check_str(name, getattr(self, name))  # a logged metric's name
+        # the state (restored by load_state_dict; given only when copying a state)
+        check_optional(check_range, "smoothed", self.smoothed)
+        for name in ("history", "val_history", "nll_history"):
+            check_instance(name, getattr(self, name), deque)
+        check_instance("states", self.states, dict)
         for key in self.episodes():
             self.states.setdefault(key, _Episode())
-
-    def _check_ints(self) -> None:
-        def is_int(v: Any, low: int) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-        for name, low in (("window", 1), ("rare_window", 1), ("for_steps", 1), ("warmup_steps", 0), ("val_dataloader_idx", 0)):
-            if not is_int(getattr(self, name), low):
-                raise HeadwatchError(f"`{name}` must be an int >= {low}, got {getattr(self, name)!r}")
-        if self.patience is not None and not is_int(self.patience, 1):
-            raise HeadwatchError(f"`patience` must be None or an int >= 1, got {self.patience!r}")
 
     # ------------------------------------------------------------------ configuration
     def enabled(self, kind: str = "all") -> list[tuple[str, str]]:

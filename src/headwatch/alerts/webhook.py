@@ -14,7 +14,7 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_callable, check_int, check_optional, check_range
 from headwatch.alerts.events import Alert
 
 WEBHOOK_ENV = "HEADWATCH_WEBHOOK_URL"
@@ -33,7 +33,9 @@ def redact_url(url: str) -> str:
 
 
 def check_webhook_url(url: str) -> None:
-    """http(s) with a host and a numeric port, or HeadwatchError that does not echo the URL."""
+    """http(s) with a host and a numeric port, or HeadwatchError that does not echo the URL (a secret)."""
+    if not isinstance(url, str):
+        raise HeadwatchError(f"the webhook URL must be a str, got a {type(url).__name__} (not shown: URLs hold secrets)")
     try:
         parts = urllib.parse.urlsplit(url)
         _ = parts.port  # raises on a non-numeric port (a token in the wrong place)
@@ -51,12 +53,13 @@ def resolve_webhook_url(webhook_url: str | None) -> str | None:
     return url
 
 
-def check_webhook_options(timeout: float, retries: int) -> None:
-    """``webhook_timeout`` in (0, 2] seconds and ``webhook_retries`` an int in [0, 5], or HeadwatchError."""
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 2:
-        raise HeadwatchError(f"`webhook_timeout` must be in (0, 2] seconds, got {timeout!r}")
-    if not isinstance(retries, int) or isinstance(retries, bool) or not 0 <= retries <= 5:
-        raise HeadwatchError(f"`webhook_retries` must be an int in [0, 5], got {retries!r}")
+def check_webhook_options(
+    timeout: float, retries: int, names: tuple[str, str] = ("webhook_timeout", "webhook_retries")
+) -> None:
+    """``timeout`` in (0, 2] seconds and ``retries`` an int in [0, 5], or HeadwatchError; ``names``: the
+    arguments as the caller calls them (the Lightning alert's by default, :class:`WebhookSender`'s own)."""
+    check_range(names[0], timeout, 0, 2, low_open=True)
+    check_int(names[1], retries, minimum=0, maximum=5)
 
 
 class WebhookSender:
@@ -77,8 +80,9 @@ class WebhookSender:
 
     def __init__(self, url: str, timeout: float = 2.0, retries: int = 2,
                  on_failure: Callable[[str, BaseException], None] | None = None) -> None:
-        check_webhook_options(timeout, retries)
+        check_webhook_options(timeout, retries, ("timeout", "retries"))
         check_webhook_url(url)
+        check_optional(check_callable, "on_failure", on_failure, "a callable (what, error) -> None")
         self._url = url
         self.timeout = float(timeout)
         self.retries = retries

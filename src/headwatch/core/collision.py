@@ -14,12 +14,20 @@ import torch
 from torch import Tensor, nn
 
 from headwatch.model.find import logits_from_output
-from headwatch.errors import HeadwatchError
+from headwatch.errors import (
+    HeadwatchError,
+    check_bool,
+    check_int,
+    check_module_or_name,
+    check_optional,
+    check_positive_int,
+    check_range,
+)
 from headwatch.model.batch import BatchFormat, BatchView
 from headwatch.distributed import sharded
-from headwatch.core.frequency import TokenCounts
+from headwatch.core.frequency import TokenCounts, check_token_counts
 from headwatch.core.monitor import Monitor
-from headwatch.core.tokens import decode_token, encode_group
+from headwatch.core.tokens import check_synonym_groups, decode_token, encode_group
 from headwatch.functional.collision import sample_rows, top_colliding_pairs
 from headwatch.distributed.sharded_drift import (
     corrected_collision_rows,
@@ -54,6 +62,12 @@ class SynonymCollision(Monitor):
     on the same steps. A row-sharded matrix (FSDP2, DTensor ``Shard(0)``) is measured on each
     process's own rows, the sums and maxima combined exactly (:mod:`headwatch.distributed.sharded_drift`):
     no process holds the whole ``(V, d_model)`` matrix.
+
+    Args: see :class:`headwatch.SynonymCollisionMonitor`; ``figures``: draw the similarity
+    histograms (a bool here); ``frequency``: the shared :class:`TokenCounts`.
+
+    Raises:
+        HeadwatchError: an invalid argument (checked here, whatever the front door).
     """
 
     name = "collision"
@@ -81,12 +95,22 @@ class SynonymCollision(Monitor):
         include_unseen: bool = False,
     ) -> None:
         super().__init__(prefix, strict, batch_format)
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise HeadwatchError(f"`k` (principal directions removed) must be None or an int >= 1, got {k!r}")
+        check_token_counts("frequency", frequency)  # None: a front door sets it at set-up
+        tau = check_range("tau", tau, -1, 1)  # a cosine; -1: every rare token collides
+        for name, value in (("max_rare", max_rare), ("max_per_bucket", max_per_bucket), ("top_pairs", top_pairs),
+                            ("max_chunk_bytes", max_chunk_bytes)):  # fmt: skip
+            check_positive_int(name, value)
+        groups = check_optional(check_synonym_groups, "synonym_groups", synonym_groups)
+        check_module_or_name("head", head)
+        check_module_or_name("embedding", embedding)
+        check_int("seed", seed)
+        for name, value in (("figures", figures), ("on_epoch_end", on_epoch_end), ("include_unseen", include_unseen)):
+            check_bool(name, value)
+        check_optional(check_int, "k", k, minimum=1)  # principal directions removed
         self.frequency = frequency
-        self.tau, self.max_rare, self.max_per_bucket, self.top_pairs = float(tau), max_rare, max_per_bucket, top_pairs
-        self.k, self.include_unseen = k, bool(include_unseen)
-        self.synonym_groups = [list(g) for g in synonym_groups] if synonym_groups is not None else None
+        self.tau, self.max_rare, self.max_per_bucket, self.top_pairs = tau, max_rare, max_per_bucket, top_pairs
+        self.k, self.include_unseen = k, include_unseen
+        self.synonym_groups = groups
         self.tokenizer, self.head, self.embedding, self.seed = tokenizer, head, embedding, seed
         self.max_chunk_bytes, self.draw_figures, self.on_epoch_end = max_chunk_bytes, figures, on_epoch_end
         self.tied = False

@@ -8,10 +8,23 @@ import torch
 from torch import Tensor, nn
 
 from headwatch.model.find import find_input_embedding
-from headwatch.errors import HeadwatchError
+from headwatch.errors import (
+    HeadwatchError,
+    check_int,
+    check_module_or_name,
+    check_optional,
+    check_protocol,
+    check_range,
+    check_tensor,
+)
 from headwatch.model.batch import BatchFormat
 from headwatch.core.monitor import Monitor
 from headwatch.functional.frequency import FrequencySnapshot, frequency_snapshot, token_scalars
+
+
+def check_token_counts(name: str, value: Any) -> Any:
+    """None, or token counts: a :class:`TokenCounts`, or a stand-in with its ``snapshot()`` method."""
+    return check_optional(check_protocol, name, value, ["snapshot"], "a TokenCounts (or an object with its snapshot() method)")
 
 
 class TokenCounts(Monitor):
@@ -20,6 +33,9 @@ class TokenCounts(Monitor):
     Args: see :class:`headwatch.TokenFrequency` (``vocab_size``, ``valid_token_mask``,
     ``embedding``, ``rare_max_count``, ``rare_fraction``); ids are read with
     ``batch_format`` (``ids_fn`` or ``input_ids``; ``attention_mask == 0`` not counted).
+
+    Raises:
+        HeadwatchError: an invalid argument (checked here, whatever the front door).
     """
 
     name = "tokens"
@@ -35,21 +51,11 @@ class TokenCounts(Monitor):
         batch_format: BatchFormat | None = None,
     ) -> None:
         super().__init__(prefix, strict=False, batch_format=batch_format)
-        if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1):
-            raise HeadwatchError(f"`vocab_size` must be None or an int >= 1, got {vocab_size!r}")
-        if valid_token_mask is not None and (
-            not isinstance(valid_token_mask, Tensor) or valid_token_mask.dtype != torch.bool or valid_token_mask.ndim != 1
-        ):
-            raise HeadwatchError("`valid_token_mask` must be None or a 1-D bool tensor of shape (V,)")
-        if rare_max_count is not None and (not isinstance(rare_max_count, int) or rare_max_count < 1):
-            raise HeadwatchError(f"`rare_max_count` must be None or an int >= 1, got {rare_max_count!r}")
-        if not isinstance(rare_fraction, (int, float)) or not 0.0 < rare_fraction <= 1.0:
-            raise HeadwatchError(f"`rare_fraction` must be in (0, 1], got {rare_fraction!r}")
-        self.vocab_size = vocab_size
-        self.valid_token_mask = valid_token_mask
-        self.embedding = embedding
-        self.rare_max_count = rare_max_count
-        self.rare_fraction = float(rare_fraction)
+        self.vocab_size = check_optional(check_int, "vocab_size", vocab_size, minimum=1)
+        self.valid_token_mask = check_optional(check_tensor, "valid_token_mask", valid_token_mask, ndim=1, dtype=torch.bool)
+        self.embedding = check_module_or_name("embedding", embedding)
+        self.rare_max_count = check_optional(check_int, "rare_max_count", rare_max_count, minimum=1)
+        self.rare_fraction = check_range("rare_fraction", rare_fraction, 0, 1, low_open=True)
         self.num_rows = 0
         self.padding_idx: int | None = None
         self._local: Tensor | None = None  # (V,) int64 on the device: this process's counts since start/restore

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from headwatch.distributed import fsdp1
-from headwatch.core.frequency import TokenCounts
+from headwatch.errors import check_bool, check_int, check_module_or_name
+from headwatch.core.frequency import TokenCounts, check_token_counts
 from headwatch.core.monitor import Monitor
 from headwatch.distributed.zero import full_gradient
 from headwatch.distributed.sharded import ShardedLookup, is_sharded, local_rows, row_norms_full, row_statistics, tied_flow_statistics
@@ -27,6 +28,11 @@ class GradientDensity(Monitor):
     effective ones (:mod:`headwatch.model.weights`): the lookup flow is captured on every module that
     looks up the embedding's weight (tied T5: encoder and decoder), a LoRA head's row gradient is
     ``g.T @ h`` from hooks on the head, and a frozen matrix gets no gradient statistics at all.
+
+    Args: see :class:`headwatch.GradientDensityMonitor`; ``figure_every``: steps between figures (0: none).
+
+    Raises:
+        HeadwatchError: an invalid argument (checked here, whatever the front door).
     """
 
     name = "grad"
@@ -43,6 +49,12 @@ class GradientDensity(Monitor):
         strict: bool = False,
     ) -> None:
         super().__init__(prefix, strict)
+        check_token_counts("frequency", frequency)  # None: a front door sets it at set-up
+        check_module_or_name("head", head)
+        check_module_or_name("embedding", embedding)
+        check_bool("update_density", update_density)
+        check_bool("log_histogram", log_histogram)
+        check_int("figure_every", figure_every, minimum=0)
         self.frequency = frequency
         self.head = head
         self.embedding = embedding

@@ -7,7 +7,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch.errors import HeadwatchError
+from headwatch.errors import (
+    HeadwatchError,
+    check_bool,
+    check_choice,
+    check_instance,
+    check_int,
+    check_module_or_name,
+    check_optional,
+    check_positive_int,
+)
 from headwatch.model.capture import PATHS, Captured, LogitsCapture
 from headwatch.model.captured import captured_statistics
 from headwatch.model.batch import BatchFormat, BatchView
@@ -39,6 +48,12 @@ class LogitStats(Monitor):
     ``frequency`` (the shared :class:`TokenCounts`) loss, accuracy and confidence by target
     bucket (:mod:`headwatch.core.logit_split`). Validation is kept per dataloader; with more than
     one, names carry Lightning's ``/dataloader_idx_<k>`` suffix.
+
+    Args: see :class:`headwatch.LogitStatsMonitor`; ``figure_every``: steps between entropy
+    figures (0: none); ``frequency``: the shared :class:`TokenCounts` (target buckets).
+
+    Raises:
+        HeadwatchError: an invalid argument (checked here, whatever the front door).
     """
 
     name = "logits"
@@ -60,14 +75,15 @@ class LogitStats(Monitor):
         frequency: TokenCounts | None = None,
     ) -> None:
         super().__init__(prefix, strict, batch_format)
-        if frequency is not None and not isinstance(frequency, TokenCounts):
-            raise HeadwatchError(f"`frequency` must be None or a TokenCounts, got {type(frequency).__name__}")
-        if path not in PATHS:
-            raise HeadwatchError(f"`path` must be one of {PATHS}, got {path!r}")
-        if alignment is not None and alignment not in ALIGNMENTS:
-            raise HeadwatchError(f"`alignment` must be None or one of {ALIGNMENTS}, got {alignment!r}")
-        if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1):
-            raise HeadwatchError(f"`vocab_size` must be None or an int >= 1 (the tokenizer's), got {vocab_size!r}")
+        for name, module in (("head", head), ("logits_module", logits_module), ("hidden_module", hidden_module)):
+            check_module_or_name(name, module)
+        check_bool("log_histogram", log_histogram)
+        check_int("figure_every", figure_every, minimum=0)
+        check_positive_int("max_chunk_bytes", max_chunk_bytes)
+        check_optional(check_choice, "alignment", alignment, ALIGNMENTS)
+        check_choice("path", path, PATHS)
+        check_optional(check_int, "vocab_size", vocab_size, minimum=1)
+        check_optional(check_instance, "frequency", frequency, TokenCounts)
         self.head = head
         self.logits_module, self.hidden_module, self.alignment, self.path = logits_module, hidden_module, alignment, path
         self.tokenizer_vocab_size = vocab_size

@@ -9,7 +9,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
-from headwatch.errors import HeadwatchError
+from headwatch.errors import check_bool, check_int, check_positive_int
 from headwatch.functional.quantiles import quantiles
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES, logit_statistics
 from headwatch.functional.sums import LogitStatSums, logit_stats_compute, logit_stats_update
@@ -40,6 +40,9 @@ class LogitStatsMetric(Metric):
     ``nonfinite_positions``, ``invalid_target_positions`` (counts), ``entropy_p05``,
     ``entropy_p50``, ``entropy_p95``, and ``entropy_values`` (the 1-D tensor of
     per-position entropies) when ``keep_entropies``.
+
+    Raises:
+        HeadwatchError: an invalid argument (``**kwargs`` are torchmetrics' own, checked by it).
     """
 
     full_state_update = False
@@ -54,13 +57,9 @@ class LogitStatsMetric(Metric):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if not isinstance(ignore_index, int):
-            raise HeadwatchError(f"`ignore_index` must be an int, got {ignore_index!r}")
-        if not isinstance(max_chunk_bytes, int) or max_chunk_bytes <= 0:
-            raise HeadwatchError(f"`max_chunk_bytes` must be a positive int, got {max_chunk_bytes!r}")
-        self.ignore_index = ignore_index
-        self.max_chunk_bytes = max_chunk_bytes
-        self.keep_entropies = keep_entropies
+        self.ignore_index = check_int("ignore_index", ignore_index)
+        self.max_chunk_bytes = check_positive_int("max_chunk_bytes", max_chunk_bytes)
+        self.keep_entropies = check_bool("keep_entropies", keep_entropies)
         for name in LogitStatSums._fields:
             self.add_state(name, default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
         if keep_entropies:

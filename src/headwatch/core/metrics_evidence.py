@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_int, check_positive_int, check_sequence
 from headwatch.functional.calibration import (
     ECE_BINS,
     CalibrationSums,
@@ -67,18 +67,10 @@ class FrequencyCalibrationMetric(Metric):
             from headwatch.functional.frequency import BUCKETS
 
             bucket_names = BUCKETS
-        if isinstance(bucket_names, str) or not all(isinstance(n, str) for n in bucket_names) or not bucket_names:
-            raise HeadwatchError(f"`bucket_names` must be a non-empty sequence of strings, got {bucket_names!r}")
-        if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
-            raise HeadwatchError(f"`n_bins` must be a positive int, got {n_bins!r}")
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-            raise HeadwatchError(f"`ignore_index` must be an int, got {ignore_index!r}")
-        if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int) or max_chunk_bytes <= 0:
-            raise HeadwatchError(f"`max_chunk_bytes` must be a positive int, got {max_chunk_bytes!r}")
-        self.bucket_names = tuple(bucket_names)
-        self.n_bins = n_bins
-        self.ignore_index = ignore_index
-        self.max_chunk_bytes = max_chunk_bytes
+        self.bucket_names = tuple(check_sequence("bucket_names", bucket_names, "strings", lambda n: isinstance(n, str), empty=False))
+        self.n_bins = check_positive_int("n_bins", n_bins)
+        self.ignore_index = check_int("ignore_index", ignore_index)
+        self.max_chunk_bytes = check_positive_int("max_chunk_bytes", max_chunk_bytes)
         for name, default in empty_sums(len(self.bucket_names), n_bins)._asdict().items():
             self.add_state(name, default=default, dist_reduce_fx="sum")
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_bool, check_instance, check_optional, check_prefix
 from headwatch.model.batch import BatchFormat
 from headwatch.distributed.reduce import NoReducer, Reducer
 from headwatch.core.schedule import Schedule
@@ -59,15 +59,9 @@ class Monitor:
     """Default schedule: this many times the engine's logging interval."""
 
     def __init__(self, prefix: str = "headwatch", strict: bool = False, batch_format: BatchFormat | None = None) -> None:
-        if not isinstance(prefix, str) or not prefix or prefix.endswith("/"):
-            raise HeadwatchError(f"`prefix` must be a non-empty string not ending in '/', got {prefix!r}")
-        if not isinstance(strict, bool):
-            raise HeadwatchError(f"`strict` must be a bool, got {strict!r}")
-        if batch_format is not None and not isinstance(batch_format, BatchFormat):
-            raise HeadwatchError(f"`batch_format` must be None or a BatchFormat, got {type(batch_format).__name__}")
-        self.prefix = prefix
-        self.strict = strict
-        self.batch_format = batch_format or BatchFormat()
+        self.prefix = check_prefix(prefix)
+        self.strict = check_bool("strict", strict)
+        self.batch_format = check_optional(check_instance, "batch_format", batch_format, BatchFormat) or BatchFormat()
         self.reducer: Reducer = NoReducer()
         self.schedule = Schedule(0)
         self.model: nn.Module | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from headwatch.errors import HeadwatchError
+from headwatch.errors import check_int
 
 
 @dataclass(frozen=True)
@@ -14,13 +14,15 @@ class Schedule:
     This is Lightning's rule for its own logging steps and the Hugging Face Trainer's
     (``global_step % logging_steps == 0`` with ``global_step = s + 1``). ``every == 0``:
     never.
+
+    Raises:
+        HeadwatchError: ``every`` is not an int >= 0.
     """
 
     every: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 0:
-            raise HeadwatchError(f"`log_every_n_steps` must be an int >= 0, got {self.every!r}")
+        check_int("every", self.every, minimum=0)
 
     def is_logging_step(self, step: int) -> bool:
         return self.every > 0 and (step + 1) % self.every == 0

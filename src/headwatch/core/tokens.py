@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_sequence
 
 
 def decode_token(tokenizer: Any, token_id: int) -> str:
@@ -27,6 +27,23 @@ def decode_token(tokenizer: Any, token_id: int) -> str:
         f"cannot decode with a {type(tokenizer).__name__}: pass a tokenizers.Tokenizer, a Hugging Face "
         "tokenizer, or a callable id -> str"
     )
+
+
+def _is_entry(word: Any) -> bool:
+    """A token id (an int or a numpy integer, not a bool) or a string: what :func:`encode_group` reads."""
+    return isinstance(word, str) or (not isinstance(word, bool) and hasattr(word, "__index__"))
+
+
+def check_synonym_groups(name: str, value: Any) -> list[list[Any]]:
+    """Synonym groups: groups (read once, as a list; not a string), each a list or tuple of token ids or strings.
+
+    The strings are encoded (with the tokenizer) by :func:`encode_group` when the monitor attaches.
+    """
+    groups = check_sequence(
+        name, value, "groups, each a list or tuple of token ids or strings",
+        lambda g: isinstance(g, (list, tuple)) and all(_is_entry(w) for w in g),
+    )  # fmt: skip
+    return [list(g) for g in groups]
 
 
 def encode_group(tokenizer: Any, words: Sequence[Any]) -> list[int]:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_bool, check_callable, check_int, check_optional, check_str
 
 
 def field(batch: Any, key: str | None) -> Any:
@@ -42,6 +42,10 @@ class BatchFormat:
             applied); default from ``labels_key``.
 
     ``read(batch)`` gives a :class:`BatchView`; every monitor reads batches through it.
+
+    Raises:
+        HeadwatchError: a key that is not a non-empty string, ``shift_labels`` not a bool,
+            ``ignore_index`` not an int, a ``*_fn`` that is neither None nor callable.
     """
 
     ids_key: str = "input_ids"
@@ -55,16 +59,11 @@ class BatchFormat:
 
     def __post_init__(self) -> None:
         for name in ("ids_key", "labels_key", "mask_key"):
-            if not isinstance(getattr(self, name), str):
-                raise HeadwatchError(f"`{name}` must be a str, got {getattr(self, name)!r}")
-        if not isinstance(self.shift_labels, bool):
-            raise HeadwatchError(f"`shift_labels` must be a bool, got {self.shift_labels!r}")
-        if not isinstance(self.ignore_index, int) or isinstance(self.ignore_index, bool):
-            raise HeadwatchError(f"`ignore_index` must be an int, got {self.ignore_index!r}")
+            check_str(name, getattr(self, name))
+        check_bool("shift_labels", self.shift_labels)
+        check_int("ignore_index", self.ignore_index)
         for name in ("ids_fn", "mask_fn", "targets_fn"):
-            value = getattr(self, name)
-            if value is not None and not callable(value):
-                raise HeadwatchError(f"`{name}` must be None or a callable taking the batch, got {value!r}")
+            check_optional(check_callable, name, getattr(self, name), "a callable taking the batch")
 
     def for_alignment(self, alignment: str) -> BatchFormat:
         """This format adapted to the model kind (:data:`headwatch.model.sources.ALIGNMENTS`).

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_bool, check_instance, check_optional, check_positive_int, check_str
 
 TRAINING_BYTES_PER_PARAM = {
     "fp32 (weights, grads, AdamW m+v)": 4 + 4 + 8,
@@ -101,12 +101,6 @@ class UntieCost:
         return math.ceil(self.params_added / self.world_size) * bytes_per_param
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise HeadwatchError(f"`{name}` must be an int >= 1, got {value!r}")
-    return value
-
-
 def untie_cost(
     vocab_size: int, d_model: int, params: int | None = None, tied: bool | None = None, world_size: int = 1
 ) -> UntieCost:
@@ -120,16 +114,16 @@ def untie_cost(
         world_size: GPUs over which FSDP shards the parameters.
 
     Raises:
-        HeadwatchError: a non-positive size; ``params`` without ``tied``; ``params`` smaller than
-            what the untied matrices alone need.
+        HeadwatchError: a size that is not an int >= 1; ``tied`` not None or a bool; ``params``
+            without ``tied``; ``params`` smaller than what the untied matrices alone need.
     """
-    V, d, W = _positive_int("vocab_size", vocab_size), _positive_int("d_model", d_model), _positive_int(
-        "world_size", world_size
-    )
+    V, d = check_positive_int("vocab_size", vocab_size), check_positive_int("d_model", d_model)
+    W = check_positive_int("world_size", world_size)
+    check_optional(check_positive_int, "params", params)
+    check_optional(check_bool, "tied", tied)
     P = V * d
     n_tied = n_untied = None
     if params is not None:
-        _positive_int("params", params)
         if tied is None:
             raise HeadwatchError("`tied` must be True or False when `params` is given (is the count for a tied model?)")
         n_tied = params if tied else params - P
@@ -212,6 +206,8 @@ def _gb(n: int) -> str:
 
 def format_cost(cost: UntieCost, name: str = "") -> str:
     """The human-readable report :func:`main` prints (exact integers, GB = 1e9 bytes)."""
+    check_instance("cost", cost, UntieCost)
+    check_str("name", name, empty=True)
     P = cost.params_added
     lines = [
         f"untying the output head{f' of {name}' if name else ''}: vocab_size {cost.vocab_size:,} x d_model "
@@ -240,6 +236,7 @@ def format_cost(cost: UntieCost, name: str = "") -> str:
 
 def readme_table(world_size: int = 8) -> str:
     """The README's Markdown table of :data:`KNOWN_CONFIGS`, every figure computed here."""
+    check_positive_int("world_size", world_size)
     head = (
         "| model | vocab_size | d_model | ships | parameters (as shipped) | added by untying (V x d) "
         f"| share of untied model | fp32 weights | bf16 weights | training, bf16 + fp32 master + AdamW (16 B/param) "

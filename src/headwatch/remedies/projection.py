@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from headwatch.model.find import find_head_and_embedding
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_instance, check_module_or_name, check_optional, check_tensor
 
 
 class TiedOutputProjection(nn.Module):
@@ -32,12 +32,9 @@ class TiedOutputProjection(nn.Module):
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None) -> None:
         super().__init__()
-        if not isinstance(weight, nn.Parameter) or weight.ndim != 2:
-            raise HeadwatchError(
-                f"`weight` must be the tied (vocab_size, d_model) nn.Parameter, got {type(weight).__name__} "
-                f"of shape {tuple(getattr(weight, 'shape', ()))}"
-            )
+        check_tensor("weight", weight, ndim=2, parameter=True)  # the tied (vocab_size, d_model) matrix
         V, d = weight.shape
+        check_optional(check_tensor, "bias", bias, ndim=1)
         if bias is not None and tuple(bias.shape) != (V,):
             raise HeadwatchError(f"`bias` must have shape ({V},), got {tuple(bias.shape)}")
         self.weight = weight
@@ -70,9 +67,12 @@ def install_tied_projection(
         The installed module.
 
     Raises:
-        HeadwatchError: the head and the embedding are not tied, or the head is not a
+        HeadwatchError: an invalid argument; the head and the embedding are not tied, or the head is not a
             ``Linear``-like module holding ``weight`` (and optionally ``bias``).
     """
+    check_instance("model", model, nn.Module, "an nn.Module")
+    check_module_or_name("head", head)
+    check_module_or_name("embedding", embedding)
     found = find_head_and_embedding(model, head, embedding)
     if not found.tied:
         raise HeadwatchError(

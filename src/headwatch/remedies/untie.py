@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from headwatch.model.find import find_head_and_embedding
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_choice, check_instance, check_module_or_name, check_optional, check_range
 
 INITS = ("copy", "normal")
 """Allowed values of ``untie_output_head(init=...)``."""
@@ -174,10 +174,11 @@ def untie_output_head(
             weight is sharded (DTensor, FSDP flat parameter) or quantised; a Hugging Face model
             ties more than its head; ``init="normal"`` without a known std.
     """
-    if init not in INITS:
-        raise HeadwatchError(f"`init` must be one of {INITS}, got {init!r}")
-    if std is not None and (not isinstance(std, (int, float)) or isinstance(std, bool) or not std > 0):
-        raise HeadwatchError(f"`std` must be None or a float > 0, got {std!r}")
+    check_instance("model", model, nn.Module, "an nn.Module")
+    check_choice("init", init, INITS)
+    check_optional(check_range, "std", std, 0, low_open=True)
+    check_module_or_name("head", head)
+    check_module_or_name("embedding", embedding)
     found = find_head_and_embedding(model, head, embedding)
     weight = found.head.weight
     if not found.tied:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from headwatch.model.find import find_head_and_embedding
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_int, check_module_or_name, check_optional, check_range
 
 PHASE_KEY = "headwatch/remedies/head_warmup_phase"
 """Logged scalar: 0 while only the head trains, 1 once everything trains."""
@@ -43,12 +43,8 @@ class HeadWarmupCore:
     """
 
     def __init__(self, warmup_steps: int, head_lr: float | None = None) -> None:
-        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
-            raise HeadwatchError(f"`warmup_steps` must be an int >= 0, got {warmup_steps!r}")
-        if head_lr is not None and (isinstance(head_lr, bool) or not isinstance(head_lr, (int, float)) or not head_lr > 0):
-            raise HeadwatchError(f"`head_lr` must be None or a float > 0, got {head_lr!r}")
-        self.warmup_steps = warmup_steps
-        self.head_lr = None if head_lr is None else float(head_lr)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
+        self.head_lr = check_optional(check_range, "head_lr", head_lr, 0, low_open=True)
         self.phase = 0 if warmup_steps > 0 else 1
         self.switched_at_step: int | None = None
         self._frozen: list[nn.Parameter] = []
@@ -176,7 +172,7 @@ class HeadWarmup(BaseFinetuning):
     def __init__(self, warmup_steps: int, head_lr: float | None = None, head: str | nn.Module | None = None) -> None:
         super().__init__()
         self.core = HeadWarmupCore(warmup_steps, head_lr)
-        self.head = head
+        self.head = check_module_or_name("head", head)
         self._head_params: list[nn.Parameter] = []
         self._last_logged: int | None = None
 

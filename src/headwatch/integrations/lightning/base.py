@@ -12,39 +12,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from headwatch import tensorboard as tb
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_bool, check_every, check_module_or_name, check_positive_int, check_prefix
 from headwatch.core.schedule import Schedule
 from headwatch.integrations.lightning.door import publish, published_steps, tensorboard_writers, to_floats
 
 __all__ = ["HeadwatchCallback", "check_bool", "check_every", "check_module_or_name", "check_positive_int",
            "check_prefix", "published_steps", "to_floats"]  # fmt: skip
-
-
-def check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise HeadwatchError(f"`{name}` must be a bool, got {value!r}")
-
-
-def check_every(name: str, value: Any) -> None:
-    if value is not None:
-        check_positive_int(name, value)
-
-
-def check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise HeadwatchError(f"`{name}` must be an int >= 1, got {value!r}")
-
-
-def check_module_or_name(name: str, value: Any) -> None:
-    from torch import nn
-
-    if value is not None and not isinstance(value, (str, nn.Module)):
-        raise HeadwatchError(f"`{name}` must be None, an nn.Module or its dotted name, got {type(value).__name__}")
-
-
-def check_prefix(value: Any) -> None:
-    if not isinstance(value, str) or not value or value.endswith("/"):
-        raise HeadwatchError(f"`prefix` must be a non-empty string not ending in '/', got {value!r}")
 
 
 class HeadwatchCallback(Callback):

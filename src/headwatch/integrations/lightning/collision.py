@@ -8,8 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import nn
 
-from headwatch.integrations.lightning.base import check_bool, check_module_or_name, check_positive_int
-from headwatch.errors import HeadwatchError
+from headwatch.errors import check_choice, check_every
 from headwatch.model.batch import BatchFormat
 from headwatch.core.collision import DEFAULT_TAU, SynonymCollision, decode_token
 from headwatch.core.collision import encode_group as _encode_group  # noqa: F401  (import path of 0.1)
@@ -101,28 +100,11 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
         k: int | None = None,
         include_unseen: bool = False,
     ) -> None:
-        if every_n_steps is not None:
-            check_positive_int("every_n_steps", every_n_steps)
-        if figures not in (True, False, "auto"):
-            raise HeadwatchError(f"`figures` must be True, False or 'auto', got {figures!r}")
+        # the adapter's arguments; the core (SynonymCollision) checks the rest
+        check_every("every_n_steps", every_n_steps)
+        check_choice("figures", figures, (True, False, "auto"))
         if figures is True:
             check_figure_argument(1, "figures")
-        if not isinstance(tau, (int, float)) or isinstance(tau, bool) or not -1.0 <= tau <= 1.0:
-            raise HeadwatchError(f"`tau` must be a cosine in [-1, 1], got {tau!r}")
-        check_bool("on_epoch_end", on_epoch_end)
-        check_bool("include_unseen", include_unseen)
-        if k is not None:
-            check_positive_int("k", k)
-        for name, value in (("max_rare", max_rare), ("max_per_bucket", max_per_bucket), ("top_pairs", top_pairs), ("max_chunk_bytes", max_chunk_bytes)):
-            check_positive_int(name, value)
-        check_module_or_name("head", head)
-        check_module_or_name("embedding", embedding)
-        if synonym_groups is not None:
-            if isinstance(synonym_groups, (str, bytes)):
-                raise HeadwatchError("`synonym_groups` must be a list of groups, each a list of token ids or strings")
-            synonym_groups = [list(g) if isinstance(g, (list, tuple)) else g for g in synonym_groups]  # a generator once
-            if not all(isinstance(g, list) for g in synonym_groups):
-                raise HeadwatchError("`synonym_groups` must be a list of groups, each a list of token ids or strings")
         draw = figures is True or (figures == "auto" and matplotlib_available())
         super().__init__(
             None, tau, max_rare, max_per_bucket, top_pairs, synonym_groups, tokenizer, head, embedding, seed,

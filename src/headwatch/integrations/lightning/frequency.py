@@ -9,8 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-from headwatch.integrations.lightning.base import check_every
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_every
 from headwatch.model.batch import BatchFormat
 from headwatch.core.frequency import TokenCounts
 from headwatch.functional.frequency import (  # noqa: F401  (import path of 0.1)
@@ -68,10 +67,9 @@ class TokenFrequency(TokenCounts, MonitorCallback):
         prefix: str = "headwatch",
         batch_format: BatchFormat | None = None,
     ) -> None:
-        check_every("log_every_n_steps", log_every_n_steps)
-        if ids_fn is not None and not callable(ids_fn):
-            raise HeadwatchError(f"`ids_fn` must be None or a callable taking the batch, got {ids_fn!r}")
-        fmt = batch_format or BatchFormat(ids_fn=ids_fn)
+        check_every("log_every_n_steps", log_every_n_steps)  # the adapter's; the core checks the rest
+        own = BatchFormat(ids_fn=ids_fn)
+        fmt = batch_format if batch_format is not None else own  # ids_fn is checked even when it replaces it
         super().__init__(vocab_size, valid_token_mask, embedding, rare_max_count, rare_fraction, prefix, fmt)
         self.ids_fn = fmt.ids_fn
         self.log_every_n_steps = log_every_n_steps

@@ -7,7 +7,7 @@ import lightning.pytorch as pl
 from torch import nn
 
 from headwatch import tensorboard as tb
-from headwatch.integrations.lightning.base import check_bool, check_every, check_module_or_name
+from headwatch.errors import check_every
 from headwatch.core.gradients import GradientDensity
 from headwatch.core.figures import check_figure_argument, resolve_figure_interval
 from headwatch.integrations.lightning.frequency import TokenFrequency
@@ -70,12 +70,8 @@ class GradientDensityMonitor(GradientDensity, MonitorCallback):
         prefix: str = "headwatch",
         strict: bool = False,
     ) -> None:
-        check_every("log_every_n_steps", log_every_n_steps)
+        check_every("log_every_n_steps", log_every_n_steps)  # the adapter's; the core checks the rest
         check_figure_argument(figure_every_n_steps)
-        check_module_or_name("head", head)
-        check_module_or_name("embedding", embedding)
-        check_bool("update_density", update_density)
-        check_bool("log_histogram", log_histogram)
         super().__init__(None, head, embedding, update_density, log_histogram, 0, prefix, strict)  # type: ignore[arg-type]
         self.log_every_n_steps = log_every_n_steps
         self.figure_every_n_steps = figure_every_n_steps

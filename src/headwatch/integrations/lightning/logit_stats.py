@@ -7,9 +7,8 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import nn
 
-from headwatch.integrations.lightning.base import check_bool, check_every, check_module_or_name, check_positive_int
 from headwatch.model.find import MaskFn, TargetsFn
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_bool, check_every
 from headwatch.model.batch import BatchFormat
 from headwatch.core.logits import SCALAR_KEYS, LogitStats
 from headwatch.core.figures import check_figure_argument, resolve_figure_interval
@@ -96,15 +95,12 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
         path: str = "auto",
         vocab_size: int | None = None,
     ) -> None:
+        # the core checks its own arguments (LogitStats, BatchFormat); these are the adapter's
         check_every("log_every_n_steps", log_every_n_steps)
         check_figure_argument(figure_every_n_steps)
-        check_module_or_name("head", head)
-        for name, value in (("shift_labels", shift_labels), ("validation", validation), ("log_histogram", log_histogram)):
-            check_bool(name, value)
-        check_positive_int("max_chunk_bytes", max_chunk_bytes)
-        fmt = batch_format or BatchFormat(
-            shift_labels=shift_labels, ignore_index=ignore_index, mask_fn=mask_fn, targets_fn=targets_fn
-        )
+        check_bool("validation", validation)
+        own = BatchFormat(shift_labels=shift_labels, ignore_index=ignore_index, mask_fn=mask_fn, targets_fn=targets_fn)
+        fmt = batch_format if batch_format is not None else own  # the four are checked even when it replaces them
         super().__init__(
             head, fmt, log_histogram, 0, max_chunk_bytes, prefix, strict,
             logits_module=logits_module, hidden_module=hidden_module, alignment=alignment, path=path,
