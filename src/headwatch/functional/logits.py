@@ -236,7 +236,8 @@ def check_transform(transform: object) -> None:
 
 
 class _Rows(NamedTuple):
-    """Per-row outputs of the chunk loop, written chunk by chunk (disjoint slices)."""
+    """Per-row outputs of the chunk loop, written chunk by chunk (disjoint slices); every field but the
+    last three is an ``(N,)`` float buffer in the compute dtype."""
 
     entropy: Tensor
     max_prob: Tensor
@@ -307,8 +308,9 @@ def statistics_from_tasks(
         # would be a device-side assert on a GPU and kill the run.
         flat_targets = torch.where(target_ok, flat_targets, torch.zeros_like(flat_targets))
     new = partial(torch.empty, N, dtype=dtype, device=device)
-    out = _Rows(new(), new(), new(), new(), torch.empty(N, dtype=torch.bool, device=device),
-                new() if targets is not None else None, flat_targets)
+    rows_out = {name: new() for name in _Rows._fields if name not in ("finite", "s_target", "targets")}
+    out = _Rows(**rows_out, finite=torch.empty(N, dtype=torch.bool, device=device),
+                s_target=new() if targets is not None else None, targets=flat_targets)
     buf_rows = min(rows, max(N, 1))
     bufs = [
         (torch.empty(buf_rows, V, dtype=dtype, device=device), torch.empty(buf_rows, V, dtype=dtype, device=device))
