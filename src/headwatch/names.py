@@ -84,6 +84,10 @@ METRICS: tuple[Metric, ...] = (
            formula="`KL(p ‖ U) = log V - H(p)`", source="Kullback and Leibler 1951"),
     Metric("{split}/kl_from_uniform", "nats", "the other direction, sensitive to near-zero probabilities", _L,
            formula="`KL(U ‖ p) = -log V - (1/V) sum_v log p_v` (`+inf` if a logit is `-inf`)"),
+    Metric("{split}/renyi2_entropy", "nats",
+           "mean Rényi entropy of order 2 (collision entropy): minus the log-probability that two independent draws "
+           "from `p` agree; in `[0, H(p)]`, it weighs the large probabilities and barely sees the tail", _L,
+           formula="`H_2(p) = -log sum_v p_v^2` (`-inf` logits add 0)", source="Rényi 1961"),
     Metric("{split}/entropy_p{q}", "nats", "quantiles of per-position entropy", _L,
            readme="headwatch/<s>/entropy_p05`, `_p50`, `_p95", formula="linear interpolation (NumPy's default)"),
     Metric("{split}/max_prob", "probability", "mean top-1 probability", _L, formula="`max_v p_v`"),
