@@ -201,8 +201,12 @@ class Chart(NamedTuple):
 
 
 CHARTS: tuple[Chart, ...] = (
-    Chart("entropy and sharpness, train (nats)", "Multiline", ("logits/entropy", "logits/kl_to_uniform", "logits/kl_from_uniform")),
-    Chart("entropy and sharpness, validation (nats)", "Multiline", ("val/logits/entropy", "val/logits/kl_to_uniform", "val/logits/kl_from_uniform")),
+    Chart("entropy and sharpness, train (nats)", "Multiline", (
+        "logits/entropy", "logits/renyi2_entropy", "logits/kl_to_uniform", "logits/kl_from_uniform",
+    )),  # fmt: skip
+    Chart("entropy and sharpness, validation (nats)", "Multiline", (
+        "val/logits/entropy", "val/logits/renyi2_entropy", "val/logits/kl_to_uniform", "val/logits/kl_from_uniform",
+    )),  # fmt: skip
     Chart("entropy median with p05-p95 band, train (nats)", "Margin", ("logits/entropy_p50", "logits/entropy_p05", "logits/entropy_p95")),
     Chart("target NLL vs loss (nats)", "Multiline", ("logits/target_nll", "val/logits/target_nll", "^train_loss$", "^val_loss$")),
     Chart("target NLL by target frequency, train (nats)", "Multiline", tuple(f"logits/{b}/target_nll" for b in (*BUCKETS, "rare"))),
