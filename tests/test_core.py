@@ -197,6 +197,52 @@ def test_every_emitted_name_is_declared_and_documented(tmp_path):
     assert set(metric.compute()) - {"entropy_values"} == set(SCALAR_KEYS)
 
 
+def test_published_logit_scalars_and_their_declarations_agree():
+    """Both ways, without a trainer: every scalar a split of LogitStats publishes has a declaration, and
+    every scalar declaration of LogitStatsMonitor is published (a new statistic needs both)."""
+    from headwatch import names
+    from headwatch.core.logit_split import SplitSums
+    from headwatch.distributed.reduce import NoReducer
+    from headwatch.functional import logit_statistics
+
+    g = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(2, 5, 8, generator=g), torch.randint(0, 8, (2, 5), generator=g)
+    split = SplitSums(ignore_index=-100, max_chunk_bytes=1 << 20)
+    frequency = (torch.arange(8) % 5, torch.arange(8) >= 6)  # (bucket (V,), rare (V,))
+    split.update(logit_statistics(logits, targets=targets), targets, frequency, torch.zeros(2, 5), 8)
+    published = set(split.compute(NoReducer(), by_frequency=True, padded=True)) - {"entropy_values"}
+    declared = {
+        name.removeprefix("logits/")
+        for m in names.METRICS if m.monitor == "LogitStatsMonitor" and m.kind == "scalar"
+        for name in names.expand(m) if name.startswith("logits/")
+    }  # fmt: skip
+    assert sorted(published - declared) == [], "published, not declared"
+    assert sorted(declared - published) == [], "declared, not published"
+
+
+def test_readme_metric_tables_and_docstring_lists_are_generated_from_the_declarations():
+    """README.md keeps the generated table (regenerate: python -m headwatch.names README.md); the
+    Lightning monitor's docstring lists every declaration of its metrics."""
+    import re
+    from pathlib import Path
+
+    from headwatch import names
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert "<!-- metrics of LogitStatsMonitor: generated" in readme
+    assert names.update_readme(readme) == readme, "stale: run python -m headwatch.names README.md"
+    assert names.main([str(Path(__file__).resolve().parents[1] / "README.md"), "--check"]) == 0
+    table = names.readme_table("LogitStatsMonitor").splitlines()
+    ours = [m for m in names.METRICS if m.monitor == "LogitStatsMonitor"]
+    assert len(table) == 2 + len(ours)  # header, rule, one row per declaration
+    assert "| `headwatch/<s>/entropy` | mean entropy of the next-token distribution (Shannon 1948) | nats |" in table[2]
+    doc = LogitStatsMonitor.__doc__ or ""
+    for m in ours:
+        assert "``" + re.sub(r"\{(\w+)\}", r"<\1>", m.pattern) + "``" in doc, m.pattern
+    stale = names.update_readme(readme.replace("| mean top-1 probability |", "| hand-edited |"))
+    assert stale == readme  # a hand edit inside the table is overwritten
+
+
 def test_dashboard_and_alert_defaults_use_declared_names():
     from headwatch import names
     from headwatch.tensorboard.layout import build_layout

@@ -5,7 +5,9 @@ the kind (``scalar``, ``histogram``, ``text``, ``image``). Placeholders in brace
 values of :data:`PLACEHOLDERS`. The TensorBoard layout (:data:`CHARTS`, written by
 :mod:`headwatch.tensorboard.layout`), ``headwatch report``'s groups and default selection
 (:data:`GROUPS`, :func:`is_headline`), the alert's default metrics and the README tables derive from
-or are tested against this module: a new metric is one :class:`Metric` line here.
+or are tested against this module: a new metric is one :class:`Metric` line here. Generated from it:
+the README's logits table (:func:`update_readme`, ``python -m headwatch.names README.md``) and the
+"Logged metrics" list of :class:`headwatch.LogitStatsMonitor` (:func:`logged_metrics`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Metric(NamedTuple):
     """Name after ``<prefix>/``, with ``{placeholder}`` fields."""
     unit: str
     definition: str
+    """What it means, in words (the README's "meaning" column; Markdown)."""
     monitor: str
     """Class that emits it."""
     kind: str = "scalar"
@@ -48,6 +51,10 @@ class Metric(NamedTuple):
     """How README.md spells it, when not ``headwatch/<pattern with <placeholders>>``."""
     headline: bool = True
     """Shown by ``headwatch report`` by default (False: only with ``--all``; see also :data:`DETAIL`)."""
+    formula: str = ""
+    """The formula, when :attr:`definition` (what it means, in words) does not give it."""
+    source: str = ""
+    """Where the definition comes from (authors and year), when it is not headwatch's own."""
 
     def regex(self, prefix: str = "headwatch") -> re.Pattern[str]:
         """A regex matching the full names this declaration stands for.
@@ -70,28 +77,49 @@ class Metric(NamedTuple):
 _L, _G, _T, _C, _A = "LogitStatsMonitor", "GradientDensityMonitor", "TokenFrequency", "SynonymCollisionMonitor", "SharpnessCollapseAlert"
 
 METRICS: tuple[Metric, ...] = (
-    # ---- logits (train: logits/, validation: val/logits/)
-    Metric("{split}/entropy", "nats", "mean H(p) = -sum_v p_v log p_v over measured positions", _L),
-    Metric("{split}/kl_to_uniform", "nats", "mean KL(p || U) = log V - H(p)", _L),
-    Metric("{split}/kl_from_uniform", "nats", "mean KL(U || p) = -log V - (1/V) sum_v log p_v", _L),
-    Metric("{split}/entropy_p{q}", "nats", "quantiles 0.05, 0.50, 0.95 of per-position H(p), linear interpolation", _L, readme="_p50"),
-    Metric("{split}/max_prob", "probability", "mean max_v p_v", _L),
-    Metric("{split}/target_nll", "nats", "mean -log p_target (equals the cross-entropy loss)", _L),
-    Metric("{split}/target_argmax_rate", "fraction", "positions whose target has the largest logit / positions", _L),
+    # ---- logits (train: logits/, validation: val/logits/); the README's table is generated from these lines
+    Metric("{split}/entropy", "nats", "mean entropy of the next-token distribution", _L,
+           formula="`H(p) = -sum_v p_v log p_v`, in `[0, log V]`; `0 log 0 = 0`", source="Shannon 1948"),
+    Metric("{split}/kl_to_uniform", "nats", "sharpness: distance from uniform", _L,
+           formula="`KL(p ‖ U) = log V - H(p)`", source="Kullback and Leibler 1951"),
+    Metric("{split}/kl_from_uniform", "nats", "the other direction, sensitive to near-zero probabilities", _L,
+           formula="`KL(U ‖ p) = -log V - (1/V) sum_v log p_v` (`+inf` if a logit is `-inf`)"),
+    Metric("{split}/renyi2_entropy", "nats",
+           "mean Rényi entropy of order 2 (collision entropy): minus the log-probability that two independent draws "
+           "from `p` agree; in `[0, H(p)]`, it weighs the large probabilities and barely sees the tail", _L,
+           formula="`H_2(p) = -log sum_v p_v^2` (`-inf` logits add 0)", source="Rényi 1961"),
+    Metric("{split}/entropy_p{q}", "nats", "quantiles of per-position entropy", _L,
+           readme="headwatch/<s>/entropy_p05`, `_p50`, `_p95", formula="linear interpolation (NumPy's default)"),
+    Metric("{split}/max_prob", "probability", "mean top-1 probability", _L, formula="`max_v p_v`"),
+    Metric("{split}/target_nll", "nats", "mean negative log-likelihood of the target (equals the CE loss)", _L,
+           formula="`-log p_target`"),
+    Metric("{split}/target_argmax_rate", "fraction", "fraction of positions whose target has the largest logit", _L,
+           formula="`x_target == max_v x_v`"),
     Metric("{split}/positions", "count", "measured positions", _L),
-    Metric("{split}/nonfinite_positions", "count", "positions excluded for NaN/+inf logits", _L),
-    Metric("{split}/invalid_target_positions", "count", "positions excluded for a target outside [0, V)", _L),
-    Metric("{split}/padded_mass", "probability", "mean sum_{v >= vocab_size} p_v: softmax mass on columns beyond the tokenizer's vocabulary (with vocab_size=)", _L),
-    Metric("{split}/ece", "probability", "expected calibration error of the top-1 prediction: sum_m |sum_{n in B_m} (c_n - a_n)| / N, 15 equal-width confidence bins", _L),
-    Metric("{split}/overconfidence", "probability", "mean max_v p_v - mean [target is the argmax] (positive: more confident than accurate)", _L),
-    Metric("{split}/rare/ece", "probability", "ECE over positions whose target is rare", _L),
-    Metric("{split}/rare/overconfidence", "probability", "over-confidence gap over positions whose target is rare", _L),
-    Metric("{split}/{bucket}/target_nll", "nats", "mean -log p_target over positions whose target is in the bucket", _L),
-    Metric("{split}/{bucket}/target_argmax_rate", "fraction", "token accuracy (target is the argmax) over positions whose target is in the bucket", _L),
-    Metric("{split}/{bucket}/max_prob", "probability", "mean confidence max_v p_v over positions whose target is in the bucket", _L),
-    Metric("{split}/{bucket}/positions", "count", "measured positions whose target is in the bucket", _L),
-    Metric("{split}/entropy_histogram", "nats", "histogram of per-position entropy", _L, kind="histogram"),
-    Metric("logits/entropy_over_run", "", "image: entropy distribution at every logging step so far", _L, kind="image"),
+    Metric("{split}/nonfinite_positions", "count", "positions excluded for NaN/`+inf` logits", _L),
+    Metric("{split}/invalid_target_positions", "count",
+           "positions excluded for a target outside `[0, V)` (a vocabulary mismatch)", _L),
+    Metric("{split}/padded_mass", "probability",
+           "mean `sum_{v >= vocab_size} p_v` over measured positions: the softmax mass on columns beyond the tokenizer's "
+           "vocabulary (with `vocab_size=`, else the shared `TokenFrequency`'s `vocab_size` when set); entropy stays "
+           "that of the full softmax the loss uses", _L),
+    Metric("{split}/ece", "probability", "expected calibration error of the top-1 prediction, 15 equal-width bins `B_m`", _L,
+           formula="`sum_m |sum_{n in B_m} (c_n - a_n)| / N`, `c_n = max_v p_v`, `a_n = [target is the argmax]`",
+           source="Naeini et al. 2015; Guo et al. 2017"),
+    Metric("{split}/overconfidence", "probability", "over-confidence gap: confidence above accuracy", _L,
+           formula="`mean c_n - mean a_n`"),
+    Metric("{split}/rare/ece", "probability", "the ECE over positions whose target is rare", _L),
+    Metric("{split}/rare/overconfidence", "probability", "the over-confidence gap over positions whose target is rare", _L),
+    Metric("{split}/{bucket}/target_nll", "nats",
+           "mean target NLL over positions whose **target** is in the frequency bucket (`TokenFrequency`'s buckets, and `rare`)",
+           _L, formula="`-log p_target`"),
+    Metric("{split}/{bucket}/target_argmax_rate", "fraction", "token accuracy for those targets", _L,
+           formula="`x_target == max_v x_v`"),
+    Metric("{split}/{bucket}/max_prob", "probability", "mean confidence at those positions", _L, formula="`max_v p_v`"),
+    Metric("{split}/{bucket}/positions", "count", "positions whose target is in the bucket", _L),
+    Metric("{split}/entropy_histogram", "nats", "histogram of per-position entropy (TensorBoard)", _L, kind="histogram"),
+    Metric("logits/entropy_over_run", "", "image (matplotlib): the entropy distribution at every logging step so far", _L,
+           kind="image"),
     # ---- gradients
     Metric("grad/{flow}_row_density", "fraction", "|{i valid : G_i != 0}| / |valid|", _G),
     Metric("grad/{flow}_row_norm_{stat}", "gradient units", "statistics of ||G_i||_2 over valid rows", _G, readme="headwatch/grad/<flow>_row_norm_{mean,max,p50,p95}"),
@@ -173,8 +201,12 @@ class Chart(NamedTuple):
 
 
 CHARTS: tuple[Chart, ...] = (
-    Chart("entropy and sharpness, train (nats)", "Multiline", ("logits/entropy", "logits/kl_to_uniform", "logits/kl_from_uniform")),
-    Chart("entropy and sharpness, validation (nats)", "Multiline", ("val/logits/entropy", "val/logits/kl_to_uniform", "val/logits/kl_from_uniform")),
+    Chart("entropy and sharpness, train (nats)", "Multiline", (
+        "logits/entropy", "logits/renyi2_entropy", "logits/kl_to_uniform", "logits/kl_from_uniform",
+    )),  # fmt: skip
+    Chart("entropy and sharpness, validation (nats)", "Multiline", (
+        "val/logits/entropy", "val/logits/renyi2_entropy", "val/logits/kl_to_uniform", "val/logits/kl_from_uniform",
+    )),  # fmt: skip
     Chart("entropy median with p05-p95 band, train (nats)", "Margin", ("logits/entropy_p50", "logits/entropy_p05", "logits/entropy_p95")),
     Chart("target NLL vs loss (nats)", "Multiline", ("logits/target_nll", "val/logits/target_nll", "^train_loss$", "^val_loss$")),
     Chart("target NLL by target frequency, train (nats)", "Multiline", tuple(f"logits/{b}/target_nll" for b in (*BUCKETS, "rare"))),
@@ -264,3 +296,64 @@ def is_headline(name: str, prefix: str = "headwatch") -> bool | None:
         return None
     metric, chosen = found
     return metric.headline and not any(value in DETAIL.get(field, ()) for field, value in chosen.items())
+
+
+# ---- documentation generated from the declarations: README tables, docstring lists
+
+_README_TABLE = re.compile(
+    r"(<!-- metrics of (\w+): generated from src/headwatch/names.py by `python -m headwatch.names README.md`; "
+    r"edit the declarations there -->\n\n)(.*?)(\n\n<!-- end of generated metrics -->)",
+    re.S,
+)
+
+
+def readme_table(monitor: str) -> str:
+    """The README's Markdown table of every metric ``monitor`` emits: name, meaning (and source), unit, formula."""
+    rows = ["| name | meaning | unit | formula |", "|---|---|---|---|"]
+    for m in METRICS:
+        if m.monitor == monitor:
+            meaning = f"{m.definition} ({m.source})" if m.source else m.definition
+            cells = (f"`{m.readme_spelling()}`", meaning, m.unit, m.formula)
+            rows.append("|" + "|".join(f" {c} " if c else " " for c in cells) + "|")
+    return "\n".join(rows)
+
+
+def update_readme(text: str) -> str:
+    """``text`` (README.md) with every generated metric table rewritten from :data:`METRICS`.
+
+    A table is the text between ``<!-- metrics of <Monitor>: generated ... -->`` and
+    ``<!-- end of generated metrics -->``."""
+    return _README_TABLE.sub(lambda m: m.group(1) + readme_table(m.group(2)) + m.group(4), text)
+
+
+def logged_metrics(monitor: str, indent: str = "    ") -> str:
+    """A reST list of every metric ``monitor`` emits, with units, for its docstring's "Logged metrics"."""
+    lines = []
+    for m in METRICS:
+        if m.monitor == monitor:
+            name = re.sub(r"\{(\w+)\}", r"<\1>", m.pattern)
+            what = ", ".join(w for w in (m.kind if m.kind != "scalar" else "", m.unit) if w)
+            lines.append(f"{indent}- ``{name}``" + (f" ({what})" if what else "") + ": " + m.definition.replace("`", "``"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m headwatch.names README.md [--check]``: rewrite (or check) the README's generated metric tables."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m headwatch.names", description=main.__doc__)
+    parser.add_argument("readme", type=Path)
+    parser.add_argument("--check", action="store_true", help="exit 1 when the tables are stale, write nothing")
+    args = parser.parse_args(argv)
+    text = args.readme.read_text(encoding="utf-8")
+    new = update_readme(text)
+    if args.check:
+        return int(new != text)
+    if new != text:
+        args.readme.write_text(new, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

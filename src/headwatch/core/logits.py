@@ -22,15 +22,13 @@ from headwatch.model.captured import captured_statistics
 from headwatch.model.batch import BatchFormat, BatchView
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.logit_split import SplitSums
+from headwatch.core.metrics import SCALAR_KEYS
 from headwatch.core.monitor import Monitor
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.model.sources import ALIGNMENTS, LogitsSource, resolve_logits_source
 
-SCALAR_KEYS = (
-    "entropy", "kl_to_uniform", "kl_from_uniform", "entropy_p05", "entropy_p50", "entropy_p95",
-    "max_prob", "target_nll", "target_argmax_rate", "positions", "nonfinite_positions", "invalid_target_positions",
-)  # fmt: skip
-"""Values of :class:`LogitStatsMetric` published as scalars, under ``<prefix>/logits/`` and ``<prefix>/val/logits/``."""
+__all__ = ["SCALAR_KEYS", "LogitStats"]  # SCALAR_KEYS: the scalars of LogitStatsMetric, published under
+# ``<prefix>/logits/`` and ``<prefix>/val/logits/`` (derived from the fields of LogitStatistics)
 
 
 class LogitStats(Monitor):

@@ -12,10 +12,14 @@ from torchmetrics.utilities import dim_zero_cat
 from headwatch.errors import check_bool, check_int, check_positive_int
 from headwatch.functional.quantiles import quantiles
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES, logit_statistics
-from headwatch.functional.sums import LogitStatSums, logit_stats_compute, logit_stats_update
+from headwatch.functional.sums import KEYS, LogitStatSums, logit_stats_compute, logit_stats_update
 
 ENTROPY_QUANTILES = (0.05, 0.50, 0.95)
 """Quantiles of per-position entropy reported by :class:`LogitStatsMetric` (p05, p50, p95)."""
+
+SCALAR_KEYS = (*KEYS, *(f"entropy_p{round(q * 100):02d}" for q in ENTROPY_QUANTILES))
+"""The scalars of :meth:`LogitStatsMetric.compute`: :data:`headwatch.functional.sums.KEYS` (derived from the
+fields of :class:`~headwatch.functional.LogitStatistics`) and the entropy quantiles."""
 
 
 class LogitStatsMetric(Metric):
@@ -34,12 +38,14 @@ class LogitStatsMetric(Metric):
             (4 bytes a position).
 
     ``update(logits (..., V), mask (...) bool | None, targets (...) int | None)``;
-    ``compute()`` returns a dict of float64 scalars: ``entropy``, ``kl_to_uniform``,
-    ``kl_from_uniform``, ``max_prob``, ``target_nll``, ``target_argmax_rate`` (means over
-    valid positions, NaN when there were none; nats except the last two), ``positions``,
-    ``nonfinite_positions``, ``invalid_target_positions`` (counts), ``entropy_p05``,
-    ``entropy_p50``, ``entropy_p95``, and ``entropy_values`` (the 1-D tensor of
-    per-position entropies) when ``keep_entropies``.
+    ``compute()`` returns a dict of float64 scalars named :data:`SCALAR_KEYS`: the mean of every
+    per-position statistic of :class:`~headwatch.functional.LogitStatistics` over the valid
+    positions (NaN when there were none; ``nll`` as ``target_nll`` and ``target_is_argmax`` as
+    ``target_argmax_rate``, over the positions with a target), the counts ``positions``,
+    ``nonfinite_positions``, ``invalid_target_positions``, see
+    :mod:`headwatch.functional.sums`; ``entropy_p05``, ``entropy_p50``, ``entropy_p95``; and
+    ``entropy_values`` (the 1-D tensor of per-position entropies) when ``keep_entropies``.
+    Units and definitions: :data:`headwatch.names.METRICS`.
 
     Raises:
         HeadwatchError: an invalid argument (``**kwargs`` are torchmetrics' own, checked by it).

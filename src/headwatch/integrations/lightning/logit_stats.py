@@ -15,6 +15,7 @@ from headwatch.core.figures import check_figure_argument, resolve_figure_interva
 from headwatch.integrations.lightning.frequency import TokenFrequency
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.integrations.lightning.door import MonitorCallback
+from headwatch.names import logged_metrics
 
 __all__ = ["SCALAR_KEYS", "LogitStatsMonitor"]
 
@@ -60,18 +61,13 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
             be found or is ambiguous (the message lists the candidates).
 
     Logged metrics (``<split>`` is ``logits`` for training steps, ``val/logits`` for
-    validation epochs; units and formulas in :mod:`headwatch.names` and the README):
-    ``entropy``, ``kl_to_uniform``, ``kl_from_uniform`` (nats), ``entropy_p05/_p50/_p95``
-    (nats), ``max_prob``, ``target_nll`` (nats), ``target_argmax_rate``, ``positions``,
-    ``nonfinite_positions``, ``invalid_target_positions`` (counts), ``padded_mass``
-    (probability; with ``vocab_size=`` or the shared ``TokenFrequency``'s ``vocab_size``),
-    ``ece``, ``overconfidence`` (probability: 15-bin ECE of the top-1 prediction, mean
-    confidence minus accuracy), ``rare/ece``, ``rare/overconfidence``, and for each target
-    bucket ``<b>`` (``top1``, ``top10``, ``top50``, ``tail``, ``unseen``, ``rare``, from the shared
-    :class:`~headwatch.TokenFrequency`, added with defaults if absent) ``<b>/target_nll`` (nats),
-    ``<b>/target_argmax_rate``, ``<b>/max_prob``, ``<b>/positions``; histogram
-    ``entropy_histogram``, image ``logits/entropy_over_run``. NaN when no valid position. With
-    several validation dataloaders each validation name ends in ``/dataloader_idx_<k>``.
+    validation epochs, each name under ``prefix``; NaN when no valid position; with several
+    validation dataloaders each validation name ends in ``/dataloader_idx_<k>``). ``padded_mass``
+    needs ``vocab_size=`` or the shared ``TokenFrequency``'s ``vocab_size``; the per-bucket values
+    (``<bucket>``: ``top1``, ``top10``, ``top50``, ``tail``, ``unseen``, ``rare``) need the shared
+    :class:`~headwatch.TokenFrequency`, added with defaults if absent. The list that follows
+    (``help(LogitStatsMonitor)``) is appended at import from :data:`headwatch.names.METRICS`,
+    where the formulas are (and in the README's generated table):
     """
 
     def __init__(
@@ -153,3 +149,7 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
 
     def _measuring_validation(self, trainer: pl.Trainer) -> bool:
         return self.validation and not trainer.sanity_checking and self.model is not None
+
+
+if LogitStatsMonitor.__doc__ is not None:  # None under python -OO
+    LogitStatsMonitor.__doc__ = LogitStatsMonitor.__doc__.rstrip() + "\n\n" + logged_metrics("LogitStatsMonitor") + "\n"
