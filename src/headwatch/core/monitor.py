@@ -35,7 +35,63 @@ class Media:
     """tag -> ``matplotlib.figure.Figure``."""
 
 
-class Monitor:
+class FailurePolicy:
+    """The one failure policy of headwatch (monitors, the orchestrator, the Lightning alert).
+
+    A failure to measure or publish warns once per cause, on rank zero, is counted in
+    :attr:`failures` and training goes on; with ``strict`` it raises a :class:`HeadwatchError`
+    naming the class, what it was doing and the cause.
+    """
+
+    strict: bool = False
+    failures: int = 0
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (warnings are said on rank zero only)."""
+        return 0
+
+    @property
+    def _warned(self) -> set[str]:
+        """The keys and messages already said."""
+        return self.__dict__.setdefault("_warned_keys", set())
+
+    @_warned.setter
+    def _warned(self, value: set[str]) -> None:
+        self.__dict__["_warned_keys"] = value
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Warn once per object and key, on rank zero."""
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        if self.rank == 0:
+            warnings.warn(message, UserWarning, stacklevel=2)
+
+    def info_once(self, message: str) -> None:
+        """Say ``message`` once per object (``logging`` at INFO, logger ``headwatch``), on rank zero."""
+        if message in self._warned:
+            return
+        self._warned.add(message)
+        if self.rank == 0:
+            import logging
+
+            logging.getLogger("headwatch").info(message)
+
+    def fail(self, err: Exception, where: str) -> None:
+        """A measurement failed: raise when ``strict``, else warn once, count it and go on."""
+        label = type(self).__name__
+        if self.strict:
+            raise HeadwatchError(f"{label} failed while {where}: {type(err).__name__}: {err}") from err
+        self.failures += 1
+        self.warn_once(
+            getattr(err, "warn_key", f"fail:{where}"),  # one cause met at several places: said once
+            f"{label} failed while {where} ({type(err).__name__}: {err}); training goes on and "
+            "this measurement is skipped. Pass strict=True to raise instead. (warned once)",
+        )
+
+
+class Monitor(FailurePolicy):
     """Base of the trainer-free monitors. See ``docs/core.md`` for the call order.
 
     A front door calls, per training step ``s`` (its logging x axis):
@@ -140,22 +196,9 @@ class Monitor:
         self.failures = int(state_dict.get("failures", 0))
 
     # ------------------------------------------------------------------ failure policy
-    def warn_once(self, key: str, message: str) -> None:
-        """Warn once per monitor and key, on rank zero."""
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        if self.reducer.rank == 0:
-            warnings.warn(message, UserWarning, stacklevel=2)
-
-    def info_once(self, message: str) -> None:
-        if message in self._warned:
-            return
-        self._warned.add(message)
-        if self.reducer.rank == 0:
-            import logging
-
-            logging.getLogger("headwatch").info(message)
+    @property
+    def rank(self) -> int:
+        return self.reducer.rank
 
     def agree(self, ok: bool, where: str) -> bool:
         """Whether the measurement succeeded on every process (a collective with several processes).
@@ -169,18 +212,6 @@ class Monitor:
         if ok and not everywhere:
             self.fail(FAILED_ELSEWHERE, where)
         return everywhere
-
-    def fail(self, err: Exception, where: str) -> None:
-        """A measurement failed: raise when ``strict``, else warn once, count it and go on."""
-        label = type(self).__name__
-        if self.strict:
-            raise HeadwatchError(f"{label} failed while {where}: {type(err).__name__}: {err}") from err
-        self.failures += 1
-        self.warn_once(
-            getattr(err, "warn_key", f"fail:{where}"),  # one cause met at several places: said once
-            f"{label} failed while {where} ({type(err).__name__}: {err}); training goes on and "
-            "this measurement is skipped. Pass strict=True to raise instead. (warned once)",
-        )
 
 
 @contextmanager

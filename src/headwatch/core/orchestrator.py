@@ -35,7 +35,15 @@ from headwatch.core.monitor import Media, Monitor, compute_due, whole_matrices
 from headwatch.core.schedule import Schedule
 from headwatch.distributed.fsdp1 import unwrapped
 from headwatch.distributed.reduce import Reducer, TorchDistributedReducer
-from headwatch.errors import HeadwatchError
+from headwatch.errors import (
+    HeadwatchError,
+    check_bool,
+    check_instance,
+    check_int,
+    check_optional,
+    check_prefix,
+    check_sequence,
+)
 from headwatch.model.batch import BatchFormat
 
 MONITOR_NAMES: dict[str, type[Monitor]] = {
@@ -161,17 +169,11 @@ class Orchestrator:
         strict: bool = False,
         sinks: Sequence[Sink] = (),
     ) -> None:
-        if not isinstance(prefix, str) or not prefix or prefix.endswith("/"):
-            raise HeadwatchError(f"`prefix` must be a non-empty string not ending in '/', got {prefix!r}")
-        if not isinstance(strict, bool):
-            raise HeadwatchError(f"`strict` must be a bool, got {strict!r}")
-        if reducer is not None and not isinstance(reducer, Reducer):
-            raise HeadwatchError(f"`reducer` must implement headwatch.core.Reducer (or be None), got {type(reducer).__name__}")
-        if batch_format is not None and not isinstance(batch_format, BatchFormat):
-            raise HeadwatchError(f"`batch_format` must be None or a BatchFormat, got {type(batch_format).__name__}")
-        bad = [type(s).__name__ for s in sinks if not isinstance(s, Sink)]
-        if bad:
-            raise HeadwatchError(f"`sinks` must have a publish(numbers, media, step, val) method, got {bad}")
+        check_prefix(prefix)
+        check_bool("strict", strict)
+        check_optional(check_instance, "reducer", reducer, Reducer, "a headwatch.core.Reducer")
+        check_optional(check_instance, "batch_format", batch_format, BatchFormat)
+        check_sequence("sinks", sinks, "objects with a publish(numbers, media, step, val) method", lambda s: isinstance(s, Sink))
         passed = {id(m) for m in ([monitors] if isinstance(monitors, Monitor) else monitors or ()) if isinstance(m, Monitor)}
         self.monitors = build_monitors(monitors, batch_format, prefix)
         self.named = [m for m in self.monitors if id(m) not in passed]
@@ -193,8 +195,7 @@ class Orchestrator:
     def configure(self, every: int, reducer: Reducer | None = None, figure_every_n_steps: int | str | None = None) -> None:
         """Each monitor measures every ``every_factor * every`` steps (0: never); ``figure_every_n_steps`` for
         the monitors built from names (None: leave them)."""
-        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
-            raise HeadwatchError(f"`every` must be an int >= 0 (0: never), got {every!r}")
+        check_int("every", every, minimum=0)
         if reducer is not None:
             self.reducer = reducer
         for m in self.monitors:

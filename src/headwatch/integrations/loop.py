@@ -13,7 +13,7 @@ from headwatch.core.figures import check_figure_argument
 from headwatch.core.monitor import Monitor
 from headwatch.core.orchestrator import Orchestrator, set_figures
 from headwatch.distributed.reduce import Reducer
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_instance, check_positive_int, check_sequence
 from headwatch.model.batch import BatchFormat
 
 __all__ = ["Headwatch", "set_figures"]
@@ -77,14 +77,10 @@ class Headwatch:
         strict: bool = False,
     ) -> None:
         check_figure_argument(figure_every_n_steps)
-        if not isinstance(model, nn.Module):
-            raise HeadwatchError(f"`model` must be an nn.Module, got {type(model).__name__}")
-        if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
-            raise HeadwatchError(f"`log_every_n_steps` must be an int >= 1, got {log_every_n_steps!r}")
-        self.writers = [] if writer is None else list(writer) if isinstance(writer, (list, tuple)) else [writer]
-        bad = [type(w).__name__ for w in self.writers if not callable(getattr(w, "add_scalar", None))]
-        if bad:
-            raise HeadwatchError(f"`writer` must be None, a SummaryWriter or a list of them, got {bad}")
+        check_instance("model", model, nn.Module)
+        check_positive_int("log_every_n_steps", log_every_n_steps)
+        writers = [] if writer is None else list(writer) if isinstance(writer, (list, tuple)) else [writer]
+        self.writers = check_sequence("writer", writers, "SummaryWriter objects (with add_scalar)", lambda w: callable(getattr(w, "add_scalar", None)))
         self.run = Orchestrator(monitors, batch_format, prefix, reducer, strict)
         self.run.sinks.append(tb.WriterSink(lambda: self.writers if self.run.reducer.rank == 0 else []))
         self.prefix = prefix

@@ -27,7 +27,7 @@ from headwatch.core.figures import check_figure_argument
 from headwatch.core.monitor import Monitor
 from headwatch.core.orchestrator import Orchestrator
 from headwatch.distributed.reduce import Reducer
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_bool, check_protocol
 from headwatch.integrations.hf_support import (
     TB_PREFIX,
     TrainerSink,
@@ -120,13 +120,10 @@ class HeadwatchCallback(TrainerCallback):
         figure_every_n_steps: int | str | None = "auto",
     ) -> None:
         check_figure_argument(figure_every_n_steps)
-        if alert is not None and not is_rules(alert) and not all(callable(getattr(alert, f, None)) for f in ("observe_train", "observe_val")):
-            raise HeadwatchError(
-                f"`alert` must be a headwatch.alerts.CollapseRules or have observe_train and observe_val methods, got {type(alert).__name__}"
-            )
-        for name, value in (("stop_on_critical", stop_on_critical), ("checkpoint_on_critical", checkpoint_on_critical)):
-            if not isinstance(value, bool):
-                raise HeadwatchError(f"`{name}` must be a bool, got {value!r}")
+        if alert is not None and not is_rules(alert):
+            check_protocol("alert", alert, ("observe_train", "observe_val"), "a headwatch.alerts.CollapseRules or an AlertEngine")
+        check_bool("stop_on_critical", stop_on_critical)
+        check_bool("checkpoint_on_critical", checkpoint_on_critical)
         self.run = Orchestrator(monitors, batch_format, prefix, reducer, strict, sinks=[TrainerSink(self)])
         self.stop_on_critical, self.checkpoint_on_critical = stop_on_critical, checkpoint_on_critical
         self.figure_every_n_steps = figure_every_n_steps

@@ -15,7 +15,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from headwatch.integrations.lightning.base import HeadwatchCallback, check_bool, published_steps
+from lightning.pytorch.callbacks import Callback
+
+from headwatch import tensorboard as tb
+from headwatch.core.monitor import FailurePolicy
+from headwatch.core.schedule import Schedule
+from headwatch.errors import check_bool, check_every, check_prefix
+from headwatch.integrations.lightning.door import lightning_step, publish, published_steps, tensorboard_writers
 from headwatch.alerts.actions import JSONL_NAME
 from headwatch.alerts.engine import AlertEngine, check_alert_args, closest_names, standard_actions
 from headwatch.alerts.events import Alert
@@ -30,13 +36,15 @@ class _LoggerSink:
         self.callback, self.trainer = callback, trainer
 
     def scalar(self, tag: str, value: float, step: int) -> None:
-        self.callback._publish(self.trainer, {tag: value}, step)
+        publish(self.trainer, {tag: value}, step)
 
     def text(self, tag: str, text: str, step: int) -> None:
-        self.callback._write_text(self.trainer, tag, text, step)
+        writers = tensorboard_writers(self.trainer)
+        tb.write_text(writers, tag, text, step)
+        tb.flush(writers)
 
 
-class SharpnessCollapseAlert(HeadwatchCallback):
+class SharpnessCollapseAlert(FailurePolicy, Callback):
     """Alert when the next-token distributions collapse toward a few safe tokens (or go flat).
 
     The Lightning front door of :class:`~headwatch.alerts.engine.AlertEngine` (which holds the
@@ -136,7 +144,10 @@ class SharpnessCollapseAlert(HeadwatchCallback):
         rare_nll_metric: str = "headwatch/logits/rare/target_nll",
         nll_metric: str = "headwatch/logits/target_nll",
     ) -> None:
-        super().__init__(log_every_n_steps, prefix, strict)
+        self.log_every_n_steps = check_every("log_every_n_steps", log_every_n_steps)
+        self.prefix = check_prefix(prefix)
+        self.strict = check_bool("strict", strict)
+        self.schedule = Schedule(0)
         rules = CollapseRules(
             entropy_floor=entropy_floor, kl_ceiling=kl_ceiling, entropy_drop=entropy_drop, window=window,
             alpha=smoothing, patience=patience, delta=val_delta, min_entropy_drop=val_min_entropy_drop,
@@ -162,6 +173,14 @@ class SharpnessCollapseAlert(HeadwatchCallback):
         self._step_at_start = 0
         self._jsonl_path: Path | None = None
 
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(prefix=self.prefix)
+
+    @property
+    def rank(self) -> int:
+        return getattr(self, "_rank", 0)
+
     # ---------------------------------------------------------------- the engine's state, as in 0.1
     @property
     def rules(self) -> CollapseRules:
@@ -186,7 +205,10 @@ class SharpnessCollapseAlert(HeadwatchCallback):
 
     # ---------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._resolve_every(trainer)
+        every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
+        self.schedule, self._rank = Schedule(every), trainer.global_rank
+        if every == 0:
+            rank_zero_warn(f"{type(self).__name__}: log_every_n_steps is 0, training steps are not measured.")
         log_dir = Path(trainer.log_dir or trainer.default_root_dir)
         self._jsonl_path = log_dir / JSONL_NAME
         if self._webhook_url is not None and self._webhook is None:
@@ -207,6 +229,13 @@ class SharpnessCollapseAlert(HeadwatchCallback):
         self.engine.reduce_bool = lambda fired: bool(trainer.strategy.reduce_boolean_decision(fired, all=False))
         self.engine.main_process = trainer.is_global_zero
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        try:
+            if trainer.is_global_zero:
+                tb.write_layout(tensorboard_writers(trainer), self.prefix)
+        except Exception as err:  # noqa: BLE001
+            self.fail(err, "writing the TensorBoard dashboard layout")
+
     # ---------------------------------------------------------------- observing
     @staticmethod
     def _value(trainer: pl.Trainer, name: str) -> float | None:
@@ -216,7 +245,7 @@ class SharpnessCollapseAlert(HeadwatchCallback):
         return float(value.item() if isinstance(value, torch.Tensor) else value)  # logging steps only
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._step_at_start = trainer.global_step
+        self._step_at_start, self._optimizer_steps = lightning_step(trainer), trainer.global_step  # the monitors' step rule
 
     def _fresh(self, trainer: pl.Trainer, name: str) -> tuple[float | None, int | None]:
         """``(value, step)`` of a metric not evaluated yet; ``(None, None)`` if absent or already seen.
@@ -240,7 +269,7 @@ class SharpnessCollapseAlert(HeadwatchCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = self._step_at_start
-        if trainer.global_step == step or not self._is_logging_step(step):
+        if trainer.global_step == self._optimizer_steps or not self.schedule.is_logging_step(step):
             return
         # Every process reaches this point on the same steps and takes part in the decision,
         # even one that holds no value (a metric logged on rank zero only): no mismatched collectives.
@@ -248,8 +277,8 @@ class SharpnessCollapseAlert(HeadwatchCallback):
         kl, kl_step = self._fresh(trainer, self.kl_metric)
         logged = trainer.callback_metrics
         # monitors log from the first logging step; SynonymCollisionMonitor every 10: allow 20 intervals
-        if self.entropy_metric not in logged and self.kl_metric not in logged and step >= 20 * self._every:
-            self._warn_once(
+        if self.entropy_metric not in logged and self.kl_metric not in logged and step >= 20 * self.schedule.every:
+            self.warn_once(
                 "missing",
                 f"SharpnessCollapseAlert: neither {self.entropy_metric!r} ({closest_names(self.entropy_metric, list(logged))}) "
                 f"nor {self.kl_metric!r} ({closest_names(self.kl_metric, list(logged))}) has been logged by this step; "
@@ -272,13 +301,13 @@ class SharpnessCollapseAlert(HeadwatchCallback):
             return
         n, k = max(len(trainer.num_val_batches), 1), self.rules.val_dataloader_idx
         if k >= n:
-            self._warn_once("val_idx", f"SharpnessCollapseAlert: val_dataloader_idx={k} but the validation has {n} "
+            self.warn_once("val_idx", f"SharpnessCollapseAlert: val_dataloader_idx={k} but the validation has {n} "
                                        f"dataloader(s) (indices 0..{n - 1}); val_stall is not evaluated. (warned once)")
             return
         loss = self._val_value(trainer, self.val_metric, k, n)
         if loss is None:
             watched = f"{self.val_metric}/dataloader_idx_{k}" if n > 1 else self.val_metric
-            self._warn_once("val_missing", f"SharpnessCollapseAlert: `val_metric` {watched!r} was not logged at this "
+            self.warn_once("val_missing", f"SharpnessCollapseAlert: `val_metric` {watched!r} was not logged at this "
                             f"validation, so val_stall cannot fire; {closest_names(watched, list(trainer.callback_metrics))}. (warned once)")
         values = {self.val_metric: loss, self.val_entropy_metric: self._val_value(trainer, self.val_entropy_metric, k, n)}
         values = {name: v for name, v in values.items() if v is not None}

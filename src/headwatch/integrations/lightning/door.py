@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from headwatch import tensorboard as tb
-from headwatch.core.monitor import Media, Monitor, to_floats, whole_matrices  # noqa: F401 - to_floats: base.py
+from headwatch.core.monitor import Media, Monitor, whole_matrices
 from headwatch.core.orchestrator import Orchestrator, to_host
 from headwatch.core.schedule import Schedule
 from headwatch.errors import HeadwatchError
