@@ -22,7 +22,7 @@ from torch import nn
 
 from headwatch import HeadwatchError
 from headwatch.remedies import HeadWarmup, HeadWarmupCore, TiedOutputProjection, install_tied_projection, untie_output_head
-from headwatch.remedies.cost import count_parameters, main as cost_main, read_config, untie_cost
+from headwatch.remedies.cost import count_parameters, main as cost_main, read_config, shape_from_config, untie_cost
 
 V, D = 32, 8
 
@@ -318,3 +318,13 @@ def test_cost_from_a_folder_and_a_multimodal_config(tmp_path, capsys):
     assert "model, tied             1,000,000" in out and "(ships untied)" in out and "6.02%" in out
     # FSDP over 3: ceil(64,000 / 3) = 21,334 parameters a GPU, 16 bytes each (fp32 AdamW)
     assert "1,024,000 (0.00 GB)  |  341,344 (0.00 GB)" in out
+
+
+def test_shape_from_config_reads_the_hidden_size_under_any_of_its_names():
+    assert shape_from_config({"vocab_size": 7, "dim": 3}) == (7, 3, True)  # tied unless the config says not
+    assert shape_from_config({"vocab_size": 7, "n_embd": 5, "tie_word_embeddings": False}) == (7, 5, False)
+    with pytest.raises(HeadwatchError, match=r"no int `vocab_size` and hidden size \(hidden_size/d_model/n_embd/dim\); "
+                                             r"got vocab_size=None, keys \['hidden_size'\]"):
+        shape_from_config({"hidden_size": 4})
+    with pytest.raises(HeadwatchError, match="got vocab_size=7"):
+        shape_from_config({"vocab_size": 7, "hidden_size": "4"})  # a hidden size that is not an int

@@ -25,6 +25,7 @@ from headwatch.report import (
     expand_patterns,
     first_crossing,
     group_stats,
+    student_t_quantile,
     least_squares_slope,
     read_alerts_jsonl,
     read_scalars,
@@ -190,6 +191,12 @@ def test_welch_interval_matches_scipy_at_several_levels(seed):
         assert d.df == pytest.approx(res.df, rel=1e-10)
         assert (d.low, d.high) == (pytest.approx(ci.low, rel=1e-8), pytest.approx(ci.high, rel=1e-8))
         assert d.level == level and d.excludes_zero == (ci.low > 0 or ci.high < 0)
+
+
+def test_t_quantile_at_the_median_and_far_in_the_tails():
+    assert student_t_quantile(0.5, 3.0) == 0.0
+    for p, df in ((0.001, 0.7), (0.2, 4.0), (0.999999, 2.5), (1e-8, 30.0)):  # df < 1, p near 0 and 1
+        assert student_t_quantile(p, df) == pytest.approx(stats.t.ppf(p, df), rel=1e-9)
 
 
 def test_welch_interval_degenerate_cases():
