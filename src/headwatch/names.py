@@ -277,9 +277,26 @@ def _concrete() -> dict[str, tuple[Metric, dict[str, str]]]:
     return {name: (metric, chosen) for metric in METRICS for name, chosen in _expansions(metric)}
 
 
+_DATALOADER_SUFFIX = re.compile(r"/dataloader_idx_\d+$")
+
+
+def _lookup(name: str, prefix: str) -> tuple[Metric, dict[str, str]] | None:
+    """The declaration and placeholder values of a full name; a ``{split}`` name may end in Lightning's
+    ``/dataloader_idx_<k>`` (several validation dataloaders), as :meth:`Metric.regex` accepts."""
+    if not name.startswith(prefix + "/"):
+        return None
+    short = name[len(prefix) + 1 :]
+    found = _concrete().get(short)
+    if found is None and _DATALOADER_SUFFIX.search(short):
+        found = _concrete().get(_DATALOADER_SUFFIX.sub("", short))
+        if found is not None and not found[0].pattern.startswith("{split}/"):
+            return None
+    return found
+
+
 def report_group(name: str, prefix: str = "headwatch") -> str | None:
     """The :class:`Group` name of a full metric name (``<prefix>/...``), or None when it is not declared."""
-    found = _concrete().get(name[len(prefix) + 1 :]) if name.startswith(prefix + "/") else None
+    found = _lookup(name, prefix)
     if found is None:
         return None
     return next(g.name for g in GROUPS if g.monitor == found[0].monitor)
@@ -291,7 +308,7 @@ def is_headline(name: str, prefix: str = "headwatch") -> bool | None:
     True when its declaration is :attr:`Metric.headline` and none of its placeholder values is
     listed in :data:`DETAIL`.
     """
-    found = _concrete().get(name[len(prefix) + 1 :]) if name.startswith(prefix + "/") else None
+    found = _lookup(name, prefix)
     if found is None:
         return None
     metric, chosen = found

@@ -97,7 +97,8 @@ class CollapseRules:
     consecutive observations (``for_steps=1``: at the first one, like Prometheus ``for: 0``); an
     observation where it does not hold restarts the count; an open episode does not fire again
     until it re-arms (a ``resolved`` event). Observations at steps below ``warmup_steps`` are
-    ignored; a NaN or absent value is skipped (it neither counts nor restarts the count).
+    ignored; a non-finite (NaN, +-inf) or absent value is skipped (it neither counts nor restarts the
+    count, and never enters the smoothed values or the windows).
 
     Raises:
         HeadwatchError: a threshold that is not a finite number (or a pair in the wrong order:
@@ -225,7 +226,8 @@ class CollapseRules:
     @staticmethod
     def _read(metrics: Mapping[str, float | None], name: str) -> float | None:
         value = metrics.get(name)
-        return None if value is None or math.isnan(value) else float(value)
+        # inf too: one infinite entropy would leave the smoothed value inf (or NaN) for good
+        return None if value is None or not math.isfinite(value) else float(value)
 
     def observe_train(self, step: int, metrics: Mapping[str, float | None]) -> list[AlertEvent]:
         """Feed one logging step's values (``{metric name: value}``); returns the events of this step."""
