@@ -63,11 +63,11 @@ def _lora_factors(module: nn.Module, adapter: str) -> tuple[Tensor, Tensor, floa
             f"adapter {adapter!r} of {type(module).__name__} is a LoRA variant (DoRA or similar): its effective "
             "weight is not base + s * B @ A, and headwatch does not compute it; measure the merged model instead"
         )
-    scaling = float(module.scaling[adapter])
+    # an adapter can be active on a layer it does not target (PEFT activates names model-wide): no scaling there
     if hasattr(module, "lora_embedding_A") and adapter in module.lora_embedding_A:
-        return module.lora_embedding_A[adapter].T, module.lora_embedding_B[adapter].T, scaling  # (V, r), (r, d)
+        return module.lora_embedding_A[adapter].T, module.lora_embedding_B[adapter].T, float(module.scaling[adapter])  # (V, r), (r, d)
     if hasattr(module, "lora_A") and adapter in module.lora_A:
-        return module.lora_B[adapter].weight, module.lora_A[adapter].weight, scaling  # (out, r), (r, in)
+        return module.lora_B[adapter].weight, module.lora_A[adapter].weight, float(module.scaling[adapter])  # (out, r), (r, in)
     return None
 
 
