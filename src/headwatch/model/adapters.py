@@ -197,7 +197,10 @@ def _key(t: Tensor) -> tuple:
     """Identity of a tensor's memory: two views with equal keys read the same numbers."""
     if hasattr(t, "to_local"):  # a DTensor (FSDP2): its storage is this process's shard
         t = t.to_local()
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+    storage = t.untyped_storage()
+    # a meta tensor (deferred init) holds no memory and every data pointer is 0: the storage itself tells them apart
+    where = storage._cdata if t.is_meta else storage.data_ptr()
+    return (t.device, where, t.storage_offset(), tuple(t.shape), t.stride())
 
 
 def matrix_signature(module: nn.Module) -> tuple:
