@@ -63,11 +63,11 @@ def _lora_factors(module: nn.Module, adapter: str) -> tuple[Tensor, Tensor, floa
             f"adapter {adapter!r} of {type(module).__name__} is a LoRA variant (DoRA or similar): its effective "
             "weight is not base + s * B @ A, and headwatch does not compute it; measure the merged model instead"
         )
-    scaling = float(module.scaling[adapter])
+    # an adapter can be active on a layer it does not target (PEFT activates names model-wide): no scaling there
     if hasattr(module, "lora_embedding_A") and adapter in module.lora_embedding_A:
-        return module.lora_embedding_A[adapter].T, module.lora_embedding_B[adapter].T, scaling  # (V, r), (r, d)
+        return module.lora_embedding_A[adapter].T, module.lora_embedding_B[adapter].T, float(module.scaling[adapter])  # (V, r), (r, d)
     if hasattr(module, "lora_A") and adapter in module.lora_A:
-        return module.lora_B[adapter].weight, module.lora_A[adapter].weight, scaling  # (out, r), (r, in)
+        return module.lora_B[adapter].weight, module.lora_A[adapter].weight, float(module.scaling[adapter])  # (out, r), (r, in)
     return None
 
 
@@ -197,7 +197,10 @@ def _key(t: Tensor) -> tuple:
     """Identity of a tensor's memory: two views with equal keys read the same numbers."""
     if hasattr(t, "to_local"):  # a DTensor (FSDP2): its storage is this process's shard
         t = t.to_local()
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+    storage = t.untyped_storage()
+    # a meta tensor (deferred init) holds no memory and every data pointer is 0: the storage itself tells them apart
+    where = storage._cdata if t.is_meta else storage.data_ptr()
+    return (t.device, where, t.storage_offset(), tuple(t.shape), t.stride())
 
 
 def matrix_signature(module: nn.Module) -> tuple:

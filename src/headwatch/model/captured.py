@@ -60,7 +60,9 @@ def captured_statistics(
     Raises:
         HeadwatchError: as the functional statistics (shapes that do not agree).
     """
-    device = (captured.logits if captured.path == "logits" else captured.hidden).device  # type: ignore[union-attr]
+    measured = captured.logits if captured.path == "logits" else captured.hidden
+    # a capture missing its tensor is refused by _statistics (a HeadwatchError), not here by an AttributeError
+    device = measured.device if isinstance(measured, Tensor) else torch.device("cpu")
     # hooks run inside the trainer's autocast: the statistics' matmuls and sums stay float32
     with _full_precision(device):
         return _statistics(captured, mask, targets, ignore_index, vocab_size, max_chunk_bytes, device)

@@ -297,8 +297,10 @@ def storage_tied(a: Tensor, b: Tensor) -> bool:
     if a is b:
         return True
     try:
-        same = a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # meta/fake tensors have no storage
+        sa, sb = a.untyped_storage(), b.untyped_storage()
+        # meta tensors hold no memory and every data pointer is 0: compare the storages themselves
+        same = sa._cdata == sb._cdata if a.is_meta or b.is_meta else sa.data_ptr() == sb.data_ptr()
+    except (RuntimeError, NotImplementedError):  # fake tensors have no storage
         return False
     return same and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride()
 

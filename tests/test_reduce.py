@@ -1,0 +1,143 @@
+"""Reducers (headwatch.distributed.reduce): the one-process identities, ``torch.distributed`` when no process
+group is up, and a thread-backed reducer that runs W simulated processes in this one (used by
+tests/test_sharded_rows.py to check the row-sharded combinations against the one-process functions)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from headwatch.distributed.reduce import NoReducer, Reducer, TorchDistributedReducer
+
+
+class _World:
+    """W threads exchanging one value each per collective, in the same order on every thread."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=60)
+        self.slots: list[Any] = [None] * size
+        self.calls = 0
+
+    def exchange(self, rank: int, value: Any) -> list[Any]:
+        self.slots[rank] = value
+        self.barrier.wait()
+        out = list(self.slots)
+        if rank == 0:
+            self.calls += 1
+        self.barrier.wait()  # nobody writes the next collective's value before everyone has read this one
+        return out
+
+
+class ThreadReducer:
+    """A :class:`~headwatch.distributed.reduce.Reducer` for one of W threads: every method is a collective."""
+
+    def __init__(self, world: _World, rank: int) -> None:
+        self.world = world
+        self._rank = rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def sum(self, tensor: Tensor) -> Tensor:
+        parts = self.world.exchange(self._rank, tensor.detach().clone())
+        return torch.stack(parts).sum(0).to(tensor.dtype)  # the same order on every rank: bitwise equal results
+
+    def mean(self, tensor: Tensor) -> Tensor:
+        return self.sum(tensor) / self.world.size
+
+    def gather(self, tensor: Tensor) -> list[Tensor]:
+        return [p.clone() for p in self.world.exchange(self._rank, tensor.detach().clone())]
+
+    def all(self, flag: bool) -> bool:
+        return all(self.world.exchange(self._rank, bool(flag)))
+
+
+def run_ranks(size: int, fn: Callable[[int, ThreadReducer], Any]) -> list[Any]:
+    """``fn(rank, reducer)`` on ``size`` threads at once; the results in rank order; the first error re-raised."""
+    world = _World(size)
+    results: list[Any] = [None] * size
+    errors: list[BaseException | None] = [None] * size
+
+    def main(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, ThreadReducer(world, rank))
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller
+            errors[rank] = err
+            world.barrier.abort()  # the other ranks stop waiting for this one
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+    if real or any(errors):
+        raise (real or [e for e in errors if e is not None])[0]
+    return results
+
+
+# ---------------------------------------------------------------- one process
+@pytest.mark.parametrize("reducer", [NoReducer(), TorchDistributedReducer()], ids=["none", "torch_not_initialized"])
+def test_one_process_reductions_are_identities_on_new_tensors(reducer):
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        pytest.skip("a process group is up in this process (left by another test)")
+    assert isinstance(reducer, Reducer)
+    assert (reducer.world_size, reducer.rank) == (1, 0)
+    x = torch.tensor([1.5, -2.0, 3.0])
+    for out in (reducer.sum(x), reducer.mean(x)):
+        assert torch.equal(out, x) and out is not x
+        out[0] = 99.0  # a new tensor: the caller's input is not modified
+    assert x[0].item() == 1.5
+    gathered = reducer.gather(x)
+    assert len(gathered) == 1 and torch.equal(gathered[0], x)
+    assert reducer.all(True) is True and reducer.all(False) is False
+    assert reducer.all(1) is True  # truthy values are flags
+
+
+def test_torch_reducer_keeps_its_group():
+    group = object()
+    assert TorchDistributedReducer(group).group is group
+    assert TorchDistributedReducer().group is None
+
+
+# ---------------------------------------------------------------- the thread reducer used by the sharded tests
+def test_thread_reducer_sums_gathers_and_agrees_like_a_process_group():
+    def body(rank: int, reducer: ThreadReducer) -> dict[str, Any]:
+        x = torch.tensor([float(rank), 10.0 * rank])
+        return {
+            "sum": reducer.sum(x),
+            "mean": reducer.mean(x),
+            "gather": reducer.gather(torch.full((rank + 1,), rank)),  # first dimensions differ
+            "all_true": reducer.all(True),
+            "one_false": reducer.all(rank != 1),
+            "int_sum": reducer.sum(torch.tensor(rank + 1)),
+        }
+
+    results = run_ranks(3, body)
+    for r in results:
+        assert r["sum"].tolist() == [3.0, 30.0]
+        assert r["mean"].tolist() == [1.0, 10.0]
+        assert [g.tolist() for g in r["gather"]] == [[0], [1, 1], [2, 2, 2]]
+        assert r["all_true"] is True and r["one_false"] is False
+        assert r["int_sum"].item() == 6 and r["int_sum"].dtype == torch.int64
+
+
+def test_thread_reducer_reraises_a_rank_failure_instead_of_hanging():
+    def body(rank: int, reducer: ThreadReducer) -> None:
+        if rank == 1:
+            raise ValueError("rank 1 failed before the collective")
+        reducer.sum(torch.zeros(1))
+
+    with pytest.raises(ValueError, match="rank 1 failed"):
+        run_ranks(2, body)
