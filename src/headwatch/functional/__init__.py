@@ -4,7 +4,13 @@ Every function documents its tensor shapes, units and the source of its definiti
 """
 
 from headwatch.functional.adapters import add_low_rank_, head_weight_gradient, zero_rows
-from headwatch.functional.collision import collision_statistics, sample_rows, synonym_pair_rate, top_colliding_pairs
+from headwatch.functional.collision import (
+    collision_scalars,
+    collision_statistics,
+    sample_rows,
+    synonym_pair_rate,
+    top_colliding_pairs,
+)
 from headwatch.functional.frequency import (
     BUCKETS,
     FrequencySnapshot,
@@ -57,6 +63,7 @@ __all__ = [
     "LogitStatistics",
     "Neighbours",
     "Summary",
+    "collision_scalars",
     "collision_statistics",
     "compute_dtype",
     "count_order",
