@@ -59,8 +59,14 @@ def test_batch_format_reads_mappings_tuples_and_overrides():
     assert BatchFormat().read(tup).targets is None
     with pytest.raises(HeadwatchError, match="`shift_labels` must be a bool, got 1"):
         BatchFormat(shift_labels=1)
-    with pytest.raises(HeadwatchError, match="mask_fn must return"):
+    with pytest.raises(HeadwatchError, match=r"mask_fn must return a \(B, T\) bool tensor, got list"):
         _ = BatchFormat(mask_fn=lambda b: [1]).read(batch).mask
+    with pytest.raises(HeadwatchError, match=r"targets_fn must return a \(B, T\) tensor, got NoneType"):
+        _ = BatchFormat(targets_fn=lambda b: None).read(batch).targets
+    fmt = BatchFormat(mask_fn=lambda b: b["attention_mask"], targets_fn=lambda b: b["labels"].int())
+    view = fmt.read(batch)
+    assert view.mask.dtype == torch.bool and view.mask.tolist() == [[True, True, True, False]]
+    assert view.targets.dtype == torch.long and view.targets.tolist() == [[1, 2, 3, 4]]  # no shift applied
 
 
 class TupleLM(TinyCausalLM):

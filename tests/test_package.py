@@ -30,3 +30,24 @@ def test_public_names_and_py_typed():
         assert "NoSuchThing" in str(err)
     else:
         raise AssertionError("unknown attribute did not raise")
+
+
+def test_lazy_names_load_their_module_on_first_use():
+    """``headwatch.remedies`` (``headwatch.lazy.lazy_names``): nothing loaded before the name is used, then bound."""
+    code = (
+        "import sys, headwatch.remedies as r; "
+        "before = 'headwatch.remedies.warmup' in sys.modules; "
+        "value = r.HeadWarmupCore; "
+        "print(before, 'headwatch.remedies.warmup' in sys.modules, vars(r)['HeadWarmupCore'] is value, "
+        "value.__module__, dir(r) == sorted(r.__all__))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True", "True", "headwatch.remedies.warmup", "True"]
+    import headwatch.remedies
+
+    try:
+        headwatch.remedies.NoSuchThing  # noqa: B018
+    except AttributeError as err:
+        assert str(err) == "module 'headwatch.remedies' has no attribute 'NoSuchThing'"
+    else:
+        raise AssertionError("unknown attribute did not raise")

@@ -13,6 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from headwatch.errors import HeadwatchError
+from headwatch.lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -58,18 +59,7 @@ __all__ = [
     "find_output_head",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'headwatch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
 
 
 # Module paths of 0.2, moved in 0.3 (see docs/core.md, "Where code lives"): importing an old path gives the

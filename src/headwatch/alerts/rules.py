@@ -36,6 +36,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _push(history: deque, value: Any, keep: int) -> bool:
+    """Append ``value`` to a window that keeps the last ``keep`` values; True when the window is full."""
+    history.append(value)
+    while len(history) > keep:
+        history.popleft()
+    return len(history) == keep
+
+
 def parse_threshold(name: str, value: Threshold) -> dict[str, float]:
     """``{severity: threshold}`` from the accepted forms; HeadwatchError naming ``name`` otherwise."""
     if value is None:
@@ -237,12 +245,10 @@ class CollapseRules:
         entropy = self._read(metrics, self.entropy_metric)
         if entropy is not None:
             self.smoothed = entropy if self.smoothed is None else self.alpha * entropy + (1 - self.alpha) * self.smoothed
-            self.history.append(self.smoothed)
-            while len(self.history) > self.window + 1:
-                self.history.popleft()
+            full = _push(self.history, self.smoothed, self.window + 1)
             events += self._level("entropy_floor", entropy, True, step)
             events += self._level("entropy_ceiling", entropy, False, step)
-            if len(self.history) == self.window + 1:
+            if full:
                 old = self.history[0]
                 drop = (old - self.smoothed) / old if old > 0 else 0.0
                 for severity, r in self.thresholds["entropy_drop"].items():
@@ -260,10 +266,7 @@ class CollapseRules:
         if self.nll_history:
             last_rare, last_nll = self.nll_history[-1]
             rare, nll = self.alpha * rare + (1 - self.alpha) * last_rare, self.alpha * nll + (1 - self.alpha) * last_nll
-        self.nll_history.append((rare, nll))
-        while len(self.nll_history) > self.rare_window + 1:
-            self.nll_history.popleft()
-        if len(self.nll_history) < self.rare_window + 1:
+        if not _push(self.nll_history, (rare, nll), self.rare_window + 1):
             return []
         old_rare, old_nll = self.nll_history[0]
         rise, falling = rare - old_rare, nll < old_nll
@@ -282,10 +285,7 @@ class CollapseRules:
         ent = entropy if entropy is not None else self.smoothed
         if ent is None:
             return []
-        self.val_history.append((loss, ent))
-        while len(self.val_history) > self.patience + 1:
-            self.val_history.popleft()
-        if len(self.val_history) < self.patience + 1:
+        if not _push(self.val_history, (loss, ent), self.patience + 1):
             return []
         first_loss, first_ent = self.val_history[0]
         improvement = first_loss - min(loss for loss, _ in list(self.val_history)[1:])

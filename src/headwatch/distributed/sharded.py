@@ -22,7 +22,6 @@ replicated DTensor, or one process, take the one-process path unchanged. Layouts
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -303,12 +302,7 @@ def nearest_neighbours_sharded(
 
 
 def collision_statistics(
-    weight: Tensor,
-    rare: Tensor,
-    bucket_rows: dict[str, Tensor],
-    valid: Tensor,
-    tau: float,
-    max_chunk_bytes: int,
+    weight: Tensor, rare: Tensor, bucket_rows: dict[str, Tensor], valid: Tensor, tau: float, max_chunk_bytes: int,
     reducer: Reducer,
 ) -> tuple[dict[str, Tensor], Neighbours, dict[str, Tensor]]:
     """:func:`headwatch.functional.collision.collision_statistics` of a plain or row-sharded matrix.
@@ -322,15 +316,9 @@ def collision_statistics(
     found = nearest_neighbours_sharded(weight, torch.cat([p.reshape(-1).long().cpu() for p in parts]), valid, max_chunk_bytes, reducer)
     split = dict(zip(names, zip(found.cosine.split([p.numel() for p in parts]), found.index.split([p.numel() for p in parts]))))
     nn_rare = Neighbours(*split["rare"])
-    nan = torch.tensor(math.nan, dtype=torch.float64)
-    scalars = {"rare_rate": (nn_rare.cosine >= tau).sum(dtype=torch.float64) / rare.numel() if rare.numel() else nan}
-    cosines: dict[str, Tensor] = {}
-    for group in bucket_rows:
-        cos = split[group][0]
-        cosines[group] = cos.cpu()
-        finite = cos[torch.isfinite(cos)]
-        scalars[f"{group}_nn_cosine_mean"] = finite.double().mean() if finite.numel() else nan
-    return scalars, nn_rare, cosines
+    cosines = {group: split[group][0] for group in bucket_rows}
+    on_cpu = {group: cos.cpu() for group, cos in cosines.items()}
+    return fcollision.collision_scalars(nn_rare.cosine, cosines, tau), nn_rare, on_cpu
 
 
 def synonym_pair_rate(

@@ -32,11 +32,18 @@ from torch import Tensor
 from headwatch.errors import HeadwatchError
 from headwatch.distributed.reduce import Reducer
 from headwatch.distributed.sharded import Rows, gather_by_rows, gather_rows, local_rows, nearest_neighbours_sharded
-from headwatch.functional.drift import Pairable, apply_correction, pairable_rows, principal_directions_of, unit_row_sum
+from headwatch.functional.drift import (
+    Pairable,
+    apply_correction,
+    pairable_rows,
+    principal_directions_of,
+    resultant_length,
+    unit_row_sum,
+)
 from headwatch.functional.drift_pairs import (
     CorrectedCollision,
-    rate_above,
     check_queries,
+    collision_from_neighbours,
     corrected_collision,
     ordered_pairs,
     partner_ranks,
@@ -141,20 +148,8 @@ def corrected_collision_rows(
     raw = nearest_neighbours_sharded(rows, measured, pairable, max_chunk_bytes, reducer)
     mine = measured[(measured >= rows.offset) & (measured < rows.offset + rows.local.shape[0])] - rows.offset
     units = reducer.sum(unit_row_sum(rows.local, mine, max_chunk_bytes))  # (d,) float64
-    nan = torch.tensor(float("nan"), dtype=torch.float64, device=device)
-    result = CorrectedCollision(
-        rate=rate_above(fixed.cosine, tau),
-        raw_rate=rate_above(raw.cosine, tau),
-        drift_mean_cos=torch.linalg.vector_norm(units) / measured.numel() if measured.numel() else nan,
-        removed_variance=variances.sum() / trace,
-        queries=measured,
-        cosine=fixed.cosine,
-        neighbour=fixed.index,
-        raw_cosine=raw.cosine,
-        raw_neighbour=raw.index,
-        skipped_queries=(~keep).sum(),
-    )
-    return result, fixed_rows
+    drift_mean_cos = resultant_length(units, measured.numel())
+    return collision_from_neighbours(fixed, raw, tau, keep, measured, drift_mean_cos, variances.sum() / trace), fixed_rows
 
 
 def nn_cosines_rows(

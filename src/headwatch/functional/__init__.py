@@ -4,7 +4,13 @@ Every function documents its tensor shapes, units and the source of its definiti
 """
 
 from headwatch.functional.adapters import add_low_rank_, head_weight_gradient, zero_rows
-from headwatch.functional.collision import collision_statistics, sample_rows, synonym_pair_rate, top_colliding_pairs
+from headwatch.functional.collision import (
+    collision_scalars,
+    collision_statistics,
+    sample_rows,
+    synonym_pair_rate,
+    top_colliding_pairs,
+)
 from headwatch.functional.frequency import (
     BUCKETS,
     FrequencySnapshot,
@@ -57,6 +63,7 @@ __all__ = [
     "LogitStatistics",
     "Neighbours",
     "Summary",
+    "collision_scalars",
     "collision_statistics",
     "compute_dtype",
     "count_order",
@@ -117,12 +124,14 @@ from headwatch.functional.drift import (  # noqa: E402
     pairable_rows,
     principal_directions_of,
     remove_top_directions,
+    resultant_length,
     top_principal_directions,
     unit_row_sum,
 )
 from headwatch.functional.drift_pairs import (  # noqa: E402
     CorrectedCollision,
     check_queries,
+    collision_from_neighbours,
     corrected_collision,
     rate_above,
     nn_cosine_by_bucket,
@@ -139,10 +148,12 @@ __all__ += [
     "Pairable",
     "calibration_compute",
     "calibration_update",
+    "collision_from_neighbours",
     "corrected_collision",
     "default_k",
     "empty_sums",
     "mean_resultant_length",
+    "resultant_length",
     "nn_cosine_by_bucket",
     "ordered_pairs",
     "pairable_rows",

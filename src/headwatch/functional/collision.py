@@ -8,7 +8,7 @@ For a matrix ``W`` of shape ``(V, d_model)``, rare token ``r`` *collides* when
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -16,7 +16,7 @@ from torch import Tensor
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine
 
-__all__ = ["collision_statistics", "sample_rows", "synonym_pair_rate", "top_colliding_pairs"]
+__all__ = ["collision_scalars", "collision_statistics", "sample_rows", "synonym_pair_rate", "top_colliding_pairs"]
 
 
 def sample_rows(rows: Tensor, k: int, generator: torch.Generator) -> Tensor:
@@ -55,19 +55,34 @@ def collision_statistics(
     """
     dev = weight.device
     nn_rare = nearest_neighbours(weight, rare.to(dev), valid.to(dev), max_chunk_bytes)
-    colliding = nn_rare.cosine >= tau
+    cosines = {
+        group: nn_rare.cosine if group == "rare"
+        else nearest_neighbours(weight, rows.to(dev), valid.to(dev), max_chunk_bytes).cosine
+        for group, rows in bucket_rows.items()
+    }
+    on_cpu = {group: cos.cpu() for group, cos in cosines.items()}
+    return collision_scalars(nn_rare.cosine, cosines, tau), nn_rare, on_cpu
+
+
+def collision_scalars(rare_cosine: Tensor, cosines: Mapping[str, Tensor], tau: float) -> dict[str, Tensor]:
+    """The scalars of :func:`collision_statistics` from the nearest-neighbour cosines, however they were searched.
+
+    Args:
+        rare_cosine: ``(R,)`` ``nn_cos`` of the measured rare rows.
+        cosines: group name -> ``(n,)`` ``nn_cos`` of the group's rows.
+        tau: collision threshold on the cosine.
+
+    Returns:
+        ``rare_rate`` (``|{nn_cos >= tau}| / R``, float64, NaN when ``R`` is 0) and, for each group,
+        ``<group>_nn_cosine_mean`` (mean of the finite ``nn_cos``, float64, NaN when none).
+    """
     nan = torch.tensor(math.nan, dtype=torch.float64)
-    scalars = {"rare_rate": colliding.sum(dtype=torch.float64) / rare.numel() if rare.numel() else nan}
-    cosines: dict[str, Tensor] = {}
-    for group, rows in bucket_rows.items():
-        if group == "rare":
-            cos = nn_rare.cosine
-        else:
-            cos = nearest_neighbours(weight, rows.to(dev), valid.to(dev), max_chunk_bytes).cosine
-        cosines[group] = cos.cpu()
+    R = rare_cosine.numel()
+    scalars = {"rare_rate": (rare_cosine >= tau).sum(dtype=torch.float64) / R if R else nan}
+    for group, cos in cosines.items():
         finite = cos[torch.isfinite(cos)]
         scalars[f"{group}_nn_cosine_mean"] = finite.double().mean() if finite.numel() else nan
-    return scalars, nn_rare, cosines
+    return scalars
 
 
 def top_colliding_pairs(rare: Tensor, neighbours: Neighbours, tau: float, k: int) -> list[tuple[int, int, float]]:

@@ -345,8 +345,13 @@ def mean_resultant_length(rows: Tensor, ids: Tensor, max_chunk_bytes: int = DEFA
     1 when all rows point one way, about ``1/sqrt(n)`` for random directions. Zero rows
     count as zero vectors.
     """
-    total = unit_row_sum(rows, ids, max_chunk_bytes)
-    return torch.linalg.vector_norm(total) / ids.numel() if ids.numel() else total.new_tensor(float("nan"))
+    return resultant_length(unit_row_sum(rows, ids, max_chunk_bytes), ids.numel())
+
+
+def resultant_length(unit_sum: Tensor, n: int) -> Tensor:
+    """``||unit_sum|| / n``: the mean resultant length of ``n`` rows from the ``(d,)`` float64 sum of their
+    unit vectors (:func:`unit_row_sum`, all-reduced when the rows are sharded); NaN when ``n`` is 0."""
+    return torch.linalg.vector_norm(unit_sum) / n if n else unit_sum.new_tensor(float("nan"))
 
 
 def unit_row_sum(rows: Tensor, ids: Tensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> Tensor:

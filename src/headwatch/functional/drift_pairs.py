@@ -29,7 +29,7 @@ from headwatch.functional.drift import (
     remove_top_directions,
 )
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.functional.neighbors import chunk_sizes, nearest_neighbours, pair_cosine
+from headwatch.functional.neighbors import Neighbours, chunk_sizes, nearest_neighbours, pair_cosine
 
 
 class CorrectedCollision(NamedTuple):
@@ -121,11 +121,30 @@ def corrected_collision(
     measured = queries[keep]
     fixed = nearest_neighbours(correction.rows, measured, pairable, max_chunk_bytes)
     raw = nearest_neighbours(rows, measured, pairable, max_chunk_bytes)
-    result = CorrectedCollision(
+    drift_mean_cos = mean_resultant_length(rows, measured, max_chunk_bytes)
+    return collision_from_neighbours(fixed, raw, tau, keep, measured, drift_mean_cos, correction.removed_variance), correction
+
+
+def collision_from_neighbours(
+    fixed: Neighbours, raw: Neighbours, tau: float, keep: Tensor, measured: Tensor, drift_mean_cos: Tensor,
+    removed_variance: Tensor,
+) -> CorrectedCollision:
+    """:class:`CorrectedCollision` from the neighbours of the ``measured`` queries on corrected and raw rows.
+
+    Args:
+        fixed, raw: :class:`~headwatch.functional.neighbors.Neighbours` of ``measured`` among the
+            pairable rows, corrected and raw, ``(Q,)`` each.
+        keep: ``(Q_given,)`` bool, which of the queries given were pairable (``measured`` are those).
+        drift_mean_cos, removed_variance: float64 scalars, as the fields of the same names.
+
+    One process or row-sharded (:func:`headwatch.distributed.sharded_drift.corrected_collision_rows`):
+    the rates and fields are defined here once.
+    """
+    return CorrectedCollision(
         rate=rate_above(fixed.cosine, tau),
         raw_rate=rate_above(raw.cosine, tau),
-        drift_mean_cos=mean_resultant_length(rows, measured, max_chunk_bytes),
-        removed_variance=correction.removed_variance,
+        drift_mean_cos=drift_mean_cos,
+        removed_variance=removed_variance,
         queries=measured,
         cosine=fixed.cosine,
         neighbour=fixed.index,
@@ -133,7 +152,6 @@ def corrected_collision(
         raw_neighbour=raw.index,
         skipped_queries=(~keep).sum(),
     )
-    return result, correction
 
 
 @torch.no_grad()

@@ -115,15 +115,19 @@ class BatchView:
         attention = field(self.batch, self.format.mask_key)
         return attention if isinstance(attention, Tensor) else None
 
+    def _returned(self, name: str, expected: str) -> Tensor:
+        """What the format's ``name`` (``mask_fn``, ``targets_fn``) returns for this batch, checked to be a tensor."""
+        value = getattr(self.format, name)(self.batch)
+        if not isinstance(value, Tensor):
+            raise HeadwatchError(f"{name} must return a {expected}, got {type(value).__name__}")
+        return value
+
     @cached_property
     def mask(self) -> Tensor | None:
         """``(B, T)`` bool: logits positions to measure; None: every position."""
         f = self.format
         if f.mask_fn is not None:
-            mask = f.mask_fn(self.batch)
-            if not isinstance(mask, Tensor):
-                raise HeadwatchError(f"mask_fn must return a (B, T) bool tensor, got {type(mask).__name__}")
-            return mask.bool()
+            return self._returned("mask_fn", "(B, T) bool tensor").bool()
         attention = field(self.batch, f.mask_key)
         return attention != 0 if isinstance(attention, Tensor) else None
 
@@ -132,10 +136,7 @@ class BatchView:
         """``(B, T)`` long targets aligned with the logits (``ignore_index`` where none), or None."""
         f = self.format
         if f.targets_fn is not None:
-            targets = f.targets_fn(self.batch)
-            if not isinstance(targets, Tensor):
-                raise HeadwatchError(f"targets_fn must return a (B, T) tensor, got {type(targets).__name__}")
-            return targets.long()
+            return self._returned("targets_fn", "(B, T) tensor").long()
         labels = field(self.batch, f.labels_key)
         if not isinstance(labels, Tensor) or labels.ndim < 1 or labels.is_floating_point():
             return None

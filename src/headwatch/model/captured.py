@@ -11,20 +11,18 @@ columns' mass (:func:`headwatch.functional.padding.padded_mass`).
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from headwatch.errors import HeadwatchError
-from headwatch.model.capture import Captured
-from headwatch.functional import logit_statistics_from_hidden  # its module moves on another branch
+from headwatch.functional.hidden import logit_statistics_from_hidden
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES, LogitStatistics, logit_statistics, rows_per_chunk
 from headwatch.functional.padding import padded_mass
+from headwatch.functional.precision import full_precision
+from headwatch.model.capture import Captured
 
 
 class CapturedStatistics(NamedTuple):
@@ -61,61 +59,28 @@ def captured_statistics(
         HeadwatchError: as the functional statistics (shapes that do not agree).
     """
     measured = captured.logits if captured.path == "logits" else captured.hidden
-    # a capture missing its tensor is refused by _statistics (a HeadwatchError), not here by an AttributeError
+    # a capture missing its tensor is refused below (a HeadwatchError), not here by an AttributeError
     device = measured.device if isinstance(measured, Tensor) else torch.device("cpu")
-    # hooks run inside the trainer's autocast: the statistics' matmuls and sums stay float32
-    with _full_precision(device):
-        return _statistics(captured, mask, targets, ignore_index, vocab_size, max_chunk_bytes, device)
-
-
-@contextlib.contextmanager
-def _full_precision(device: torch.device) -> Iterator[None]:
-    """Autocast off and, on CUDA, no TF32 in matrix products, restored afterwards."""
-    autocast = device.type in ("cpu", "cuda", "xpu", "mps", "hpu") and torch.is_autocast_enabled(device.type)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    with torch.autocast(device.type, enabled=False) if autocast else contextlib.nullcontext():
-        try:
-            if device.type == "cuda":
-                torch.backends.cuda.matmul.allow_tf32 = False
-            yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = tf32
-
-
-def _accepts_transform() -> bool:
-    return "transform" in inspect.signature(logit_statistics_from_hidden).parameters
-
-
-def _statistics(
-    captured: Captured,
-    mask: Tensor | None,
-    targets: Tensor | None,
-    ignore_index: int,
-    vocab_size: int | None,
-    max_chunk_bytes: int,
-    device: torch.device,
-) -> CapturedStatistics:
     mask = mask.to(device, non_blocking=True) if mask is not None else None
     targets = targets.to(device, non_blocking=True) if targets is not None else None
-    if captured.path == "logits":
-        logits = captured.logits
-        if logits is None:
-            raise HeadwatchError("a logits-path capture holds no logits")
-        stats = logit_statistics(logits, mask, targets, ignore_index, max_chunk_bytes)
-        mass = padded_mass(logits, vocab_size, max_chunk_bytes) if vocab_size is not None else None
-        return CapturedStatistics(stats, mass)
-    hidden, weight = captured.hidden, captured.weight
-    if hidden is None or weight is None:
-        raise HeadwatchError("a hidden-path capture needs both `hidden` and `weight`")
-    if vocab_size is None and (captured.transform is None or _accepts_transform()):
-        extra = {"transform": captured.transform} if captured.transform is not None else {}
-        return CapturedStatistics(
-            logit_statistics_from_hidden(
-                hidden, weight, captured.bias, mask, targets, ignore_index, max_chunk_bytes, **extra
-            ),
-            None,
-        )
-    return _chunked_from_hidden(captured, mask, targets, ignore_index, vocab_size, max_chunk_bytes)
+    # hooks run inside the trainer's autocast: the statistics' matmuls and sums stay float32
+    with full_precision(device):
+        if captured.path == "logits":
+            logits = captured.logits
+            if logits is None:
+                raise HeadwatchError("a logits-path capture holds no logits")
+            stats = logit_statistics(logits, mask, targets, ignore_index, max_chunk_bytes)
+            mass = padded_mass(logits, vocab_size, max_chunk_bytes) if vocab_size is not None else None
+            return CapturedStatistics(stats, mass)
+        hidden, weight = captured.hidden, captured.weight
+        if hidden is None or weight is None:
+            raise HeadwatchError("a hidden-path capture needs both `hidden` and `weight`")
+        if vocab_size is None:
+            stats = logit_statistics_from_hidden(
+                hidden, weight, captured.bias, mask, targets, ignore_index, max_chunk_bytes, transform=captured.transform
+            )
+            return CapturedStatistics(stats, None)
+        return _chunked_from_hidden(captured, mask, targets, ignore_index, vocab_size, max_chunk_bytes)
 
 
 def _project(h: Tensor, weight: Tensor, bias: Tensor | None, max_chunk_bytes: int) -> Tensor:
@@ -132,13 +97,12 @@ def _project(h: Tensor, weight: Tensor, bias: Tensor | None, max_chunk_bytes: in
 
 
 def _chunked_from_hidden(
-    captured: Captured,
-    mask: Tensor | None,
-    targets: Tensor | None,
-    ignore_index: int,
-    vocab_size: int | None,
+    captured: Captured, mask: Tensor | None, targets: Tensor | None, ignore_index: int, vocab_size: int,
     max_chunk_bytes: int,
 ) -> CapturedStatistics:
+    """The hidden-state path when the padded mass is wanted too: each ``(n, V)`` chunk of logits is
+    measured by :func:`logit_statistics` and :func:`padded_mass` (``logit_statistics_from_hidden``
+    does not hand its chunks out)."""
     hidden, weight = captured.hidden, captured.weight
     assert hidden is not None and weight is not None  # checked by the caller
     if weight.ndim != 2 or hidden.shape[-1] != weight.shape[1]:
@@ -164,16 +128,14 @@ def _chunked_from_hidden(
         m = flat_mask[start : start + rows] if flat_mask is not None else None
         t = flat_targets[start : start + rows] if flat_targets is not None else None
         parts.append(logit_statistics(x, m, t, ignore_index, max_chunk_bytes))
-        if vocab_size is not None:
-            masses.append(padded_mass(x, vocab_size, max_chunk_bytes))
+        masses.append(padded_mass(x, vocab_size, max_chunk_bytes))
     if not parts:  # no position at all
         return CapturedStatistics(
             logit_statistics(flat.new_zeros(*lead, V), mask, targets, ignore_index, max_chunk_bytes),
-            flat.new_zeros(lead) if vocab_size is not None else None,
+            flat.new_zeros(lead),
         )
     fields = {
         name: torch.cat([getattr(p, name) for p in parts]).reshape(lead) if getattr(parts[0], name) is not None else None
         for name in LogitStatistics._fields
     }
-    mass = torch.cat(masses).reshape(lead) if masses else None
-    return CapturedStatistics(LogitStatistics(**fields), mass)
+    return CapturedStatistics(LogitStatistics(**fields), torch.cat(masses).reshape(lead))

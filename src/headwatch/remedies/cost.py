@@ -44,31 +44,35 @@ TRAINING_BYTES_PER_PARAM = {
 }
 """Bytes per parameter while training with AdamW, by precision regime."""
 
+
+def _decoder(
+    model_type: str, vocab_size: int, hidden_size: int, intermediate_size: int, layers: int, heads: int, kv_heads: int,
+    tied: bool, head_dim: int | None = None,
+) -> dict[str, Any]:
+    """The fields of a Llama-style decoder's ``config.json`` that set its parameter count (``head_dim`` where the
+    published config states it)."""
+    config: dict[str, Any] = dict(
+        model_type=model_type, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+    )
+    if head_dim is not None:
+        config["head_dim"] = head_dim
+    config["tie_word_embeddings"] = tied
+    return config
+
+
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
-    # name -> the fields of its published config.json that set the parameter count
-    "Llama 3 8B": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
-    "Llama 3 70B": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False),
-    "Llama 3.1 405B": dict(model_type="llama", vocab_size=128256, hidden_size=16384, intermediate_size=53248,
-                           num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
-                           tie_word_embeddings=False),
-    "Llama 3.2 1B": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                         tie_word_embeddings=True),
-    "Llama 3.2 3B": dict(model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192,
-                         num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
-                         tie_word_embeddings=True),
-    "Mistral 7B": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
-    "Gemma 2 2B": dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
-                       num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-                       tie_word_embeddings=True),
-    "Gemma 2 9B": dict(model_type="gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
-                       num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-                       tie_word_embeddings=True),
-    "Qwen2.5 7B": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+    # name -> the fields of its published config.json that set the parameter count, one model a line:
+    # _decoder(model_type, vocab_size, hidden_size, intermediate_size, layers, heads, kv_heads, tied[, head_dim])
+    "Llama 3 8B": _decoder("llama", 128256, 4096, 14336, 32, 32, 8, False),
+    "Llama 3 70B": _decoder("llama", 128256, 8192, 28672, 80, 64, 8, False),
+    "Llama 3.1 405B": _decoder("llama", 128256, 16384, 53248, 126, 128, 8, False),
+    "Llama 3.2 1B": _decoder("llama", 128256, 2048, 8192, 16, 32, 8, True, head_dim=64),
+    "Llama 3.2 3B": _decoder("llama", 128256, 3072, 8192, 28, 24, 8, True, head_dim=128),
+    "Mistral 7B": _decoder("mistral", 32000, 4096, 14336, 32, 32, 8, False),
+    "Gemma 2 2B": _decoder("gemma2", 256000, 2304, 9216, 26, 8, 4, True, head_dim=256),
+    "Gemma 2 9B": _decoder("gemma2", 256000, 3584, 14336, 42, 16, 8, True, head_dim=256),
+    "Qwen2.5 7B": _decoder("qwen2", 152064, 3584, 18944, 28, 28, 4, False),
     "GPT-2 small": dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024,
                         tie_word_embeddings=True),
 }

@@ -10,7 +10,7 @@ from headwatch.report import charts as _charts
 from headwatch.report.charts import INSTALL_HINT, color, render_chart
 from headwatch.report.runs import AlertRecord, Points
 from headwatch.report.stats import Summary, summarize_runs, tag_group
-from headwatch.report.text import MISSING, alert_cell, format_number, format_trend
+from headwatch.report.text import MISSING, alert_cell, alerts_by_run, format_number, format_trend
 
 CHART_CHOICES = ("auto", "svg", "png", "none")
 
@@ -140,12 +140,10 @@ def _metrics_table(
 
 def _alerts_section(names: Sequence[str], alerts: Mapping[str, Sequence[AlertRecord]]) -> list[str]:
     out = ["<h2>Alerts</h2>"]
-    for name in names:
-        records = alerts.get(name, [])
+    for name, records, count in alerts_by_run(names, alerts):
+        out.append(f"<p><b>{esc(name)}</b>: {count}</p>")
         if not records:
-            out.append(f"<p><b>{esc(name)}</b>: no alerts</p>")
             continue
-        out.append(f'<p><b>{esc(name)}</b>: {len(records)} alert{"s" if len(records) != 1 else ""}</p>')
         out.append('<table class="alerts"><thead><tr><th>step</th><th>rule</th><th>message</th></tr></thead><tbody>')
         for a in records:
             message = a.message or "(TensorBoard marker only)"

@@ -104,14 +104,25 @@ def render_text(
     return "\n".join(lines) + "\n"
 
 
-def _alerts_text(names: Sequence[str], alerts: Mapping[str, Sequence[AlertRecord]]) -> list[str]:
-    lines = ["", "Alerts"]
+def alerts_by_run(
+    names: Sequence[str], alerts: Mapping[str, Sequence[AlertRecord]]
+) -> list[tuple[str, Sequence[AlertRecord], str]]:
+    """``(run, its alert records, "no alerts" | "1 alert" | "<n> alerts")`` for each run, in ``names`` order:
+    the alerts section of the text and the HTML report."""
+    out = []
     for name in names:
         records = alerts.get(name, [])
+        count = f"{len(records)} alert{'s' if len(records) != 1 else ''}" if records else "no alerts"
+        out.append((name, records, count))
+    return out
+
+
+def _alerts_text(names: Sequence[str], alerts: Mapping[str, Sequence[AlertRecord]]) -> list[str]:
+    lines = ["", "Alerts"]
+    for name, records, count in alerts_by_run(names, alerts):
+        lines.append(f"  {name}: {count}")
         if not records:
-            lines.append(f"  {name}: no alerts")
             continue
-        lines.append(f"  {name}: {len(records)} alert{'s' if len(records) != 1 else ''}")
         step_w = max(len(str(a.step)) for a in records)
         rule_w = max(len(a.rule) for a in records)
         for a in records:
