@@ -55,16 +55,24 @@ def test_closest_names_lists_what_was_logged():
 
 
 @pytest.mark.parametrize(("rules", "actions", "critical", "match"), [
-    (CollapseRules(), [], False, "every rule is off"),
-    (CollapseRules(entropy_floor=1.0, entropy_metric=""), [], False, r"`entropy_metric` must be a metric name, got ''"),
-    (CollapseRules(entropy_floor=1.0, kl_metric=None), [], False, r"`kl_metric` must be a metric name, got None"),
-    (CollapseRules(patience=2, val_metric=3), [], False, r"`val_metric` must be a metric name, got 3"),
-    (CollapseRules(entropy_floor={"warning": 1.0}), [], True, "every rule is warning-only"),
-    (CollapseRules(entropy_floor=1.0), [print, "not callable"], False, "`actions` must be callables"),
+    (CollapseRules, [], False, "every rule is off"),
+    (lambda: CollapseRules(entropy_floor={"warning": 1.0}), [], True, "every rule is warning-only"),
+    (lambda: CollapseRules(entropy_floor=1.0), [print, "not callable"], False, "`actions` must be"),
 ])
 def test_check_alert_args(rules, actions, critical, match):
     with pytest.raises(HeadwatchError, match=match):
-        check_alert_args(rules, actions, critical)
+        check_alert_args(rules(), actions, critical)
+
+
+@pytest.mark.parametrize(("build", "match"), [
+    (lambda: CollapseRules(entropy_floor=1.0, entropy_metric=""), r"`entropy_metric` must be a non-empty string, got ''"),
+    (lambda: CollapseRules(entropy_floor=1.0, kl_metric=None), r"`kl_metric` must be a .*string, got None"),
+    (lambda: CollapseRules(patience=2, val_metric=3), r"`val_metric` must be a .*string, got 3"),
+])
+def test_metric_names_are_checked_by_the_rules_themselves(build, match):
+    """Since the checks moved into the core, a bad metric name is refused when the rules are built."""
+    with pytest.raises(HeadwatchError, match=match):
+        build()
 
 
 def test_check_alert_args_accepts_a_critical_rule_for_stop_and_checkpoint():
@@ -73,7 +81,7 @@ def test_check_alert_args_accepts_a_critical_rule_for_stop_and_checkpoint():
 
 
 def test_engine_constructor_checks():
-    with pytest.raises(HeadwatchError, match="`rules` must be a CollapseRules, got dict"):
+    with pytest.raises(HeadwatchError, match=r"`rules` must be a CollapseRules, got \{'entropy_floor': 1.0\}"):
         AlertEngine({"entropy_floor": 1.0})
     with pytest.raises(HeadwatchError, match="`actions` must be callables taking an Alert"):
         AlertEngine(CollapseRules(entropy_floor=1.0), [None])

@@ -338,16 +338,16 @@ def test_bad_threshold_forms_name_the_argument(value):
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(margin=1.0), r"`rearm_margin` must be in \[0, 1\), got 1.0"),
+    (dict(margin=1.0), r"`margin` \(`rearm_margin`\) must be a number in \[0, 1\), got 1.0"),
     (dict(margin=-0.1), r"`rearm_margin`"),
-    (dict(delta=-0.5), r"`val_delta` must be a number >= 0, got -0.5"),
+    (dict(delta=-0.5), r"`delta` \(`val_delta`\) must be a finite number >= 0, got -0.5"),
     (dict(delta=math.nan), r"`val_delta`"),
-    (dict(min_entropy_drop=-0.01), r"`val_min_entropy_drop` must be a number >= 0"),
+    (dict(min_entropy_drop=-0.01), r"`min_entropy_drop` \(`val_min_entropy_drop`\) must be a finite number >= 0"),
     (dict(min_entropy_drop=math.inf), r"`val_min_entropy_drop`"),
     (dict(patience=0), r"`patience` must be None or an int >= 1, got 0"),
     (dict(patience=True), r"`patience` must be None or an int >= 1, got True"),
     (dict(patience=2.0), r"`patience`"),
-    (dict(alpha=0.0), r"`smoothing` \(alpha\) must be in \(0, 1\]"),
+    (dict(alpha=0.0), r"`alpha` \(`smoothing`\) must be a number in \(0, 1\]"),
     (dict(alpha=1.5), r"`smoothing`"),
     (dict(warmup_steps=-1), r"`warmup_steps` must be an int >= 0, got -1"),
     (dict(for_steps=True), r"`for_steps` must be an int >= 1, got True"),

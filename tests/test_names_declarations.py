@@ -80,7 +80,7 @@ def test_readme_spelling():
     by_pattern = {m.pattern: m for m in names.METRICS}
     assert by_pattern["{split}/entropy"].readme_spelling() == "headwatch/<s>/entropy"
     assert by_pattern["grad/{flow}_row_density"].readme_spelling() == "headwatch/grad/<flow>_row_density"
-    assert by_pattern["{split}/entropy_p{q}"].readme_spelling() == "_p50"  # an explicit spelling wins
+    assert by_pattern["{split}/entropy_p{q}"].readme_spelling() == "headwatch/<s>/entropy_p05`, `_p50`, `_p95"  # an explicit spelling wins
 
 
 def test_chart_tags():

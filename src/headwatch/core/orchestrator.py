@@ -145,16 +145,35 @@ def to_host(scalars: dict[str, Tensor | float], media: Sequence[Media] = ()) -> 
     return numbers
 
 
+class Driver:
+    """Base of a front door that holds the run's :class:`Orchestrator` as ``run`` (the plain loop, the HF callback)."""
+
+    run: Orchestrator
+
+    @property
+    def monitors(self) -> list[Monitor]:
+        return self.run.monitors
+
+    @property
+    def reducer(self) -> Reducer:
+        return self.run.reducer
+
+    @property
+    def latest(self) -> dict[str, float]:
+        """The values of the last measurement, by full name."""
+        return self.run.latest
+
+
 class Orchestrator:
     """Drive the monitors of one run for a front door; see the module docstring for what it owns.
 
     Args:
         monitors: core monitors or names among :data:`MONITOR_NAMES`; None: all four.
-        batch_format: how batches are read (default :class:`~headwatch.model.batch.BatchFormat`).
-        prefix: first component of every metric name.
+        sinks: where published values go (:class:`Sink`); more can be added to :attr:`sinks`.
         reducer: distributed reductions; default ``torch.distributed`` when initialized.
         strict: raise a ``HeadwatchError`` when a monitor fails instead of warning once and skipping it.
-        sinks: where published values go (:class:`Sink`); more can be added to :attr:`sinks`.
+        prefix: first component of every metric name.
+        batch_format: how batches are read (default :class:`~headwatch.model.batch.BatchFormat`).
 
     Raises:
         HeadwatchError: a bad argument.
@@ -163,11 +182,12 @@ class Orchestrator:
     def __init__(
         self,
         monitors: Sequence[Monitor | str] | None = None,
-        batch_format: BatchFormat | None = None,
-        prefix: str = "headwatch",
+        *,
+        sinks: Sequence[Sink] = (),
         reducer: Reducer | None = None,
         strict: bool = False,
-        sinks: Sequence[Sink] = (),
+        prefix: str = "headwatch",
+        batch_format: BatchFormat | None = None,
     ) -> None:
         check_prefix(prefix)
         check_bool("strict", strict)

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from headwatch import tensorboard as tb
 from headwatch.core.figures import check_figure_argument
 from headwatch.core.monitor import Monitor
-from headwatch.core.orchestrator import Orchestrator, set_figures
+from headwatch.core.orchestrator import Driver, Orchestrator, set_figures
 from headwatch.distributed.reduce import Reducer
 from headwatch.errors import HeadwatchError, check_instance, check_positive_int, check_sequence
 from headwatch.model.batch import BatchFormat
@@ -19,7 +19,7 @@ from headwatch.model.batch import BatchFormat
 __all__ = ["Headwatch", "set_figures"]
 
 
-class Headwatch:
+class Headwatch(Driver):
     """Watch the embedding and the head of ``model`` in your own training loop.
 
     Example::
@@ -81,7 +81,7 @@ class Headwatch:
         check_positive_int("log_every_n_steps", log_every_n_steps)
         writers = [] if writer is None else list(writer) if isinstance(writer, (list, tuple)) else [writer]
         self.writers = check_sequence("writer", writers, "SummaryWriter objects (with add_scalar)", lambda w: callable(getattr(w, "add_scalar", None)))
-        self.run = Orchestrator(monitors, batch_format, prefix, reducer, strict)
+        self.run = Orchestrator(monitors, batch_format=batch_format, prefix=prefix, reducer=reducer, strict=strict)
         self.run.sinks.append(tb.WriterSink(lambda: self.writers if self.run.reducer.rank == 0 else []))
         self.prefix = prefix
         self.run.configure(log_every_n_steps)
@@ -92,19 +92,6 @@ class Headwatch:
         self._open = False  # a step_start since the last step_end
         if self.run.reducer.rank == 0:
             tb.write_layout(self.writers, prefix)
-
-    @property
-    def monitors(self) -> list[Monitor]:
-        return self.run.monitors
-
-    @property
-    def reducer(self) -> Reducer:
-        return self.run.reducer
-
-    @property
-    def latest(self) -> dict[str, float]:
-        """The values of the last measurement, by full name."""
-        return self.run.latest
 
     # ---------------------------------------------------------------- protocol
     def step_start(self, batch: Any, step: int | None = None) -> None:

@@ -25,7 +25,7 @@ from transformers.integrations import TensorBoardCallback
 from headwatch import tensorboard as tb
 from headwatch.core.figures import check_figure_argument
 from headwatch.core.monitor import Monitor
-from headwatch.core.orchestrator import Orchestrator
+from headwatch.core.orchestrator import Driver, Orchestrator
 from headwatch.distributed.reduce import Reducer
 from headwatch.errors import HeadwatchError, check_bool, check_protocol
 from headwatch.integrations.hf_support import (
@@ -45,34 +45,22 @@ from headwatch.model.batch import BatchFormat
 __all__ = ["HeadwatchCallback", "attach"]
 
 
-class HeadwatchCallback(TrainerCallback):
+class HeadwatchCallback(Driver, TrainerCallback):
     """Watch the embedding and the head of the model a ``transformers.Trainer`` trains.
 
-    One callback drives every monitor (default: all four, sharing one token count). It
-    attaches to the model in ``on_train_begin`` and measures on the Trainer's logging steps,
-    the ``logging_steps`` grid as ``DefaultFlowCallback`` decides it (``global_step %
-    logging_steps == 0``, and step 1 with ``logging_first_step``; collision every 10 logging
-    steps and at each epoch end). The batch is read by a forward pre-hook on the model (the
-    Trainer calls ``model(**inputs)``) through the monitors' :class:`~headwatch.core.BatchFormat`.
-    Gradients are read in ``on_pre_optimizer_step``: after accumulation and unscaling, and,
-    as the Trainer clips before that event, after clipping (``max_grad_norm``): row
-    densities, cosines and the tied split are unchanged by clipping, row norms are scaled
-    by the clip coefficient (pass ``max_grad_norm=0`` for unclipped norms).
-
-    Values are logged with ``trainer.log`` at ``state.global_step`` under the names of
-    :mod:`headwatch.names` (``headwatch/logits/entropy`` ...), so every ``report_to``
-    integration receives them; the Trainer's TensorBoard writer shows them as
-    ``train/headwatch/...`` (its ``rewrite_logs``), where the headwatch Custom Scalars
-    layout, histograms, texts and figures are written too. Under TRL's fused LM head
-    (``SFTTrainer``: ``lm_head`` is never called) ``LogitStats`` measures from the backbone's
-    final hidden states and the head's weight, in chunks, with the model's final transform
-    (:class:`headwatch.model.capture.LogitsCapture`'s hidden-state path): no ``(B, T, V)``
-    logits are made; the synonym confusion of ``"collision"`` needs the head's output and is
-    not counted on such forwards. Evaluation (``LogitStats``):
-    ``headwatch/val/logits/*`` logged at the end of each ``evaluate`` and added to its
-    returned metrics as ``eval_headwatch/val/logits/*``. Checkpoints: ``on_save`` writes the monitors'
-    state (token counts, totals) to ``<output_dir>/checkpoint-<step>/headwatch_state.pt``, and a run
-    resumed from a checkpoint (``train(resume_from_checkpoint=...)``) loads it in ``on_train_begin``.
+    One callback drives the run's orchestrator (:class:`headwatch.core.orchestrator.Orchestrator`;
+    default monitors: all four, sharing one token count). It attaches in ``on_train_begin`` and
+    measures on the Trainer's logging steps (``DefaultFlowCallback``'s rule: ``global_step %
+    logging_steps == 0``, and step 1 with ``logging_first_step``; collision every 10 logging steps
+    and at each epoch end). A forward pre-hook reads the batch (``model(**inputs)``); gradients are
+    read in ``on_pre_optimizer_step`` (after accumulation and unscaling, after clipping: row norms
+    are scaled by the clip coefficient, densities and cosines are not). Values go through
+    ``trainer.log`` at ``state.global_step`` (every ``report_to`` integration; TensorBoard shows
+    ``train/headwatch/...`` with the Custom Scalars layout and media); evaluation adds
+    ``eval_headwatch/val/logits/*`` to ``evaluate()``'s metrics; ``on_save`` writes the monitors' state
+    to ``<output_dir>/checkpoint-<step>/headwatch_state.pt`` and a resumed ``train`` loads it. Under
+    TRL's fused LM head the logit statistics come from the final hidden states and the head's weight
+    (no ``(B, T, V)`` logits); the synonym confusion of ``"collision"`` is not counted there.
 
     Args:
         monitors: core monitors (``headwatch.core``) or names among ``"logits"``,
@@ -124,7 +112,7 @@ class HeadwatchCallback(TrainerCallback):
             check_protocol("alert", alert, ("observe_train", "observe_val"), "a headwatch.alerts.CollapseRules or an AlertEngine")
         check_bool("stop_on_critical", stop_on_critical)
         check_bool("checkpoint_on_critical", checkpoint_on_critical)
-        self.run = Orchestrator(monitors, batch_format, prefix, reducer, strict, sinks=[TrainerSink(self)])
+        self.run = Orchestrator(monitors, batch_format=batch_format, prefix=prefix, reducer=reducer, strict=strict, sinks=[TrainerSink(self)])
         self.stop_on_critical, self.checkpoint_on_critical = stop_on_critical, checkpoint_on_critical
         self.figure_every_n_steps = figure_every_n_steps
         self.prefix, self.alert = prefix, alert
@@ -136,19 +124,6 @@ class HeadwatchCallback(TrainerCallback):
         self._first = False
         self._control: Any = None
         self._eval_metrics: dict[str, Any] = {}
-
-    @property
-    def monitors(self) -> list[Monitor]:
-        return self.run.monitors
-
-    @property
-    def reducer(self) -> Reducer:
-        return self.run.reducer
-
-    @property
-    def latest(self) -> dict[str, float]:
-        """The values of the last measurement, by full name."""
-        return self.run.latest
 
     # ---------------------------------------------------------------- wiring
     @property

@@ -12,7 +12,6 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from headwatch.core.monitor import Media

@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from headwatch.integrations.lightning.callback import MonitorCallback, lightning_run
 from headwatch.integrations.lightning.door import (
     LightningReducer,
-    MonitorCallback,
     lightning_step,
     loss_scale,
     publish,
@@ -38,6 +38,7 @@ __all__ = [
     "LightningReducer",
     "LogitStatsMonitor",
     "MonitorCallback",
+    "lightning_run",
     "SharpnessCollapseAlert",
     "SynonymCollisionMonitor",
     "TokenFrequency",

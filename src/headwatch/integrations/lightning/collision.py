@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-from torch import nn
 
 from headwatch.errors import check_choice, check_every
-from headwatch.model.batch import BatchFormat
 from headwatch.core.collision import DEFAULT_TAU, SynonymCollision, decode_token
 from headwatch.core.collision import encode_group as _encode_group  # noqa: F401  (import path of 0.1)
 from headwatch.core.figures import check_figure_argument, matplotlib_available
 from headwatch.integrations.lightning.frequency import TokenFrequency
-from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.integrations.lightning.door import MonitorCallback
+from headwatch.integrations.lightning.callback import MonitorCallback
 
 __all__ = ["DEFAULT_TAU", "SynonymCollisionMonitor", "decode_token"]
 
@@ -50,6 +46,9 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
         every_n_steps: measure every this many steps; None: ten times the Trainer's
             ``log_every_n_steps``.
         on_epoch_end: also measure at the end of each training epoch.
+        figures: nearest-neighbour cosine histograms, rare vs frequent
+            (``headwatch/collision/nn_similarity_<m>``); ``"auto"``: when matplotlib is installed.
+        **kwargs: the arguments of the core :class:`~headwatch.core.SynonymCollision` (keyword only):
         max_rare: largest number of rare tokens measured (sampled above it).
         max_per_bucket: rows sampled per frequency bucket for the per-bucket similarity.
         top_pairs: number of most similar colliding pairs reported.
@@ -58,8 +57,6 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
         head, embedding: modules or dotted names; found automatically if None.
         seed: base seed of the samples.
         max_chunk_bytes: working-memory bound of the neighbour search (default 64 MiB).
-        figures: nearest-neighbour cosine histograms, rare vs frequent
-            (``headwatch/collision/nn_similarity_<m>``); ``"auto"``: when matplotlib is installed.
         prefix: first component of every metric name.
         strict: raise on a failure to measure instead of warning once.
         batch_format: how to read targets for the confusion rate (``targets_fn``,
@@ -84,32 +81,17 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
         tau: float = DEFAULT_TAU,
         every_n_steps: int | None = None,
         on_epoch_end: bool = True,
-        max_rare: int = 8192,
-        max_per_bucket: int = 1024,
-        top_pairs: int = 20,
-        synonym_groups: Sequence[Sequence[int | str]] | None = None,
-        tokenizer: Any = None,
-        head: str | nn.Module | None = None,
-        embedding: str | nn.Module | None = None,
-        seed: int = 0,
-        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        *,
         figures: bool | str = "auto",
-        prefix: str = "headwatch",
-        strict: bool = False,
-        batch_format: BatchFormat | None = None,
-        k: int | None = None,
-        include_unseen: bool = False,
+        **kwargs: Any,
     ) -> None:
-        # the adapter's arguments; the core (SynonymCollision) checks the rest
+        # the adapter's own arguments; the core (SynonymCollision) declares and checks the rest
         check_every("every_n_steps", every_n_steps)
         check_choice("figures", figures, (True, False, "auto"))
         if figures is True:
             check_figure_argument(1, "figures")
         draw = figures is True or (figures == "auto" and matplotlib_available())
-        super().__init__(
-            None, tau, max_rare, max_per_bucket, top_pairs, synonym_groups, tokenizer, head, embedding, seed,
-            max_chunk_bytes, draw, on_epoch_end, prefix, strict, batch_format, k, include_unseen,
-        )  # fmt: skip
+        super().__init__(None, tau, figures=draw, on_epoch_end=on_epoch_end, **kwargs)
         self.every_n_steps = self.log_every_n_steps = every_n_steps
         self.figures = figures
 

@@ -19,7 +19,7 @@ from headwatch.functional.frequency import (  # noqa: F401  (import path of 0.1)
     frequency_buckets,
     rare_tokens,
 )
-from headwatch.integrations.lightning.door import MonitorCallback
+from headwatch.integrations.lightning.callback import MonitorCallback
 
 __all__ = ["BUCKETS", "FrequencySnapshot", "TokenFrequency", "frequency_buckets", "rare_tokens"]
 

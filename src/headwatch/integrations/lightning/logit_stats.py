@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import lightning.pytorch as pl
 from torch import nn
@@ -14,7 +13,7 @@ from headwatch.core.logits import SCALAR_KEYS, LogitStats
 from headwatch.core.figures import check_figure_argument, resolve_figure_interval
 from headwatch.integrations.lightning.frequency import TokenFrequency
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.integrations.lightning.door import MonitorCallback
+from headwatch.integrations.lightning.callback import MonitorCallback
 from headwatch.names import logged_metrics
 
 __all__ = ["SCALAR_KEYS", "LogitStatsMonitor"]

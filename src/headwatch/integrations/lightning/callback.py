@@ -1,0 +1,202 @@
+"""``MonitorCallback``: the Lightning hooks of one headwatch monitor, feeding the trainer's one orchestrator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import weakref
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from headwatch import tensorboard as tb
+from headwatch.core.monitor import Monitor, whole_matrices
+from headwatch.core.schedule import Schedule
+from headwatch.errors import HeadwatchError
+from headwatch.core.orchestrator import Orchestrator
+from headwatch.integrations.lightning.door import (
+    LightningReducer,
+    LightningSink,
+    lightning_step,
+    loss_scale,
+    tensorboard_writers,
+)
+
+
+class MonitorCallback(Callback):
+    """Feeds a core :class:`~headwatch.core.monitor.Monitor` (the same object) from Lightning's hooks.
+
+    A Lightning monitor is ``class XMonitor(XCore, MonitorCallback)``, as Lightning's own
+    ``SpikeDetection`` is the Fabric class plus a callback. Measures on the steps Lightning
+    logs (:func:`lightning_step`, :class:`~headwatch.core.schedule.Schedule`); resolves the
+    model's modules in ``setup`` or, when the model is built later (``configure_model``,
+    ``LightningModule.setup``), in ``on_fit_start``, before the first forward.
+    """
+
+    log_every_n_steps: int | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(prefix=self.prefix)  # type: ignore[attr-defined]
+
+    def _core(self) -> Monitor:
+        return self  # type: ignore[return-value]
+
+    # ---------------------------------------------------------------- set-up
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        core = self._core()
+        every = self.log_every_n_steps if self.log_every_n_steps is not None else core.every_factor * trainer.log_every_n_steps
+        core.configure(Schedule(every), LightningReducer(trainer.strategy))
+        if every == 0:
+            rank_zero_warn(f"{type(self).__name__}: log_every_n_steps is 0, training steps are not measured.")
+        self._attach_error: HeadwatchError | None = None
+        # Lightning calls configure_model after this hook (it may untie or build the head), and
+        # on_fit_start / on_validation_start attach again: say the set-up lines then, on the final model.
+        self._hw_provisional = stage in ("fit", "validate")
+        try:
+            self._attach_wrapped(trainer, pl_module, stage)
+        except HeadwatchError as err:  # the model may be built later (configure_model, LightningModule.setup)
+            self._attach_error = err
+        finally:
+            self._hw_provisional = False
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._attach_wrapped(trainer, pl_module, "fit")  # raises now if the model still lacks the modules
+        try:
+            if trainer.is_global_zero:
+                tb.write_layout(tensorboard_writers(trainer), self.prefix)  # type: ignore[attr-defined]
+        except Exception as err:  # noqa: BLE001
+            self._core().fail(err, "writing the TensorBoard dashboard layout")
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "validate":  # after configure_model; raises if the model still lacks the modules
+            self._attach_wrapped(trainer, pl_module, "validate")
+
+    def _attach_wrapped(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """:meth:`_attach` with the strategy's wrapped model as the monitor's root; under FSDP1
+        (``FSDPStrategy``, after ``on_fit_start``) inside ``summon_full_params`` of the units that
+        hold vocabulary-sized matrices, so the head and embedding are resolved on full weights."""
+        core = self._core()
+        wrapped = getattr(trainer.strategy, "model", None)
+        core.root = wrapped if isinstance(wrapped, torch.nn.Module) and wrapped is not pl_module else None
+        with whole_matrices(core.root if core.root is not None else pl_module, pl_module):  # FSDP1 / ZeRO-3 (a collective)
+            self._attach(trainer, pl_module, stage)
+
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve modules and register hooks (idempotent); subclasses add their set-up."""
+        self._core().attach(pl_module)
+        self._attach_error = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._core().batch_end()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._core().batch_end()
+
+    def _info_once(self, message: str) -> None:
+        """A set-up line, said once per callback; not while ``setup`` resolves a model that
+        ``configure_model`` may still change (the attach that follows says it)."""
+        warned = self._core()._warned
+        if not getattr(self, "_hw_provisional", False) and message not in warned:
+            warned.add(message)
+            rank_zero_info(message)
+
+    # ---------------------------------------------------------------- training
+    def _drives(self, trainer: pl.Trainer) -> bool:
+        """The first headwatch callback in ``trainer.callbacks`` drives the run's one orchestrator for all of them
+        (before an alert placed after the monitors reads their values)."""
+        callbacks = monitor_callbacks(trainer)
+        return bool(callbacks) and callbacks[0] is self
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._drives(trainer):
+            return
+        run = lightning_run(trainer)
+        self._hw_step, self._hw_global_step = lightning_step(trainer), trainer.global_step
+        run.begin_step(self._hw_step)
+        run.step_start(batch)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._drives(trainer):
+            lightning_run(trainer).gradients_ready(loss_scale(trainer))
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._drives(trainer):
+            return
+        run = lightning_run(trainer)
+        run.batch_end()
+        stepped = (
+            not pl_module.automatic_optimization
+            or trainer.global_step != self._hw_global_step
+            or (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        )
+        if stepped and run.step is not None:
+            run.end_step()  # the due monitors' values, one host transfer, one publication
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._drives(trainer):
+            lightning_run(trainer).epoch_end(lightning_step(trainer) - 1)  # the last step of the epoch
+
+    # ---------------------------------------------------------------- validation
+    validation_media = False
+    """Write the monitor's media (histograms) after each validation epoch too."""
+
+    def _measuring_validation(self, trainer: pl.Trainer) -> bool:
+        return False  # a monitor that measures validation batches says when
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self._drives(trainer):
+            measuring = [cb._core() for cb in monitor_callbacks(trainer) if cb._measuring_validation(trainer)]
+            lightning_run(trainer).each("starting a validation batch", lambda m: m.validation_batch_start(batch, dataloader_idx), measuring)
+
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self._drives(trainer):
+            lightning_run(trainer).validation_batch_end(dataloader_idx)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._drives(trainer):  # the first headwatch callback publishes every measuring monitor at once
+            return
+        measuring = [cb for cb in monitor_callbacks(trainer) if cb._measuring_validation(trainer)]
+        run = lightning_run(trainer)
+        numbers, ok = run.compute([cb._core() for cb in measuring], val=True)  # one failing rank: dropped everywhere
+        if not ok:
+            return
+        try:
+            for k, v in numbers.items():
+                # identical on every rank already; sync_dist averages equal values (and silences Lightning's warning)
+                pl_module.log(k, v, on_step=False, on_epoch=True, sync_dist=True, add_dataloader_idx=False)
+            media = [cb._core().media for cb in measuring if cb.validation_media and cb._core() in ok]
+            if media:
+                writers = tensorboard_writers(trainer)
+                for m in media:
+                    tb.write_media(writers, m, trainer.global_step)
+                tb.flush(writers)
+        except Exception as err:  # noqa: BLE001
+            ok[0].fail(err, "logging the validation statistics")
+
+
+_RUNS: "weakref.WeakKeyDictionary[Any, Orchestrator]" = weakref.WeakKeyDictionary()
+
+
+def lightning_run(trainer: pl.Trainer) -> Orchestrator:
+    """The one orchestrator of ``trainer``'s run, driving the cores of every headwatch callback in
+    ``trainer.callbacks`` (in that order): one computation, one host transfer and one publication per
+    logging step, however many headwatch callbacks there are."""
+    run = _RUNS.get(trainer)
+    if run is None:
+        run = _RUNS[trainer] = Orchestrator(monitors=(), reducer=LightningReducer(trainer.strategy), sinks=[LightningSink(trainer)])
+    run.monitors = [cb._core() for cb in monitor_callbacks(trainer)]
+    return run
+
+
+def monitor_callbacks(trainer: pl.Trainer) -> list[MonitorCallback]:
+    """The headwatch monitor callbacks of ``trainer``, in ``trainer.callbacks`` order."""
+    return [cb for cb in trainer.callbacks if isinstance(cb, MonitorCallback)]
