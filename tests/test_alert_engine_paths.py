@@ -83,7 +83,7 @@ def test_check_alert_args_accepts_a_critical_rule_for_stop_and_checkpoint():
 def test_engine_constructor_checks():
     with pytest.raises(HeadwatchError, match=r"`rules` must be a CollapseRules, got \{'entropy_floor': 1.0\}"):
         AlertEngine({"entropy_floor": 1.0})
-    with pytest.raises(HeadwatchError, match="`actions` must be callables taking an Alert"):
+    with pytest.raises(HeadwatchError, match=r"`actions` must be a sequence of callables taking an Alert, got \[None\]"):
         AlertEngine(CollapseRules(entropy_floor=1.0), [None])
 
 
