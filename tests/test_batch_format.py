@@ -29,9 +29,9 @@ def _batch(**extra) -> dict:
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(ids_key=0), "`ids_key` must be a str, got 0"),
-        (dict(labels_key=None), "`labels_key` must be a str, got None"),
-        (dict(mask_key=b"mask"), "`mask_key` must be a str"),
+        (dict(ids_key=0), "`ids_key` must be a non-empty string, got 0"),
+        (dict(labels_key=None), "`labels_key` must be a non-empty string, got None"),
+        (dict(mask_key=b"mask"), "`mask_key` must be a non-empty string"),
         (dict(shift_labels=1), "`shift_labels` must be a bool, got 1"),
         (dict(ignore_index=True), "`ignore_index` must be an int, got True"),
         (dict(ignore_index=-100.0), "`ignore_index` must be an int, got -100.0"),

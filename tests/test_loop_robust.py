@@ -41,8 +41,8 @@ def train_step(hw, model, step):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(writer="runs/x"), r"`writer` must be None, a SummaryWriter or a list of them, got \['str'\]"),
-        (dict(reducer="nccl"), "`reducer` must implement headwatch.core.Reducer .*got str"),
+        (dict(writer="runs/x"), r"`writer` must be a sequence of SummaryWriter objects \(with add_scalar\), got \['runs/x'\]"),
+        (dict(reducer="nccl"), "`reducer` must be None or a headwatch.core.Reducer, got 'nccl'"),
         (dict(strict="yes"), "`strict` must be a bool, got 'yes'"),
     ],
 )

@@ -169,8 +169,8 @@ def test_projection_keeps_the_bias_parameter_and_reads_like_a_linear():
 
 
 @pytest.mark.parametrize(("weight", "bias", "match"), [
-    (torch.zeros(V, D), None, r"`weight` must be the tied \(vocab_size, d_model\) nn.Parameter, got Tensor of shape \(32, 8\)"),
-    (nn.Parameter(torch.zeros(V)), None, r"got Parameter of shape \(32,\)"),
+    (torch.zeros(V, D), None, r"`weight` must be a 2-D nn.Parameter, got a float32 tensor of shape \(32, 8\)"),
+    (nn.Parameter(torch.zeros(V)), None, r"got a float32 nn.Parameter of shape \(32,\)"),
     (nn.Parameter(torch.zeros(V, D)), nn.Parameter(torch.zeros(V + 1)), r"`bias` must have shape \(32,\), got \(33,\)"),
 ])
 def test_projection_argument_errors(weight, bias, match):

@@ -95,7 +95,7 @@ def test_compiled_before_fit_plain_model_names_the_cause(tmp_path):
 
 def test_setup_message_describes_the_softcapped_logits(tmp_path, monkeypatch):
     """Gemma 2 soft-caps the head's output: the message names the owner's logits, not `model.lm_head`'s output."""
-    import headwatch.integrations.lightning.door as integration
+    import headwatch.integrations.lightning.callback as integration
     from headwatch.model.sources import resolve_logits_source
 
     said: list[str] = []

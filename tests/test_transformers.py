@@ -309,7 +309,7 @@ def test_collapse_alert_actions(tmp_path):
 def test_bad_arguments(tmp_path):
     with pytest.raises(HeadwatchError, match=r"`monitors` entries must be core monitors or one of .*got \['logit'\]"):
         HeadwatchCallback(monitors=["logit"])
-    with pytest.raises(HeadwatchError, match="`alert` must be a headwatch.alerts.CollapseRules or have observe_train and observe_val methods, got object"):
+    with pytest.raises(HeadwatchError, match="`alert` must be a headwatch.alerts.CollapseRules or have observe_train and observe_val methods \\(an AlertEngine\\), got <object object"):
         HeadwatchCallback(alert=object())
     with pytest.raises(HeadwatchError, match="`stop_on_critical` must be a bool, got 1"):
         HeadwatchCallback(stop_on_critical=1)

@@ -109,7 +109,7 @@ class HeadwatchCallback(Driver, TrainerCallback):
     ) -> None:
         check_figure_argument(figure_every_n_steps)
         if alert is not None and not is_rules(alert):
-            check_protocol("alert", alert, ("observe_train", "observe_val"), "a headwatch.alerts.CollapseRules or an AlertEngine")
+            check_protocol("alert", alert, ("observe_train", "observe_val"), "a headwatch.alerts.CollapseRules or have observe_train and observe_val methods (an AlertEngine)")
         check_bool("stop_on_critical", stop_on_critical)
         check_bool("checkpoint_on_critical", checkpoint_on_critical)
         self.run = Orchestrator(monitors, batch_format=batch_format, prefix=prefix, reducer=reducer, strict=strict, sinks=[TrainerSink(self)])
