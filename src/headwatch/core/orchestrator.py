@@ -145,23 +145,27 @@ def to_host(scalars: dict[str, Tensor | float], media: Sequence[Media] = ()) -> 
     return numbers
 
 
+class _OfRun:
+    """A read-only attribute of a front door that is its orchestrator's attribute of the same name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, door: Any, owner: type | None = None) -> Any:
+        return self if door is None else getattr(door.run, self.name)
+
+
 class Driver:
-    """Base of a front door that holds the run's :class:`Orchestrator` as ``run`` (the plain loop, the HF callback)."""
+    """Base of a front door that holds the run's :class:`Orchestrator` as ``run`` (the plain loop, the HF callback).
+
+    ``monitors`` (``list[Monitor]``), ``reducer`` and ``latest`` (the values of the last measurement, by
+    full name) are the orchestrator's.
+    """
 
     run: Orchestrator
-
-    @property
-    def monitors(self) -> list[Monitor]:
-        return self.run.monitors
-
-    @property
-    def reducer(self) -> Reducer:
-        return self.run.reducer
-
-    @property
-    def latest(self) -> dict[str, float]:
-        """The values of the last measurement, by full name."""
-        return self.run.latest
+    monitors = _OfRun()
+    reducer = _OfRun()
+    latest = _OfRun()
 
 
 class Orchestrator:

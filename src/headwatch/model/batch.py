@@ -115,29 +115,32 @@ class BatchView:
         attention = field(self.batch, self.format.mask_key)
         return attention if isinstance(attention, Tensor) else None
 
-    def _returned(self, name: str, expected: str) -> Tensor:
-        """What the format's ``name`` (``mask_fn``, ``targets_fn``) returns for this batch, checked to be a tensor."""
-        value = getattr(self.format, name)(self.batch)
+    def _read(self, fn: str, key: str, expected: str) -> tuple[Any, bool]:
+        """``(value, from_fn)``: what the format's ``fn`` (``mask_fn``, ``targets_fn``) returns for this batch,
+        checked to be a tensor, when it is set; else the batch's field named by the format's ``key``."""
+        user = getattr(self.format, fn)
+        if user is None:
+            return field(self.batch, getattr(self.format, key)), False
+        value = user(self.batch)
         if not isinstance(value, Tensor):
-            raise HeadwatchError(f"{name} must return a {expected}, got {type(value).__name__}")
-        return value
+            raise HeadwatchError(f"{fn} must return a {expected}, got {type(value).__name__}")
+        return value, True
 
     @cached_property
     def mask(self) -> Tensor | None:
         """``(B, T)`` bool: logits positions to measure; None: every position."""
-        f = self.format
-        if f.mask_fn is not None:
-            return self._returned("mask_fn", "(B, T) bool tensor").bool()
-        attention = field(self.batch, f.mask_key)
-        return attention != 0 if isinstance(attention, Tensor) else None
+        value, from_fn = self._read("mask_fn", "mask_key", "(B, T) bool tensor")
+        if from_fn:
+            return value.bool()
+        return value != 0 if isinstance(value, Tensor) else None
 
     @cached_property
     def targets(self) -> Tensor | None:
         """``(B, T)`` long targets aligned with the logits (``ignore_index`` where none), or None."""
         f = self.format
-        if f.targets_fn is not None:
-            return self._returned("targets_fn", "(B, T) tensor").long()
-        labels = field(self.batch, f.labels_key)
+        labels, from_fn = self._read("targets_fn", "labels_key", "(B, T) tensor")
+        if from_fn:
+            return labels.long()
         if not isinstance(labels, Tensor) or labels.ndim < 1 or labels.is_floating_point():
             return None
         labels = labels.long()
