@@ -33,7 +33,7 @@ A row-sharded matrix (FSDP2) is corrected process by process, its row sums all-r
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -236,15 +236,7 @@ def _randomized_directions(
 
 
 @torch.no_grad()
-def remove_top_directions(
-    rows: Tensor,
-    valid: Tensor | None = None,
-    k: int | None = None,
-    method: str = "auto",
-    niter: int = 2,
-    seed: int = 0,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-) -> DriftCorrection:
+def remove_top_directions(rows: Tensor, valid: Tensor | None = None, k: int | None = None, **options: Any) -> DriftCorrection:
     """Subtract the valid rows' mean and project out their top-``k`` principal directions.
 
     ``x' = (x - mu) - U U^T (x - mu)`` for every row (Mu & Viswanath 2018, "all-but-the-top"),
@@ -254,7 +246,9 @@ def remove_top_directions(
     Args:
         rows: ``(V, d)`` floating, e.g. ``lm_head.weight``; not modified.
         valid: ``(V,)`` bool (default: all rows).
-        k, method, niter, seed, max_chunk_bytes: as in :func:`top_principal_directions`.
+        k: as in :func:`top_principal_directions`.
+        **options: ``method``, ``niter``, ``seed``, ``max_chunk_bytes``, keyword only, as in
+            :func:`top_principal_directions` (``max_chunk_bytes`` also bounds the correction's chunks).
 
     Returns:
         :class:`DriftCorrection`; its ``rows`` is the one new ``(V, d)`` float32 matrix.
@@ -262,10 +256,9 @@ def remove_top_directions(
     Raises:
         HeadwatchError: as :func:`top_principal_directions`.
     """
-    mean, directions, variances, total = top_principal_directions(
-        rows, valid, k, method=method, niter=niter, seed=seed, max_chunk_bytes=max_chunk_bytes
-    )
-    return DriftCorrection(apply_correction(rows, mean, directions, max_chunk_bytes), mean, directions, variances, total)
+    mean, directions, variances, total = top_principal_directions(rows, valid, k, **options)
+    corrected = apply_correction(rows, mean, directions, options.get("max_chunk_bytes", DEFAULT_MAX_CHUNK_BYTES))
+    return DriftCorrection(corrected, mean, directions, variances, total)
 
 
 def apply_correction(rows: Tensor, mean: Tensor, directions: Tensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> Tensor:
