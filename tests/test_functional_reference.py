@@ -23,6 +23,7 @@ from headwatch.functional import (
     logit_statistics_from_hidden,
     logit_stats_compute,
     logit_stats_update,
+    nanquantiles,
     quantiles,
     sorted_quantiles,
 )
@@ -407,6 +408,20 @@ def test_quantiles_match_numpy_linear_interpolation(values, qs):
     want = np.quantile(values, qs, method="linear")
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-6)
     np.testing.assert_allclose(sorted_quantiles(t.sort().values, tuple(qs)).numpy(), want, rtol=1e-12, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    hnp.arrays(np.float64, st.integers(0, 60), elements=st.one_of(st.floats(-1e6, 1e6), st.just(float("nan")))),
+    st.lists(st.floats(0, 1), min_size=1, max_size=5),
+)
+def test_nanquantiles_match_numpy_on_the_values_that_are_not_nan(values, qs):
+    """NumPy's quantiles of the non-NaN values (NaN when all are NaN), with the NaNs anywhere in the input."""
+    kept = values[~np.isnan(values)]
+    want = np.quantile(kept, qs, method="linear") if kept.size else np.full(len(qs), np.nan)
+    got = nanquantiles(torch.from_numpy(values.copy()), tuple(qs))
+    assert got.dtype == torch.float64 and got.shape == (len(qs),)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-6)
 
 
 def test_quantiles_of_nothing_are_nan_and_of_any_shape_are_flattened():

@@ -91,6 +91,7 @@ def test_tied_decomposition_matches_untied_twin(tmp_path):
 
 def test_tied_statistics_are_logged(tmp_path):
     tied, _ = _twins()
+    tied.embed_tokens.padding_idx = 0  # a row that is not valid: left out of the histograms
     trainer = make_trainer(tmp_path, [GradientDensityMonitor()], max_steps=2, log_every_n_steps=1)
     trainer.fit(tied, loader(n=16))
     m = metrics(trainer)
@@ -105,6 +106,8 @@ def test_tied_statistics_are_logged(tmp_path):
     acc.Reload()
     assert "headwatch/grad/tying/text_summary" in acc.Tags()["tensors"]
     assert "headwatch/grad/embedding_row_norm_histogram" in acc.Tags()["histograms"]
+    hist = acc.Histograms("headwatch/grad/embedding_row_norm_histogram")[-1].histogram_value
+    assert hist.num == V - 1 and hist.min >= 0  # the valid rows' norms (not padding_idx's), nothing else
 
 
 def test_norm_statistics_equal_numpy_on_the_recorded_gradient(tmp_path):

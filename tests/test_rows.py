@@ -117,6 +117,23 @@ def test_rankdata_and_spearman_match_scipy(values, seed):
         assert got == pytest.approx(want, abs=1e-9)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-5, 5), min_size=2, max_size=40), st.integers(0, 10_000))
+def test_spearman_of_selected_pairs_matches_scipy_on_them(values, seed):
+    """``select=``: SciPy on the selected pairs only; NaN outside the selection changes nothing."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(len(values), generator=g, dtype=torch.float64)
+    select = torch.rand(len(values), generator=g) < 0.6
+    x = torch.tensor(values, dtype=torch.float64).masked_fill(~select, float("nan"))
+    got = spearman(x, y, select=select).item()
+    kept = select.numpy()
+    want = stats.spearmanr(np.asarray(values)[kept], y.numpy()[kept]).statistic if kept.sum() >= 2 else np.nan
+    if np.isnan(want):
+        assert math.isnan(got)
+    else:
+        assert got == pytest.approx(want, abs=1e-9)
+
+
 def test_spearman_perfect_and_undefined():
     x = torch.arange(10.0)
     assert spearman(x, x.exp()).item() == pytest.approx(1.0)

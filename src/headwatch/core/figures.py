@@ -113,12 +113,12 @@ def nn_similarity_by_bucket(cosines: dict[str, Tensor], tau: float, title: str) 
 
 
 def entropy_histogram(values: Tensor, max_entropy: float, bins: int = 50) -> Tensor:
-    """Counts of per-position entropies in ``bins`` equal bins over ``[0, max_entropy]``, ``(bins,)`` float64."""
+    """Counts of per-position entropies in ``bins`` equal bins over ``[0, max_entropy]``, ``(bins,)`` float64
+    on the device of ``values`` (no host sync). NaN and infinite values are not counted."""
     v = values.detach().float().reshape(-1)
-    v = v[torch.isfinite(v)]
     if v.numel() == 0:
-        return torch.zeros(bins, dtype=torch.float64)
-    return torch.histc(v.cpu(), bins=bins, min=0.0, max=max(max_entropy, 1e-6)).double()
+        return torch.zeros(bins, dtype=torch.float64, device=v.device)
+    return torch.histc(v, bins=bins, min=0.0, max=max(max_entropy, 1e-6)).double()  # skips NaN and values out of range
 
 
 def log_v(vocab_size: int) -> float:

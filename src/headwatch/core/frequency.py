@@ -64,6 +64,7 @@ class TokenCounts(Monitor):
         self._restored_out_of_range = 0
         self._batches = 0
         self._cache: tuple[int, FrequencySnapshot] | None = None
+        self._mask_copy: tuple[Tensor, Tensor] | None = None  # (valid_token_mask, its copy on the device)
 
     # ----------------------------------------------------------- set-up
     def attach(self, model: nn.Module) -> None:
@@ -88,16 +89,26 @@ class TokenCounts(Monitor):
         self.model = model
 
     def valid_rows(self, device: torch.device | None = None) -> Tensor:
-        """``(V,)`` bool: rows that can occur."""
+        """``(V,)`` bool: rows that can occur, on ``device`` (default the host).
+
+        Built on ``device`` (no copy), except from ``valid_token_mask``: its copy on ``device`` is kept
+        for the next calls (one host-to-device copy per device, not one per logging step).
+        """
         if self.valid_token_mask is not None:
-            valid = self.valid_token_mask.clone()
+            mask = self.valid_token_mask
+            if device is not None and mask.device != torch.device(device):
+                copy = self._mask_copy
+                if copy is None or copy[0] is not mask or copy[1].device != torch.device(device):
+                    copy = self._mask_copy = (mask, mask.to(device))
+                mask = copy[1]
+            valid = mask.clone()
         else:
-            valid = torch.ones(self.num_rows, dtype=torch.bool)
+            valid = torch.ones(self.num_rows, dtype=torch.bool, device=device)
             if self.vocab_size is not None:
                 valid[self.vocab_size :] = False
         if self.padding_idx is not None:
             valid[self.padding_idx] = False
-        return valid.to(device) if device is not None else valid
+        return valid
 
     # ----------------------------------------------------------- counting
     def step_start(self, batch: Any, step: int, logging: bool) -> None:

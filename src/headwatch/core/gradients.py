@@ -290,7 +290,8 @@ class GradientDensity(Monitor):
     def _gradient_stats(self, loss_scale: float | Tensor | None) -> dict[str, Tensor]:
         snap = self._snapshot = self.frequency.snapshot()
         g = f"{self.prefix}/grad"
-        out: dict[str, Tensor] = {f"{g}/tied": torch.tensor(1.0 if self.tied else 0.0, dtype=torch.float64)}
+        # made on the device (a fill, not a copy): the orchestrator's one transfer reads it with the rest
+        out: dict[str, Tensor] = {f"{g}/tied": torch.full((), float(self.tied), dtype=torch.float64, device=snap.counts.device)}
         self._histograms, self._full_norms = {}, {}
         flows = self._flows(loss_scale)
         for flow, grad in flows.items():
@@ -311,7 +312,8 @@ class GradientDensity(Monitor):
             stats, norms = row_statistics(grad, groups, self.reducer)  # (V,) norms, gathered when row-sharded
             out.update(stats)
             out[f"{g}/{flow}_rare_to_frequent_norm_ratio"] = norm_ratio(out[f"{g}/rare/{flow}_row_norm_mean"], out[f"{g}/top1/{flow}_row_norm_mean"])
-            self._histograms[f"{g}/{flow}_row_norm_histogram"] = norms[valid]
+            # the valid rows' norms; the others -1 (no norm is negative), dropped on the host (published)
+            self._histograms[f"{g}/{flow}_row_norm_histogram"] = torch.where(valid.to(norms.device), norms, -1.0)
             if flow != "shared":
                 self._full_norms[flow] = norms
         if self.tied and flows.get("embedding") is not None:
@@ -320,10 +322,10 @@ class GradientDensity(Monitor):
             )
             out.update({f"{g}/{k}": v for k, v in stats.items()})
         seen = snap.seen
-        log_counts = snap.counts[seen].double().log()
+        log_counts = snap.counts.double().log()  # -inf at unseen rows, not selected
         for name, weight in self._matrices().items():
             norms = row_norms_full(weight, self.reducer)
-            rho = spearman(log_counts, norms[seen.to(norms.device)].double().to(log_counts.device))
+            rho = spearman(log_counts, norms.double().to(log_counts.device), select=seen)
             out[f"{self.prefix}/freq/{name}_norm_spearman"] = rho
         return out
 
@@ -351,6 +353,12 @@ class GradientDensity(Monitor):
         title = "gradient row norm vs token frequency" + (" (tied: lookup and scoring flows)" if self.tied else "")
         fig = figures.norm_vs_frequency_rank(snap.counts, snap.valid, norms, title)
         self.media.figures[f"{self.prefix}/grad/row_norm_vs_frequency"] = fig
+
+    def published(self, numbers: dict[str, float]) -> None:
+        """The row-norm histograms (on the host now) keep the valid rows only (their -1 entries dropped)."""
+        for tag, values in self.media.histograms.items():
+            if values.device.type == "cpu":
+                self.media.histograms[tag] = values[~(values < 0)]  # NaN norms stay
 
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:

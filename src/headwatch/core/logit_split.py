@@ -36,7 +36,7 @@ class SplitSums:
     """The sums of one split (see the module docstring); ``update`` adds one forward, ``compute`` reads them."""
 
     def __init__(self, ignore_index: int, max_chunk_bytes: int) -> None:
-        self.stats = LogitStatsMetric(ignore_index=ignore_index, max_chunk_bytes=max_chunk_bytes)
+        self.stats = LogitStatsMetric(ignore_index=ignore_index, max_chunk_bytes=max_chunk_bytes, pad_entropies=True)
         self.calibration = FrequencyCalibrationMetric(bucket_names=BUCKETS, ignore_index=ignore_index)
         self.padded: list[Tensor | float] = [0.0, 0.0]  # float64 (sum, count)
         self._no_bucket: Tensor | None = None  # (V,) of -1: calibration without frequencies
@@ -84,7 +84,8 @@ class SplitSums:
     def compute(self, reducer: Reducer, by_frequency: bool, padded: bool) -> dict[str, Tensor]:
         """Synchronised values (a collective), names relative to the split's group; resets the sums.
 
-        Keys: those of :class:`LogitStatsMetric` (with ``entropy_values``), ``ece``,
+        Keys: those of :class:`LogitStatsMetric` (with ``entropy_values``, NaN at the positions
+        that are not valid: no host sync), ``ece``,
         ``overconfidence``; with ``by_frequency`` also ``rare/ece``, ``rare/overconfidence`` and
         ``<bucket>/{target_nll,target_argmax_rate,max_prob,positions}`` for every bucket and
         ``rare``; with ``padded``, ``padded_mass``.

@@ -107,6 +107,7 @@ class LogitStats(Monitor):
         self.vocab_size = 0
         self._calls = 0
         self.entropy_history: list[tuple[int, Tensor]] = []
+        self._history_on_device = 0  # the last entries of entropy_history, still on the device
         self.logged_steps = 0
         self.totals = {"positions": 0.0, "nonfinite_positions": 0.0, "invalid_target_positions": 0.0}
         self.skipped_forwards = 0
@@ -283,7 +284,7 @@ class LogitStats(Monitor):
             return None
 
     def _scalars_and_media(self, group: str, values: dict[str, Tensor], step: int | None, suffix: str = "") -> dict[str, Tensor]:
-        entropies = values.pop("entropy_values", None)
+        entropies = values.pop("entropy_values", None)  # NaN-padded: the NaNs are dropped on the host (published)
         if self.log_histogram and entropies is not None:
             self.media.histograms[f"{group}/entropy_histogram{suffix}"] = entropies
         if step is not None and self.figure_every > 0:
@@ -291,7 +292,8 @@ class LogitStats(Monitor):
         return {f"{group}/{k}{suffix}": v for k, v in values.items()}
 
     def _entropy_figure(self, entropies: Tensor | None, step: int) -> None:
-        """Keep a binned entropy distribution per logging step; draw them all every figure interval."""
+        """Keep a binned entropy distribution per logging step (on the device); draw them all every figure
+        interval (their one move to the host)."""
         try:
             from headwatch.core import figures
 
@@ -299,16 +301,31 @@ class LogitStats(Monitor):
                 return
             top = figures.log_v(self.vocab_size)
             self.entropy_history.append((step, figures.entropy_histogram(entropies, top)))
+            self._history_on_device += 1
             del self.entropy_history[: -self.max_figure_history]
             if (step + 1) % self.figure_every == 0 and self.reducer.rank == 0:
+                self._history_to_host()
                 steps, hists = [s for s, _ in self.entropy_history], [h for _, h in self.entropy_history]
                 fig = figures.entropy_over_run(steps, hists, top)
                 self.media.figures[f"{self.prefix}/logits/entropy_over_run"] = fig
         except Exception as err:  # noqa: BLE001
             self.fail(err, "drawing the entropy figure")
 
+    def _history_to_host(self) -> None:
+        """Move the entropy histograms still on the device (the last ``_history_on_device``) to the host, in one transfer."""
+        n, self._history_on_device = min(self._history_on_device, len(self.entropy_history)), 0
+        if n == 0:
+            return
+        recent = self.entropy_history[-n:]
+        moved = torch.stack([h for _, h in recent]).cpu().unbind(0)
+        self.entropy_history[-n:] = [(step, h) for (step, _), h in zip(recent, moved)]
+
     def published(self, numbers: dict[str, float]) -> None:
-        """Totals and warnings from the values a front door published (floats, no extra sync)."""
+        """Totals and warnings from the values a front door published (floats, no extra sync); the entropy
+        histograms (on the host now) lose their NaNs, the positions that were not valid."""
+        for tag, values in self.media.histograms.items():
+            if values.device.type == "cpu":
+                self.media.histograms[tag] = values[~torch.isnan(values)]
         for name in numbers:
             group, key, suffix = name.rpartition("/positions")
             if key != "/positions" or group not in (f"{self.prefix}/logits", f"{self.prefix}/val/logits"):
@@ -344,6 +361,7 @@ class LogitStats(Monitor):
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
+        self._history_to_host()
         return {
             "version": 1,
             "logged_steps": self.logged_steps,
@@ -364,3 +382,4 @@ class LogitStats(Monitor):
         self.entropy_history = [
             (int(step), torch.tensor(hist, dtype=torch.float64)) for step, hist in state_dict.get("entropy_history", [])
         ]
+        self._history_on_device = 0

@@ -10,7 +10,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
 from headwatch.errors import check_bool, check_int, check_positive_int
-from headwatch.functional.quantiles import quantiles
+from headwatch.functional.quantiles import nanquantiles
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES, logit_statistics
 from headwatch.functional.sums import KEYS, LogitStatSums, logit_stats_compute, logit_stats_update
 
@@ -36,6 +36,8 @@ class LogitStatsMetric(Metric):
             :func:`headwatch.functional.logit_statistics`.
         keep_entropies: keep every valid position's entropy for quantiles and histograms
             (4 bytes a position).
+        pad_entropies: ``entropy_values`` keeps every position, NaN where it is not valid (no host
+            sync: a boolean selection waits for the device; the reader drops the NaNs on the host).
 
     ``update(logits (..., V), mask (...) bool | None, targets (...) int | None)``;
     ``compute()`` returns a dict of float64 scalars named :data:`SCALAR_KEYS`: the mean of every
@@ -44,7 +46,9 @@ class LogitStatsMetric(Metric):
     ``target_argmax_rate``, over the positions with a target), the counts ``positions``,
     ``nonfinite_positions``, ``invalid_target_positions``, see
     :mod:`headwatch.functional.sums`; ``entropy_p05``, ``entropy_p50``, ``entropy_p95``; and
-    ``entropy_values`` (the 1-D tensor of per-position entropies) when ``keep_entropies``.
+    ``entropy_values`` (the 1-D tensor of per-position entropies; NaN-padded with
+    ``pad_entropies``) when ``keep_entropies``. The quantiles make no host sync; dropping the NaNs
+    of ``entropy_values`` does one (not with ``pad_entropies``).
     Units and definitions: :data:`headwatch.names.METRICS`.
 
     Raises:
@@ -60,12 +64,14 @@ class LogitStatsMetric(Metric):
         ignore_index: int = -100,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         keep_entropies: bool = True,
+        pad_entropies: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.ignore_index = check_int("ignore_index", ignore_index)
         self.max_chunk_bytes = check_positive_int("max_chunk_bytes", max_chunk_bytes)
         self.keep_entropies = check_bool("keep_entropies", keep_entropies)
+        self.pad_entropies = check_bool("pad_entropies", pad_entropies)
         for name in LogitStatSums._fields:
             self.add_state(name, default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
         if keep_entropies:
@@ -91,8 +97,7 @@ class LogitStatsMetric(Metric):
         out = logit_stats_compute(sums)
         if self.keep_entropies:
             values = dim_zero_cat(self.entropies) if len(self.entropies) else torch.zeros(0, device=sums.positions.device)
-            values = values[~torch.isnan(values)]  # invalid positions are NaN
-            for q, v in zip(ENTROPY_QUANTILES, quantiles(values, ENTROPY_QUANTILES)):
+            for q, v in zip(ENTROPY_QUANTILES, nanquantiles(values, ENTROPY_QUANTILES)):  # invalid positions are NaN
                 out[f"entropy_p{round(q * 100):02d}"] = v
-            out["entropy_values"] = values
+            out["entropy_values"] = values if self.pad_entropies else values[~torch.isnan(values)]
         return out

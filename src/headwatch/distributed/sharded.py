@@ -156,7 +156,11 @@ def _norms_and_nonzero(rows: Rows, reducer: Reducer) -> tuple[Tensor, Tensor]:
 
 def row_norms_full(matrix: Tensor | Rows, reducer: Reducer) -> Tensor:
     """``(V,)`` L2 row norms of a plain or row-sharded matrix (:func:`headwatch.functional.rows.row_norms`)."""
-    return _norms_and_nonzero(local_rows(matrix), reducer)[0]
+    rows = local_rows(matrix)
+    norms = row_norms(dense_rows(rows.local))
+    if not rows.sharded:
+        return norms
+    return gather_by_rows(torch.stack([norms.double(), norms.double()], dim=1), rows, reducer)[:, 0].to(norms.dtype)
 
 
 def zero_rows_full(matrix: Tensor | Rows, reducer: Reducer) -> Tensor:

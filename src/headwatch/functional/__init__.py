@@ -33,7 +33,7 @@ from headwatch.functional.logits import (
 from headwatch.functional.sums import LogitStatSums, logit_stats_compute, logit_stats_update
 from headwatch.functional.hidden import hidden_chunk_plan, logit_scale, logit_softcap, logit_statistics_from_hidden
 from headwatch.functional.neighbors import Neighbours, chunk_sizes, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
-from headwatch.functional.quantiles import quantiles, sorted_quantiles
+from headwatch.functional.quantiles import nanquantiles, quantiles, sorted_quantiles
 from headwatch.functional.rows import (
     Summary,
     dense_rows,
@@ -81,6 +81,7 @@ __all__ = [
     "finite_histogram_values",
     "lookup_gradient",
     "nearest_neighbours",
+    "nanquantiles",
     "pair_cosine",
     "quantiles",
     "rankdata",

@@ -138,10 +138,8 @@ def calibration_compute(sums: CalibrationSums, bucket_names: Sequence[str]) -> d
     """
     if len(bucket_names) + 2 != sums.positions.numel():
         raise HeadwatchError(f"expected {sums.positions.numel() - 2} bucket names, got {len(bucket_names)}")
-    nan = torch.tensor(float("nan"), dtype=torch.float64, device=sums.positions.device)
-
     def mean(total: Tensor, count: Tensor) -> Tensor:
-        return torch.where(count > 0, total / count.clamp(min=1), nan)
+        return torch.where(count > 0, total / count.clamp(min=1), float("nan"))
 
     out: dict[str, Tensor] = {}
     for i, name in enumerate([*bucket_names, "rare", None]):

@@ -7,7 +7,6 @@ Buckets by count rank among the seen valid tokens (highest first, ties by token 
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -78,12 +77,12 @@ def frequency_buckets(counts: Tensor, valid: Tensor, order: Tensor | None = None
     V = counts.numel()
     seen = valid & (counts > 0)
     rank = _rank_of(order if order is not None else count_order(counts, seen))
-    n = int(seen.sum())
+    n = seen.sum(dtype=torch.float64)  # on the device: ceil(edge * n) as math.ceil does it, no host sync
     bucket = torch.full((V,), BUCKETS.index("tail"), dtype=torch.long, device=counts.device)
     for index in reversed(range(len(_BUCKET_EDGES))):
-        bucket = torch.where(rank < math.ceil(_BUCKET_EDGES[index] * n), torch.tensor(index, device=counts.device), bucket)
-    bucket = torch.where(seen, bucket, torch.tensor(BUCKETS.index("unseen"), device=counts.device))
-    return torch.where(valid, bucket, torch.tensor(-1, device=counts.device))
+        bucket = torch.where(rank < torch.ceil(_BUCKET_EDGES[index] * n), index, bucket)
+    bucket = torch.where(seen, bucket, BUCKETS.index("unseen"))
+    return torch.where(valid, bucket, -1)
 
 
 def rare_tokens(
@@ -103,9 +102,9 @@ def rare_tokens(
     seen = valid & (counts > 0)
     if max_count is not None:
         return seen & (counts <= max_count)
-    n = int(seen.sum())
+    n = seen.sum(dtype=torch.float64)  # on the device (no host sync)
     rank = _rank_of(order if order is not None else count_order(counts, seen))
-    return seen & (rank >= math.ceil((1.0 - fraction) * n))
+    return seen & (rank >= torch.ceil((1.0 - fraction) * n))
 
 
 def frequency_snapshot(

@@ -358,10 +358,8 @@ def _finish(
         valid = valid & not_ignored & target_ok
         nll = out.log_z - out.s_target
         is_argmax = (out.s_target == 0) & valid
-    nan = torch.tensor(float("nan"), device=device)
-
     def _out(t: Tensor) -> Tensor:
-        return torch.where(valid, t, nan).reshape(lead)
+        return torch.where(valid, t, float("nan")).reshape(lead)  # a Python NaN: no copy to the device
 
     return LogitStatistics(
         entropy=_out(entropy),

@@ -1,6 +1,8 @@
-"""Quantiles without torch.quantile's input-size limit."""
+"""Quantiles without torch.quantile's input-size limit, and of the non-NaN entries without a host sync."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -22,8 +24,27 @@ def sorted_quantiles(v: Tensor, qs: tuple[float, ...]) -> Tensor:
     if v.numel() == 0:
         return torch.full((len(qs),), float("nan"), dtype=torch.float64, device=v.device)
     v = v.double()
-    pos = torch.tensor(qs, dtype=torch.float64, device=v.device) * (v.numel() - 1)
-    lo = pos.floor().long()
-    hi = pos.ceil().long()
-    frac = pos - lo
-    return v[lo] + (v[hi] - v[lo]) * frac
+    out = []
+    for q in qs:  # positions in Python: no index tensor copied to the device
+        pos = q * (v.numel() - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        out.append(v[lo] + (v[hi] - v[lo]) * (pos - lo))
+    return torch.stack(out)
+
+
+def nanquantiles(values: Tensor, qs: tuple[float, ...]) -> Tensor:
+    """:func:`quantiles` of the non-NaN entries of ``values`` (any shape), float64 ``(len(qs),)``.
+
+    No host sync: the values are sorted with the NaNs last and the positions ``q (n - 1)`` are
+    computed on the device from the count ``n`` of non-NaN entries (the same numbers as
+    :func:`quantiles` of those entries). NaN for every ``q`` when there is none.
+    """
+    v = values.reshape(-1).double().sort().values  # NaN sorts last
+    n = (~torch.isnan(v)).sum(dtype=torch.float64)
+    if v.numel() == 0:
+        return torch.full((len(qs),), float("nan"), dtype=torch.float64, device=v.device)
+    pos = torch.stack([q * (n - 1) for q in qs]).clamp(min=0.0)
+    lo, hi = pos.floor(), pos.ceil()
+    low = v.index_select(0, lo.long())
+    out = low + (v.index_select(0, hi.long()) - low) * (pos - lo)
+    return torch.where(n > 0, out, float("nan"))

@@ -26,7 +26,6 @@ from torch import Tensor
 
 from headwatch.errors import HeadwatchError
 from headwatch.functional.precision import full_precision
-from headwatch.functional.quantiles import quantiles, sorted_quantiles
 
 
 def _check_matrix(matrix: Tensor, name: str = "matrix") -> None:
@@ -219,19 +218,33 @@ class Summary(NamedTuple):
 
 
 def summarize(values: Tensor, select: Tensor | None = None) -> Summary:
-    """Summary statistics of ``values[select]`` as float64 scalars (syncs: call on logging steps)."""
-    v = values if select is None else values[select]
-    v = v.double()
-    n = torch.tensor(float(v.numel()), dtype=torch.float64, device=values.device)
-    if v.numel() == 0:
-        nan = torch.tensor(float("nan"), dtype=torch.float64, device=values.device)
-        return Summary(nan, nan, nan, nan, n)
-    p50, p95 = quantiles(v, (0.5, 0.95))
-    return Summary(v.mean(), v.max(), p50, p95, n)
+    """Summary statistics of ``values[select]`` (``values`` 1-D) as float64 scalars, no host sync."""
+    return summarize_groups(values, {"": select if select is not None else torch.ones_like(values, dtype=torch.bool)})[""]
+
+
+def _sorted_summary(ordered: Tensor, selected: Tensor) -> Summary:
+    """:class:`Summary` of the entries of the ascending ``ordered`` (float64 ``(V,)``, ``V > 0``) where
+    ``selected`` (bool ``(V,)``): fixed-size operations only, no host sync.
+
+    The ``k``-th selected value (0-based) is at the first index where the running count of selected
+    entries reaches ``k + 1`` (a ``searchsorted`` in that count); the quantiles interpolate as
+    :func:`~headwatch.functional.quantiles.sorted_quantiles` between the selected values at
+    ``floor`` and ``ceil`` of ``q (n - 1)``.
+    """
+    running = selected.cumsum(0, dtype=torch.float64)
+    n = running[-1]
+    positions = [q * (n - 1) for q in (0.5, 0.95)]
+    ranks = torch.stack([r for p in positions for r in (p.floor(), p.ceil())] + [n - 1]).clamp(min=0.0)
+    index = torch.searchsorted(running, ranks + 1).clamp(max=ordered.numel() - 1)
+    at = ordered.index_select(0, index)
+    p50, p95 = (at[2 * i] + (at[2 * i + 1] - at[2 * i]) * (p - ranks[2 * i]) for i, p in enumerate(positions))
+    mean = torch.where(selected, ordered, 0.0).sum() / n
+    some = n > 0
+    return Summary(*(torch.where(some, x, float("nan")) for x in (mean, at[-1], p50, p95)), n)
 
 
 def summarize_groups(values: Tensor, groups: dict[str, Tensor]) -> dict[str, Summary]:
-    """:func:`summarize` of ``values[mask]`` for several masks, sorting ``values`` once.
+    """:func:`summarize` of ``values[mask]`` for several masks, sorting ``values`` once (no host sync).
 
     Args:
         values: ``(V,)``; groups: name -> ``(V,)`` bool mask.
@@ -239,14 +252,11 @@ def summarize_groups(values: Tensor, groups: dict[str, Tensor]) -> dict[str, Sum
     ordered, order = torch.sort(values.double())
     out = {}
     for name, mask in groups.items():
-        v = ordered[mask.to(order.device)[order]]  # still ascending
-        n = torch.tensor(float(v.numel()), dtype=torch.float64, device=values.device)
-        if v.numel() == 0:
-            nan = torch.tensor(float("nan"), dtype=torch.float64, device=values.device)
-            out[name] = Summary(nan, nan, nan, nan, n)
+        if values.numel() == 0:
+            nan = torch.full((), float("nan"), dtype=torch.float64, device=values.device)
+            out[name] = Summary(nan, nan, nan, nan, torch.zeros((), dtype=torch.float64, device=values.device))
             continue
-        p50, p95 = sorted_quantiles(v, (0.5, 0.95))
-        out[name] = Summary(v.mean(), v[-1], p50, p95, n)
+        out[name] = _sorted_summary(ordered, mask.to(order.device)[order])
     return out
 
 
@@ -265,18 +275,49 @@ def rankdata(values: Tensor) -> Tensor:
     return torch.empty(n, dtype=torch.float64, device=values.device).scatter_(0, order, average.index_select(0, inverse))
 
 
-def spearman(x: Tensor, y: Tensor) -> Tensor:
+def _selected_ranks(values: Tensor, selected: Tensor) -> Tensor:
+    """:func:`rankdata` of ``values[selected]``, in place (0 at the entries not selected): fixed-size
+    operations only, no host sync.
+
+    The selected values are sorted first, ascending (a stable sort by value, then by selection); a tie
+    group starts where the value or the selection changes, and gets the average ``(first + last) / 2 + 1``
+    of its 0-based positions (``rankdata``'s ``end - (count - 1) / 2``).
+    """
+    n = values.numel()
+    by_value, order = torch.sort(values.double(), stable=True)
+    chosen = selected[order]
+    first_selected = torch.sort((~chosen).to(torch.uint8), stable=True).indices
+    order, by_value, chosen = order[first_selected], by_value[first_selected], chosen[first_selected]
+    start = torch.ones(n, dtype=torch.bool, device=values.device)
+    start[1:] = (by_value[1:] != by_value[:-1]) | (chosen[1:] != chosen[:-1])
+    group = start.cumsum(0) - 1
+    position = torch.arange(n, device=values.device)
+    first = torch.zeros(n, dtype=torch.long, device=values.device).scatter_reduce_(0, group, position, "amin", include_self=False)
+    last = torch.zeros(n, dtype=torch.long, device=values.device).scatter_reduce_(0, group, position, "amax", include_self=False)
+    average = (first + last).index_select(0, group).double() / 2 + 1
+    ranks = torch.empty(n, dtype=torch.float64, device=values.device).scatter_(0, order, average)
+    return torch.where(selected, ranks, 0.0)
+
+
+def spearman(x: Tensor, y: Tensor, select: Tensor | None = None) -> Tensor:
     """Spearman's rank correlation of two 1-D tensors, float64 scalar (NaN if undefined).
 
+    ``select``: ``(n,)`` bool, the pairs to correlate (default all): the correlation of
+    ``x[select]`` and ``y[select]`` without a host sync (no boolean selection).
     Undefined (NaN) when there are fewer than 2 values, either input is constant, or holds NaN.
     """
     if x.shape != y.shape or x.ndim != 1:
         raise HeadwatchError(f"expected two 1-D tensors of the same length, got {tuple(x.shape)} and {tuple(y.shape)}")
-    if x.numel() < 2 or bool(torch.isnan(x).any() | torch.isnan(y).any()):
-        return torch.tensor(float("nan"), dtype=torch.float64, device=x.device)  # as SciPy: NaN in, NaN out
-    rx = rankdata(x)
-    ry = rankdata(y)
-    rx = rx - rx.mean()
-    ry = ry - ry.mean()
+    if select is not None and select.shape != x.shape:
+        raise HeadwatchError(f"expected select of shape {tuple(x.shape)}, got {tuple(select.shape)}")
+    if x.numel() < 2:
+        return torch.full((), float("nan"), dtype=torch.float64, device=x.device)
+    chosen = select.to(x.device) if select is not None else torch.ones_like(x, dtype=torch.bool)
+    n = chosen.sum(dtype=torch.float64)
+    rx = _selected_ranks(x, chosen)
+    ry = _selected_ranks(y, chosen)
+    rx = torch.where(chosen, rx - rx.sum() / n, 0.0)
+    ry = torch.where(chosen, ry - ry.sum() / n, 0.0)
     denom = torch.sqrt((rx * rx).sum() * (ry * ry).sum())
-    return torch.where(denom > 0, (rx * ry).sum() / denom, torch.nan)
+    undefined = (n < 2) | ((torch.isnan(x) | torch.isnan(y)) & chosen).any() | ~(denom > 0)  # as SciPy: NaN in, NaN out
+    return torch.where(undefined, float("nan"), (rx * ry).sum() / denom)

@@ -63,10 +63,8 @@ def logit_stats_update(stats: LogitStatistics) -> LogitStatSums:
 
 def logit_stats_compute(sums: LogitStatSums) -> dict[str, Tensor]:
     """Means from sums (names :data:`KEYS`): NaN when there were no valid positions (an explicit 'no data')."""
-    nan = torch.tensor(float("nan"), dtype=torch.float64, device=sums.positions.device)
-
     def _mean(total: Tensor, count: Tensor) -> Tensor:
-        return torch.where(count > 0, total / count.clamp(min=1), nan)
+        return torch.where(count > 0, total / count.clamp(min=1), float("nan"))
 
     out = {field: _mean(getattr(sums, field), sums.positions) for field in MEANS}
     out.update({name: _mean(getattr(sums, field), sums.target_positions) for field, name in TARGET_MEANS.items()})
