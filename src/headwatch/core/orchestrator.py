@@ -129,19 +129,21 @@ def to_host(scalars: dict[str, Tensor | float], media: Sequence[Media] = ()) -> 
     in place by float64 CPU tensors of their original shape.
     """
     hist = [(m, tag, v) for m in media for tag, v in m.histograms.items() if isinstance(v, Tensor)]
-    if not scalars and not hist:
-        return {}
-    tensors = [v for v in scalars.values() if isinstance(v, Tensor)] + [v for _, _, v in hist]
-    devices = [t.device for t in tensors if t.device.type != "cpu"]
-    device = devices[0] if devices else torch.device("cpu")
-    parts = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(1) for v in scalars.values()]
-    parts += [v.detach().to(device=device, dtype=torch.float64).reshape(-1) for _, _, v in hist]
-    flat = torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.float64)  # the one host transfer
-    numbers = dict(zip(scalars, flat[: len(scalars)].tolist()))
-    offset = len(scalars)
-    for m, tag, v in hist:
-        m.histograms[tag] = flat[offset : offset + v.numel()].reshape(v.shape)
-        offset += v.numel()
+    on_device = [k for k, v in scalars.items() if isinstance(v, Tensor)]
+    numbers = {k: float(v) for k, v in scalars.items() if not isinstance(v, Tensor)}  # Python numbers: no transfer
+    tensors = [scalars[k] for k in on_device] + [v for _, _, v in hist]
+    if tensors:
+        devices = [t.device for t in tensors if t.device.type != "cpu"]
+        device = devices[0] if devices else torch.device("cpu")
+        parts = [scalars[k].detach().to(device=device, dtype=torch.float64).reshape(1) for k in on_device]
+        parts += [v.detach().to(device=device, dtype=torch.float64).reshape(-1) for _, _, v in hist]
+        flat = torch.cat(parts).cpu()  # the one host transfer
+        numbers.update(zip(on_device, flat[: len(on_device)].tolist()))
+        offset = len(on_device)
+        for m, tag, v in hist:
+            m.histograms[tag] = flat[offset : offset + v.numel()].reshape(v.shape)
+            offset += v.numel()
+    numbers = {k: numbers[k] for k in scalars}  # the scalars' order
     return numbers
 
 
