@@ -75,10 +75,11 @@ def build_monitors(monitors: Sequence[Monitor | str] | None, batch_format: Batch
     """
     if isinstance(monitors, (str, Monitor)):
         monitors = [monitors]
-    items = list(monitors) if monitors is not None else ["tokens", "logits", "gradients", "collision"]
-    bad = [m for m in items if not isinstance(m, Monitor) and m not in MONITOR_NAMES]
-    if bad:
-        raise HeadwatchError(f"`monitors` entries must be core monitors or one of {sorted(MONITOR_NAMES)}, got {bad!r}")
+    if monitors is None:
+        items: list[Any] = ["tokens", "logits", "gradients", "collision"]
+    else:
+        what = f"core monitors or names among {sorted(MONITOR_NAMES)}"
+        items = check_sequence("monitors", monitors, what, lambda m: isinstance(m, Monitor) or m in MONITOR_NAMES)
     counts = next((m for m in items if isinstance(m, TokenCounts)), None)
     needs_counts = ("tokens", "gradients", "collision")
     if counts is None and any(m in needs_counts or isinstance(m, (GradientDensity, SynonymCollision)) for m in items):
@@ -200,8 +201,8 @@ class Orchestrator:
         check_optional(check_instance, "reducer", reducer, Reducer, "a headwatch.core.Reducer")
         check_optional(check_instance, "batch_format", batch_format, BatchFormat)
         check_sequence("sinks", sinks, "objects with a publish(numbers, media, step, val) method", lambda s: isinstance(s, Sink))
+        self.monitors = build_monitors(monitors, batch_format, prefix)  # checks `monitors`
         passed = {id(m) for m in ([monitors] if isinstance(monitors, Monitor) else monitors or ()) if isinstance(m, Monitor)}
-        self.monitors = build_monitors(monitors, batch_format, prefix)
         self.named = [m for m in self.monitors if id(m) not in passed]
         """The monitors built here from names (not core objects the caller passed): they take the door's figure setting."""
         for m in self.monitors:
@@ -366,8 +367,20 @@ class Orchestrator:
             try:
                 sink.publish(numbers, media, step, val)
             except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
-                ok[0].fail(err, f"publishing through {type(sink).__name__}")
+                self.sink_failed(sink, err)
         return numbers
+
+    def sink_failed(self, sink: Any, err: Exception) -> None:
+        """A sink could not write: raise when strict, else warn once per sink; the values were computed and
+        are still returned and kept in :attr:`latest`."""
+        where = type(sink).__name__
+        if any(m.strict for m in self.monitors):
+            raise HeadwatchError(f"headwatch could not publish through {where}: {type(err).__name__}: {err}") from err
+        self.warn_once(
+            f"sink:{where}",
+            f"headwatch could not publish through {where} ({type(err).__name__}: {err}); training goes on, the values "
+            "are still returned and kept in `.latest`. Pass strict=True to raise instead. (warned once)",
+        )
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

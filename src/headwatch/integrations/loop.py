@@ -91,7 +91,10 @@ class Headwatch(Driver):
         self.step_index = 0
         self._open = False  # a step_start since the last step_end
         if self.run.reducer.rank == 0:
-            tb.write_layout(self.writers, prefix)
+            try:
+                tb.write_layout(self.writers, prefix)
+            except Exception as err:  # noqa: BLE001 - an unwritable log directory never stops training
+                self.run.sink_failed(self.run.sinks[0], err)
 
     # ---------------------------------------------------------------- protocol
     def step_start(self, batch: Any, step: int | None = None) -> None:
@@ -103,6 +106,11 @@ class Headwatch(Driver):
         if step is not None:
             if isinstance(step, bool) or not hasattr(step, "__index__") or int(step) < 0:
                 raise HeadwatchError(f"`step` must be None or an int >= 0, got {step!r}")
+            if self._open and int(step) != self.step_index:
+                raise HeadwatchError(
+                    f"step_start(step={int(step)}) while step {self.step_index} has not ended: call step_end() once after "
+                    "each optimizer step (its micro-batches share one step number)"
+                )
             self.step_index = int(step)
         self._open = True
         if self.run.step != self.step_index:

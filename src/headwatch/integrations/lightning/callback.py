@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from headwatch import tensorboard as tb
+from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor, whole_matrices
 from headwatch.core.schedule import Schedule
 from headwatch.errors import HeadwatchError
@@ -193,7 +194,9 @@ def lightning_run(trainer: pl.Trainer) -> Orchestrator:
     run = _RUNS.get(trainer)
     if run is None:
         run = _RUNS[trainer] = Orchestrator(monitors=(), reducer=LightningReducer(trainer.strategy), sinks=[LightningSink(trainer)])
-    run.monitors = [cb._core() for cb in monitor_callbacks(trainer)]
+    cores = [cb._core() for cb in monitor_callbacks(trainer)]
+    # the shared token counts first, whatever the callbacks' order: the others read them (as in the other doors)
+    run.monitors = [m for m in cores if isinstance(m, TokenCounts)] + [m for m in cores if not isinstance(m, TokenCounts)]
     return run
 
 
