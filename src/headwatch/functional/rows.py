@@ -18,6 +18,8 @@ and a boolean ``valid`` of shape ``(V,)`` (rows that can occur; padded vocabular
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -45,14 +47,26 @@ def dense_rows(matrix: Tensor) -> Tensor:
 _LOW, _HIGH = 2.0**-62, 2.0**62
 
 
+FIX_ROWS = 1024
+"""Suspect rows (float32 overflow or underflow) recomputed in float64 per call, without a host sync."""
+
+
 def _fix_rows_float64(values: Tensor, suspect: Tensor, exact: Callable[[Tensor], Tensor]) -> Tensor:
-    """Replace ``values[suspect]`` by ``exact(row_ids)`` (float64); one host sync to find them."""
-    if not bool(suspect.any()):
+    """``values`` with the ``suspect`` rows replaced by ``exact(row_ids)`` (float64), with no host sync.
+
+    The first :data:`FIX_ROWS` suspect rows (a fixed-size ``topk`` of the flags) are recomputed; any
+    suspect row beyond them (more than 1024 rows whose float32 norm overflowed or underflowed: a
+    diverged run) becomes NaN, "not measured", never a wrong finite value.
+    """
+    k = min(FIX_ROWS, suspect.numel())
+    if k == 0:
         return values
-    idx = suspect.nonzero().flatten()
-    values = values.clone()
-    values[idx] = exact(idx).to(values.dtype)
-    return values
+    idx = torch.topk(suspect.to(torch.float32), k, sorted=False).indices  # every suspect row first, if <= k
+    picked = suspect.index_select(0, idx)
+    fixed = torch.where(picked, exact(idx).to(values.dtype), values.index_select(0, idx))
+    done = torch.zeros_like(suspect).index_fill_(0, idx, True)
+    values = torch.where(suspect & ~done, torch.full_like(values, math.nan), values)
+    return values.index_copy(0, idx, fixed)
 
 
 def row_norms(matrix: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
@@ -102,25 +116,13 @@ def row_nonzero(matrix: Tensor) -> Tensor:
 
 
 def row_nonzero_given_norms(matrix: Tensor, norms: Tensor) -> Tensor:
-    """:func:`row_nonzero` reusing row norms already computed: exact, and cheaper when few rows are zero.
+    """:func:`row_nonzero` of a matrix whose row norms are known: exact, with no host sync.
 
-    A non-zero (or NaN) norm means a non-zero row. A zero float32 norm may hide entries
-    below about 1e-19 (their squares underflow), so those rows alone are re-checked
-    exactly; when they are more than a quarter of the matrix, the whole matrix is (two
-    reductions). Syncs (logging steps only).
+    A non-zero (or NaN) norm means a non-zero row; a zero float32 norm may hide entries below
+    about 1e-19 (their squares underflow), so rows are also checked by their largest and smallest
+    entries (two reductions; deciding which rows to re-check would cost a host sync).
     """
-    m = dense_rows(matrix)
-    zero = norms == 0
-    n_zero = int(zero.sum())
-    if n_zero == 0:
-        return ~zero
-    if n_zero > m.shape[0] // 4:
-        return row_nonzero(m)
-    idx = zero.nonzero().flatten()
-    sub = m.index_select(0, idx)
-    exact = ~zero
-    exact[idx] = (sub.amax(dim=1) != 0) | (sub.amin(dim=1) != 0)
-    return exact
+    return (norms != 0) | row_nonzero(matrix)
 
 
 def row_density(nonzero: Tensor, valid: Tensor | None = None) -> Tensor:
