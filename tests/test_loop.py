@@ -101,7 +101,7 @@ def test_plain_loop_schedule_context_manager_and_errors():
             model(batch["input_ids"])
         logged.append(bool(hw.latest) and hw.step_index - 1 == step and step % 2 == 1)
     assert hw.step_index == 4 and logged == [False, True, False, True]
-    with pytest.raises(HeadwatchError, match="`monitors` entries must be core monitors or one of"):
+    with pytest.raises(HeadwatchError, match="`monitors` must be a sequence of core monitors or names among"):
         Headwatch(model, monitors=["entropy"])
     with pytest.raises(HeadwatchError, match="`log_every_n_steps` must be an int >= 1, got 0"):
         Headwatch(model, log_every_n_steps=0)

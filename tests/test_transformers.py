@@ -307,7 +307,7 @@ def test_collapse_alert_actions(tmp_path):
 
 
 def test_bad_arguments(tmp_path):
-    with pytest.raises(HeadwatchError, match=r"`monitors` entries must be core monitors or one of .*got \['logit'\]"):
+    with pytest.raises(HeadwatchError, match=r"`monitors` must be a sequence of core monitors or names among .*got \['logit'\]"):
         HeadwatchCallback(monitors=["logit"])
     with pytest.raises(HeadwatchError, match="`alert` must be a headwatch.alerts.CollapseRules or have observe_train and observe_val methods \\(an AlertEngine\\), got <object object"):
         HeadwatchCallback(alert=object())
