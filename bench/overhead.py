@@ -1,0 +1,452 @@
+"""What watching costs a training step, on each front door, side by side (issue 18, acceptance point 4).
+
+One tiny causal LM (a Hugging Face ``LlamaForCausalLM`` built from a config: V 32000, d_model 256, 2 layers,
+untied, batch 8 x 128 tokens, AdamW; see ``--help``) trains on the CPU through each of headwatch's three
+front doors, bare (no headwatch) and watched (headwatch with its default monitors), in one process:
+
+- plain loop: ``headwatch.Headwatch(model, writer=SummaryWriter(...))`` with ``step_start`` /
+  ``before_optimizer_step`` / ``after_optimizer_step`` / ``step_end``; bare: the same loop without it;
+- Hugging Face: ``transformers.Trainer`` (``report_to=["tensorboard"]``) with
+  ``HeadwatchCallback()``; bare: the same Trainer without it;
+- Lightning: ``lightning.pytorch.Trainer`` with a ``TensorBoardLogger`` and the callbacks
+  ``TokenFrequency, LogitStatsMonitor, GradientDensityMonitor, SynonymCollisionMonitor``; bare: none.
+
+Every door logs every ``--log-every`` steps (10: the plain loop's default; the Trainers are set to it,
+their own defaults being 500 and 50); collision measures every 10 logging intervals and figures are
+drawn then too (their defaults). The model logs its loss on the same steps in the Trainers, bare or not.
+
+**Method.** The six trainings (3 doors x bare/watched) run in six threads that take turns: one thread
+runs at a time, for one block of steps, then hands over (blocks ABAB... within each door, the order of
+bare and watched swapped every round, every door in every round), so slow drift of the machine hits
+every run alike and no two runs compete for the cores. Set-up and teardown take turns too and are not
+timed. A step is timed from one step boundary to the next, as seen from outside headwatch: the start of
+an iteration (loop), ``on_step_begin`` (Hugging Face, a callback before headwatch's), ``on_train_batch_start``
+(Lightning, a callback before headwatch's); so a step includes the door's logging after the optimizer
+step. The watched runs time ``--steps`` steps (default 100: one collision step), the bare runs half as
+many (their steps are all alike but for the Trainers' own logging), after which each run takes one more
+untimed step and ends. The first ``--warmup`` steps of each run are left out.
+
+**Figures** (per door): the median step time of each kind of step, bare and watched at the same step
+indices: ``quiet`` (no logging), ``logging`` (headwatch measures; not collision), ``collision`` (the logging
+step where collision and the figures also run); their ratios watched / bare; the whole run at the default
+cadence, ``(q_w * n_q + l_w * n_l + c_w * n_c) / (q_b * n_q + l_b * n_l + c_b * n_c)`` with the counts
+of each kind in one collision interval (90, 9, 1 per 100 steps at the defaults); and the measured
+whole-run ratio (sum of the watched step times over sum of the bare step times at the same indices).
+Targets (issue 18): quiet <= 1.01x, logging <= 1.15x, whole run <= 1.01x, on 2 quiet CPU cores.
+The load average, torch's thread count, and the share of the CPU used by other processes while timing
+(from ``/proc/stat``) are printed: on a busy machine the timings do not mean much.
+
+``--contended``: ``--spinners`` (default 1) other processes run ``while True: pass`` during the whole
+measurement (started and killed by the script, as ``bench/logit_stats.py --contended`` does).
+``--quick``: 20 watched steps (no collision step: the whole-run ratio then leaves collision out).
+
+Run: ``python bench/overhead.py [--quick] [--contended] [--steps 100] [--doors loop hf lightning]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DOORS = {"loop": "plain loop", "hf": "Hugging Face", "lightning": "Lightning"}
+
+
+# ----------------------------------------------------------------------------- turn-taking
+class Baton:
+    """Only the run named at ``schedule[pos]`` runs; the others wait for their turn."""
+
+    def __init__(self, schedule: list[str]) -> None:
+        self.schedule, self.pos = schedule, 0
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+
+    def wait(self, name: str) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.error is not None or (self.pos < len(self.schedule) and self.schedule[self.pos] == name))
+            if self.error is not None:
+                raise RuntimeError(f"{name}: stopped, another run failed") from self.error
+
+    def release(self, name: str) -> None:
+        with self.cond:
+            if self.schedule[self.pos] != name:
+                raise RuntimeError(f"{name} released a turn that was {self.schedule[self.pos]}'s")
+            self.pos += 1
+            self.cond.notify_all()
+
+    def fail(self, err: BaseException) -> None:
+        with self.cond:
+            self.error = self.error or err
+            self.cond.notify_all()
+
+
+@dataclass
+class Run:
+    """One training (a door, bare or watched) and the times of its steps."""
+
+    door: str
+    watched: bool
+    timed: int
+    """Steps timed; the run trains ``timed + 1`` steps."""
+    block: int
+    """Steps per turn."""
+    baton: Baton
+    times: list[float] = field(default_factory=list)
+    error: BaseException | None = None
+    _i: int = 0
+    _start: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{DOORS[self.door]} {'watched' if self.watched else 'bare'}"
+
+    def boundary(self) -> None:
+        """A step starts (or the training ends): time the previous step; hand over at block ends."""
+        now = time.perf_counter()
+        i = self._i
+        if 0 < i <= self.timed:
+            self.times.append(now - self._start)
+        if i == 0 or (i % self.block == 0 and i <= self.timed):  # end of set-up, of a block, of the timed steps
+            self.baton.release(self.name)
+            self.baton.wait(self.name)
+        self._i += 1
+        self._start = time.perf_counter()
+
+
+# ----------------------------------------------------------------------------- the model and data
+@dataclass(frozen=True)
+class Shapes:
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    batch: int
+    seq: int
+
+    def describe(self) -> str:
+        return (f"LlamaForCausalLM V={self.vocab}, d_model={self.d_model}, {self.layers} layers, {self.heads} heads, "
+                f"d_ff={self.d_ff}, untied; batch {self.batch} x {self.seq} tokens; AdamW lr 1e-4")  # fmt: skip
+
+    @property
+    def d_ff(self) -> int:
+        return 64 * math.ceil(8 * self.d_model / 3 / 64)  # Llama's ~8/3 d_model, a multiple of 64
+
+
+def build_model(shapes: Shapes, seed: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=shapes.vocab, hidden_size=shapes.d_model, intermediate_size=shapes.d_ff, num_hidden_layers=shapes.layers,
+        num_attention_heads=shapes.heads, num_key_value_heads=shapes.heads, max_position_embeddings=shapes.seq,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def token_ids(shapes: Shapes, steps: int, seed: int) -> torch.Tensor:
+    """``(steps * batch, seq)`` ids drawn from a Zipf distribution (s = 1) over the vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, shapes.vocab + 1, dtype=torch.float64)
+    return torch.multinomial(weights, steps * shapes.batch * shapes.seq, replacement=True, generator=g).view(-1, shapes.seq)
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+# ----------------------------------------------------------------------------- the doors
+def train_loop(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, log_every: int, out: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    import headwatch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    writer = SummaryWriter(str(out))
+    hw = headwatch.Headwatch(model, writer=writer, log_every_n_steps=log_every) if run.watched else None
+    for step, rows in enumerate(ids.split(shapes.batch)):
+        run.boundary()
+        batch = {"input_ids": rows, "labels": rows}
+        if hw is not None:
+            hw.step_start(batch, step)
+        model(**batch).loss.backward()
+        if hw is not None:
+            hw.before_optimizer_step()
+        optimizer.step()
+        if hw is not None:
+            hw.after_optimizer_step()
+        optimizer.zero_grad()
+        if hw is not None:
+            hw.step_end()
+    run.boundary()
+    writer.close()
+
+
+def train_hf(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, log_every: int, out: Path) -> None:
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    from headwatch.integrations.transformers import HeadwatchCallback
+
+    class Boundaries(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            run.boundary()
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            run.boundary()
+
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=ids.shape[0] // shapes.batch, logging_steps=log_every, per_device_train_batch_size=shapes.batch,
+        learning_rate=1e-4, report_to=["tensorboard"], use_cpu=True, save_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    callbacks = [Boundaries()] + ([HeadwatchCallback()] if run.watched else [])
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(ids), callbacks=callbacks)
+    trainer.remove_callback(PrinterCallback)  # the logged dicts on stdout (disable_tqdm), in both runs alike
+    trainer.train()
+
+
+def train_lightning(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, log_every: int, out: Path) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    import headwatch
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss = self.model(**batch).loss
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    class Boundaries(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            run.boundary()
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            run.boundary()
+
+    watch = [headwatch.TokenFrequency(), headwatch.LogitStatsMonitor(), headwatch.GradientDensityMonitor(),
+             headwatch.SynonymCollisionMonitor()] if run.watched else []  # fmt: skip
+    trainer = pl.Trainer(
+        default_root_dir=str(out), max_steps=ids.shape[0] // shapes.batch, log_every_n_steps=log_every,
+        logger=TensorBoardLogger(str(out)), callbacks=[Boundaries(), *watch], enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    trainer.fit(Module(), torch.utils.data.DataLoader(Rows(ids), batch_size=shapes.batch))
+
+
+TRAIN: dict[str, Callable[..., None]] = {"loop": train_loop, "hf": train_hf, "lightning": train_lightning}
+
+
+# ----------------------------------------------------------------------------- measuring
+def _system_busy_seconds() -> float | None:
+    """CPU seconds all processes have spent busy (Linux ``/proc/stat``), None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def other_cpu_share(busy0: float | None, own0: float, wall0: float) -> str:
+    """Share of the machine's CPUs used by other processes since the given marks (as ``bench/logit_stats.py``)."""
+    busy1 = _system_busy_seconds()
+    if busy0 is None or busy1 is None:
+        return "unknown (no /proc/stat)"
+    own = sum(os.times()[:2]) - own0
+    wall = time.perf_counter() - wall0
+    share = max(0.0, (busy1 - busy0 - own) / (wall * (os.cpu_count() or 1)))
+    verdict = "quiet" if share < 0.05 else "BUSY: timings are not representative of a quiet machine"
+    return f"{100 * share:.0f}% ({verdict})"
+
+
+def measure(doors: list[str], shapes: Shapes, steps: int, bare_steps: int, block: int, log_every: int, seed: int) -> list[Run]:
+    """Train the bare and watched runs of ``doors`` in turns; returns the runs with their step times."""
+    rounds = steps // block
+    bare_block = bare_steps // rounds
+    runs = {}
+    for door in doors:
+        for watched in (False, True):
+            r = Run(door, watched, steps if watched else bare_steps, block if watched else bare_block, Baton([]))
+            runs[r.name] = r
+    schedule = list(runs)  # set-up turns
+    for k in range(rounds):
+        for door in doors:
+            pair = [runs[f"{DOORS[door]} bare"], runs[f"{DOORS[door]} watched"]]
+            schedule += [r.name for r in (pair if k % 2 == 0 else pair[::-1])]
+    schedule += list(runs)  # one more step and the teardown
+    baton = Baton(schedule)
+    ids = token_ids(shapes, steps + 1, seed)
+
+    def main(run: Run, out: Path) -> None:
+        try:
+            baton.wait(run.name)
+            model = build_model(shapes, seed)
+            TRAIN[run.door](run, model, ids[: (run.timed + 1) * shapes.batch], shapes, log_every, out)
+            baton.release(run.name)
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            run.error = err
+            baton.fail(err)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        threads = []
+        for run in runs.values():
+            run.baton = baton
+            threads.append(threading.Thread(target=main, args=(run, Path(tmp) / run.name.replace(" ", "_")), name=run.name))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    failed = [r for r in runs.values() if r.error is not None and not isinstance(r.error, RuntimeError)]
+    failed = failed or [r for r in runs.values() if r.error is not None]
+    if failed:
+        raise RuntimeError(f"{failed[0].name} failed") from failed[0].error
+    return list(runs.values())
+
+
+def kind(step: int, log_every: int) -> str:
+    if (step + 1) % (10 * log_every) == 0:
+        return "collision"
+    return "logging" if (step + 1) % log_every == 0 else "quiet"
+
+
+def report(runs: list[Run], doors: list[str], log_every: int, warmup: int) -> None:
+    cycle = 10 * log_every
+    counts = {"quiet": cycle - 10, "logging": 9, "collision": 1}  # per collision interval
+    targets = {"quiet": "<= 1.01x", "logging": "<= 1.15x", "collision": "", "whole run": "<= 1.01x"}
+    print(f"{'door':<13} {'step':<32} {'n':>4} {'bare ms':>9} {'watched ms':>11} {'ratio':>8}  target")
+    for door in doors:
+        bare = next(r for r in runs if r.door == door and not r.watched)
+        watched = next(r for r in runs if r.door == door and r.watched)
+        by_kind: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in counts}
+        for i, t in enumerate(watched.times):
+            if i >= warmup:
+                by_kind[kind(i, log_every)][1].append(t)
+        for i, t in enumerate(bare.times):
+            if i >= warmup:
+                by_kind[kind(i, log_every)][0].append(t)
+        medians = {}
+        name = DOORS[door]
+        for k, (b, w) in by_kind.items():
+            if not w:
+                print(f"{name:<13} {k:<32} {0:>4}  (not reached: needs --steps >= {cycle})")
+                continue
+            # the bare runs are shorter: a step kind they did not reach costs what a logging step costs them
+            b = b or by_kind["logging"][0]
+            mb, mw = statistics.median(b), statistics.median(w)
+            medians[k] = (mb, mw)
+            print(f"{name:<13} {k:<32} {len(w):>4} {1e3 * mb:>9.1f} {1e3 * mw:>11.1f} {mw / mb:>7.3f}x  {targets[k]}")
+            name = ""
+        used = {k: counts[k] for k in medians}
+        bare_cycle = sum(used[k] * medians[k][0] for k in used)
+        watched_cycle = sum(used[k] * medians[k][1] for k in used)
+        label = f"whole run ({'/'.join(str(used[k]) for k in used)} per {sum(used.values())} steps)"
+        print(f"{'':<13} {label:<32} {'':>4} {'':>9} {'':>11} {watched_cycle / bare_cycle:>7.3f}x  {targets['whole run']}")
+        same = [i for i in range(warmup, min(len(bare.times), len(watched.times)))]
+        measured = sum(watched.times[i] for i in same) / sum(bare.times[i] for i in same)
+        print(f"{'':<13} {f'measured, steps {warmup}-{same[-1]}':<32} {len(same):>4} {'':>9} {'':>11} {measured:>7.3f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--doors", nargs="+", choices=list(DOORS), default=list(DOORS))
+    parser.add_argument("--steps", type=int, default=100, help="timed steps of each watched run (default 100: one collision step)")
+    parser.add_argument("--block", type=int, default=10, help="watched steps per turn (default 10)")
+    parser.add_argument("--log-every", type=int, default=10, help="logging interval of every door (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out (default 2)")
+    parser.add_argument("--quick", action="store_true", help="20 watched steps: a smoke run (no collision step)")
+    parser.add_argument("--contended", action="store_true", help="run --spinners busy processes during the measurement")
+    parser.add_argument("--spinners", type=int, default=1)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.quick:
+        args.steps = 20
+    if args.steps % args.block or args.steps < 2 * args.block:
+        parser.error(f"--steps must be a multiple of --block and at least two blocks, got {args.steps} and {args.block}")
+    rounds = args.steps // args.block
+    bare_steps = max(rounds, (args.steps // 2) // rounds * rounds)  # half as many, the same number of turns
+
+    warnings.filterwarnings("ignore")
+    import lightning
+    import lightning.pytorch
+    import transformers
+
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("lightning")]:
+        logging.getLogger(name).setLevel(logging.ERROR)  # set-up lines and "`Trainer.fit` stopped", six times
+
+    transformers.logging.set_verbosity_error()
+    import headwatch
+
+    shapes = Shapes(args.vocab, args.d_model, args.layers, args.heads, args.batch, args.seq)
+    params = sum(p.numel() for p in build_model(shapes, args.seed).parameters())
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (os.cpu_count: {os.cpu_count()}), "
+          f"{platform.machine()}; python {platform.python_version()}, transformers {transformers.__version__}, "
+          f"lightning {lightning.__version__}, headwatch {headwatch.__version__}")  # fmt: skip
+    print(f"model: {shapes.describe()}; {params / 1e6:.1f}M parameters")
+    print(f"cadence: every door logs every {args.log_every} steps, collision and figures every {10 * args.log_every}; "
+          f"{args.steps} timed steps per watched run, {bare_steps} per bare run, in {rounds} turns each "
+          f"(blocks of {args.block} and {bare_steps // rounds}); first {args.warmup} steps left out")  # fmt: skip
+    print(f"load average before: {load}")
+
+    procs = []
+    if args.contended:
+        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.spinners)]
+        time.sleep(0.5)  # let the spinners get scheduled
+        print(f"contended: {args.spinners} other process(es) running `while True: pass` during the measurement")
+    busy0, own0, wall0 = _system_busy_seconds(), sum(os.times()[:2]), time.perf_counter()
+    try:
+        runs = measure(args.doors, shapes, args.steps, bare_steps, args.block, args.log_every, args.seed)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    contention = other_cpu_share(busy0, own0, wall0)
+    wall = time.perf_counter() - wall0
+    print()
+    report(runs, args.doors, args.log_every, args.warmup)
+    print()
+    print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; CPU used by other processes while "
+          f"measuring: {contention}; {wall:.0f} s")  # fmt: skip
+    print("ratio: median watched step / median bare step at the same step indices; whole run: those medians "
+          "weighted by the count of each kind of step in one collision interval; measured: summed step times.")
+
+
+if __name__ == "__main__":
+    main()
