@@ -22,9 +22,9 @@ every run alike and no two runs compete for the cores. Set-up and teardown take 
 timed. A step is timed from one step boundary to the next, as seen from outside headwatch: the start of
 an iteration (loop), ``on_step_begin`` (Hugging Face, a callback before headwatch's), ``on_train_batch_start``
 (Lightning, a callback before headwatch's); so a step includes the door's logging after the optimizer
-step. The watched runs time ``--steps`` steps (default 100: one collision step), the bare runs half as
-many (their steps are all alike but for the Trainers' own logging), after which each run takes one more
-untimed step and ends. The first ``--warmup`` steps of each run are left out.
+step. The watched runs time ``--steps`` steps (default 100: one collision step), the bare runs
+``--bare-steps`` (default 30, in as many turns: their steps are all alike but for the Trainers' own
+logging), after which each run takes one more untimed step and ends. The first ``--warmup`` steps of each run are left out.
 
 **Figures** (per door): the median step time of each kind of step, bare and watched at the same step
 indices: ``quiet`` (no logging), ``logging`` (headwatch measures; not collision), ``collision`` (the logging
@@ -73,6 +73,8 @@ class Baton:
 
     def __init__(self, schedule: list[str]) -> None:
         self.schedule, self.pos = schedule, 0
+        self.last_door = ""
+        """Progress is printed (stderr) when this door's watched run ends a turn."""
         self.cond = threading.Condition()
         self.error: BaseException | None = None
 
@@ -122,6 +124,8 @@ class Run:
         if 0 < i <= self.timed:
             self.times.append(now - self._start)
         if i == 0 or (i % self.block == 0 and i <= self.timed):  # end of set-up, of a block, of the timed steps
+            if i and self.watched and self.door == self.baton.last_door:
+                print(f"  {self.name}: {i} of {self.timed} steps, median {statistics.median(self.times):.2f} s", file=sys.stderr)
             self.baton.release(self.name)
             self.baton.wait(self.name)
         self._i += 1
@@ -306,6 +310,7 @@ def measure(doors: list[str], shapes: Shapes, steps: int, bare_steps: int, block
             schedule += [r.name for r in (pair if k % 2 == 0 else pair[::-1])]
     schedule += list(runs)  # one more step and the teardown
     baton = Baton(schedule)
+    baton.last_door = doors[-1]
     ids = token_ids(shapes, steps + 1, seed)
 
     def main(run: Run, out: Path) -> None:
@@ -381,6 +386,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--doors", nargs="+", choices=list(DOORS), default=list(DOORS))
     parser.add_argument("--steps", type=int, default=100, help="timed steps of each watched run (default 100: one collision step)")
+    parser.add_argument("--bare-steps", type=int, default=30, help="timed steps of each bare run (default 30)")
     parser.add_argument("--block", type=int, default=10, help="watched steps per turn (default 10)")
     parser.add_argument("--log-every", type=int, default=10, help="logging interval of every door (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out (default 2)")
@@ -396,11 +402,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.quick:
-        args.steps = 20
+        args.steps, args.bare_steps = 20, 10
     if args.steps % args.block or args.steps < 2 * args.block:
         parser.error(f"--steps must be a multiple of --block and at least two blocks, got {args.steps} and {args.block}")
     rounds = args.steps // args.block
-    bare_steps = max(rounds, (args.steps // 2) // rounds * rounds)  # half as many, the same number of turns
+    if args.bare_steps % rounds or args.bare_steps <= args.warmup:
+        parser.error(f"--bare-steps must be a multiple of the {rounds} turns and above --warmup, got {args.bare_steps}")
+    bare_steps = args.bare_steps
 
     warnings.filterwarnings("ignore")
     import lightning
