@@ -23,22 +23,25 @@ timed. A step is timed from one step boundary to the next, as seen from outside 
 an iteration (loop), ``on_step_begin`` (Hugging Face, a callback before headwatch's), ``on_train_batch_start``
 (Lightning, a callback before headwatch's); so a step includes the door's logging after the optimizer
 step. The watched runs time ``--steps`` steps (default 100: one collision step), the bare runs
-``--bare-steps`` (default 30, in as many turns: their steps are all alike but for the Trainers' own
+``--bare-steps`` (default 50, in as many turns: their steps are all alike but for the Trainers' own
 logging), after which each run takes one more untimed step and ends. The first ``--warmup`` steps of each run are left out.
 
-**Figures** (per door): the median step time of each kind of step, bare and watched at the same step
-indices: ``quiet`` (no logging), ``logging`` (headwatch measures; not collision), ``collision`` (the logging
-step where collision and the figures also run); their ratios watched / bare; the whole run at the default
-cadence, ``(q_w * n_q + l_w * n_l + c_w * n_c) / (q_b * n_q + l_b * n_l + c_b * n_c)`` with the counts
-of each kind in one collision interval (90, 9, 1 per 100 steps at the defaults); and the measured
-whole-run ratio (sum of the watched step times over sum of the bare step times at the same indices).
-Targets (issue 18): quiet <= 1.01x, logging <= 1.15x, whole run <= 1.01x, on 2 quiet CPU cores.
-The load average, torch's thread count, and the share of the CPU used by other processes while timing
-(from ``/proc/stat``) are printed: on a busy machine the timings do not mean much.
+**Figures** (per door). Each round has one bare turn and one watched turn, adjacent in time; every watched
+step is divided by the median bare step of its round (pairing cancels the drift of a shared machine, which
+the global medians do not). Per kind of step: ``quiet`` (no logging), ``logging`` (headwatch measures; not
+collision), ``collision`` (the logging step where collision and the figures also run), the median of
+those ratios over the run and their range over the turns; the whole run at the default cadence, the
+ratios weighted by the count of each kind in one collision interval (90, 9, 1 per 100 steps); and the
+measured whole run, the mean over the rounds of (mean watched step / mean bare step). The bare baseline
+of a logging step includes the Trainers' own loss logging (a scalar and a flush: milliseconds), not any
+headwatch work. Targets (issue 18): quiet <= 1.01x, logging <= 1.15x, whole run <= 1.01x, on 2 quiet
+CPU cores. The load average, torch's thread count, and the share of the CPU used by other processes
+while measuring (from ``/proc/stat``) are printed: on a busy machine the timings do not mean much.
 
 ``--contended``: ``--spinners`` (default 1) other processes run ``while True: pass`` during the whole
 measurement (started and killed by the script, as ``bench/logit_stats.py --contended`` does).
-``--quick``: 20 watched steps (no collision step: the whole-run ratio then leaves collision out).
+``--quick``: 20 watched and 10 bare steps, a smoke run (no collision step: the whole-run ratio then
+leaves collision out). ``--json PATH`` writes every step time.
 
 Run: ``python bench/overhead.py [--quick] [--contended] [--steps 100] [--doors loop hf lightning]``.
 """
@@ -46,6 +49,7 @@ Run: ``python bench/overhead.py [--quick] [--contended] [--steps 100] [--doors l
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -108,6 +112,8 @@ class Run:
     block: int
     """Steps per turn."""
     baton: Baton
+    figures: bool = True
+    """Watched: headwatch's figures at their default (``"auto"``); False: none."""
     times: list[float] = field(default_factory=list)
     error: BaseException | None = None
     _i: int = 0
@@ -189,7 +195,8 @@ def train_loop(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, log_ever
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     writer = SummaryWriter(str(out))
-    hw = headwatch.Headwatch(model, writer=writer, log_every_n_steps=log_every) if run.watched else None
+    figures = "auto" if run.figures else 0
+    hw = headwatch.Headwatch(model, writer=writer, log_every_n_steps=log_every, figure_every_n_steps=figures) if run.watched else None
     for step, rows in enumerate(ids.split(shapes.batch)):
         run.boundary()
         batch = {"input_ids": rows, "labels": rows}
@@ -225,7 +232,7 @@ def train_hf(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, log_every:
         learning_rate=1e-4, report_to=["tensorboard"], use_cpu=True, save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0,
     )  # fmt: skip
-    callbacks = [Boundaries()] + ([HeadwatchCallback()] if run.watched else [])
+    callbacks = [Boundaries()] + ([HeadwatchCallback(figure_every_n_steps="auto" if run.figures else 0)] if run.watched else [])
     trainer = Trainer(model=model, args=args, train_dataset=Rows(ids), callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # the logged dicts on stdout (disable_tqdm), in both runs alike
     trainer.train()
@@ -257,8 +264,10 @@ def train_lightning(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, log
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             run.boundary()
 
-    watch = [headwatch.TokenFrequency(), headwatch.LogitStatsMonitor(), headwatch.GradientDensityMonitor(),
-             headwatch.SynonymCollisionMonitor()] if run.watched else []  # fmt: skip
+    every = "auto" if run.figures else 0
+    watch = [headwatch.TokenFrequency(), headwatch.LogitStatsMonitor(figure_every_n_steps=every),
+             headwatch.GradientDensityMonitor(figure_every_n_steps=every),
+             headwatch.SynonymCollisionMonitor(figures="auto" if run.figures else False)] if run.watched else []  # fmt: skip
     trainer = pl.Trainer(
         default_root_dir=str(out), max_steps=ids.shape[0] // shapes.batch, log_every_n_steps=log_every,
         logger=TensorBoardLogger(str(out)), callbacks=[Boundaries(), *watch], enable_progress_bar=False,
@@ -294,14 +303,16 @@ def other_cpu_share(busy0: float | None, own0: float, wall0: float) -> str:
     return f"{100 * share:.0f}% ({verdict})"
 
 
-def measure(doors: list[str], shapes: Shapes, steps: int, bare_steps: int, block: int, log_every: int, seed: int) -> list[Run]:
+def measure(
+    doors: list[str], shapes: Shapes, steps: int, bare_steps: int, block: int, log_every: int, seed: int, figures: bool = True
+) -> list[Run]:
     """Train the bare and watched runs of ``doors`` in turns; returns the runs with their step times."""
     rounds = steps // block
     bare_block = bare_steps // rounds
     runs = {}
     for door in doors:
         for watched in (False, True):
-            r = Run(door, watched, steps if watched else bare_steps, block if watched else bare_block, Baton([]))
+            r = Run(door, watched, steps if watched else bare_steps, block if watched else bare_block, Baton([]), figures)
             runs[r.name] = r
     schedule = list(runs)  # set-up turns
     for k in range(rounds):
@@ -345,48 +356,65 @@ def kind(step: int, log_every: int) -> str:
     return "logging" if (step + 1) % log_every == 0 else "quiet"
 
 
-def report(runs: list[Run], doors: list[str], log_every: int, warmup: int) -> None:
+def paired(runs: list[Run], door: str, rounds: int, log_every: int, warmup: int) -> dict[str, list[float]]:
+    """Per turn, watched step times over the bare run's median step of the same round (the two turns are
+    adjacent in time): ``{kind: [ratio, ...], "run": [mean watched / mean bare per round, ...]}``."""
+    bare = next(r for r in runs if r.door == door and not r.watched)
+    watched = next(r for r in runs if r.door == door and r.watched)
+    bb, wb = bare.timed // rounds, watched.timed // rounds
+    out: dict[str, list[float]] = {"quiet": [], "logging": [], "collision": [], "run": []}
+    for k in range(rounds):
+        b = [t for i, t in enumerate(bare.times[k * bb : (k + 1) * bb], k * bb) if i >= warmup]
+        w = [(i, t) for i, t in enumerate(watched.times[k * wb : (k + 1) * wb], k * wb) if i >= warmup]
+        if not b or not w:
+            continue
+        base = statistics.median(b)
+        quiet = [t for i, t in w if kind(i, log_every) == "quiet"]
+        if quiet:
+            out["quiet"].append(statistics.median(quiet) / base)
+        for i, t in w:
+            if kind(i, log_every) != "quiet":
+                out[kind(i, log_every)].append(t / base)
+        out["run"].append(statistics.fmean(t for _, t in w) / statistics.fmean(b))
+    return out
+
+
+def report(runs: list[Run], doors: list[str], rounds: int, log_every: int, warmup: int) -> None:
     cycle = 10 * log_every
-    counts = {"quiet": cycle - 10, "logging": 9, "collision": 1}  # per collision interval
+    counts = {"quiet": cycle - 10, "logging": 9, "collision": 1}  # per collision interval, at log_every 10
     targets = {"quiet": "<= 1.01x", "logging": "<= 1.15x", "collision": "", "whole run": "<= 1.01x"}
-    print(f"{'door':<13} {'step':<32} {'n':>4} {'bare ms':>9} {'watched ms':>11} {'ratio':>8}  target")
+    print(f"{'door':<13} {'step':<30} {'n':>4} {'bare ms':>8} {'watched ms':>10} {'ratio':>7}  {'per turn':<13}  target")
     for door in doors:
         bare = next(r for r in runs if r.door == door and not r.watched)
         watched = next(r for r in runs if r.door == door and r.watched)
-        by_kind: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in counts}
-        for i, t in enumerate(watched.times):
-            if i >= warmup:
-                by_kind[kind(i, log_every)][1].append(t)
-        for i, t in enumerate(bare.times):
-            if i >= warmup:
-                by_kind[kind(i, log_every)][0].append(t)
-        medians = {}
-        name = DOORS[door]
-        for k, (b, w) in by_kind.items():
-            if not w:
-                print(f"{name:<13} {k:<32} {0:>4}  (not reached: needs --steps >= {cycle})")
+        ratios = paired(runs, door, rounds, log_every, warmup)
+        base = statistics.median(bare.times[warmup:])
+        name, used = DOORS[door], {}
+        for k in counts:
+            times = [t for i, t in enumerate(watched.times) if i >= warmup and kind(i, log_every) == k]
+            if not ratios[k]:
+                print(f"{name:<13} {k:<30} {0:>4}  (not reached: needs --steps >= {cycle})")
+                name = ""
                 continue
-            # the bare runs are shorter: a step kind they did not reach costs what a logging step costs them
-            b = b or by_kind["logging"][0]
-            mb, mw = statistics.median(b), statistics.median(w)
-            medians[k] = (mb, mw)
-            print(f"{name:<13} {k:<32} {len(w):>4} {1e3 * mb:>9.1f} {1e3 * mw:>11.1f} {mw / mb:>7.3f}x  {targets[k]}")
+            used[k] = statistics.median(ratios[k])
+            spread = f"{min(ratios[k]):.2f}-{max(ratios[k]):.2f}" if len(ratios[k]) > 1 else ""
+            print(f"{name:<13} {k:<30} {len(times):>4} {1e3 * base:>8.0f} {1e3 * statistics.median(times):>10.0f} "
+                  f"{used[k]:>6.3f}x  {spread:<13}  {targets[k]}")  # fmt: skip
             name = ""
-        used = {k: counts[k] for k in medians}
-        bare_cycle = sum(used[k] * medians[k][0] for k in used)
-        watched_cycle = sum(used[k] * medians[k][1] for k in used)
-        label = f"whole run ({'/'.join(str(used[k]) for k in used)} per {sum(used.values())} steps)"
-        print(f"{'':<13} {label:<32} {'':>4} {'':>9} {'':>11} {watched_cycle / bare_cycle:>7.3f}x  {targets['whole run']}")
-        same = [i for i in range(warmup, min(len(bare.times), len(watched.times)))]
-        measured = sum(watched.times[i] for i in same) / sum(bare.times[i] for i in same)
-        print(f"{'':<13} {f'measured, steps {warmup}-{same[-1]}':<32} {len(same):>4} {'':>9} {'':>11} {measured:>7.3f}x")
+        n = {k: counts[k] for k in used}
+        whole = sum(n[k] * used[k] for k in used) / sum(n.values())
+        label = f"whole run ({'/'.join(str(n[k]) for k in used)} per {sum(n.values())})"
+        print(f"{'':<13} {label:<30} {'':>4} {'':>8} {'':>10} {whole:>6.3f}x  {'':<13}  {targets['whole run']}")
+        run = ratios["run"]
+        spread = f"{min(run):.2f}-{max(run):.2f}"
+        print(f"{'':<13} {'measured, mean of the turns':<30} {len(run):>4} {'':>8} {'':>10} {statistics.fmean(run):>6.3f}x  {spread:<13}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--doors", nargs="+", choices=list(DOORS), default=list(DOORS))
     parser.add_argument("--steps", type=int, default=100, help="timed steps of each watched run (default 100: one collision step)")
-    parser.add_argument("--bare-steps", type=int, default=30, help="timed steps of each bare run (default 30)")
+    parser.add_argument("--bare-steps", type=int, default=50, help="timed steps of each bare run (default 50)")
     parser.add_argument("--block", type=int, default=10, help="watched steps per turn (default 10)")
     parser.add_argument("--log-every", type=int, default=10, help="logging interval of every door (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out (default 2)")
@@ -400,6 +428,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-figures", action="store_true", help="watched runs draw no figures (default: theirs, 'auto')")
+    parser.add_argument("--json", type=Path, help="also write every run's step times (seconds) to this file")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.bare_steps = 20, 10
@@ -430,7 +460,8 @@ def main() -> None:
     print(f"model: {shapes.describe()}; {params / 1e6:.1f}M parameters")
     print(f"cadence: every door logs every {args.log_every} steps, collision and figures every {10 * args.log_every}; "
           f"{args.steps} timed steps per watched run, {bare_steps} per bare run, in {rounds} turns each "
-          f"(blocks of {args.block} and {bare_steps // rounds}); first {args.warmup} steps left out")  # fmt: skip
+          f"(blocks of {args.block} and {bare_steps // rounds}); first {args.warmup} steps left out; "
+          f"figures {'none' if args.no_figures else 'at their default'}")  # fmt: skip
     print(f"load average before: {load}")
 
     procs = []
@@ -440,20 +471,23 @@ def main() -> None:
         print(f"contended: {args.spinners} other process(es) running `while True: pass` during the measurement")
     busy0, own0, wall0 = _system_busy_seconds(), sum(os.times()[:2]), time.perf_counter()
     try:
-        runs = measure(args.doors, shapes, args.steps, bare_steps, args.block, args.log_every, args.seed)
+        runs = measure(args.doors, shapes, args.steps, bare_steps, args.block, args.log_every, args.seed, not args.no_figures)
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
     contention = other_cpu_share(busy0, own0, wall0)
     wall = time.perf_counter() - wall0
+    if args.json is not None:
+        args.json.write_text(json.dumps({r.name: r.times for r in runs}, indent=1))
     print()
-    report(runs, args.doors, args.log_every, args.warmup)
+    report(runs, args.doors, rounds, args.log_every, args.warmup)
     print()
     print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; CPU used by other processes while "
           f"measuring: {contention}; {wall:.0f} s")  # fmt: skip
-    print("ratio: median watched step / median bare step at the same step indices; whole run: those medians "
-          "weighted by the count of each kind of step in one collision interval; measured: summed step times.")
+    print("ratio: median over the turns of (watched step / median bare step of the same round: two adjacent turns); "
+          "per turn: the range of those ratios;\nwhole run: the ratios weighted by the count of each kind of step in one "
+          "collision interval; measured: mean over the rounds of (mean watched step / mean bare step).")
 
 
 if __name__ == "__main__":
