@@ -16,31 +16,33 @@ their own defaults being 500 and 50); collision measures every 10 logging interv
 drawn then too (their defaults). The model logs its loss on the same steps in the Trainers, bare or not.
 
 **Method.** The six trainings (3 doors x bare/watched) run in six threads that take turns: one thread
-runs at a time, for one block of steps, then hands over (blocks ABAB... within each door, the order of
-bare and watched swapped every round, every door in every round), so slow drift of the machine hits
-every run alike and no two runs compete for the cores. Set-up and teardown take turns too and are not
-timed. A step is timed from one step boundary to the next, as seen from outside headwatch: the start of
-an iteration (loop), ``on_step_begin`` (Hugging Face, a callback before headwatch's), ``on_train_batch_start``
-(Lightning, a callback before headwatch's); so a step includes the door's logging after the optimizer
-step. The watched runs time ``--steps`` steps (default 100: one collision step), the bare runs
-``--bare-steps`` (default 50, in as many turns: their steps are all alike but for the Trainers' own
-logging), after which each run takes one more untimed step and ends. The first ``--warmup`` steps of each run are left out.
+runs at a time, for one turn of ``--block`` steps (default 1), then hands over. Every round has a watched
+turn of each door, and every other round (``--steps / --bare-steps``) a bare turn of that door too, just
+before or after it (alternately); set-up and teardown take turns as well and are not timed, so no two
+runs ever compete for the cores. A step is timed from one step boundary to the next, as seen from outside
+headwatch: the start of an iteration (loop), ``on_step_begin`` (Hugging Face, a callback before
+headwatch's), ``on_train_batch_start`` (Lightning, a callback before headwatch's); so a step includes the
+door's logging after the optimizer step. The watched runs time ``--steps`` steps (default 100: one
+collision step), the bare runs ``--bare-steps`` (default 50: their steps are all alike but for the
+Trainers' own loss logging), then each run takes one more untimed step and ends. The first ``--warmup``
+steps of each run are left out. About 6 minutes on 2 quiet cores (0.8 s a step).
 
-**Figures** (per door). Each round has one bare turn and one watched turn, adjacent in time; every watched
-step is divided by the median bare step of its round (pairing cancels the drift of a shared machine, which
-the global medians do not). Per kind of step: ``quiet`` (no logging), ``logging`` (headwatch measures; not
-collision), ``collision`` (the logging step where collision and the figures also run), the median of
-those ratios over the run and their range over the turns; the whole run at the default cadence, the
-ratios weighted by the count of each kind in one collision interval (90, 9, 1 per 100 steps); and the
-measured whole run, the mean over the rounds of (mean watched step / mean bare step). The bare baseline
-of a logging step includes the Trainers' own loss logging (a scalar and a flush: milliseconds), not any
-headwatch work. Targets (issue 18): quiet <= 1.01x, logging <= 1.15x, whole run <= 1.01x, on 2 quiet
-CPU cores. The load average, torch's thread count, and the share of the CPU used by other processes
-while measuring (from ``/proc/stat``) are printed: on a busy machine the timings do not mean much.
+**Figures** (per door). Each watched step is divided by the bare step of the same door nearest in time
+(a few seconds apart: the speed of a shared machine drifts by +-20% over tens of seconds, which pairing
+cancels and global medians do not; pairing single steps gave a 95% interval 4x narrower than pairing
+10-step turns). Per kind of step: ``quiet`` (no logging), ``logging`` (headwatch measures; not collision),
+``collision`` (the logging step where collision, and the figures, also run): the median of those ratios
+and a distribution-free 95% interval for it; the whole run at the default cadence, the medians weighted
+by the count of each kind in one collision interval (90, 9, 1 per 100 steps); and the measured whole run,
+the watched steps' total time over their paired bare steps'. The bare step paired with a logging step
+includes the Trainers' own loss logging only when it falls on a logging step (a scalar and a flush:
+milliseconds). Targets (issue 18): quiet <= 1.01x, logging <= 1.15x, whole run <= 1.01x, on 2 quiet CPU
+cores. The load average, torch's thread count, and the share of the CPU used by other processes while
+measuring (from ``/proc/stat``) are printed: on a busy machine the timings do not mean much.
 
 ``--contended``: ``--spinners`` (default 1) other processes run ``while True: pass`` during the whole
 measurement (started and killed by the script, as ``bench/logit_stats.py --contended`` does).
-``--quick``: 20 watched and 10 bare steps, a smoke run (no collision step: the whole-run ratio then
+``--quick``: 20 watched and 10 bare steps (about 1.5 minutes), a smoke run (no collision step: the whole-run ratio then
 leaves collision out). ``--json PATH`` writes every step time.
 
 Run: ``python bench/overhead.py [--quick] [--contended] [--steps 100] [--doors loop hf lightning]``.
@@ -115,6 +117,8 @@ class Run:
     figures: bool = True
     """Watched: headwatch's figures at their default (``"auto"``); False: none."""
     times: list[float] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)
+    """``time.perf_counter()`` at the start of each timed step (pairs bare and watched steps in time)."""
     error: BaseException | None = None
     _i: int = 0
     _start: float = 0.0
@@ -130,12 +134,14 @@ class Run:
         if 0 < i <= self.timed:
             self.times.append(now - self._start)
         if i == 0 or (i % self.block == 0 and i <= self.timed):  # end of set-up, of a block, of the timed steps
-            if i and self.watched and self.door == self.baton.last_door:
+            if i % 10 == 0 and i and self.watched and self.door == self.baton.last_door:
                 print(f"  {self.name}: {i} of {self.timed} steps, median {statistics.median(self.times):.2f} s", file=sys.stderr)
             self.baton.release(self.name)
             self.baton.wait(self.name)
         self._i += 1
         self._start = time.perf_counter()
+        if i < self.timed:
+            self.starts.append(self._start)
 
 
 # ----------------------------------------------------------------------------- the model and data
@@ -306,19 +312,23 @@ def other_cpu_share(busy0: float | None, own0: float, wall0: float) -> str:
 def measure(
     doors: list[str], shapes: Shapes, steps: int, bare_steps: int, block: int, log_every: int, seed: int, figures: bool = True
 ) -> list[Run]:
-    """Train the bare and watched runs of ``doors`` in turns; returns the runs with their step times."""
-    rounds = steps // block
-    bare_block = bare_steps // rounds
+    """Train the bare and watched runs of ``doors`` in turns of ``block`` steps; returns the runs with their
+    step times. Every round has a watched turn per door; every ``steps // bare_steps``-th round a bare turn
+    too, before or after it (alternately)."""
+    rounds, every = steps // block, steps // bare_steps
     runs = {}
     for door in doors:
         for watched in (False, True):
-            r = Run(door, watched, steps if watched else bare_steps, block if watched else bare_block, Baton([]), figures)
+            r = Run(door, watched, steps if watched else bare_steps, block, Baton([]), figures)
             runs[r.name] = r
     schedule = list(runs)  # set-up turns
     for k in range(rounds):
         for door in doors:
-            pair = [runs[f"{DOORS[door]} bare"], runs[f"{DOORS[door]} watched"]]
-            schedule += [r.name for r in (pair if k % 2 == 0 else pair[::-1])]
+            pair = [f"{DOORS[door]} bare", f"{DOORS[door]} watched"]
+            if k % every:
+                schedule.append(pair[1])
+            else:
+                schedule += pair if (k // every) % 2 == 0 else pair[::-1]
     schedule += list(runs)  # one more step and the teardown
     baton = Baton(schedule)
     baton.last_door = doors[-1]
@@ -356,58 +366,53 @@ def kind(step: int, log_every: int) -> str:
     return "logging" if (step + 1) % log_every == 0 else "quiet"
 
 
-def paired(runs: list[Run], door: str, rounds: int, log_every: int, warmup: int) -> dict[str, list[float]]:
-    """Per turn, watched step times over the bare run's median step of the same round (the two turns are
-    adjacent in time): ``{kind: [ratio, ...], "run": [mean watched / mean bare per round, ...]}``."""
-    bare = next(r for r in runs if r.door == door and not r.watched)
-    watched = next(r for r in runs if r.door == door and r.watched)
-    bb, wb = bare.timed // rounds, watched.timed // rounds
-    out: dict[str, list[float]] = {"quiet": [], "logging": [], "collision": [], "run": []}
-    for k in range(rounds):
-        b = [t for i, t in enumerate(bare.times[k * bb : (k + 1) * bb], k * bb) if i >= warmup]
-        w = [(i, t) for i, t in enumerate(watched.times[k * wb : (k + 1) * wb], k * wb) if i >= warmup]
-        if not b or not w:
-            continue
-        base = statistics.median(b)
-        quiet = [t for i, t in w if kind(i, log_every) == "quiet"]
-        if quiet:
-            out["quiet"].append(statistics.median(quiet) / base)
-        for i, t in w:
-            if kind(i, log_every) != "quiet":
-                out[kind(i, log_every)].append(t / base)
-        out["run"].append(statistics.fmean(t for _, t in w) / statistics.fmean(b))
+def median_ci(values: list[float]) -> tuple[float, float, float]:
+    """The median and a distribution-free 95% interval for it (order statistics ``n/2 -+ 0.98 sqrt(n)``)."""
+    v = sorted(values)
+    n = len(v)
+    half = 0.98 * math.sqrt(n)
+    return statistics.median(v), v[max(0, math.floor(n / 2 - half))], v[min(n - 1, math.ceil(n / 2 + half) - 1)]
+
+
+def paired(bare: Run, watched: Run, log_every: int, warmup: int) -> dict[str, list[tuple[float, float]]]:
+    """Each watched step with the bare step of the same door nearest in time: ``{kind: [(watched s, bare s), ...]}``."""
+    out: dict[str, list[tuple[float, float]]] = {"quiet": [], "logging": [], "collision": []}
+    bare_steps = [(s, t) for i, (s, t) in enumerate(zip(bare.starts, bare.times)) if i >= warmup]
+    for i, (start, t) in enumerate(zip(watched.starts, watched.times)):
+        if i >= warmup:
+            _, b = min(bare_steps, key=lambda st: abs(st[0] - start))
+            out[kind(i, log_every)].append((t, b))
     return out
 
 
-def report(runs: list[Run], doors: list[str], rounds: int, log_every: int, warmup: int) -> None:
+def report(runs: list[Run], doors: list[str], log_every: int, warmup: int) -> None:
     cycle = 10 * log_every
     counts = {"quiet": cycle - 10, "logging": 9, "collision": 1}  # per collision interval, at log_every 10
     targets = {"quiet": "<= 1.01x", "logging": "<= 1.15x", "collision": "", "whole run": "<= 1.01x"}
-    print(f"{'door':<13} {'step':<30} {'n':>4} {'bare ms':>8} {'watched ms':>10} {'ratio':>7}  {'per turn':<13}  target")
+    print(f"{'door':<13} {'step':<28} {'n':>3} {'bare ms':>8} {'watched ms':>10} {'ratio':>7}  {'95% interval':<13}  target")
     for door in doors:
         bare = next(r for r in runs if r.door == door and not r.watched)
         watched = next(r for r in runs if r.door == door and r.watched)
-        ratios = paired(runs, door, rounds, log_every, warmup)
-        base = statistics.median(bare.times[warmup:])
+        pairs = paired(bare, watched, log_every, warmup)
         name, used = DOORS[door], {}
         for k in counts:
-            times = [t for i, t in enumerate(watched.times) if i >= warmup and kind(i, log_every) == k]
-            if not ratios[k]:
-                print(f"{name:<13} {k:<30} {0:>4}  (not reached: needs --steps >= {cycle})")
+            if not pairs[k]:
+                print(f"{name:<13} {k:<28} {0:>3}  (not reached: needs --steps >= {cycle})")
                 name = ""
                 continue
-            used[k] = statistics.median(ratios[k])
-            spread = f"{min(ratios[k]):.2f}-{max(ratios[k]):.2f}" if len(ratios[k]) > 1 else ""
-            print(f"{name:<13} {k:<30} {len(times):>4} {1e3 * base:>8.0f} {1e3 * statistics.median(times):>10.0f} "
-                  f"{used[k]:>6.3f}x  {spread:<13}  {targets[k]}")  # fmt: skip
+            med, lo, hi = median_ci([w / b for w, b in pairs[k]])
+            used[k] = med
+            interval = f"{lo:.3f}-{hi:.3f}" if len(pairs[k]) > 1 else ""
+            print(f"{name:<13} {k:<28} {len(pairs[k]):>3} {1e3 * statistics.median(b for _, b in pairs[k]):>8.0f} "
+                  f"{1e3 * statistics.median(w for w, _ in pairs[k]):>10.0f} {med:>6.3f}x  {interval:<13}  {targets[k]}")  # fmt: skip
             name = ""
         n = {k: counts[k] for k in used}
         whole = sum(n[k] * used[k] for k in used) / sum(n.values())
         label = f"whole run ({'/'.join(str(n[k]) for k in used)} per {sum(n.values())})"
-        print(f"{'':<13} {label:<30} {'':>4} {'':>8} {'':>10} {whole:>6.3f}x  {'':<13}  {targets['whole run']}")
-        run = ratios["run"]
-        spread = f"{min(run):.2f}-{max(run):.2f}"
-        print(f"{'':<13} {'measured, mean of the turns':<30} {len(run):>4} {'':>8} {'':>10} {statistics.fmean(run):>6.3f}x  {spread:<13}")
+        print(f"{'':<13} {label:<28} {'':>3} {'':>8} {'':>10} {whole:>6.3f}x  {'':<13}  {targets['whole run']}")
+        everything = [p for k in pairs for p in pairs[k]]
+        measured = sum(w for w, _ in everything) / sum(b for _, b in everything)
+        print(f"{'':<13} {'measured (sum of the pairs)':<28} {len(everything):>3} {'':>8} {'':>10} {measured:>6.3f}x")
 
 
 def main() -> None:
@@ -415,7 +420,7 @@ def main() -> None:
     parser.add_argument("--doors", nargs="+", choices=list(DOORS), default=list(DOORS))
     parser.add_argument("--steps", type=int, default=100, help="timed steps of each watched run (default 100: one collision step)")
     parser.add_argument("--bare-steps", type=int, default=50, help="timed steps of each bare run (default 50)")
-    parser.add_argument("--block", type=int, default=10, help="watched steps per turn (default 10)")
+    parser.add_argument("--block", type=int, default=1, help="steps per turn (default 1: finest pairing)")
     parser.add_argument("--log-every", type=int, default=10, help="logging interval of every door (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out (default 2)")
     parser.add_argument("--quick", action="store_true", help="20 watched steps: a smoke run (no collision step)")
@@ -433,11 +438,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.bare_steps = 20, 10
-    if args.steps % args.block or args.steps < 2 * args.block:
-        parser.error(f"--steps must be a multiple of --block and at least two blocks, got {args.steps} and {args.block}")
-    rounds = args.steps // args.block
-    if args.bare_steps % rounds or args.bare_steps <= args.warmup:
-        parser.error(f"--bare-steps must be a multiple of the {rounds} turns and above --warmup, got {args.bare_steps}")
+    if args.steps % args.block or args.bare_steps % args.block or args.steps % args.bare_steps or args.bare_steps <= args.warmup:
+        parser.error("--steps and --bare-steps must be multiples of --block, --steps a multiple of --bare-steps, and "
+                     f"--bare-steps above --warmup; got {args.steps}, {args.bare_steps}, {args.block}, {args.warmup}")  # fmt: skip
     bare_steps = args.bare_steps
 
     warnings.filterwarnings("ignore")
@@ -459,8 +462,8 @@ def main() -> None:
           f"lightning {lightning.__version__}, headwatch {headwatch.__version__}")  # fmt: skip
     print(f"model: {shapes.describe()}; {params / 1e6:.1f}M parameters")
     print(f"cadence: every door logs every {args.log_every} steps, collision and figures every {10 * args.log_every}; "
-          f"{args.steps} timed steps per watched run, {bare_steps} per bare run, in {rounds} turns each "
-          f"(blocks of {args.block} and {bare_steps // rounds}); first {args.warmup} steps left out; "
+          f"{args.steps} timed steps per watched run, {bare_steps} per bare run, in turns of {args.block} "
+          f"(a bare turn every {args.steps // bare_steps} watched turns); first {args.warmup} steps left out; "
           f"figures {'none' if args.no_figures else 'at their default'}")  # fmt: skip
     print(f"load average before: {load}")
 
@@ -481,13 +484,13 @@ def main() -> None:
     if args.json is not None:
         args.json.write_text(json.dumps({r.name: r.times for r in runs}, indent=1))
     print()
-    report(runs, args.doors, rounds, args.log_every, args.warmup)
+    report(runs, args.doors, args.log_every, args.warmup)
     print()
     print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; CPU used by other processes while "
           f"measuring: {contention}; {wall:.0f} s")  # fmt: skip
-    print("ratio: median over the turns of (watched step / median bare step of the same round: two adjacent turns); "
-          "per turn: the range of those ratios;\nwhole run: the ratios weighted by the count of each kind of step in one "
-          "collision interval; measured: mean over the rounds of (mean watched step / mean bare step).")
+    print("ratio: median of (watched step / the bare step of the same door nearest in time), with its 95% interval;\n"
+          "whole run: those medians weighted by the count of each kind of step in one collision interval;\n"
+          "measured: the watched steps' total time over their paired bare steps' (collision included when reached).")
 
 
 if __name__ == "__main__":
