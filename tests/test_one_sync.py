@@ -313,11 +313,14 @@ READS = ("to host",)
 """Values read on the host only (``item``, ``tolist``, ``__bool__``, ``cpu()`` ...)."""
 
 
-def summarize(counter: SyncCounter, kinds: tuple[str, ...]) -> tuple[bool, str]:
+def summarize(counter: SyncCounter, kinds: tuple[str, ...], only: Callable[[int], bool] = lambda s: True) -> tuple[bool, str]:
     """Whether every logging step has exactly one operation of ``kinds`` and one flush, and every other step
-    none; a table of what each step had (the counted operations and their places where a step is wrong)."""
+    none (among the steps ``only`` keeps); a table of what each step had (the counted operations and their
+    places where a step is wrong)."""
     lines, ok = [], True
     for step, events in enumerate(counter.steps()):
+        if not only(step):
+            continue
         logging = (step + 1) % EVERY == 0
         want = int(logging)
         syncs = [e for e in events if e.kind in kinds]
@@ -338,9 +341,11 @@ def summarize(counter: SyncCounter, kinds: tuple[str, ...]) -> tuple[bool, str]:
     return ok, "\n".join(lines)
 
 
-def check(counter: SyncCounter, door: str, kinds: tuple[str, ...], steps: int = STEPS) -> None:
+def check(
+    counter: SyncCounter, door: str, kinds: tuple[str, ...], steps: int = STEPS, only: Callable[[int], bool] = lambda s: True
+) -> None:
     assert len(counter.steps()) == steps, f"{door}: {len(counter.steps())} steps delimited, expected {steps}"
-    ok, table = summarize(counter, kinds)
+    ok, table = summarize(counter, kinds, only)
     print(f"\n{door}, counting {' + '.join(kinds)}:\n{table}")
     if not ok:
         what = " + ".join(kinds)
@@ -592,18 +597,11 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], SyncCo
 
 
 PROBE_STEPS = 6
-PROBES_TODAY = {
-    "plain loop": "3 value reads (1 transfer, 2 histograms) and 3 flushes per logging step",
-    "Hugging Face": "3 value reads (1 transfer, 2 histograms) and 3 flushes per logging step",
-    "Lightning": "4 value reads (2 transfers: one per callback, 2 histograms) and 4 flushes per logging step",
-}
+# Before the orchestrator (36777ee) the doors' own work was 3 value reads (1 transfer, 2 histograms) and 3 flushes
+# per logging step (plain loop, Hugging Face), 4 and 4 (Lightning: one transfer per callback).
 
 
-@pytest.mark.parametrize(
-    "door",
-    [pytest.param(d, marks=pytest.mark.xfail(strict=True, reason="before the orchestrator rewrite (36777ee): " + PROBES_TODAY[d]))
-     if d in PROBES_TODAY else d for d in DOORS],
-)  # fmt: skip
+@pytest.mark.parametrize("door", list(DOORS))
 def test_orchestration_alone_one_sync_and_one_flush_per_logging_step(door, tmp_path):
     """Two monitors whose measurement reads nothing (:class:`Probe`): whatever is counted is the door's own
     (the transfer of the values, the histograms, the flushes). Every kind of sync counted."""
@@ -616,34 +614,33 @@ def test_orchestration_alone_one_sync_and_one_flush_per_logging_step(door, tmp_p
     check(counter, f"{door} (probes)", SYNCS, PROBE_STEPS)
 
 
-# What each door did before the orchestrator rewrite (commit 36777ee), per logging step and at the collision
-# step (19): strict xfails, so that the cases flip (XPASS fails) when a door reaches its target.
-_BEFORE = "before the orchestrator rewrite (36777ee): "
-READS_TODAY = {
-    "plain loop": "21 value reads and 4 flushes per logging step, 98 and 5 at the collision step",
-    "Hugging Face": "21 value reads and 4 flushes per logging step, 98 and 5 at the collision step",
-    "Lightning": "23 value reads (3 transfers: one per monitor callback) and 6 flushes per logging step, 101 and 8 at the collision step",
-}
-SYNCS_TODAY = {
-    "plain loop": "91 syncs and 4 flushes per logging step, 242 and 5 at the collision step",
-    "Hugging Face": "91-92 syncs and 4 flushes per logging step, 242 and 5 at the collision step",
-    "Lightning": "93 syncs and 6 flushes per logging step, 245 and 8 at the collision step",
-}
+# Before the orchestrator (36777ee), per logging step and at the collision step: 21 value reads and 4 flushes
+# (plain loop, HF), 23 and 6 (Lightning); 91-93 syncs of every kind (245 at the collision step). Now: 1 and 1 on
+# every logging step but the collision measurement's; the collision step (every 10 logging steps by default) still
+# reads values and selects rows by value in its neighbour search: a strict xfail with today's figures.
+COLLISION_STEP = STEPS - 1
+COLLISION_TODAY = "the collision measurement: about 89 value reads and 149 syncs of every kind at its step (the rare-token selection, sampling and neighbour search read values)"
 
 
-def _doors(today: dict[str, str]) -> list[Any]:
-    return [pytest.param(d, marks=pytest.mark.xfail(strict=True, reason=_BEFORE + today[d])) if d in today else d for d in DOORS]
+def _normal(step: int) -> bool:
+    return step != COLLISION_STEP
 
 
-@pytest.mark.parametrize("door", _doors(READS_TODAY))
+@pytest.mark.parametrize("door", list(DOORS))
 def test_one_value_read_and_one_flush_per_logging_step(door, measured):
     """Values read on the host (``item``, ``tolist``, ``bool()``, ``cpu()`` ...): exactly 1 on each logging step
     (the one transfer of the step's values), none on the others; the same for flushes caused by headwatch."""
-    check(measured(door), door, READS)
+    check(measured(door), door, READS, only=_normal)
 
 
-@pytest.mark.parametrize("door", _doors(SYNCS_TODAY))
+@pytest.mark.parametrize("door", list(DOORS))
 def test_one_sync_and_one_flush_per_logging_step(door, measured):
     """Everything that waits for a GPU (values read, shapes read from values, Python data copied to the device):
     exactly 1 on each logging step, none on the others; the same for flushes caused by headwatch."""
-    check(measured(door), door, SYNCS)
+    check(measured(door), door, SYNCS, only=_normal)
+
+
+@pytest.mark.xfail(strict=True, reason=COLLISION_TODAY)
+@pytest.mark.parametrize("door", ["plain loop"])
+def test_one_sync_at_the_collision_step(door, measured):
+    check(measured(door), door, SYNCS, only=lambda s: s == COLLISION_STEP)
