@@ -19,7 +19,6 @@ from headwatch import HeadwatchError
 from headwatch.core import GradientDensity, LogitStats, SynonymCollision, TokenCounts
 from headwatch.core.monitor import Media, Monitor
 from headwatch.core.orchestrator import MONITOR_NAMES, Driver, Orchestrator, build_monitors, to_host
-from headwatch.core.schedule import Schedule
 from tests.helpers import TinyCausalLM, loader
 
 
