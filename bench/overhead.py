@@ -70,6 +70,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from logit_stats import _system_busy_seconds, other_cpu_share  # noqa: E402  (the load measurement, one copy)
+
 DOORS = {"loop": "plain loop", "hf": "Hugging Face", "lightning": "Lightning"}
 
 
@@ -286,27 +289,6 @@ TRAIN: dict[str, Callable[..., None]] = {"loop": train_loop, "hf": train_hf, "li
 
 
 # ----------------------------------------------------------------------------- measuring
-def _system_busy_seconds() -> float | None:
-    """CPU seconds all processes have spent busy (Linux ``/proc/stat``), None elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def other_cpu_share(busy0: float | None, own0: float, wall0: float) -> str:
-    """Share of the machine's CPUs used by other processes since the given marks (as ``bench/logit_stats.py``)."""
-    busy1 = _system_busy_seconds()
-    if busy0 is None or busy1 is None:
-        return "unknown (no /proc/stat)"
-    own = sum(os.times()[:2]) - own0
-    wall = time.perf_counter() - wall0
-    share = max(0.0, (busy1 - busy0 - own) / (wall * (os.cpu_count() or 1)))
-    verdict = "quiet" if share < 0.05 else "BUSY: timings are not representative of a quiet machine"
-    return f"{100 * share:.0f}% ({verdict})"
 
 
 def measure(
