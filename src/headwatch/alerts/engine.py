@@ -250,14 +250,19 @@ class AlertEngine:
             )
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait (bounded) for actions still in flight (the webhook)."""
+        """Wait (bounded) for actions still in flight (the webhook); write the alert records a full or read-only
+        disk kept back (:class:`~headwatch.alerts.actions.JsonlLog`; a failure is counted and warned once)."""
         for action in self.actions:
             if isinstance(action, WebhookSender):
                 action.flush(timeout, strict=self.strict)
+            elif isinstance(action, JsonlLog):
+                self._run(action_name(action), action.flush)
 
     def close(self) -> None:
-        """Flush and release the webhook thread."""
+        """Flush and release the webhook thread; write the alert records kept back."""
         for action in self.actions:
+            if isinstance(action, JsonlLog):
+                self._run(action_name(action), action.flush)
             if isinstance(action, WebhookSender):
                 action.flush(strict=self.strict)
                 action.close()
