@@ -41,6 +41,15 @@ from headwatch.alerts.rules import CollapseRules
 from headwatch.alerts.webhook import WebhookSender
 
 
+def describe_error(err: BaseException) -> str:
+    """``"Type: text"`` of an exception, even one whose ``str`` raises."""
+    try:
+        text = str(err)
+    except Exception:  # noqa: BLE001
+        text = "<its message cannot be shown>"
+    return f"{type(err).__name__}: {text}"
+
+
 def _identity(fired: bool) -> bool:
     return fired
 
@@ -223,16 +232,26 @@ class AlertEngine:
             message=self.message(rule, severity, metrics),
             severity=severity,
         )
-        self.alerts.append(alert)
+        self.alerts.append(alert)  # the record first: no action can lose it
+        interrupt: BaseException | None = None
         for action in self.actions:
+            if isinstance(action, WebhookSender) and action.on_failure is None:
+                action.on_failure = self.action_failed  # whatever the wiring, a failed delivery is counted and warned
             if runs_for(action, alert, self.main_process):
-                self._run(action_name(action), lambda a=action: a(alert))
+                try:
+                    self._run(action_name(action), lambda a=action: a(alert))
+                except (KeyboardInterrupt, SystemExit) as err:  # raised again once every action has run
+                    interrupt = interrupt or err
+        if interrupt is not None:
+            raise interrupt
         return alert
 
     def _run(self, what: str, fn: Callable[[], Any]) -> None:
         try:
             fn()
-        except Exception as err:  # noqa: BLE001 - an action must not stop training
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # noqa: BLE001 - an action must not stop training, whatever it raises
             self.action_failed(what, err)
 
     def action_failed(self, what: str, err: BaseException) -> None:
@@ -242,10 +261,10 @@ class AlertEngine:
             first = what not in self._warned
             self._warned.add(what)
         if self.strict:
-            raise HeadwatchError(f"{self.name}: the {what} failed: {type(err).__name__}: {err}") from err
+            raise HeadwatchError(f"{self.name}: the {what} failed: {describe_error(err)}") from err
         if first:
             self.warn(
-                f"{self.name}: the {what} failed ({type(err).__name__}: {err}); training goes on. Failures are "
+                f"{self.name}: the {what} failed ({describe_error(err)}); training goes on. Failures are "
                 "counted in `action_failures`; pass strict=True to raise instead. (warned once)"
             )
 
