@@ -195,3 +195,30 @@ def test_keyboard_interrupt_in_an_action_runs_the_others_first_then_propagates()
     with pytest.raises(KeyboardInterrupt):
         engine.observe_train(0, {E: 0.5})
     assert ran == [0] and [a.step for a in engine.alerts] == [0]
+
+
+def test_delivery_failures_are_published_through_the_marker_sink():
+    """``headwatch/alerts/action_failures`` is written when the count changes: a failing action at once, a failed
+    webhook POST (counted later, in its thread) at the next logging step."""
+    from headwatch.alerts.actions import SinkMarker
+
+    class Sink:
+        def __init__(self) -> None:
+            self.scalars: list[tuple[str, float, int]] = []
+
+        def scalar(self, tag: str, value: float, step: int) -> None:
+            self.scalars.append((tag, value, step))
+
+        def text(self, tag: str, text: str, step: int) -> None:
+            pass
+
+    sink = Sink()
+    sender = WebhookSender(f"http://127.0.0.1:{closed_port()}/x", timeout=0.5, retries=0)
+    engine = AlertEngine(CollapseRules(entropy_floor=1.0), [SinkMarker(sink), sender], warn=lambda m: None)
+    engine.observe_train(0, {E: 0.5})  # fires: the POST fails in the sender's thread
+    sender.flush(timeout=5.0)
+    engine.observe_train(1, {E: 0.5})  # still below: no new alert; the failure is published now
+    failures = [(v, s) for t, v, s in sink.scalars if t == "headwatch/alerts/action_failures"]
+    assert failures == [(1.0, 1)]
+    engine.observe_train(2, {E: 0.5})
+    assert [(v, s) for t, v, s in sink.scalars if t == "headwatch/alerts/action_failures"] == [(1.0, 1)]  # only on change

@@ -163,6 +163,7 @@ class AlertEngine:
         self.name = check_str("name", name)
         self.alerts: list[Alert] = []
         self.action_failures = 0
+        self._published_failures = 0
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
@@ -179,7 +180,21 @@ class AlertEngine:
         shown = {name: metrics.get(name) for name in (r.entropy_metric, r.kl_metric)}
         if r.thresholds["rare_nll_rise"]:
             shown.update({name: metrics.get(name) for name in (r.rare_nll_metric, r.nll_metric)})
-        return self._decide("train", events, step, epoch, shown)
+        alerts = self._decide("train", events, step, epoch, shown)
+        self.publish_failures(step)
+        return alerts
+
+    def publish_failures(self, step: int) -> None:
+        """Write ``<prefix>/alerts/action_failures`` through every marker sink when the count changed since the
+        last time (a failed webhook POST is counted later, from its thread: it shows at the next logging step)."""
+        failures = self.action_failures
+        if failures == self._published_failures:
+            return
+        self._published_failures = failures
+        for action in self.actions:
+            if isinstance(action, SinkMarker) and runs_for(action, Alert("", step, 0, "", {}, ""), self.main_process):
+                tag = f"{action.prefix}/alerts/action_failures"
+                self._run(action_name(action), lambda a=action: a.sink.scalar(tag, float(failures), step))
 
     def observe_val(self, step: int, metrics: Mapping[str, float | None], dataloader_idx: int = 0, epoch: int = 0) -> list[Alert]:
         """One validation's values for dataloader ``dataloader_idx`` (names without the ``/dataloader_idx_k`` suffix)."""
