@@ -26,6 +26,8 @@ from typing import Any
 
 from headwatch.errors import (
     HeadwatchError,
+    StateError,
+    StateReader,
     check_bool,
     check_callable,
     check_instance,
@@ -311,7 +313,27 @@ class AlertEngine:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore; reads keys with defaults, so version-1 states (0.1 checkpoints) load."""
-        self.rules.load_state_dict(state.get("rules", {}))
-        self.alerts = [Alert(**a) for a in state.get("alerts", [])]
-        self.action_failures = int(state.get("action_failures", 0))
+        """Restore; reads keys with defaults, so version-1 states (0.1 checkpoints) load.
+
+        Every value is checked first: an invalid state restarts the rules and the alert list from empty with one
+        warning naming the key, and the resume goes on; ``strict`` raises :class:`~headwatch.errors.StateError`.
+        """
+        try:
+            r = StateReader(state, self.name, versions=(1, 2))
+            fields = set(Alert.__dataclass_fields__)
+            records = r.items("alerts", lambda a: isinstance(a, dict) and set(a) <= fields and {"time", "step", "epoch", "rule", "metrics", "message"} <= set(a)
+                              and isinstance(a["step"], int) and isinstance(a["metrics"], dict),
+                              "a list of alert records (dicts of time, step, epoch, rule, metrics, message, severity)")  # fmt: skip
+            alerts = [Alert(**a) for a in records]
+            failures = r.count("action_failures")
+            rules = r.mapping("rules")
+            self.rules.load_state_dict(rules)  # checks everything before changing anything
+        except StateError as err:
+            if self.strict:
+                raise
+            self.warn(f"{self.name}: the checkpoint's alert state is not valid ({err}); the alert restarts from empty "
+                      "(its smoothing, episodes and alert list) and the resume goes on. Pass strict=True to raise instead.")
+            self.rules.load_state_dict({})
+            alerts, failures = [], 0
+        self.alerts = alerts
+        self.action_failures = self._published_failures = failures

@@ -7,7 +7,7 @@ The headline rate is measured on drift-corrected rows (mean and top principal di
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from headwatch.model.find import logits_from_output
 from headwatch.errors import (
+    StateReader,
     HeadwatchError,
     check_bool,
     check_int,
@@ -338,6 +339,14 @@ class SynonymCollision(Monitor):
         return {"version": 1, "measurements": self._measurements, "last_step": self._last_step, "failures": self.failures}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._measurements = int(state_dict.get("measurements", 0))
-        self._last_step = int(state_dict.get("last_step", -1))
-        self.failures = int(state_dict.get("failures", 0))
+        """Restore the counters, checked (see ``FailurePolicy.restore``)."""
+
+        def read(r: StateReader) -> Callable[[], None]:
+            measurements, last_step, failures = r.count("measurements"), r.step("last_step"), r.count("failures")
+
+            def apply() -> None:
+                self._measurements, self._last_step, self.failures = measurements, last_step, failures
+
+            return apply
+
+        self.restore(state_dict, read)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from headwatch.errors import (
+    StateReader,
     HeadwatchError,
     check_bool,
     check_choice,
@@ -374,12 +377,27 @@ class LogitStats(Monitor):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.logged_steps = int(state_dict.get("logged_steps", 0))
-        for k in self.totals:
-            self.totals[k] = float(state_dict.get(f"total_{k}", 0.0))
-        self.failures = int(state_dict.get("failures", 0))
-        self.skipped_forwards = int(state_dict.get("skipped_forwards", 0))
-        self.entropy_history = [
-            (int(step), torch.tensor(hist, dtype=torch.float64)) for step, hist in state_dict.get("entropy_history", [])
-        ]
+        """Restore :meth:`state_dict`'s values, each checked (see ``FailurePolicy.restore``)."""
+
+        def histogram(entry: Any) -> bool:
+            return (
+                isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], int) and entry[0] >= 0
+                and isinstance(entry[1], (list, tuple)) and all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in entry[1])
+            )  # fmt: skip
+
+        def read(r: StateReader) -> Callable[[], None]:
+            logged, failures, skipped = r.count("logged_steps"), r.count("failures"), r.count("skipped_forwards")
+            totals = {k: r.number(f"total_{k}") for k in self.totals}
+            history = r.items("entropy_history", histogram, "a list of (step >= 0, [counts >= 0]) pairs")
+            if len({len(h) for _, h in history}) > 1:
+                raise r.fail("entropy_history", "histograms of one length", sorted({len(h) for _, h in history}))
+
+            def apply() -> None:
+                self.logged_steps, self.failures, self.skipped_forwards = logged, failures, skipped
+                self.totals.update(totals)
+                self.entropy_history = [(int(step), torch.tensor(h, dtype=torch.float64)) for step, h in history]
+
+            return apply
+
+        self.restore(state_dict, read)
         self._history_on_device = 0

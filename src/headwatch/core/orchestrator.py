@@ -37,6 +37,7 @@ from headwatch.distributed.fsdp1 import unwrapped
 from headwatch.distributed.reduce import Reducer, TorchDistributedReducer
 from headwatch.errors import (
     HeadwatchError,
+    StateError,
     check_bool,
     check_instance,
     check_int,
@@ -385,8 +386,35 @@ class Orchestrator:
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Every monitor's state (a collective under several processes: call it on every rank)."""
-        return {"monitors": [m.state_dict() for m in self.monitors]}
+        return {"version": 2, "names": [type(m).__name__ for m in self.monitors], "monitors": [m.state_dict() for m in self.monitors]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for m, s in zip(self.monitors, state.get("monitors", [])):
-            m.load_state_dict(s)
+        """Give each monitor its part of ``state`` (matched by class name; a state without names, by position), each
+        checked by the monitor (an invalid part restarts that monitor from empty with one warning). A state that is
+        not a dict of parts, or that lacks a monitor's part, is said once; ``strict`` raises instead."""
+        strict = any(m.strict for m in self.monitors)
+        parts = state.get("monitors") if isinstance(state, dict) else None
+        if not isinstance(parts, (list, tuple)):
+            self.state_problem(strict, f"the state must be a dict with a `monitors` list, got {type(state).__name__}")
+            return
+        names = state.get("names")
+        if isinstance(names, (list, tuple)) and len(names) == len(parts) and all(isinstance(n, str) for n in names):
+            unused = list(zip(names, parts))
+            for m in self.monitors:
+                found = next((i for i, (name, _) in enumerate(unused) if name == type(m).__name__), None)
+                if found is None:
+                    self.state_problem(strict, f"it holds no {type(m).__name__} state; that monitor starts from empty")
+                    continue
+                m.load_state_dict(unused.pop(found)[1])
+            return
+        if len(parts) != len(self.monitors):
+            self.state_problem(strict, f"it holds {len(parts)} monitor states for {len(self.monitors)} monitors")
+        for m, part in zip(self.monitors, parts):
+            m.load_state_dict(part)
+
+    def state_problem(self, strict: bool, problem: str) -> None:
+        """A checkpoint state that cannot be restored as it is: raise :class:`StateError` when ``strict``, else warn once."""
+        message = f"headwatch: the checkpoint's monitor state cannot be restored as it is: {problem}."
+        if strict:
+            raise StateError(message)
+        self.warn_once(f"state:{problem}", message + " The resume goes on. Pass strict=True to raise instead. (warned once)")
