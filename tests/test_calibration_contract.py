@@ -195,7 +195,7 @@ def _reference_ece(x: torch.Tensor, t: torch.Tensor, M: int) -> float:
     return exact_ece(conf.tolist(), correct.tolist(), M)
 
 
-def _llama(tie: bool):
+def _llama(tie: bool, scale: float = 400.0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -203,7 +203,7 @@ def _llama(tie: bool):
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # a sharp head: many positions at a float32 confidence of exactly 1
-        model.get_output_embeddings().weight.mul_(400.0)
+        model.get_output_embeddings().weight.mul_(scale)
     return model
 
 
@@ -258,3 +258,25 @@ def test_lightning_adapter_passes_the_bin_count_through(tmp_path):
     assert logger.values["headwatch/logits/ece"][0] == pytest.approx(_reference_ece(x, t, 6), abs=1e-6)
     # the 15-bin value differs here, so the bin count really reached the estimator
     assert abs(_reference_ece(x, t, 15) - _reference_ece(x, t, 6)) > 1e-3
+
+
+def test_hugging_face_trainer_with_a_configured_logit_stats_uses_its_bins(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from headwatch.integrations.transformers import HeadwatchCallback
+
+    model = _llama(tie=True, scale=8.0)  # tied: the embedding is scaled too; confidences 0.2 to 0.86
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 64, (4, 12), generator=g)
+    batch = _half_right(model, {"input_ids": ids, "labels": ids.clone()}, seed=7)
+    batch["attention_mask"] = torch.ones_like(ids)
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(4)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, logging_steps=1, per_device_train_batch_size=4,
+                             learning_rate=0.0, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+    cb = HeadwatchCallback(monitors=[LogitStats(ece_bins=5)], figure_every_n_steps=None)
+    Trainer(model=model, args=args, train_dataset=rows, callbacks=[cb]).train()
+    with torch.no_grad():  # learning rate 0: the weights of the measured forward
+        logits = model(**batch).logits
+    x, t = _shifted(logits, batch)
+    assert cb.latest["headwatch/logits/ece"] == pytest.approx(_reference_ece(x, t, 5), abs=1e-6)
+    assert abs(_reference_ece(x, t, 5) - _reference_ece(x, t, 15)) > 1e-3  # the bin count matters here
