@@ -80,7 +80,8 @@ def test_a_confidence_of_one_is_in_the_last_bin_not_an_extra_one():
     # torchmetrics counts 1.0 in a hidden 11th bin: |0.95 - 1| / 2 + |1 - 0| / 2 = 0.525 (the reported bug);
     # its binary ECE on these (preds, target) sees the same two confidences
     tm = binary_calibration_error(torch.tensor([0.95, 1.0]), torch.tensor([1, 0]), n_bins=10, norm="l1").item()
-    assert tm == pytest.approx(0.525, abs=1e-6) or tm == pytest.approx(0.475, abs=1e-6)  # fixed upstream: agree
+    # (if this fails after a torchmetrics upgrade, #3510 is fixed upstream: it should then give 0.475, as we do)
+    assert tm == pytest.approx(0.525, abs=1e-6)
     assert ece_bin_index(torch.tensor([1.0, 0.95, 0.0]), 10).tolist() == [9, 9, 0]
 
 
