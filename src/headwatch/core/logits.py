@@ -27,6 +27,7 @@ from headwatch.core.frequency import TokenCounts
 from headwatch.core.logit_split import SplitSums
 from headwatch.core.metrics import SCALAR_KEYS
 from headwatch.core.monitor import Monitor
+from headwatch.functional.calibration import ECE_BINS, MAX_ECE_BINS
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.model.sources import ALIGNMENTS, LogitsSource, resolve_logits_source
 
@@ -51,7 +52,10 @@ class LogitStats(Monitor):
     one, names carry Lightning's ``/dataloader_idx_<k>`` suffix.
 
     Args: see :class:`headwatch.LogitStatsMonitor`; ``figure_every``: steps between entropy
-    figures (0: none); ``frequency``: the shared :class:`TokenCounts` (target buckets).
+    figures (0: none); ``frequency``: the shared :class:`TokenCounts` (target buckets);
+    ``ece_bins``: ``M``, the equal-width bins of the ECE (default 15, at most ``2**22``; the last
+    bin ``[1 - 1/M, 1]`` is closed: ``docs/calibration.md``). The Hugging Face and plain-loop doors
+    take a configured object in ``monitors=[LogitStats(ece_bins=...)]``.
 
     Raises:
         HeadwatchError: an invalid argument (checked here, whatever the front door).
@@ -74,6 +78,7 @@ class LogitStats(Monitor):
         path: str = "auto",
         vocab_size: int | None = None,
         frequency: TokenCounts | None = None,
+        ece_bins: int = ECE_BINS,
     ) -> None:
         super().__init__(prefix, strict, batch_format)
         for name, module in (("head", head), ("logits_module", logits_module), ("hidden_module", hidden_module)):
@@ -85,6 +90,7 @@ class LogitStats(Monitor):
         check_choice("path", path, PATHS)
         check_optional(check_int, "vocab_size", vocab_size, minimum=1)
         check_optional(check_instance, "frequency", frequency, TokenCounts)
+        self.ece_bins = check_int("ece_bins", ece_bins, minimum=1, maximum=MAX_ECE_BINS)
         self.head = head
         self.logits_module, self.hidden_module, self.alignment, self.path = logits_module, hidden_module, alignment, path
         self.tokenizer_vocab_size = vocab_size
@@ -98,7 +104,7 @@ class LogitStats(Monitor):
         self.log_histogram = log_histogram
         self.figure_every = figure_every
         self.max_figure_history = 1000
-        self._train = SplitSums(self.batch_format.ignore_index, max_chunk_bytes)
+        self._train = SplitSums(self.batch_format.ignore_index, max_chunk_bytes, self.ece_bins)
         self._val: dict[int, SplitSums] = {}  # per validation dataloader
         self._val_buckets: tuple[Tensor, Tensor] | None = None  # frequencies of this validation epoch
         self._sink: SplitSums | None = None  # where the capture sends statistics; None: do nothing
@@ -234,7 +240,7 @@ class LogitStats(Monitor):
     def validation_batch_start(self, batch: Any, dataloader_idx: int = 0) -> None:
         sink = self._val.get(dataloader_idx)
         if sink is None:
-            sink = self._val[dataloader_idx] = SplitSums(self.batch_format.ignore_index, self._max_chunk_bytes)
+            sink = self._val[dataloader_idx] = SplitSums(self.batch_format.ignore_index, self._max_chunk_bytes, self.ece_bins)
         if self._val_buckets is None:  # once per validation epoch: a collective on the first batch
             self._val_buckets = self._frequency_tables()
         self._arm(batch, sink, self._val_buckets)
