@@ -33,7 +33,8 @@ def reference(model, batch: dict, kept: int | None = None) -> dict[str, float]:
     was = model.training
     model.eval()
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits.double()
+        fields = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}  # packed: positions
+        logits = model(**fields).logits.double()
     model.train(was)
     labels = batch["labels"]
     targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)  # (B, T)
@@ -166,19 +167,26 @@ def _sft(tmp_path, **kw):
     return trainer, cb, seen, model
 
 
-@pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_sft_trainer_completion_only_measures_the_completion_positions(tmp_path, smoothing):
+@pytest.mark.parametrize("smoothing, packing", [(0.0, False), (0.1, False), (0.0, True)])
+def test_sft_trainer_completion_only_measures_the_completion_positions(tmp_path, smoothing, packing):
     """Completion-only loss (prompt tokens -100): the fused loss forward (hidden-state path), or under label
-    smoothing the label-free loss forward (TRL's second, fused forward only feeds its metrics)."""
-    trainer, cb, seen, model = _sft(tmp_path, label_smoothing_factor=smoothing, completion_only_loss=True)
+    smoothing the label-free loss forward (TRL's second, fused forward only feeds its metrics); packed rows
+    (padding-free, ``position_ids``) too. Evaluation goes through the same rule."""
+    kw = dict(packing=True, padding_free=True, max_length=12) if packing else {}
+    trainer, cb, seen, model = _sft(tmp_path, label_smoothing_factor=smoothing, completion_only_loss=True, **kw)
     trainer.train()
-    (batch,) = seen
-    assert (batch["labels"] == -100).sum() > B  # the prompts are masked
+    batch = seen[0]
+    assert (batch["labels"] == -100).sum() >= 4 * B  # the prompts are masked
     want = reference(model, batch)
     assert_published(cb.latest, "headwatch/logits", want)
-    if smoothing == 0.0:  # TRL's own token accuracy, over the same positions
+    if smoothing == 0.0:  # the trainer's own figures: its loss (token mean) and TRL's token accuracy
         trl = next(r for r in trainer.state.log_history if "mean_token_accuracy" in r)
         assert cb.latest["headwatch/logits/target_argmax_rate"] == pytest.approx(trl["mean_token_accuracy"], abs=1e-6)
+        assert cb.latest["headwatch/logits/target_nll"] == pytest.approx(trl["loss"], abs=2e-6)
+    if not packing:
+        seen.clear()
+        metrics = trainer.evaluate(trainer.train_dataset)
+        assert_published({k.removeprefix("eval_"): v for k, v in metrics.items()}, "headwatch/val/logits", reference(model, seen[0]))
 
 
 # ------------------------------------------------------------------------------------ Lightning

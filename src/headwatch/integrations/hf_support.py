@@ -15,6 +15,7 @@ from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerCall
 from headwatch import tensorboard as tb
 from headwatch.errors import HeadwatchError
 from headwatch.core.monitor import Media
+from headwatch.model.capture import called_from
 
 
 TB_PREFIX = "train/"
@@ -66,6 +67,13 @@ def hand_loss_inputs(trainer: Trainer, run: Any) -> None:
     compute_loss.__headwatch_run__ = run  # type: ignore[attr-defined]
     compute_loss.__wrapped__ = original  # type: ignore[attr-defined]
     trainer.compute_loss = compute_loss  # type: ignore[method-assign]
+
+
+def in_evaluation() -> bool:
+    """True when the caller runs inside a ``Trainer.prediction_step`` (``evaluate()``, ``predict()``, any subclass's
+    override): an evaluation forward. A forward of the model outside it (the user's own call after ``train()``)
+    is no evaluation batch."""
+    return called_from("prediction_step", Trainer)
 
 
 STATE_NAME = "headwatch_state.pt"

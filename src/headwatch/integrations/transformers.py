@@ -34,6 +34,7 @@ from headwatch.integrations.hf_support import (
     console_filter,
     find_trainer,
     hand_loss_inputs,
+    in_evaluation,
     is_rules,
     loss_scale,
     restore_state,
@@ -202,6 +203,8 @@ class HeadwatchCallback(Driver, TrainerCallback):
                 "HeadwatchCallback: TRL's fused LM head never calls the head, so collision/synonym_confusion_rate is "
                 "not counted on these forwards (the logit statistics use the hidden states). (warned once)",
             )
+        if not module.training and self.run.step is None and not in_evaluation():
+            return  # the user's own call outside the Trainer's evaluation: no loss of the run uses it
         self.run.forward(batch, training=module.training)
 
     # ---------------------------------------------------------------- training

@@ -38,26 +38,33 @@ _CHECK_ROWS = 8  # rows of the head's raw output kept to check the final transfo
 _MAX_FRAMES = 200  # frames looked at for a generate() call above a forward
 
 
-def in_generation() -> bool:
-    """True when the caller runs inside a ``generate()`` method of an ``nn.Module``.
+def called_from(name: str, owner: type | tuple[type, ...]) -> bool:
+    """True when a frame of the caller's stack runs a function named ``name`` whose ``self`` is an ``owner``.
 
-    The call stack is walked (at most 200 frames) for a frame of a function named ``generate``
-    whose ``self`` is an ``nn.Module``: Hugging Face ``GenerationMixin.generate`` (every decoding
-    strategy runs below it), a PEFT model's ``generate``, nanoGPT's ``generate``. Called from a
-    forward hook, this says whether the forward is a prompt pass or a decoding step. Costs one walk
-    of the stack; not traceable by ``torch.compile`` (call it from eager code only).
+    At most 200 frames are looked at. Costs one walk of the stack; not traceable by ``torch.compile``
+    (call it from eager code only).
     """
     frame = sys._getframe(1)
     try:
         for _ in range(_MAX_FRAMES):
             if frame is None:
                 return False
-            if frame.f_code.co_name == "generate" and isinstance(frame.f_locals.get("self"), nn.Module):
+            if frame.f_code.co_name == name and isinstance(frame.f_locals.get("self"), owner):
                 return True
             frame = frame.f_back
         return False
     finally:
         del frame
+
+
+def in_generation() -> bool:
+    """True when the caller runs inside a ``generate()`` method of an ``nn.Module``.
+
+    Hugging Face ``GenerationMixin.generate`` (every decoding strategy runs below it), a PEFT
+    model's ``generate``, nanoGPT's ``generate``: called from a forward hook, this says whether the
+    forward is a prompt pass or a decoding step (:func:`called_from`).
+    """
+    return called_from("generate", nn.Module)
 
 
 @dataclass(frozen=True)
