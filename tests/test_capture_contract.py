@@ -281,3 +281,29 @@ def test_no_labels_is_published_as_such():
     hw.close()
     assert math.isnan(values["headwatch/logits/target_nll"]) and math.isnan(values["headwatch/logits/ece"])
     assert values["headwatch/logits/positions"] == B * T  # every attended position: not the loss's, and said so
+
+
+def test_two_forwards_with_gradient_both_feed_the_loss_and_are_both_measured():
+    """R-Drop style: two forwards with gradient, one loss from both; each is measured against the batch's labels."""
+    model, batch = tiny_llama(tie=True), one_batch()
+    want = reference(model, batch)
+    hw = Headwatch(model, monitors=["logits"], log_every_n_steps=1, figure_every_n_steps=0)
+    hw.step_start(batch, 0)
+    with pytest.warns(UserWarning, match="more than once with gradient"):
+        loss = model(**batch).loss + model(**batch).loss
+    loss.backward()
+    values = hw.step_end()
+    hw.close()
+    assert_published(values, "headwatch/logits", {**want, "positions": 2 * want["positions"]})
+
+
+def test_a_split_mixing_labelled_and_unlabelled_batches_says_so():
+    model, batch = tiny_llama(tie=True), one_batch()
+    hw = Headwatch(model, monitors=["logits"], log_every_n_steps=1, figure_every_n_steps=0)
+    unlabelled = {k: v for k, v in batch.items() if k != "labels"}
+    with pytest.warns(UserWarning, match="pooled batches with labels and batches without"):
+        for b in (batch, unlabelled):
+            hw.step_start(b, 0)  # two micro-batches of one logging step
+            model(**b).logits.sum().backward()
+    hw.step_end()
+    hw.close()
