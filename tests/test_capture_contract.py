@@ -8,9 +8,7 @@ trainer's loss used: the HF Trainer's inputs before it pops them, TRL's collated
 
 from __future__ import annotations
 
-import copy
 import math
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest

@@ -214,7 +214,7 @@ class LogitStats(Monitor):
         if self._calls == 2 and sink is self._train:
             self.warn_once(
                 "twice",
-                f"LogitStatsMonitor: the model ran more than once with gradient in one training batch; every such "
+                "LogitStatsMonitor: the model ran more than once with gradient in one training batch; every such "
                 "forward feeds the loss and is measured against the batch's labels and pooled (an auxiliary pass "
                 "would need its own targets_fn). (warned once)",
             )
