@@ -42,6 +42,8 @@ class SplitSums:
         self.calibration = FrequencyCalibrationMetric(bucket_names=BUCKETS, n_bins=ece_bins, ignore_index=ignore_index)
         self.padded: list[Tensor | float] = [0.0, 0.0]  # float64 (sum, count)
         self._no_bucket: Tensor | None = None  # (V,) of -1: calibration without frequencies
+        self.labelled: set[bool] = set()
+        """Whether the forwards pooled since the last ``compute`` had labels (True), none (False), or both."""
 
     @property
     def device(self) -> torch.device:
@@ -103,6 +105,7 @@ class SplitSums:
         finally:
             self.stats.reset()
             self.calibration.reset()
+            self.labelled = set()
         for key in CALIBRATION_KEYS:
             out[key] = cal[key]
         if by_frequency:

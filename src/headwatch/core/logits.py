@@ -23,6 +23,7 @@ from headwatch.errors import (
 from headwatch.model.capture import PATHS, Captured, LogitsCapture
 from headwatch.model.captured import captured_statistics
 from headwatch.model.batch import BatchFormat, BatchView
+from headwatch.core.forwards import NOT_LOSS_REASONS, not_loss_forward
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.logit_split import SplitSums
 from headwatch.core.metrics import SCALAR_KEYS
@@ -115,6 +116,7 @@ class LogitStats(Monitor):
         self.head_name = ""
         self.vocab_size = 0
         self._calls = 0
+        self._accepted = 0
         self.entropy_history: list[tuple[int, Tensor]] = []
         self._history_on_device = 0  # the last entries of entropy_history, still on the device
         self.logged_steps = 0
@@ -126,7 +128,7 @@ class LogitStats(Monitor):
         source = resolve_logits_source(model, self.head, self.logits_module, self.hidden_module, self.alignment)
         if self.source is None or source.owner is not self.source.owner or source.head is not self.source.head:
             self.detach()
-            self._capturer = LogitsCapture(source, self._consume, self.path, model, self.strict)
+            self._capturer = LogitsCapture(source, self._consume, self.path, model, self.strict, accept=self._accept_forward)
             self._capturer.attach()
             self.source, self._head_module, self.head_name = source, source.head, source.head_name
         self.model = model
@@ -142,6 +144,7 @@ class LogitStats(Monitor):
     # ------------------------------------------------------------------ capture
     def _arm(self, batch: Any, sink: SplitSums, buckets: tuple[Tensor, Tensor] | None) -> None:
         self._view, self._sink, self._buckets = self._format.read(batch), sink, buckets
+        self._accepted = 0  # forwards measured in this (micro-)batch
         if self._capturer is None:
             return
         try:
@@ -151,19 +154,45 @@ class LogitStats(Monitor):
             ref = None
         self._capturer.begin(ref.shape if ref is not None else None)
 
+    def _accept_forward(self, grad_enabled: bool) -> bool:
+        """The capture contract (:func:`headwatch.core.forwards.not_loss_forward`): measure this forward of the
+        armed batch or not; called by the capture once per forward of the model, inside it."""
+        training = self._sink is self._train
+        why = not_loss_forward(training, grad_enabled, first=self._accepted == 0)
+        if why is None:
+            self._accepted += 1
+            return True
+        where = "a training step" if training else "an evaluation batch"
+        self.info_once(f"headwatch: LogitStats does not measure a forward of {where}: {NOT_LOSS_REASONS[why]}. (said once)")
+        return False
+
     def _consume(self, captured: Captured) -> None:
         """Called by the capture inside the forward (or at batch end under torch.compile)."""
         sink, view = self._sink, self._view
         if sink is None or view is None:
             return
         mask, targets = view.mask, view.targets
-        if targets is None and sink is self._train:
+        if targets is None:
+            split = "training" if sink is self._train else "evaluation"
             self.warn_once(
-                "no_targets",
-                f"LogitStatsMonitor found no `labels` in a {type(view.batch).__name__} batch: target_nll and "
-                "target_argmax_rate are logged as NaN. For (inputs, targets) tuples pass "
+                f"no_targets:{split}",
+                f"LogitStatsMonitor found no `labels` in a {split} {type(view.batch).__name__} batch: target_nll, "
+                "target_argmax_rate and the calibration are logged as NaN, and the entropy is averaged over every "
+                "attended position (each row's last too). For (inputs, targets) tuples pass "
                 "targets_fn=lambda batch: batch[1] (and shift_labels=False if they are already shifted). (warned once)",
             )
+        sink.labelled.add(targets is not None)
+        if len(sink.labelled) == 2:
+            self.warn_once(
+                "mixed_labels",
+                "LogitStatsMonitor pooled batches with labels and batches without into one value: the entropy of "
+                "the unlabelled ones covers every attended position, the target statistics only the labelled ones. "
+                "Give every batch its labels (or none). (warned once)",
+            )
+        if captured.kept is not None:  # logits_to_keep: the last `kept` positions of each row
+            k = captured.kept
+            mask = mask[..., -k:] if mask is not None else None
+            targets = targets[..., -k:] if targets is not None else None
         x = captured.logits if captured.path == "logits" else captured.hidden
         if x is None:
             raise HeadwatchError(f"the capture on the {captured.path} path holds no tensor")
@@ -194,9 +223,9 @@ class LogitStats(Monitor):
         if self._calls == 2 and sink is self._train:
             self.warn_once(
                 "twice",
-                f"LogitStatsMonitor: the model ran more than once in one training batch; every forward is "
-                "measured against the batch's labels and pooled (an auxiliary pass would need its own targets_fn). "
-                "(warned once)",
+                "LogitStatsMonitor: the model ran more than once with gradient in one training batch; every such "
+                "forward feeds the loss and is measured against the batch's labels and pooled (an auxiliary pass "
+                "would need its own targets_fn). (warned once)",
             )
 
     def _disarm(self) -> None:
