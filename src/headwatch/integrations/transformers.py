@@ -152,9 +152,9 @@ class HeadwatchCallback(Driver, TrainerCallback):
             )
         self._first = bool(args.logging_first_step)
         self.attach_model(model, every)
-        restore_state(self, args, state)
         self._control = control
         wire_alert(self, args)
+        restore_state(self, args, state)  # the monitors' and the alert's state of the checkpoint's step
         if self.reducer.rank == 0:
             try:
                 tb.write_layout(self.writers(), TB_PREFIX + self.prefix, category=self.prefix)
@@ -250,10 +250,17 @@ class HeadwatchCallback(Driver, TrainerCallback):
         save_state(self, args, state)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.run.state_dict()
+        """The monitors' state and, with an alert engine, its state (smoothing, episodes, alerts) under ``"alert"``."""
+        state = self.run.state_dict()
+        if hasattr(self.alert, "state_dict") and not is_rules(self.alert):
+            state["alert"] = self.alert.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (each part checked; an invalid part restarts from empty with one warning)."""
         self.run.load_state_dict(state)
+        if isinstance(state, dict) and "alert" in state and hasattr(self.alert, "load_state_dict") and not is_rules(self.alert):
+            self.alert.load_state_dict(state["alert"])
 
 
 def attach(trainer: Trainer, callback: HeadwatchCallback | None = None, **kwargs: Any) -> HeadwatchCallback:

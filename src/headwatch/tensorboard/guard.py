@@ -36,6 +36,7 @@ example ``tensorboardX``) are left as they are.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -113,7 +114,10 @@ class GuardedFileWriter:
         self._retry()
 
     def close(self) -> None:
-        self.flush()
+        if self.broken is None and self.file_name and not os.path.exists(self.file_name):
+            self._fail(FileNotFoundError(f"the event file {self.file_name} was deleted (its directory removed?)"))
+        if self.broken is not None:
+            self._retry(now=math.inf)  # a last try, whatever the retry interval
         if self.broken is None:
             try:
                 self.inner.close()
