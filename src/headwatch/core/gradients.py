@@ -295,7 +295,20 @@ class GradientDensity(Monitor):
         out: dict[str, Tensor] = {f"{g}/tied": torch.full((), float(self.tied), dtype=torch.float64, device=snap.counts.device)}
         self._histograms, self._full_norms = {}, {}
         flows = self._flows(loss_scale)
+        elsewhere = self._gradient_elsewhere(flows)
         for flow, grad in flows.items():
+            if grad is None and flow in elsewhere:
+                # another process has this gradient (this one skipped its backward): the same keys on every rank,
+                # NaN here ("not measured on this process"), computed on zeros so that every collective matches
+                grad = torch.zeros_like(local_rows(self._matrix_of(flow)).local, dtype=torch.float32)
+                self.warn_once(
+                    f"nograd_here:{flow}",
+                    f"GradientDensityMonitor: the {flow} has no gradient on this process on a step where another "
+                    "process has one (a skipped backward?); its values are NaN here on that step. (warned once)",
+                )
+                stats_nan = True
+            else:
+                stats_nan = False
             if grad is None:
                 self.warn_once(
                     f"nograd:{flow}",
@@ -311,6 +324,9 @@ class GradientDensity(Monitor):
             groups.update({f"{g}/{name}/{flow}": bucket == BUCKETS.index(name) for name in (("top1",) if flow == "shared" else BUCKETS)})
             groups[f"{g}/rare/{flow}"] = snap.rare.to(device)
             stats, norms = row_statistics(grad, groups, self.reducer)  # (V,) norms, gathered when row-sharded
+            if stats_nan:
+                stats = {k: torch.full_like(v, float("nan")) for k, v in stats.items()}
+                norms = torch.full_like(norms, float("nan"))
             out.update(stats)
             out[f"{g}/{flow}_rare_to_frequent_norm_ratio"] = norm_ratio(out[f"{g}/rare/{flow}_row_norm_mean"], out[f"{g}/top1/{flow}_row_norm_mean"])
             # the valid rows' norms; the others -1 (no norm is negative), dropped on the host (published)
@@ -329,6 +345,22 @@ class GradientDensity(Monitor):
             rho = spearman(log_counts, norms.double().to(log_counts.device), select=seen)
             out[f"{self.prefix}/freq/{name}_norm_spearman"] = rho
         return out
+
+    def _gradient_elsewhere(self, flows: dict[str, Any]) -> set[str]:
+        """The flows without a gradient here that another process has (a collective with several processes, one
+        ``all_reduce`` of one flag per flow; nothing with one process)."""
+        if self.reducer.world_size <= 1:
+            return set()
+        names = sorted(flows)
+        here = torch.tensor([float(flows[n] is not None) for n in names], dtype=torch.float64)
+        device = next((local_rows(g).local.device for g in flows.values() if g is not None), torch.device("cpu"))
+        anywhere = self.reducer.sum(here.to(device)).cpu().tolist()  # a sync, with several processes only
+        return {n for n, h, a in zip(names, here.tolist(), anywhere) if h == 0 and a > 0}
+
+    def _matrix_of(self, flow: str) -> Tensor:
+        """The matrix whose gradient ``flow`` is (``embedding``: the input embedding's; else the head's)."""
+        matrices = self._matrices()
+        return matrices.get(flow, matrices.get("head", next(iter(matrices.values()))))
 
     def _update_stats(self) -> dict[str, Tensor]:
         u = f"{self.prefix}/update"
