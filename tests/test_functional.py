@@ -252,7 +252,7 @@ def test_all_masked_gives_nan_means_and_zero_count():
         (dict(logits=torch.zeros(2, 3, 5), mask=torch.ones(3, 2, dtype=torch.bool)), r"mask of shape \(2, 3\)"),
         (dict(logits=torch.zeros(2, 3, 5), mask=torch.ones(2, 3)), "boolean mask"),
         (dict(logits=torch.zeros(2, 3, 5), targets=torch.zeros(2, 4, dtype=torch.long)), r"targets of shape \(2, 3\)"),
-        (dict(logits=torch.zeros(2, 3, 5), targets=torch.zeros(2, 3)), "integer targets"),
+        (dict(logits=torch.zeros(2, 3, 5), targets=torch.zeros(2, 3)), "`targets` must be an integer tensor of token ids"),
         (dict(logits=[[0.0, 1.0]]), "torch.Tensor"),
         (dict(logits=torch.zeros(2, 5), max_chunk_bytes=0), "max_chunk_bytes"),
     ],

@@ -297,11 +297,11 @@ def test_hidden_chunk_plan_stays_within_the_budget(weight_dtype, V, d, budget):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(hidden=[[0.0]], weight=torch.zeros(4, 1)), "torch.Tensors"),
+        (dict(hidden=[[0.0]], weight=torch.zeros(4, 1)), "`hidden` must be a torch.Tensor"),
         (dict(hidden=torch.zeros(2, 3), weight=torch.zeros(4, 5)), r"hidden \(2, 3\) and weight \(4, 5\)"),
         (dict(hidden=torch.zeros(2, 3), weight=torch.zeros(4)), "weight of shape"),
         (dict(hidden=torch.zeros(2, 3), weight=torch.zeros(4, 3), bias=torch.zeros(3)), r"bias of shape \(4,\), got \(3,\)"),
-        (dict(hidden=torch.zeros(2, 3), weight=torch.zeros(4, 3), bias=[0.0] * 4), r"bias of shape \(4,\), got list"),
+        (dict(hidden=torch.zeros(2, 3), weight=torch.zeros(4, 3), bias=[0.0] * 4), r"`bias` must be a torch.Tensor or None, got \[0.0"),
         (dict(hidden=torch.zeros(2, 3), weight=torch.zeros(4, 3), mask=torch.ones(3, dtype=torch.bool)), r"mask of shape \(2,\)"),
         (dict(hidden=torch.zeros(2, 3), weight=torch.zeros(4, 3), transform=3.0), "callable"),
     ],

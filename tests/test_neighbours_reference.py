@@ -115,8 +115,8 @@ def test_queries_need_not_be_valid_and_edge_rows():
     [
         ((torch.zeros(5), torch.tensor([0])), r"shape \[vocab_size, d_model\], got \(5,\)"),
         ((torch.zeros(5, 2, dtype=torch.long), torch.tensor([0])), "floating matrix"),
-        (("rows", torch.tensor([0])), "got str"),
-        ((torch.zeros(5, 2), torch.tensor([0.0])), "1-D integer tensor"),
+        (("rows", torch.tensor([0])), "`matrix` must be a torch.Tensor, got 'rows'"),
+        ((torch.zeros(5, 2), torch.tensor([0.0])), "integer tensor"),
         ((torch.zeros(5, 2), torch.tensor([[0]])), "1-D integer tensor"),
         ((torch.zeros(5, 2), torch.tensor([0]), torch.ones(4, dtype=torch.bool)), r"valid` of shape \(5,\)"),
         ((torch.zeros(5, 2), torch.tensor([0]), torch.ones(5)), "dtype bool"),

@@ -1,7 +1,18 @@
 """Pure-torch statistics behind headwatch's monitors (no Lightning).
 
-Every function documents its tensor shapes, units and the source of its definition.
+Every function documents its tensor shapes, units and the source of its definition. Through this package
+(``headwatch.functional.<name>``) every function first checks that its tensor arguments are tensors (and
+token ids integer ones): a :class:`~headwatch.errors.HeadwatchError` names the argument otherwise.
 """
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from headwatch.errors import argument_error
 
 from headwatch.functional.adapters import add_low_rank_, head_weight_gradient, zero_rows
 from headwatch.functional.collision import (
@@ -176,3 +187,48 @@ __all__ += [
     "synonym_statistics",
     "top_principal_directions",
 ]
+
+
+def _checked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` whose tensor arguments are checked first: each parameter annotated as a ``Tensor`` must be a
+    ``torch.Tensor`` (None where the annotation allows it), and token ids (:data:`_ID_NAMES`) an integer, not a
+    bool, tensor; otherwise a :class:`~headwatch.errors.HeadwatchError` names the argument, what it must be and
+    what it got. The function's own checks (dtypes, shapes, ranges) follow."""
+    signature = inspect.signature(fn)
+    tensors = {
+        name: "None" in str(p.annotation)
+        for name, p in signature.parameters.items()
+        if str(p.annotation).replace("torch.", "") in ("Tensor", "Tensor | None", "None | Tensor", "Optional[Tensor]")
+    }
+    if not tensors:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return fn(*args, **kwargs)  # Python's own message for a wrong call
+        for name, optional in tensors.items():
+            if name not in bound:
+                continue
+            value = bound[name]
+            if value is None and optional:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise argument_error(name, "a torch.Tensor" + (" or None" if optional else ""), value)
+            if name in _ID_NAMES and (value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex):
+                raise argument_error(name, "an integer tensor of token ids", value)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+_ID_NAMES = frozenset({"targets", "ids", "token_ids", "input_ids", "labels", "queries", "neighbour"})
+"""Parameters that hold token ids or row indices."""
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if inspect.isfunction(_obj):
+        globals()[_name] = _checked(_obj)
+del _name, _obj
