@@ -341,3 +341,9 @@ class SynonymCollision(Monitor):
         self._measurements = int(state_dict.get("measurements", 0))
         self._last_step = int(state_dict.get("last_step", -1))
         self.failures = int(state_dict.get("failures", 0))
+
+    def reset(self) -> None:
+        """A new run: counters, the synonym-confusion sums and the step in progress emptied."""
+        super().reset()
+        self._confusion = torch.zeros(2, 2, dtype=torch.float64)
+        self._step, self._view, self._stash, self._split, self.last_result = None, None, [], _TRAIN, {}

@@ -368,6 +368,11 @@ class GradientDensity(Monitor):
         self.logged_steps = int(state_dict.get("logged_steps", 0))
         self.failures = int(state_dict.get("failures", 0))
 
+    def reset(self) -> None:
+        """A new run: the counters and the step in progress (its captures and snapshots) emptied."""
+        super().reset()
+        self._reset_step()
+
 
 def norm_ratio(rare: Tensor, frequent: Tensor) -> Tensor:
     """``rare / frequent`` (the rare-to-frequent row-norm ratio), NaN where ``frequent == 0``.

@@ -46,6 +46,15 @@ def find_trainer(callback: TrainerCallback) -> Trainer | None:
     return None
 
 
+def evaluation_prefix(metrics: dict | None) -> str:
+    """The ``metric_key_prefix`` of an ``evaluate()`` call, from its metrics (every evaluation has
+    ``<prefix>_runtime``, ``speed_metrics``); ``"eval"`` when it cannot be read."""
+    for key in metrics or {}:
+        if key.endswith("_runtime"):
+            return key[: -len("_runtime")]
+    return "eval"
+
+
 STATE_NAME = "headwatch_state.pt"
 """The monitors' state in each Trainer checkpoint folder (``<output_dir>/checkpoint-<step>/``)."""
 
@@ -189,6 +198,7 @@ class TrainerSink:
             with console_shows(trainer, cb.console_keys):  # the console: headline values; report_to: all
                 Trainer.log(trainer, dict(numbers))  # its on_log event clears control.should_log ...
             trainer.control.should_log = should_log  # ... which must still log the loss of this step
+            cb.write_layout()  # a writer created by that log (callbacks in any order, evaluate() only)
         else:
             tb.flush(writers)
             cb.run.warn_once(

@@ -19,23 +19,25 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
-from transformers import Trainer, TrainerCallback
+from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
 from headwatch import tensorboard as tb
 from headwatch.core.figures import check_figure_argument
 from headwatch.core.monitor import Monitor
-from headwatch.core.orchestrator import Driver, Orchestrator
+from headwatch.core.orchestrator import Driver, Orchestrator, eval_rows_kept
 from headwatch.distributed.reduce import Reducer
 from headwatch.errors import HeadwatchError, check_bool, check_protocol
 from headwatch.integrations.hf_support import (
     TB_PREFIX,
     TrainerSink,
     console_filter,
+    evaluation_prefix,
     find_trainer,
     is_rules,
     loss_scale,
     restore_state,
+    resume_dir,
     save_state,
     unwrap,
     wire_alert,
@@ -134,12 +136,33 @@ class HeadwatchCallback(Driver, TrainerCallback):
         """Keep a (weak) reference to the trainer whose ``log`` receives the values."""
         self._trainer = weakref.ref(trainer)
 
+    def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        """The Trainer is built: attach to its model now, so that an ``evaluate()`` before (or without)
+        ``train()`` is measured from its first batch. ``on_train_begin`` attaches again to the model it trains."""
+        with self.run.guard("attaching at the Trainer's construction"):
+            if self.trainer is None and (found := find_trainer(self)) is not None:
+                self.set_trainer(found)
+            if model is not None:
+                self.attach_model(model, self.logging_every(args, state))
+
+    @staticmethod
+    def logging_every(args: Any, state: Any) -> int:
+        """The Trainer's logging interval in steps (0: not by steps)."""
+        return int(getattr(state, "logging_steps", 0) or args.logging_steps) if args.logging_strategy == "steps" else 0
+
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        """A run starts: fresh state unless it resumes from a checkpoint (:meth:`Orchestrator.start_run`),
+        attach to the model it trains, restore a resumed run's state. Never raises (``strict`` does)."""
+        with self.run.guard("starting the run"):
+            self.begin_run(args, state, control, model)
+
+    def begin_run(self, args: Any, state: Any, control: Any, model: nn.Module | None) -> None:
         if model is None:
             raise HeadwatchError("HeadwatchCallback.on_train_begin received no `model`; use it inside a transformers.Trainer")
         if self.trainer is None and (found := find_trainer(self)) is not None:
             self.set_trainer(found)
-        every = int(getattr(state, "logging_steps", 0) or args.logging_steps) if args.logging_strategy == "steps" else 0
+        self.run.start_run(resumed=resume_dir(self, args, state) is not None, also=[self.alert] if hasattr(self.alert, "reset") else [])
+        every = self.logging_every(args, state)
         if args.logging_strategy == "epoch":
             self.run.warn_once(
                 "epoch_strategy",
@@ -151,6 +174,12 @@ class HeadwatchCallback(Driver, TrainerCallback):
         restore_state(self, args, state)
         self._control = control
         wire_alert(self, args)
+        self.write_layout()
+
+    def write_layout(self) -> None:
+        """The Custom Scalars layout, once per TensorBoard writer of the Trainer (rank zero): called at
+        ``on_train_begin`` and after every publication, so a writer the ``TensorBoardCallback`` creates
+        later (callbacks in any order, an evaluation-only script) gets it too."""
         if self.reducer.rank == 0:
             try:
                 tb.write_layout(self.writers(), TB_PREFIX + self.prefix, category=self.prefix)
@@ -160,7 +189,7 @@ class HeadwatchCallback(Driver, TrainerCallback):
     def attach_model(self, model: nn.Module, every: int) -> None:
         """Configure every monitor (schedule ``every`` steps), attach it and hook the model's forward."""
         self.run.configure(every, figure_every_n_steps=self.figure_every_n_steps)
-        self.run.attach(unwrap(model), root=model)  # FSDP1 (accelerate): summoned from the wrapped model
+        self.run.attach(unwrap(model), root=model, refuse=True)  # FSDP1 (accelerate): summoned from the wrapped model
         inner = unwrap(model)
         if self._model is not inner:
             self.close()
@@ -190,6 +219,20 @@ class HeadwatchCallback(Driver, TrainerCallback):
 
     # ---------------------------------------------------------------- the batch
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        with self.run.guard("reading the batch"):
+            self.read_forward(module, args, kwargs)
+
+    def real_rows(self, batch: dict, training: bool) -> int | None:
+        """Evaluation: how many rows of this batch ``gather_for_metrics`` keeps (the last batch of an even
+        distributed split holds repeats; :func:`headwatch.core.orchestrator.eval_rows_kept`); None: all."""
+        accelerator = getattr(self.trainer, "accelerator", None)
+        state = getattr(accelerator, "gradient_state", None)
+        ids = batch.get("input_ids")
+        if training or state is None or not state.end_of_dataloader or ids is None or not hasattr(ids, "shape"):
+            return None
+        return eval_rows_kept(int(ids.shape[0]), int(accelerator.process_index), int(state.remainder))
+
+    def read_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         batch = dict(kwargs)
         if args and "input_ids" not in batch:
             batch["input_ids"] = args[0]
@@ -199,17 +242,19 @@ class HeadwatchCallback(Driver, TrainerCallback):
                 "HeadwatchCallback: TRL's fused LM head never calls the head, so collision/synonym_confusion_rate is "
                 "not counted on these forwards (the logit statistics use the hidden states). (warned once)",
             )
-        self.run.forward(batch, training=module.training)
+        self.run.forward(batch, training=module.training, real_rows=self.real_rows(batch, module.training))
 
     # ---------------------------------------------------------------- training
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.run.begin_step(state.global_step, first=self._first)  # DefaultFlowCallback's rule, global_step = step + 1
+        with self.run.guard("starting a step"):
+            self.run.begin_step(state.global_step, first=self._first)  # DefaultFlowCallback's rule, global_step = step + 1
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.run.batch_end()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.run.gradients_ready(loss_scale(self.trainer, args) if self.run.logging else None)
+        with self.run.guard("reading the gradients"):
+            self.run.gradients_ready(loss_scale(self.trainer, args) if self.run.logging else None)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.run.optimizer_stepped()
@@ -217,25 +262,42 @@ class HeadwatchCallback(Driver, TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._control = control
-        if self.run.logging and not control.should_log:
+        if self.run.logging and not control.should_log and self.flow_decided():
             self.run.warn_once("should_log", "HeadwatchCallback measured a step the Trainer does not log. (warned once)")
-        self.run.end_step(state.global_step)
+        with self.run.guard("publishing the step"):
+            self.run.end_step(state.global_step)
+
+    def flow_decided(self) -> bool:
+        """Whether the Trainer's ``DefaultFlowCallback`` (which sets ``control.should_log``) ran before this
+        callback at each event (it does unless this callback was put ahead of it)."""
+        callbacks = self.trainer.callback_handler.callbacks if self.trainer is not None else []
+        flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
+        mine = [i for i, cb in enumerate(callbacks) if cb is self]
+        return not flow or not mine or flow[0] < mine[0]
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.run.epoch_end(state.global_step - 1, at=state.global_step)
+        with self.run.guard("ending the epoch"):
+            self.run.epoch_end(state.global_step - 1, at=state.global_step)
 
     # ---------------------------------------------------------------- evaluation
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.run.validation_batch_end()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict | None = None, **kwargs: Any) -> None:
-        self._control, self._eval_metrics = control, dict(metrics or {})
-        numbers = self.run.validation_end(state.global_step)
-        if metrics is not None:
-            metrics.update({f"eval_{k}": v for k, v in numbers.items()})
+        """Publish the evaluation under the Trainer's name for it (``metric_key_prefix``, read from its
+        ``<prefix>_runtime`` metric): ``eval`` keeps the plain ``<prefix>/val/...`` names, any other (each
+        dataset of an ``eval_dataset`` dict: ``eval_<name>``) adds ``/<metric_key_prefix>``; ``evaluate()``'s
+        metrics get ``<metric_key_prefix>_<name>``, as the Trainer's own ``<metric_key_prefix>_loss``."""
+        with self.run.guard("publishing the evaluation"):
+            self._control, self._eval_metrics = control, dict(metrics or {})
+            key = evaluation_prefix(metrics)
+            numbers = self.run.validation_end(state.global_step, name=None if key == "eval" else key)
+            if metrics is not None:
+                metrics.update({f"{key}_{k}": v for k, v in numbers.items()})
 
     def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
-        self.run.each("resetting after predict", lambda m: m.validation_epoch_end())  # predict() logs nothing
+        with self.run.guard("resetting after predict"):
+            self.run.each("resetting after predict", lambda m: m.validation_epoch_end())  # predict() logs nothing
 
     # ---------------------------------------------------------------- state
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -264,4 +326,6 @@ def attach(trainer: Trainer, callback: HeadwatchCallback | None = None, **kwargs
     if not any(cb is callback for cb in trainer.callback_handler.callbacks):
         trainer.add_callback(callback)
     callback.set_trainer(trainer)
+    if callback.run.step is None and trainer.model is not None:  # built already: attach now (evaluate() before train())
+        callback.on_init_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
     return callback

@@ -22,6 +22,7 @@ from headwatch.integrations.lightning.door import (
     LightningSink,
     lightning_step,
     loss_scale,
+    published_steps,
     tensorboard_writers,
 )
 
@@ -48,6 +49,9 @@ class MonitorCallback(Callback):
     # ---------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         core = self._core()
+        if stage == "fit" and self._drives(trainer):  # a new fit: fresh state (a resume loads its checkpoint after setup)
+            lightning_run(trainer).start_run()
+            published_steps(trainer).clear()
         every = self.log_every_n_steps if self.log_every_n_steps is not None else core.every_factor * trainer.log_every_n_steps
         core.configure(Schedule(every), LightningReducer(trainer.strategy))
         if every == 0:
@@ -58,13 +62,18 @@ class MonitorCallback(Callback):
         self._hw_provisional = stage in ("fit", "validate")
         try:
             self._attach_wrapped(trainer, pl_module, stage)
-        except HeadwatchError as err:  # the model may be built later (configure_model, LightningModule.setup)
+        except Exception as err:  # noqa: BLE001 - the model may be built later (configure_model, LightningModule.setup)
             self._attach_error = err
         finally:
             self._hw_provisional = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._attach_wrapped(trainer, pl_module, "fit")  # raises now if the model still lacks the modules
+        if self._drives(trainer):
+            self._attach_or_refuse(trainer, pl_module, "fit")
+        self._write_layout(trainer)
+
+    def _write_layout(self, trainer: pl.Trainer) -> None:
+        """The Custom Scalars layout, once per TensorBoard writer (rank zero)."""
         try:
             if trainer.is_global_zero:
                 tb.write_layout(tensorboard_writers(trainer), self.prefix)  # type: ignore[attr-defined]
@@ -72,8 +81,26 @@ class MonitorCallback(Callback):
             self._core().fail(err, "writing the TensorBoard dashboard layout")
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.state.fn == "validate":  # after configure_model; raises if the model still lacks the modules
-            self._attach_wrapped(trainer, pl_module, "validate")
+        if trainer.state.fn == "validate" and self._drives(trainer):  # after configure_model
+            self._attach_or_refuse(trainer, pl_module, "validate")
+        if trainer.state.fn == "validate":
+            self._write_layout(trainer)
+
+    def _attach_or_refuse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """The driving callback attaches every headwatch callback on the final model; those that cannot are
+        refused by the run together (:meth:`Orchestrator.refuse`: one warning naming each cause and what is
+        still measured; ``strict`` raises) and training goes on without them."""
+        run = lightning_run(trainer)
+        run.refused.clear()
+        failed = {}
+        for cb in monitor_callbacks(trainer):
+            try:
+                cb._attach_wrapped(trainer, pl_module, stage)
+            except Exception as err:  # noqa: BLE001 - a monitoring limitation never stops training
+                failed[cb._core()] = err
+        lightning_run(trainer)
+        if failed:
+            run.refuse(failed)
 
     def _attach_wrapped(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """:meth:`_attach` with the strategy's wrapped model as the monitor's root; under FSDP1
@@ -196,7 +223,8 @@ def lightning_run(trainer: pl.Trainer) -> Orchestrator:
         run = _RUNS[trainer] = Orchestrator(monitors=(), reducer=LightningReducer(trainer.strategy), sinks=[LightningSink(trainer)])
     cores = [cb._core() for cb in monitor_callbacks(trainer)]
     # the shared token counts first, whatever the callbacks' order: the others read them (as in the other doors)
-    run.monitors = [m for m in cores if isinstance(m, TokenCounts)] + [m for m in cores if not isinstance(m, TokenCounts)]
+    run.all_monitors = [m for m in cores if isinstance(m, TokenCounts)] + [m for m in cores if not isinstance(m, TokenCounts)]
+    run.monitors = [m for m in run.all_monitors if m not in run.refused]  # those that cannot measure this model: refused
     return run
 
 
