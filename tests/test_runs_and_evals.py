@@ -364,5 +364,39 @@ def test_lightning_model_without_head_fits_with_one_warning_strict_raises(tmp_pa
         strict.fit(LitLM(NoHead()), loader(Rows(8, seed=4), 4))
 
 
+def lightning_main(out: str, devices: int) -> None:
+    """Lightning validation of 5 rows, 2 per process and batch; under DDP its ``DistributedSampler`` pads
+    rank 1 with a repeat of row 0 (rank 0: rows 0, 2, 4; rank 1: rows 1, 3 and 0 again)."""
+    from headwatch import LogitStatsMonitor
+
+    model, rows = tiny_llama(), Rows(5, seed=5)
+    trainer = lightning_trainer(Path(out), [LogitStatsMonitor(log_every_n_steps=1, figure_every_n_steps=0)], devices=devices,
+                                strategy="ddp" if devices > 1 else "auto")  # fmt: skip
+    trainer.validate(LitLM(model), dataloaders=loader(rows), verbose=False)
+    values = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(VAL)}
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"rank{trainer.global_rank}.json").write_text(json.dumps({"values": values, "ref": reference(model, rows)}))
+
+
+def test_lightning_two_process_validation_counts_real_rows_once(tmp_path):
+    """Lightning under DDP (2 CPU processes, gloo): the validation figures of one process over the 5 real
+    rows, the row its sampler repeats left out."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, __file__, "lightning", str(tmp_path / "ddp"), "2"], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lightning_main(str(tmp_path / "single"), 1)
+    results = [json.loads((tmp_path / run / "rank0.json").read_text()) for run in ("single", "ddp")]
+    results.append(json.loads((tmp_path / "ddp" / "rank1.json").read_text()))
+    ref = results[0]["ref"]
+    for got in results:
+        assert_matches(got["values"], ref)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "lightning":
+        lightning_main(sys.argv[2], int(sys.argv[3]))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    else:
+        main(sys.argv[1])

@@ -163,6 +163,15 @@ def eval_rows_kept(rows: int, rank: int, remainder: int) -> int:
     return max(0, min(rows, remainder - rank * rows))
 
 
+def sampler_rows_kept(start: int, rows: int, rank: int, world: int, total: int) -> int:
+    """How many of the ``rows`` rows from local position ``start`` of a ``torch.utils.data.DistributedSampler``
+    (``drop_last=False``) are real: the sampler pads its index list to a multiple of ``world`` with repeats
+    and rank ``rank`` takes positions ``rank, rank + world, ...``, so its local position ``j`` is a repeat when
+    ``rank + j * world >= total`` (Lightning's validation sampler under DDP). The repeats are the last ones."""
+    real_here = max(0, (total - rank + world - 1) // world)
+    return max(0, min(rows, real_here - start))
+
+
 def keep_rows(batch: Any, rows: int, batch_format: BatchFormat) -> Any | None:
     """``batch`` with its rows from ``rows`` on marked as no prediction (``attention_mask`` 0, labels
     ``ignore_index``), for the monitors only (the model keeps its batch); None when ``batch`` is not a
@@ -428,16 +437,7 @@ class Orchestrator:
             self._started = True
             self.step_start(batch)
         elif self.step is None and not training:
-            if real_rows is not None:
-                marked = keep_rows(batch, real_rows, self.batch_format)
-                if marked is None:
-                    self.warn_once(
-                        "repeated_rows",
-                        f"headwatch cannot leave out the rows a distributed sampler repeats in a {type(batch).__name__} "
-                        "batch (no mapping with input_ids); they are counted in the validation values. (warned once)",
-                    )
-                batch = batch if marked is None else marked
-            self.each("starting a validation batch", lambda m: m.validation_batch_start(batch))
+            self.validation_batch_start(batch, real_rows=real_rows)
 
     def gradients_ready(self, loss_scale: float | Tensor | None = None) -> None:
         """Gradients are final (after accumulation and unscaling)."""
@@ -466,8 +466,22 @@ class Orchestrator:
         return self.emit(due, step if at is None else at)
 
     # ---------------------------------------------------------------- validation
-    def validation_batch_start(self, batch: Any, dataloader_idx: int = 0) -> None:
-        self.each("starting a validation batch", lambda m: m.validation_batch_start(batch, dataloader_idx))
+    def validation_batch_start(
+        self, batch: Any, dataloader_idx: int = 0, real_rows: int | None = None, monitors: Sequence[Monitor] | None = None
+    ) -> None:
+        """A validation batch starts; ``real_rows``: only its first ``real_rows`` rows are real (the others are
+        repeats a distributed sampler added to even out the processes: :func:`eval_rows_kept`,
+        :func:`sampler_rows_kept`), the monitors see them marked as no prediction (:func:`keep_rows`)."""
+        if real_rows is not None:
+            marked = keep_rows(batch, real_rows, self.batch_format)
+            if marked is None:
+                self.warn_once(
+                    "repeated_rows",
+                    f"headwatch cannot leave out the rows a distributed sampler repeats in a {type(batch).__name__} "
+                    "batch (no mapping with input_ids); they are counted in the validation values. (warned once)",
+                )
+            batch = batch if marked is None else marked
+        self.each("starting a validation batch", lambda m: m.validation_batch_start(batch, dataloader_idx), monitors)
 
     def validation_batch_end(self, dataloader_idx: int = 0) -> None:
         self.each("ending a validation batch", lambda m: m.validation_batch_end(dataloader_idx))

@@ -16,7 +16,7 @@ from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor, whole_matrices
 from headwatch.core.schedule import Schedule
 from headwatch.errors import HeadwatchError
-from headwatch.core.orchestrator import Orchestrator
+from headwatch.core.orchestrator import Orchestrator, sampler_rows_kept
 from headwatch.integrations.lightning.door import (
     LightningReducer,
     LightningSink,
@@ -118,10 +118,16 @@ class MonitorCallback(Callback):
         self._attach_error = None
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._core().batch_end()
+        self._end_batch("tearing down")
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._core().batch_end()
+        self._end_batch("ending after an exception")
+
+    def _end_batch(self, where: str) -> None:
+        try:
+            self._core().batch_end()
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            self._core().fail(err, where)
 
     def _info_once(self, message: str) -> None:
         """A set-up line, said once per callback; not while ``setup`` resolves a model that
@@ -181,7 +187,8 @@ class MonitorCallback(Callback):
     ) -> None:
         if self._drives(trainer):
             measuring = [cb._core() for cb in monitor_callbacks(trainer) if cb._measuring_validation(trainer)]
-            lightning_run(trainer).each("starting a validation batch", lambda m: m.validation_batch_start(batch, dataloader_idx), measuring)
+            real = validation_rows(trainer, batch, batch_idx, dataloader_idx) if measuring else None
+            lightning_run(trainer).validation_batch_start(batch, dataloader_idx, real_rows=real, monitors=measuring)
 
     def on_validation_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -226,6 +233,22 @@ def lightning_run(trainer: pl.Trainer) -> Orchestrator:
     run.all_monitors = [m for m in cores if isinstance(m, TokenCounts)] + [m for m in cores if not isinstance(m, TokenCounts)]
     run.monitors = [m for m in run.all_monitors if m not in run.refused]  # those that cannot measure this model: refused
     return run
+
+
+def validation_rows(trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_idx: int) -> int | None:
+    """The real rows of a validation batch under a ``DistributedSampler`` that pads (Lightning's under DDP):
+    :func:`~headwatch.core.orchestrator.sampler_rows_kept`; None (all real) for any other sampler."""
+    from torch.utils.data import DistributedSampler
+
+    loaders = trainer.val_dataloaders
+    loader = loaders[dataloader_idx] if isinstance(loaders, (list, tuple)) else loaders
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    size = getattr(loader, "batch_size", None)
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or not isinstance(size, int) or sampler.num_replicas <= 1:
+        return None
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    rows = int(ids.shape[0]) if isinstance(ids, torch.Tensor) else size
+    return sampler_rows_kept(batch_idx * size, rows, sampler.rank, sampler.num_replicas, len(sampler.dataset))
 
 
 def monitor_callbacks(trainer: pl.Trainer) -> list[MonitorCallback]:
