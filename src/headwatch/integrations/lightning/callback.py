@@ -148,13 +148,16 @@ class MonitorCallback(Callback):
         if not self._drives(trainer):
             return
         run = lightning_run(trainer)
-        self._hw_step, self._hw_global_step = lightning_step(trainer), trainer.global_step
-        run.begin_step(self._hw_step)
-        run.step_start(batch)
+        with run.guard("starting a batch"):
+            self._hw_step, self._hw_global_step = lightning_step(trainer), trainer.global_step
+            run.begin_step(self._hw_step)
+            run.step_start(batch)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._drives(trainer):
-            lightning_run(trainer).gradients_ready(loss_scale(trainer))
+            run = lightning_run(trainer)
+            with run.guard("reading the gradients"):
+                run.gradients_ready(loss_scale(trainer))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -187,8 +190,10 @@ class MonitorCallback(Callback):
     ) -> None:
         if self._drives(trainer):
             measuring = [cb._core() for cb in monitor_callbacks(trainer) if cb._measuring_validation(trainer)]
-            real = validation_rows(trainer, batch, batch_idx, dataloader_idx) if measuring else None
-            lightning_run(trainer).validation_batch_start(batch, dataloader_idx, real_rows=real, monitors=measuring)
+            run = lightning_run(trainer)
+            with run.guard("starting a validation batch"):
+                real = validation_rows(trainer, batch, batch_idx, dataloader_idx) if measuring else None
+                run.validation_batch_start(batch, dataloader_idx, real_rows=real, monitors=measuring)
 
     def on_validation_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
