@@ -364,6 +364,35 @@ def test_lightning_model_without_head_fits_with_one_warning_strict_raises(tmp_pa
         strict.fit(LitLM(NoHead()), loader(Rows(8, seed=4), 4))
 
 
+# ------------------------------------------------------------------------------------------------ the row rules
+@pytest.mark.parametrize("world", [2, 3])
+def test_row_rules_keep_every_real_row_exactly_once(world):
+    """Against the samplers themselves: the rows kept on every process by ``eval_rows_kept`` (accelerate's
+    ``BatchSamplerShard`` with ``even_batches``, the HF Trainer's) and by ``sampler_rows_kept`` (torch's
+    ``DistributedSampler``, Lightning's) are each data-set row exactly once, for every size and batch size."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
+
+    from headwatch.core.orchestrator import eval_rows_kept, sampler_rows_kept
+
+    for n in range(1, 14):
+        for bs in (1, 2, 3):
+            kept = []
+            for rank in range(world):
+                batches = list(BatchSamplerShard(BatchSampler(SequentialSampler(range(n)), bs, False), world, rank, even_batches=True))
+                for i, b in enumerate(batches):
+                    keep = eval_rows_kept(len(b), rank, n % (bs * world)) if i == len(batches) - 1 else len(b)
+                    kept += b[:keep]
+            assert sorted(kept) == list(range(n)), ("accelerate", n, bs)
+            kept = []
+            for rank in range(world):
+                local = list(DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=False))
+                for start in range(0, len(local), bs):
+                    b = local[start : start + bs]
+                    kept += b[: sampler_rows_kept(start, len(b), rank, world, n)]
+            assert sorted(kept) == list(range(n)), ("torch", n, bs)
+
+
 def lightning_main(out: str, devices: int) -> None:
     """Lightning validation of 5 rows, 2 per process and batch; under DDP its ``DistributedSampler`` pads
     rank 1 with a repeat of row 0 (rank 0: rows 0, 2, 4; rank 1: rows 1, 3 and 0 again)."""
