@@ -462,8 +462,9 @@ class Orchestrator:
         step ``at``, default ``step``: the door's x axis)."""
         if step < 0:
             return {}
-        due = [m for m in self.monitors if m.train_epoch_end(step)]
-        return self.emit(due, step if at is None else at)
+        wants: list[Monitor] = []
+        self.each("ending the epoch", lambda m: wants.append(m) if m.train_epoch_end(step) else None)
+        return self.emit(wants, step if at is None else at)
 
     # ---------------------------------------------------------------- validation
     def validation_batch_start(

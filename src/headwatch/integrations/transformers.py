@@ -51,15 +51,19 @@ class HeadwatchCallback(Driver, TrainerCallback):
     """Watch the embedding and the head of the model a ``transformers.Trainer`` trains.
 
     One callback drives the run's orchestrator (:class:`headwatch.core.orchestrator.Orchestrator`;
-    default monitors: all four, sharing one token count). It attaches in ``on_train_begin`` and
-    measures on the Trainer's logging steps (``DefaultFlowCallback``'s rule: ``global_step %
+    default monitors: all four, sharing one token count). It attaches when the Trainer is built
+    (``on_init_end``, or :func:`attach`; so ``evaluate()`` before or without ``train()`` is measured)
+    and again in ``on_train_begin``, where a run starts with empty state unless it resumes from a
+    checkpoint (``docs/evaluation.md``), and measures on the Trainer's logging steps (``DefaultFlowCallback``'s rule: ``global_step %
     logging_steps == 0``, and step 1 with ``logging_first_step``; collision every 10 logging steps
     and at each epoch end). A forward pre-hook reads the batch (``model(**inputs)``); gradients are
     read in ``on_pre_optimizer_step`` (after accumulation and unscaling, after clipping: row norms
     are scaled by the clip coefficient, densities and cosines are not). Values go through
     ``trainer.log`` at ``state.global_step`` (every ``report_to`` integration; TensorBoard shows
-    ``train/headwatch/...`` with the Custom Scalars layout and media); evaluation adds
-    ``eval_headwatch/val/logits/*`` to ``evaluate()``'s metrics; ``on_save`` writes the monitors' state
+    ``train/headwatch/...`` with the Custom Scalars layout and media); each evaluation is published under the Trainer's name for it (``headwatch/val/logits/*``
+    for ``metric_key_prefix="eval"``, ``.../<metric_key_prefix>`` for each set of an ``eval_dataset`` dict)
+    and adds ``<metric_key_prefix>_headwatch/val/logits/*`` to ``evaluate()``'s metrics, over the real rows
+    (the repeats of an even distributed split left out); ``on_save`` writes the monitors' state
     to ``<output_dir>/checkpoint-<step>/headwatch_state.pt`` and a resumed ``train`` loads it. Under
     TRL's fused LM head the logit statistics come from the final hidden states and the head's weight
     (no ``(B, T, V)`` logits); the synonym confusion of ``"collision"`` is not counted there.
@@ -93,7 +97,9 @@ class HeadwatchCallback(Driver, TrainerCallback):
             Core monitors passed in keep their own settings.
 
     Raises:
-        HeadwatchError: a bad argument; in ``on_train_begin``, no model or no head/embedding.
+        HeadwatchError: a bad argument. No trainer hook raises: a monitor that cannot measure the model
+            (no head or embedding found) is left out with one warning naming the cause and what is still
+            measured; with ``strict=True`` that, and any other monitoring failure, raises instead.
     """
 
     def __init__(
@@ -225,10 +231,12 @@ class HeadwatchCallback(Driver, TrainerCallback):
     def real_rows(self, batch: dict, training: bool) -> int | None:
         """Evaluation: how many rows of this batch ``gather_for_metrics`` keeps (the last batch of an even
         distributed split holds repeats; :func:`headwatch.core.orchestrator.eval_rows_kept`); None: all."""
+        if training or self.run.step is not None:
+            return None
         accelerator = getattr(self.trainer, "accelerator", None)
         state = getattr(accelerator, "gradient_state", None)
         ids = batch.get("input_ids")
-        if training or state is None or not state.end_of_dataloader or ids is None or not hasattr(ids, "shape"):
+        if state is None or not state.end_of_dataloader or ids is None or not hasattr(ids, "shape"):
             return None
         return eval_rows_kept(int(ids.shape[0]), int(accelerator.process_index), int(state.remainder))
 
