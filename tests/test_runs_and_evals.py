@@ -281,6 +281,31 @@ def test_hf_model_without_head_trains_with_one_warning_strict_raises(tmp_path):
         trainer.train()
 
 
+def test_hf_unexpected_error_in_a_hook_warns_once_strict_raises(tmp_path, monkeypatch):
+    """Any error inside a trainer hook (here reading the AMP scale) is a monitoring failure: one warning naming
+    where, training and the other measurements go on; ``strict=True`` raises it."""
+    import headwatch.integrations.transformers as door
+    from headwatch import HeadwatchError
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(door, "loss_scale", boom)
+    cb = HeadwatchCallback(figure_every_n_steps=0)
+    trainer = Trainer(model=tiny_llama(), args=args(tmp_path), train_dataset=Rows(8, seed=4), callbacks=[cb])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    said = [str(w.message) for w in caught if "boom" in str(w.message)]
+    assert said == ["headwatch failed while reading the gradients (RuntimeError: boom); training goes on, what this "
+                    "skipped is not measured. Pass strict=True to raise instead. (warned once)"]  # fmt: skip
+    assert trainer.state.global_step == 2 and "headwatch/logits/entropy" in cb.latest
+    strict = HeadwatchCallback(figure_every_n_steps=0, strict=True)
+    trainer = Trainer(model=tiny_llama(), args=args(tmp_path), train_dataset=Rows(8, seed=4), callbacks=[strict])
+    with pytest.raises(HeadwatchError, match="failed while reading the gradients: RuntimeError: boom"):
+        trainer.train()
+
+
 # ------------------------------------------------------------------------------------------------ Lightning
 class LitLM(pl.LightningModule):
     """A Hugging Face causal LM (or :class:`NoHead`) under Lightning, validation on any number of dataloaders."""
