@@ -34,6 +34,8 @@ from headwatch.integrations.hf_support import (
     console_filter,
     evaluation_prefix,
     find_trainer,
+    hand_loss_inputs,
+    in_evaluation,
     is_rules,
     loss_scale,
     restore_state,
@@ -139,8 +141,10 @@ class HeadwatchCallback(Driver, TrainerCallback):
         return self._trainer() if self._trainer is not None else None
 
     def set_trainer(self, trainer: Trainer) -> None:
-        """Keep a (weak) reference to the trainer whose ``log`` receives the values."""
+        """Keep a (weak) reference to the trainer whose ``log`` receives the values, and let the run see the
+        inputs of its loss (``labels`` included) whenever it computes one (:func:`hand_loss_inputs`)."""
         self._trainer = weakref.ref(trainer)
+        hand_loss_inputs(trainer, self.run)
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
         """The Trainer is built: attach to its model now, so that an ``evaluate()`` before (or without)
@@ -165,7 +169,7 @@ class HeadwatchCallback(Driver, TrainerCallback):
     def begin_run(self, args: Any, state: Any, control: Any, model: nn.Module | None) -> None:
         if model is None:
             raise HeadwatchError("HeadwatchCallback.on_train_begin received no `model`; use it inside a transformers.Trainer")
-        if self.trainer is None and (found := find_trainer(self)) is not None:
+        if (found := self.trainer or find_trainer(self)) is not None:
             self.set_trainer(found)
         self.run.start_run(resumed=resume_dir(self, args, state) is not None, also=[self.alert] if hasattr(self.alert, "reset") else [])
         every = self.logging_every(args, state)
@@ -250,6 +254,8 @@ class HeadwatchCallback(Driver, TrainerCallback):
                 "HeadwatchCallback: TRL's fused LM head never calls the head, so collision/synonym_confusion_rate is "
                 "not counted on these forwards (the logit statistics use the hidden states). (warned once)",
             )
+        if not module.training and self.run.step is None and not in_evaluation():
+            return  # the user's own call outside the Trainer's evaluation: no loss of the run uses it
         self.run.forward(batch, training=module.training, real_rows=self.real_rows(batch, module.training))
 
     # ---------------------------------------------------------------- training
