@@ -219,9 +219,16 @@ def test_missing_head_fails_in_setup(tmp_path):
             self.lm_head = torch.nn.Identity()
             self.mix = torch.nn.Linear(16, 16)
 
-    trainer = make_trainer(tmp_path, [LogitStatsMonitor()])
+    trainer = make_trainer(tmp_path, [LogitStatsMonitor(strict=True)])
     with pytest.raises(HeadwatchError, match="could not find the output head.*head="):
         trainer.fit(NoHead(), loader())
+    # without strict: refused with one warning naming the cause, training goes on (issue 19, point 6)
+    model = NoHead()
+    model.clamp_labels = True  # its 16 "logits" train against clamped labels
+    trainer = make_trainer(tmp_path, [LogitStatsMonitor()], max_steps=2)
+    with pytest.warns(UserWarning, match="could not find the output head.*head=.*Still measured: nothing"):
+        trainer.fit(model, loader())
+    assert trainer.global_step == 2 and not any(k.startswith("headwatch/") for k in trainer.callback_metrics)
 
 
 def test_ambiguous_head_fails_in_setup(tmp_path):
@@ -231,8 +238,11 @@ def test_ambiguous_head_fails_in_setup(tmp_path):
             self.aux = torch.nn.Module()
             self.aux.lm_head = torch.nn.Linear(16, 64)
 
-    trainer = make_trainer(tmp_path, [LogitStatsMonitor()])
+    trainer = make_trainer(tmp_path, [LogitStatsMonitor(strict=True)])
     with pytest.raises(HeadwatchError, match="ambiguous.*lm_head.*aux.lm_head"):
+        trainer.fit(TwoHeads(), loader())
+    trainer = make_trainer(tmp_path, [LogitStatsMonitor()], max_steps=1)  # without strict: one warning, training goes on
+    with pytest.warns(UserWarning, match="ambiguous.*lm_head.*aux.lm_head"):
         trainer.fit(TwoHeads(), loader())
     # naming it resolves the ambiguity
     trainer = make_trainer(tmp_path, [LogitStatsMonitor(head="lm_head", validation=False)], max_steps=2)

@@ -315,8 +315,10 @@ def test_bad_arguments(tmp_path):
         HeadwatchCallback(stop_on_critical=1)
     with pytest.raises(HeadwatchError, match="`trainer` must be a transformers.Trainer, got str"):
         attach("trainer")
-    with pytest.raises(HeadwatchError, match="no `model`"):
+    with pytest.warns(UserWarning, match="no `model`.*training goes on"):  # never out of a trainer hook ...
         HeadwatchCallback().on_train_begin(hf_args(tmp_path), None, None)
+    with pytest.raises(HeadwatchError, match="no `model`"):  # ... unless strict
+        HeadwatchCallback(strict=True).on_train_begin(hf_args(tmp_path), None, None)
 
 
 

@@ -233,12 +233,16 @@ CHARTS: tuple[Chart, ...] = (
 
 
 def chart_tag(series: str, kind: str, prefix: str = "headwatch") -> str:
-    """A chart entry as TensorBoard wants it: a regex (Multiline) or an exact tag (Margin)."""
+    """A chart entry as TensorBoard wants it: a regex (Multiline) or an exact tag (Margin).
+
+    A validation series (``val/...``) also matches its evaluations' names: Lightning's
+    ``/dataloader_idx_<k>``, the HF Trainer's ``/<metric_key_prefix>`` (one line each)."""
     if series.startswith("^"):
         return series
     if kind == "Margin":
         return f"{prefix}/{series}"
-    return f"{prefix}/" + re.sub(r"\{\w+\}", r"\\w+", series) + "$"
+    named = r"(/\w+)?" if series.startswith("val/") else ""
+    return f"{prefix}/" + re.sub(r"\{\w+\}", r"\\w+", series) + named + "$"
 
 
 DEFAULT_ALERT_METRICS = ("logits/entropy", "logits/kl_to_uniform")

@@ -312,6 +312,11 @@ class AlertEngine:
             "action_failures": self.action_failures,
         }
 
+    def reset(self) -> None:
+        """A new run: the rules' smoothing and episodes, the alerts raised and the failure count emptied."""
+        self.rules.reset()
+        self.alerts, self.action_failures = [], 0
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore; reads keys with defaults, so version-1 states (0.1 checkpoints) load.
 

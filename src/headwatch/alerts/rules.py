@@ -304,6 +304,12 @@ class CollapseRules:
             "states": {k: {"open": v.open, "fired": v.fired, "pending": v.pending} for k, v in self.states.items()},
         }
 
+    def reset(self) -> None:
+        """A new run: the smoothing, the histories and every episode start empty."""
+        self.smoothed = None
+        self.history, self.val_history, self.nll_history = deque(), deque(), deque()
+        self.states = {key: _Episode() for key in self.states}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore; a version-1 state (episodes keyed by the bare rule name) loads as critical.
 

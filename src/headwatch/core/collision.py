@@ -361,3 +361,9 @@ class SynonymCollision(Monitor):
             return apply
 
         self.restore(state_dict, read)
+
+    def reset(self) -> None:
+        """A new run: counters, the synonym-confusion sums and the step in progress emptied."""
+        super().reset()
+        self._confusion = torch.zeros(2, 2, dtype=torch.float64)
+        self._step, self._view, self._stash, self._split, self.last_result = None, None, [], _TRAIN, {}

@@ -410,6 +410,11 @@ class GradientDensity(Monitor):
 
         self.restore(state_dict, read)
 
+    def reset(self) -> None:
+        """A new run: the counters and the step in progress (its captures and snapshots) emptied."""
+        super().reset()
+        self._reset_step()
+
 
 def norm_ratio(rare: Tensor, frequent: Tensor) -> Tensor:
     """``rare / frequent`` (the rare-to-frequent row-norm ratio), NaN where ``frequent == 0``.

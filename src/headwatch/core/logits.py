@@ -411,6 +411,13 @@ class LogitStats(Monitor):
             "entropy_history": [(step, hist.tolist()) for step, hist in self.entropy_history],
         }
 
+    def reset(self) -> None:
+        """A new run: totals, the entropy history, the training and validation sums and the step in progress emptied."""
+        super().reset()
+        self._train = SplitSums(self.batch_format.ignore_index, self._max_chunk_bytes, self.ece_bins)
+        self._val, self._val_buckets, self._step, self._calls, self._accepted = {}, None, None, 0, 0
+        self._sink, self._view, self._buckets, self._capture_problem = None, None, None, False
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s values, each checked (see ``FailurePolicy.restore``)."""
 

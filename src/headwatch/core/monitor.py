@@ -212,6 +212,13 @@ class Monitor(FailurePolicy):
         return {}
 
     # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Empty the state of a run (a new run starts with the same object): what :meth:`load_state_dict`
+        restores, set to its empty value, and the measurement in progress dropped. The warnings already
+        said are not said again. Subclasses that accumulate outside their state dict extend it."""
+        self.load_state_dict({})
+        self.media = Media()
+
     def state_dict(self) -> dict[str, Any]:
         return {"version": 1, "failures": self.failures}
 

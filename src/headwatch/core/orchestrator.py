@@ -34,7 +34,7 @@ from headwatch.core.forwards import not_loss_forward
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.gradients import GradientDensity
 from headwatch.core.logits import LogitStats
-from headwatch.core.monitor import Media, Monitor, compute_due, whole_matrices
+from headwatch.core.monitor import FailurePolicy, Media, Monitor, compute_due, whole_matrices
 from headwatch.core.schedule import Schedule
 from headwatch.distributed.fsdp1 import unwrapped
 from headwatch.distributed.reduce import Reducer, TorchDistributedReducer
@@ -152,6 +152,73 @@ def to_host(scalars: dict[str, Tensor | float], media: Sequence[Media] = ()) -> 
     return numbers
 
 
+def eval_rows_kept(rows: int, rank: int, remainder: int) -> int:
+    """How many of this process's ``rows`` rows of an evaluation's LAST batch are real, not repeats.
+
+    A distributed sampler that evens out the last batch (accelerate's ``even_batches``, the Hugging
+    Face Trainer's default) repeats rows of the data set; ``Accelerator.gather_for_metrics`` keeps
+    the first ``remainder`` rows (``len(dataset) % total_batch_size``) of the rank-ordered gathered
+    batch and drops the rest. The same rows are kept here: on rank ``rank``, the first
+    ``clamp(remainder - rank * rows, 0, rows)``. ``remainder <= 0``: every row is real.
+    """
+    if remainder <= 0:
+        return rows
+    return max(0, min(rows, remainder - rank * rows))
+
+
+def sampler_rows_kept(start: int, rows: int, rank: int, world: int, total: int) -> int:
+    """How many of the ``rows`` rows from local position ``start`` of a ``torch.utils.data.DistributedSampler``
+    (``drop_last=False``) are real: the sampler pads its index list to a multiple of ``world`` with repeats
+    and rank ``rank`` takes positions ``rank, rank + world, ...``, so its local position ``j`` is a repeat when
+    ``rank + j * world >= total`` (Lightning's validation sampler under DDP). The repeats are the last ones."""
+    real_here = max(0, (total - rank + world - 1) // world)
+    return max(0, min(rows, real_here - start))
+
+
+def keep_rows(batch: Any, rows: int, batch_format: BatchFormat) -> Any | None:
+    """``batch`` with its rows from ``rows`` on marked as no prediction (``attention_mask`` 0, labels
+    ``ignore_index``), for the monitors only (the model keeps its batch); None when ``batch`` is not a
+    mapping holding ``input_ids`` (it cannot be marked)."""
+    if not isinstance(batch, Mapping) or not isinstance(batch.get(batch_format.ids_key), Tensor):
+        return None
+    ids = batch[batch_format.ids_key]
+    if rows >= ids.shape[0]:
+        return batch
+    out = dict(batch)
+    mask = batch.get(batch_format.mask_key)
+    mask = torch.ones(ids.shape[:2], dtype=torch.long, device=ids.device) if not isinstance(mask, Tensor) else mask.clone()
+    mask[rows:] = 0
+    out[batch_format.mask_key] = mask
+    labels = batch.get(batch_format.labels_key)
+    if isinstance(labels, Tensor):
+        labels = labels.clone()
+        labels[rows:] = batch_format.ignore_index
+        out[batch_format.labels_key] = labels
+    return out
+
+
+def named_evaluation(numbers: dict[str, float], media: Sequence[Media], name: str | None, prefix: str) -> dict[str, float]:
+    """The values of an evaluation the trainer names ``name`` (None: its default one): every validation name
+    under ``<prefix>/val/`` gets the suffix ``/<name>``, media tags too (in place). Other names are kept."""
+    if name is None:
+        return numbers
+    val = f"{prefix}/val/"
+    for m in media:
+        m.histograms = {(f"{k}/{name}" if k.startswith(val) else k): v for k, v in m.histograms.items()}
+    return {(f"{k}/{name}" if k.startswith(val) else k): v for k, v in numbers.items()}
+
+
+class _RunPolicy(FailurePolicy):
+    """The run's own failure policy when no monitor is left to say it (every monitor refused)."""
+
+    def __init__(self, run: Orchestrator, strict: bool) -> None:
+        self.run, self.strict, self.failures = run, strict, 0
+
+    @property
+    def rank(self) -> int:
+        return self.run.reducer.rank
+
+
 class _OfRun:
     """A read-only attribute of a front door that is its orchestrator's attribute of the same name."""
 
@@ -206,6 +273,13 @@ class Orchestrator:
         check_optional(check_instance, "batch_format", batch_format, BatchFormat)
         check_sequence("sinks", sinks, "objects with a publish(numbers, media, step, val) method", lambda s: isinstance(s, Sink))
         self.monitors = build_monitors(monitors, batch_format, prefix)  # checks `monitors`
+        self.all_monitors = list(self.monitors)
+        """Every monitor of the run, also those refused at attach (:meth:`attach` with ``refuse``); ``monitors``
+        are those measured."""
+        self.batch_format = batch_format or BatchFormat()
+        self.policy = _RunPolicy(self, strict)
+        self.refused: dict[Monitor, Exception] = {}
+        """Monitors that cannot measure this run's model, with the cause (not driven; said once)."""
         passed = {id(m) for m in ([monitors] if isinstance(monitors, Monitor) else monitors or ()) if isinstance(m, Monitor)}
         self.named = [m for m in self.monitors if id(m) not in passed]
         """The monitors built here from names (not core objects the caller passed): they take the door's figure setting."""
@@ -236,17 +310,82 @@ class Orchestrator:
         if figure_every_n_steps is not None:
             set_figures(self.named, figure_every_n_steps)
 
-    def attach(self, model: nn.Module, root: nn.Module | None = None) -> None:
+    def attach(self, model: nn.Module, root: nn.Module | None = None, refuse: bool = False) -> None:
         """Resolve every monitor's modules in ``model`` (hooks); ``root``: the model as the engine wraps it.
 
         Under FSDP1 or DeepSpeed ZeRO-3 the matrices are gathered whole while resolving (a collective:
-        every process calls this at the same point). Raises what the monitors' ``attach`` raises.
+        every process calls this at the same point). Without ``refuse``, raises what the monitors'
+        ``attach`` raises; with ``refuse`` (a trainer hook), a monitor that cannot attach is refused
+        (:meth:`refuse`: one warning, the others go on; ``strict`` raises). Every monitor of the run is
+        tried again at each call (a new model may have what the last one lacked).
         """
         root = model if root is None else root
+        failed: dict[Monitor, Exception] = {}
         with whole_matrices(root, model):
-            for m in self.monitors:
+            for m in self.all_monitors:
                 m.root = root  # FSDP1: summoned from on logging steps
-                m.attach(unwrapped(model))  # FSDP1: the inner model's names (no `_fsdp_wrapped_module.`)
+                try:
+                    m.attach(unwrapped(model))  # FSDP1: the inner model's names (no `_fsdp_wrapped_module.`)
+                except Exception as err:
+                    if not refuse:
+                        raise
+                    failed[m] = err
+        self.refused.clear()
+        self.monitors = list(self.all_monitors)
+        if failed:
+            self.refuse(failed)
+
+    def refuse(self, failed: Mapping[Monitor, Exception]) -> None:
+        """Stop driving monitors that cannot measure this run, with ONE warning naming each cause and what is
+        still measured; ``strict`` raises a ``HeadwatchError`` instead."""
+        by_cause: dict[str, list[str]] = {}
+        for m, e in failed.items():
+            by_cause.setdefault(f"{type(e).__name__}: {e}", []).append(m.name)
+        causes = "; ".join(f"{', '.join(names)}: {cause}" for cause, names in by_cause.items())
+        if self.policy.strict or any(m.strict for m in failed):
+            first = next(iter(failed.values()))
+            raise HeadwatchError(f"headwatch cannot measure this model ({causes})") from first
+        self.refused.update(failed)
+        self.monitors = [m for m in self.monitors if m not in self.refused]
+        kept = ", ".join(m.name for m in self.monitors) or "nothing: headwatch publishes no value for this run"
+        self.policy.warn_once(
+            "refused:" + ",".join(sorted(m.name for m in failed)),
+            f"headwatch cannot measure {', '.join(m.name for m in failed)} on this model ({causes}); training "
+            f"goes on. Still measured: {kept}. Pass strict=True to raise instead. (warned once)",
+        )
+
+    def start_run(self, resumed: bool = False, also: Sequence[Any] = ()) -> None:
+        """A run starts (``train()``, ``fit``, a hyperparameter-search trial, step 0 of a plain loop again).
+
+        A fresh run empties every monitor's state (:meth:`Monitor.reset`: token counts, accumulators,
+        totals, the step in progress) and the run's last values, and calls ``reset()`` on each object of
+        ``also`` (an alert engine: its smoothing and episodes); a run ``resumed`` from a checkpoint keeps
+        them (the checkpoint's state is loaded after this). Failures follow the failure policy.
+        """
+        self.step, self.logging, self._started, self._val_started = None, [], False, False
+        if resumed:
+            return
+        self.latest.clear()
+        self.each("starting a new run", lambda m: m.reset(), self.all_monitors)
+        for obj in also:
+            with self.guard("starting a new run"):
+                obj.reset()
+
+    @contextmanager
+    def guard(self, where: str) -> Iterator[None]:
+        """Inside, any exception is a monitoring failure (warned once, training goes on; ``strict`` raises):
+        what a front door wraps around each trainer hook."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            if self.policy.strict or any(m.strict for m in self.all_monitors):
+                raise HeadwatchError(f"headwatch failed while {where}: {type(err).__name__}: {err}") from err
+            self.policy.failures += 1
+            self.policy.warn_once(
+                f"guard:{where}",
+                f"headwatch failed while {where} ({type(err).__name__}: {err}); training goes on, what this "
+                "skipped is not measured. Pass strict=True to raise instead. (warned once)",
+            )
 
     def detach(self) -> None:
         """Remove every monitor's hooks (their state stays)."""
@@ -265,14 +404,12 @@ class Orchestrator:
         return failed
 
     def warn_once(self, key: str, message: str) -> None:
-        """A warning about the run, once (through the first monitor's warn-once record)."""
-        if self.monitors:
-            self.monitors[0].warn_once(key, message)
+        """A warning about the run, once (through the first monitor's warn-once record, else the run's)."""
+        (self.monitors[0] if self.monitors else self.policy).warn_once(key, message)
 
     def fail(self, err: Exception, where: str) -> None:
-        """A failure of the run's publishing or state: the first monitor's failure policy."""
-        if self.monitors:
-            self.monitors[0].fail(err, where)
+        """A failure of the run's publishing or state: the first monitor's failure policy (else the run's)."""
+        (self.monitors[0] if self.monitors else self.policy).fail(err, where)
 
     # ---------------------------------------------------------------- training
     def due(self, step: int, first: bool = False) -> list[Monitor]:
@@ -291,7 +428,7 @@ class Orchestrator:
         s = self.step if self.step is not None else 0
         self.each("starting a batch", lambda m: m.step_start(batch, s, m in self.logging))
 
-    def forward(self, batch: Any, training: bool) -> None:
+    def forward(self, batch: Any, training: bool, real_rows: int | None = None) -> None:
         """A model forward with ``batch`` (the door's forward pre-hook, called inside the forward): decides what it is.
 
         The contract of :mod:`headwatch.core.forwards`: in a training step, the first forward run with
@@ -299,7 +436,9 @@ class Orchestrator:
         forward with gradient is measured too, against the same labels); outside a training step, the
         first evaluation forward that is not part of ``generate()`` starts a validation batch, later ones
         of the same batch are not measured. While :meth:`loss_inputs` is open, the fields the forward
-        lacks (the ``labels`` a trainer took out) come from the loss's inputs.
+        lacks (the ``labels`` a trainer took out) come from the loss's inputs. ``real_rows`` (evaluation): only
+        the batch's first ``real_rows`` rows are real (:func:`eval_rows_kept`); the others, repeats a
+        distributed sampler added, are not counted.
         """
         if training and self.step is not None:
             if self._started or not_loss_forward(True, torch.is_grad_enabled(), True) is not None:
@@ -310,7 +449,7 @@ class Orchestrator:
             if self._val_started or not_loss_forward(False, torch.is_grad_enabled(), True) is not None:
                 return
             self._val_started = True
-            self.validation_batch_start(self.with_loss_inputs(batch))
+            self.validation_batch_start(self.with_loss_inputs(batch), real_rows=real_rows)
 
     @contextmanager
     def loss_inputs(self, inputs: Any) -> Iterator[None]:
@@ -359,20 +498,41 @@ class Orchestrator:
         step ``at``, default ``step``: the door's x axis)."""
         if step < 0:
             return {}
-        due = [m for m in self.monitors if m.train_epoch_end(step)]
-        return self.emit(due, step if at is None else at)
+        wants: list[Monitor] = []
+        self.each("ending the epoch", lambda m: wants.append(m) if m.train_epoch_end(step) else None)
+        return self.emit(wants, step if at is None else at)
 
     # ---------------------------------------------------------------- validation
-    def validation_batch_start(self, batch: Any, dataloader_idx: int = 0) -> None:
-        self.each("starting a validation batch", lambda m: m.validation_batch_start(batch, dataloader_idx))
+    def validation_batch_start(
+        self, batch: Any, dataloader_idx: int = 0, real_rows: int | None = None, monitors: Sequence[Monitor] | None = None
+    ) -> None:
+        """A validation batch starts; ``real_rows``: only its first ``real_rows`` rows are real (the others are
+        repeats a distributed sampler added to even out the processes: :func:`eval_rows_kept`,
+        :func:`sampler_rows_kept`), the monitors see them marked as no prediction (:func:`keep_rows`)."""
+        if real_rows is not None:
+            marked = keep_rows(batch, real_rows, self.batch_format)
+            if marked is None:
+                self.warn_once(
+                    "repeated_rows",
+                    f"headwatch cannot leave out the rows a distributed sampler repeats in a {type(batch).__name__} "
+                    "batch (no mapping with input_ids); they are counted in the validation values. (warned once)",
+                )
+            batch = batch if marked is None else marked
+        self.each("starting a validation batch", lambda m: m.validation_batch_start(batch, dataloader_idx), monitors)
 
     def validation_batch_end(self, dataloader_idx: int = 0) -> None:
         self._val_started = False
         self.each("ending a validation batch", lambda m: m.validation_batch_end(dataloader_idx))
 
-    def validation_end(self, step: int, monitors: Sequence[Monitor] | None = None) -> dict[str, float]:
-        """An evaluation ended: publish its values (every rank: a collective)."""
-        return self.emit(list(self.monitors if monitors is None else monitors), step, val=True)
+    def validation_end(self, step: int, monitors: Sequence[Monitor] | None = None, name: str | None = None) -> dict[str, float]:
+        """An evaluation ended: publish its values (every rank: a collective).
+
+        ``name``: the trainer's own name for this evaluation when it is not its default one (the HF
+        Trainer's ``metric_key_prefix``, e.g. ``eval_wiki`` for ``eval_dataset={"wiki": ...}``): the
+        published names get the suffix ``/<name>`` (:func:`named_evaluation`). Returns the values under
+        the monitors' names (without the suffix).
+        """
+        return self.emit(list(self.monitors if monitors is None else monitors), step, val=True, name=name)
 
     # ---------------------------------------------------------------- publishing
     def compute(self, due: Sequence[Monitor], val: bool = False) -> tuple[dict[str, float], list[Monitor]]:
@@ -392,16 +552,18 @@ class Orchestrator:
         self.each("publishing the values", lambda m: m.published(numbers), ok)
         return numbers, ok
 
-    def emit(self, due: Sequence[Monitor], step: int, val: bool = False) -> dict[str, float]:
-        """:meth:`compute`, then every sink once; a sink that fails warns once (raises when strict)."""
+    def emit(self, due: Sequence[Monitor], step: int, val: bool = False, name: str | None = None) -> dict[str, float]:
+        """:meth:`compute`, then every sink once (validation names with ``/<name>``, :func:`named_evaluation`);
+        a sink that fails warns once (raises when strict). Returns the values under the monitors' names."""
         numbers, ok = self.compute(due, val)
         if not ok:
             return {}
-        self.latest.update(numbers)
         media = [m.media for m in ok]
+        published = named_evaluation(numbers, media, name, self.prefix)
+        self.latest.update(published)
         for sink in self.sinks:
             try:
-                sink.publish(numbers, media, step, val)
+                sink.publish(published, media, step, val)
             except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
                 self.sink_failed(sink, err)
         return numbers
@@ -410,7 +572,7 @@ class Orchestrator:
         """A sink could not write: raise when strict, else warn once per sink; the values were computed and
         are still returned and kept in :attr:`latest`."""
         where = type(sink).__name__
-        if any(m.strict for m in self.monitors):
+        if self.policy.strict or any(m.strict for m in self.monitors):
             raise HeadwatchError(f"headwatch could not publish through {where}: {type(err).__name__}: {err}") from err
         self.warn_once(
             f"sink:{where}",
@@ -421,13 +583,13 @@ class Orchestrator:
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Every monitor's state (a collective under several processes: call it on every rank)."""
-        return {"version": 2, "names": [type(m).__name__ for m in self.monitors], "monitors": [m.state_dict() for m in self.monitors]}
+        return {"version": 2, "names": [type(m).__name__ for m in self.all_monitors], "monitors": [m.state_dict() for m in self.all_monitors]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Give each monitor its part of ``state`` (matched by class name; a state without names, by position), each
         checked by the monitor (an invalid part restarts that monitor from empty with one warning). A state that is
         not a dict of parts, or that lacks a monitor's part, is said once; ``strict`` raises instead."""
-        strict = any(m.strict for m in self.monitors)
+        strict = any(m.strict for m in self.all_monitors)
         parts = state.get("monitors") if isinstance(state, dict) else None
         if not isinstance(parts, (list, tuple)):
             self.state_problem(strict, f"the state must be a dict with a `monitors` list, got {type(state).__name__}")
@@ -435,16 +597,16 @@ class Orchestrator:
         names = state.get("names")
         if isinstance(names, (list, tuple)) and len(names) == len(parts) and all(isinstance(n, str) for n in names):
             unused = list(zip(names, parts))
-            for m in self.monitors:
+            for m in self.all_monitors:  # refused monitors too: their parts stay in the checkpoint
                 found = next((i for i, (name, _) in enumerate(unused) if name == type(m).__name__), None)
                 if found is None:
                     self.state_problem(strict, f"it holds no {type(m).__name__} state; that monitor starts from empty")
                     continue
                 m.load_state_dict(unused.pop(found)[1])
             return
-        if len(parts) != len(self.monitors):
-            self.state_problem(strict, f"it holds {len(parts)} monitor states for {len(self.monitors)} monitors")
-        for m, part in zip(self.monitors, parts):
+        if len(parts) != len(self.all_monitors):
+            self.state_problem(strict, f"it holds {len(parts)} monitor states for {len(self.all_monitors)} monitors")
+        for m, part in zip(self.all_monitors, parts):
             m.load_state_dict(part)
 
     def state_problem(self, strict: bool, problem: str) -> None:

@@ -47,6 +47,15 @@ def find_trainer(callback: TrainerCallback) -> Trainer | None:
     return None
 
 
+def evaluation_prefix(metrics: dict | None) -> str:
+    """The ``metric_key_prefix`` of an ``evaluate()`` call, from its metrics (every evaluation has
+    ``<prefix>_runtime``, ``speed_metrics``); ``"eval"`` when it cannot be read."""
+    for key in metrics or {}:
+        if key.endswith("_runtime"):
+            return key[: -len("_runtime")]
+    return "eval"
+
+
 def hand_loss_inputs(trainer: Trainer, run: Any) -> None:
     """Wrap ``trainer.compute_loss`` (once per trainer and run) so that ``run`` sees the inputs the loss is
     computed with, ``labels`` included, for the duration of the call (:meth:`Orchestrator.loss_inputs`).
@@ -219,6 +228,7 @@ class TrainerSink:
             with console_shows(trainer, cb.console_keys):  # the console: headline values; report_to: all
                 Trainer.log(trainer, dict(numbers))  # its on_log event clears control.should_log ...
             trainer.control.should_log = should_log  # ... which must still log the loss of this step
+            cb.write_layout()  # a writer created by that log (callbacks in any order, evaluate() only)
         else:
             tb.flush(writers)
             cb.run.warn_once(

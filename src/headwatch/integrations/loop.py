@@ -111,6 +111,14 @@ class Headwatch(Driver):
                     f"step_start(step={int(step)}) while step {self.step_index} has not ended: call step_end() once after "
                     "each optimizer step (its micro-batches share one step number)"
                 )
+            if int(step) == 0 and self.step_index > 0 and not self._open:
+                self.run.warn_once(
+                    "new_run",
+                    f"headwatch: step 0 again after step {self.step_index - 1}: a new run starts with empty state (token "
+                    "counts, accumulators, totals). To continue a run instead, load its state with load_state_dict "
+                    "and go on from its step. (said once)",
+                )
+                self.new_run()
             self.step_index = int(step)
         self._open = True
         if self.run.step != self.step_index:
@@ -143,6 +151,13 @@ class Headwatch(Driver):
         numbers = self.run.end_step(step)
         self.step_index = step + 1
         return numbers
+
+    def new_run(self) -> None:
+        """A new run with this object (a hyperparameter trial, a second training of the same model): empty
+        state, counting from step 0 (:meth:`Orchestrator.start_run`). Called by :meth:`step_start` when
+        ``step=0`` comes again after later steps. :meth:`load_state_dict` continues a run instead."""
+        self.run.start_run()
+        self.step_index, self._open = 0, False
 
     @contextmanager
     def step(self, batch: Any, step: int | None = None) -> Iterator[Headwatch]:

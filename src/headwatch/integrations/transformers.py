@@ -19,25 +19,27 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
-from transformers import Trainer, TrainerCallback
+from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
 from headwatch import tensorboard as tb
 from headwatch.core.figures import check_figure_argument
 from headwatch.core.monitor import Monitor
-from headwatch.core.orchestrator import Driver, Orchestrator
+from headwatch.core.orchestrator import Driver, Orchestrator, eval_rows_kept
 from headwatch.distributed.reduce import Reducer
 from headwatch.errors import HeadwatchError, check_bool, check_protocol
 from headwatch.integrations.hf_support import (
     TB_PREFIX,
     TrainerSink,
     console_filter,
+    evaluation_prefix,
     find_trainer,
     hand_loss_inputs,
     in_evaluation,
     is_rules,
     loss_scale,
     restore_state,
+    resume_dir,
     save_state,
     unwrap,
     wire_alert,
@@ -51,15 +53,19 @@ class HeadwatchCallback(Driver, TrainerCallback):
     """Watch the embedding and the head of the model a ``transformers.Trainer`` trains.
 
     One callback drives the run's orchestrator (:class:`headwatch.core.orchestrator.Orchestrator`;
-    default monitors: all four, sharing one token count). It attaches in ``on_train_begin`` and
-    measures on the Trainer's logging steps (``DefaultFlowCallback``'s rule: ``global_step %
+    default monitors: all four, sharing one token count). It attaches when the Trainer is built
+    (``on_init_end``, or :func:`attach`; so ``evaluate()`` before or without ``train()`` is measured)
+    and again in ``on_train_begin``, where a run starts with empty state unless it resumes from a
+    checkpoint (``docs/evaluation.md``), and measures on the Trainer's logging steps (``DefaultFlowCallback``'s rule: ``global_step %
     logging_steps == 0``, and step 1 with ``logging_first_step``; collision every 10 logging steps
     and at each epoch end). A forward pre-hook reads the batch (``model(**inputs)``); gradients are
     read in ``on_pre_optimizer_step`` (after accumulation and unscaling, after clipping: row norms
     are scaled by the clip coefficient, densities and cosines are not). Values go through
     ``trainer.log`` at ``state.global_step`` (every ``report_to`` integration; TensorBoard shows
-    ``train/headwatch/...`` with the Custom Scalars layout and media); evaluation adds
-    ``eval_headwatch/val/logits/*`` to ``evaluate()``'s metrics; ``on_save`` writes the monitors' state
+    ``train/headwatch/...`` with the Custom Scalars layout and media); each evaluation is published under the Trainer's name for it (``headwatch/val/logits/*``
+    for ``metric_key_prefix="eval"``, ``.../<metric_key_prefix>`` for each set of an ``eval_dataset`` dict)
+    and adds ``<metric_key_prefix>_headwatch/val/logits/*`` to ``evaluate()``'s metrics, over the real rows
+    (the repeats of an even distributed split left out); ``on_save`` writes the monitors' state
     to ``<output_dir>/checkpoint-<step>/headwatch_state.pt`` and a resumed ``train`` loads it. Under
     TRL's fused LM head the logit statistics come from the final hidden states and the head's weight
     (no ``(B, T, V)`` logits); the synonym confusion of ``"collision"`` is not counted there.
@@ -93,7 +99,9 @@ class HeadwatchCallback(Driver, TrainerCallback):
             Core monitors passed in keep their own settings.
 
     Raises:
-        HeadwatchError: a bad argument; in ``on_train_begin``, no model or no head/embedding.
+        HeadwatchError: a bad argument. No trainer hook raises: a monitor that cannot measure the model
+            (no head or embedding found) is left out with one warning naming the cause and what is still
+            measured; with ``strict=True`` that, and any other monitoring failure, raises instead.
     """
 
     def __init__(
@@ -138,12 +146,33 @@ class HeadwatchCallback(Driver, TrainerCallback):
         self._trainer = weakref.ref(trainer)
         hand_loss_inputs(trainer, self.run)
 
+    def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        """The Trainer is built: attach to its model now, so that an ``evaluate()`` before (or without)
+        ``train()`` is measured from its first batch. ``on_train_begin`` attaches again to the model it trains."""
+        with self.run.guard("attaching at the Trainer's construction"):
+            if self.trainer is None and (found := find_trainer(self)) is not None:
+                self.set_trainer(found)
+            if model is not None:
+                self.attach_model(model, self.logging_every(args, state))
+
+    @staticmethod
+    def logging_every(args: Any, state: Any) -> int:
+        """The Trainer's logging interval in steps (0: not by steps)."""
+        return int(getattr(state, "logging_steps", 0) or args.logging_steps) if args.logging_strategy == "steps" else 0
+
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        """A run starts: fresh state unless it resumes from a checkpoint (:meth:`Orchestrator.start_run`),
+        attach to the model it trains, restore a resumed run's state. Never raises (``strict`` does)."""
+        with self.run.guard("starting the run"):
+            self.begin_run(args, state, control, model)
+
+    def begin_run(self, args: Any, state: Any, control: Any, model: nn.Module | None) -> None:
         if model is None:
             raise HeadwatchError("HeadwatchCallback.on_train_begin received no `model`; use it inside a transformers.Trainer")
         if (found := self.trainer or find_trainer(self)) is not None:
             self.set_trainer(found)
-        every = int(getattr(state, "logging_steps", 0) or args.logging_steps) if args.logging_strategy == "steps" else 0
+        self.run.start_run(resumed=resume_dir(self, args, state) is not None, also=[self.alert] if hasattr(self.alert, "reset") else [])
+        every = self.logging_every(args, state)
         if args.logging_strategy == "epoch":
             self.run.warn_once(
                 "epoch_strategy",
@@ -155,6 +184,12 @@ class HeadwatchCallback(Driver, TrainerCallback):
         self._control = control
         wire_alert(self, args)
         restore_state(self, args, state)  # the monitors' and the alert's state of the checkpoint's step
+        self.write_layout()
+
+    def write_layout(self) -> None:
+        """The Custom Scalars layout, once per TensorBoard writer of the Trainer (rank zero): called at
+        ``on_train_begin`` and after every publication, so a writer the ``TensorBoardCallback`` creates
+        later (callbacks in any order, an evaluation-only script) gets it too."""
         if self.reducer.rank == 0:
             try:
                 tb.write_layout(self.writers(), TB_PREFIX + self.prefix, category=self.prefix)
@@ -164,7 +199,7 @@ class HeadwatchCallback(Driver, TrainerCallback):
     def attach_model(self, model: nn.Module, every: int) -> None:
         """Configure every monitor (schedule ``every`` steps), attach it and hook the model's forward."""
         self.run.configure(every, figure_every_n_steps=self.figure_every_n_steps)
-        self.run.attach(unwrap(model), root=model)  # FSDP1 (accelerate): summoned from the wrapped model
+        self.run.attach(unwrap(model), root=model, refuse=True)  # FSDP1 (accelerate): summoned from the wrapped model
         inner = unwrap(model)
         if self._model is not inner:
             self.close()
@@ -194,6 +229,22 @@ class HeadwatchCallback(Driver, TrainerCallback):
 
     # ---------------------------------------------------------------- the batch
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        with self.run.guard("reading the batch"):
+            self.read_forward(module, args, kwargs)
+
+    def real_rows(self, batch: dict, training: bool) -> int | None:
+        """Evaluation: how many rows of this batch ``gather_for_metrics`` keeps (the last batch of an even
+        distributed split holds repeats; :func:`headwatch.core.orchestrator.eval_rows_kept`); None: all."""
+        if training or self.run.step is not None:
+            return None
+        accelerator = getattr(self.trainer, "accelerator", None)
+        state = getattr(accelerator, "gradient_state", None)
+        ids = batch.get("input_ids")
+        if state is None or not state.end_of_dataloader or ids is None or not hasattr(ids, "shape"):
+            return None
+        return eval_rows_kept(int(ids.shape[0]), int(accelerator.process_index), int(state.remainder))
+
+    def read_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         batch = dict(kwargs)
         if args and "input_ids" not in batch:
             batch["input_ids"] = args[0]
@@ -205,17 +256,19 @@ class HeadwatchCallback(Driver, TrainerCallback):
             )
         if not module.training and self.run.step is None and not in_evaluation():
             return  # the user's own call outside the Trainer's evaluation: no loss of the run uses it
-        self.run.forward(batch, training=module.training)
+        self.run.forward(batch, training=module.training, real_rows=self.real_rows(batch, module.training))
 
     # ---------------------------------------------------------------- training
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.run.begin_step(state.global_step, first=self._first)  # DefaultFlowCallback's rule, global_step = step + 1
+        with self.run.guard("starting a step"):
+            self.run.begin_step(state.global_step, first=self._first)  # DefaultFlowCallback's rule, global_step = step + 1
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.run.batch_end()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.run.gradients_ready(loss_scale(self.trainer, args) if self.run.logging else None)
+        with self.run.guard("reading the gradients"):
+            self.run.gradients_ready(loss_scale(self.trainer, args) if self.run.logging else None)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.run.optimizer_stepped()
@@ -223,25 +276,42 @@ class HeadwatchCallback(Driver, TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._control = control
-        if self.run.logging and not control.should_log:
+        if self.run.logging and not control.should_log and self.flow_decided():
             self.run.warn_once("should_log", "HeadwatchCallback measured a step the Trainer does not log. (warned once)")
-        self.run.end_step(state.global_step)
+        with self.run.guard("publishing the step"):
+            self.run.end_step(state.global_step)
+
+    def flow_decided(self) -> bool:
+        """Whether the Trainer's ``DefaultFlowCallback`` (which sets ``control.should_log``) ran before this
+        callback at each event (it does unless this callback was put ahead of it)."""
+        callbacks = self.trainer.callback_handler.callbacks if self.trainer is not None else []
+        flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
+        mine = [i for i, cb in enumerate(callbacks) if cb is self]
+        return not flow or not mine or flow[0] < mine[0]
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.run.epoch_end(state.global_step - 1, at=state.global_step)
+        with self.run.guard("ending the epoch"):
+            self.run.epoch_end(state.global_step - 1, at=state.global_step)
 
     # ---------------------------------------------------------------- evaluation
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.run.validation_batch_end()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict | None = None, **kwargs: Any) -> None:
-        self._control, self._eval_metrics = control, dict(metrics or {})
-        numbers = self.run.validation_end(state.global_step)
-        if metrics is not None:
-            metrics.update({f"eval_{k}": v for k, v in numbers.items()})
+        """Publish the evaluation under the Trainer's name for it (``metric_key_prefix``, read from its
+        ``<prefix>_runtime`` metric): ``eval`` keeps the plain ``<prefix>/val/...`` names, any other (each
+        dataset of an ``eval_dataset`` dict: ``eval_<name>``) adds ``/<metric_key_prefix>``; ``evaluate()``'s
+        metrics get ``<metric_key_prefix>_<name>``, as the Trainer's own ``<metric_key_prefix>_loss``."""
+        with self.run.guard("publishing the evaluation"):
+            self._control, self._eval_metrics = control, dict(metrics or {})
+            key = evaluation_prefix(metrics)
+            numbers = self.run.validation_end(state.global_step, name=None if key == "eval" else key)
+            if metrics is not None:
+                metrics.update({f"{key}_{k}": v for k, v in numbers.items()})
 
     def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
-        self.run.each("resetting after predict", lambda m: m.validation_epoch_end())  # predict() logs nothing
+        with self.run.guard("resetting after predict"):
+            self.run.each("resetting after predict", lambda m: m.validation_epoch_end())  # predict() logs nothing
 
     # ---------------------------------------------------------------- state
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -277,4 +347,6 @@ def attach(trainer: Trainer, callback: HeadwatchCallback | None = None, **kwargs
     if not any(cb is callback for cb in trainer.callback_handler.callbacks):
         trainer.add_callback(callback)
     callback.set_trainer(trainer)
+    if callback.run.step is None and trainer.model is not None:  # built already: attach now (evaluate() before train())
+        callback.on_init_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
     return callback

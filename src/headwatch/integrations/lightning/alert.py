@@ -205,6 +205,9 @@ class SharpnessCollapseAlert(FailurePolicy, Callback):
 
     # ---------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # a new fit: fresh smoothing and episodes (a resume loads its checkpoint after setup)
+            self.engine.reset()
+            self._evaluated = {}  # the steps of the values already evaluated: a new run's steps start again
         every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
         self.schedule, self._rank = Schedule(every), trainer.global_rank
         if every == 0:

@@ -16,12 +16,13 @@ from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor, whole_matrices
 from headwatch.core.schedule import Schedule
 from headwatch.errors import HeadwatchError
-from headwatch.core.orchestrator import Orchestrator
+from headwatch.core.orchestrator import Orchestrator, sampler_rows_kept
 from headwatch.integrations.lightning.door import (
     LightningReducer,
     LightningSink,
     lightning_step,
     loss_scale,
+    published_steps,
     tensorboard_writers,
 )
 
@@ -48,6 +49,9 @@ class MonitorCallback(Callback):
     # ---------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         core = self._core()
+        if stage == "fit" and self._drives(trainer):  # a new fit: fresh state (a resume loads its checkpoint after setup)
+            lightning_run(trainer).start_run()
+            published_steps(trainer).clear()
         every = self.log_every_n_steps if self.log_every_n_steps is not None else core.every_factor * trainer.log_every_n_steps
         core.configure(Schedule(every), LightningReducer(trainer.strategy))
         if every == 0:
@@ -58,13 +62,18 @@ class MonitorCallback(Callback):
         self._hw_provisional = stage in ("fit", "validate")
         try:
             self._attach_wrapped(trainer, pl_module, stage)
-        except HeadwatchError as err:  # the model may be built later (configure_model, LightningModule.setup)
+        except Exception as err:  # noqa: BLE001 - the model may be built later (configure_model, LightningModule.setup)
             self._attach_error = err
         finally:
             self._hw_provisional = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._attach_wrapped(trainer, pl_module, "fit")  # raises now if the model still lacks the modules
+        if self._drives(trainer):
+            self._attach_or_refuse(trainer, pl_module, "fit")
+        self._write_layout(trainer)
+
+    def _write_layout(self, trainer: pl.Trainer) -> None:
+        """The Custom Scalars layout, once per TensorBoard writer (rank zero)."""
         try:
             if trainer.is_global_zero:
                 tb.write_layout(tensorboard_writers(trainer), self.prefix)  # type: ignore[attr-defined]
@@ -72,8 +81,26 @@ class MonitorCallback(Callback):
             self._core().fail(err, "writing the TensorBoard dashboard layout")
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.state.fn == "validate":  # after configure_model; raises if the model still lacks the modules
-            self._attach_wrapped(trainer, pl_module, "validate")
+        if trainer.state.fn == "validate" and self._drives(trainer):  # after configure_model
+            self._attach_or_refuse(trainer, pl_module, "validate")
+        if trainer.state.fn == "validate":
+            self._write_layout(trainer)
+
+    def _attach_or_refuse(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """The driving callback attaches every headwatch callback on the final model; those that cannot are
+        refused by the run together (:meth:`Orchestrator.refuse`: one warning naming each cause and what is
+        still measured; ``strict`` raises) and training goes on without them."""
+        run = lightning_run(trainer)
+        run.refused.clear()
+        failed = {}
+        for cb in monitor_callbacks(trainer):
+            try:
+                cb._attach_wrapped(trainer, pl_module, stage)
+            except Exception as err:  # noqa: BLE001 - a monitoring limitation never stops training
+                failed[cb._core()] = err
+        lightning_run(trainer)
+        if failed:
+            run.refuse(failed)
 
     def _attach_wrapped(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """:meth:`_attach` with the strategy's wrapped model as the monitor's root; under FSDP1
@@ -91,10 +118,16 @@ class MonitorCallback(Callback):
         self._attach_error = None
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._core().batch_end()
+        self._end_batch("tearing down")
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._core().batch_end()
+        self._end_batch("ending after an exception")
+
+    def _end_batch(self, where: str) -> None:
+        try:
+            self._core().batch_end()
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            self._core().fail(err, where)
 
     def _info_once(self, message: str) -> None:
         """A set-up line, said once per callback; not while ``setup`` resolves a model that
@@ -115,13 +148,16 @@ class MonitorCallback(Callback):
         if not self._drives(trainer):
             return
         run = lightning_run(trainer)
-        self._hw_step, self._hw_global_step = lightning_step(trainer), trainer.global_step
-        run.begin_step(self._hw_step)
-        run.step_start(batch)
+        with run.guard("starting a batch"):
+            self._hw_step, self._hw_global_step = lightning_step(trainer), trainer.global_step
+            run.begin_step(self._hw_step)
+            run.step_start(batch)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._drives(trainer):
-            lightning_run(trainer).gradients_ready(loss_scale(trainer))
+            run = lightning_run(trainer)
+            with run.guard("reading the gradients"):
+                run.gradients_ready(loss_scale(trainer))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -154,7 +190,10 @@ class MonitorCallback(Callback):
     ) -> None:
         if self._drives(trainer):
             measuring = [cb._core() for cb in monitor_callbacks(trainer) if cb._measuring_validation(trainer)]
-            lightning_run(trainer).each("starting a validation batch", lambda m: m.validation_batch_start(batch, dataloader_idx), measuring)
+            run = lightning_run(trainer)
+            with run.guard("starting a validation batch"):
+                real = validation_rows(trainer, batch, batch_idx, dataloader_idx) if measuring else None
+                run.validation_batch_start(batch, dataloader_idx, real_rows=real, monitors=measuring)
 
     def on_validation_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -196,8 +235,25 @@ def lightning_run(trainer: pl.Trainer) -> Orchestrator:
         run = _RUNS[trainer] = Orchestrator(monitors=(), reducer=LightningReducer(trainer.strategy), sinks=[LightningSink(trainer)])
     cores = [cb._core() for cb in monitor_callbacks(trainer)]
     # the shared token counts first, whatever the callbacks' order: the others read them (as in the other doors)
-    run.monitors = [m for m in cores if isinstance(m, TokenCounts)] + [m for m in cores if not isinstance(m, TokenCounts)]
+    run.all_monitors = [m for m in cores if isinstance(m, TokenCounts)] + [m for m in cores if not isinstance(m, TokenCounts)]
+    run.monitors = [m for m in run.all_monitors if m not in run.refused]  # those that cannot measure this model: refused
     return run
+
+
+def validation_rows(trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_idx: int) -> int | None:
+    """The real rows of a validation batch under a ``DistributedSampler`` that pads (Lightning's under DDP):
+    :func:`~headwatch.core.orchestrator.sampler_rows_kept`; None (all real) for any other sampler."""
+    from torch.utils.data import DistributedSampler
+
+    loaders = trainer.val_dataloaders
+    loader = loaders[dataloader_idx] if isinstance(loaders, (list, tuple)) else loaders
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    size = getattr(loader, "batch_size", None)
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or not isinstance(size, int) or sampler.num_replicas <= 1:
+        return None
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    rows = int(ids.shape[0]) if isinstance(ids, torch.Tensor) else size
+    return sampler_rows_kept(batch_idx * size, rows, sampler.rank, sampler.num_replicas, len(sampler.dataset))
 
 
 def monitor_callbacks(trainer: pl.Trainer) -> list[MonitorCallback]:
