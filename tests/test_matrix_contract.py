@@ -18,6 +18,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -174,7 +175,7 @@ def test_neftune_noise_keeps_the_tied_split_exact(family, neftune_first):
     expected = twin_grads(twin, data, seed_each_forward=True)
     if neftune_first:
         activate_neftune(model, 5.0)
-        rec, values, grads, said = train(model, data, seed_each_forward=True)
+        rec, values, _, said = train(model, data, seed_each_forward=True)
     else:
         original = Headwatch.__init__
 
@@ -184,7 +185,7 @@ def test_neftune_noise_keeps_the_tied_split_exact(family, neftune_first):
 
         Headwatch.__init__ = attach_then_neftune
         try:
-            rec, values, grads, said = train(model, data, seed_each_forward=True)
+            rec, values, _, said = train(model, data, seed_each_forward=True)
         finally:
             Headwatch.__init__ = original
     assert said == [], said
@@ -232,7 +233,7 @@ def test_trainable_tokens_are_refused_once_and_training_goes_on(case, tied):
         model = peft.get_peft_model(tiny("llama", tied), peft_cases[case](peft))
     emb = model.get_input_embeddings()
     before = emb(torch.arange(V)).detach().double()
-    rec, values, _, said = train(model, batches(1), lr=0.5, monitors=["logits", "collision"])
+    _, values, _, said = train(model, batches(1), lr=0.5, monitors=["logits", "collision"])
     after = emb(torch.arange(V)).detach().double()
     grad_said = [s for s in said if "GradientDensityMonitor" in s]
     assert len(grad_said) == 1 and "trainable tokens" in grad_said[0], said
@@ -241,7 +242,7 @@ def test_trainable_tokens_are_refused_once_and_training_goes_on(case, tied):
     assert moved == 3 if tied else moved <= 3  # tied: the scoring flow reaches rows 1-3; untied: those looked up
     name = "shared" if tied else "embedding"
     assert values[-1][f"headwatch/update/{name}_row_density"] == pytest.approx(moved / V)
-    assert not any(k.startswith("headwatch/grad/embedding_row") or k.startswith("headwatch/grad/shared_row") for k in values[-1])
+    assert not any(k.startswith(("headwatch/grad/embedding_row", "headwatch/grad/shared_row")) for k in values[-1])
     assert math.isfinite(values[-1]["headwatch/logits/entropy"])
 
 
@@ -296,7 +297,7 @@ def test_fused_loss_hidden_path_under_every_fsdp2_resharding_setting(tmp_path):
     """2 CPU processes (gloo): every value equals one process's on the same global batches, and the logits
     statistics equal float64 ones recomputed from the fused loss's own hidden states and weight at forward time."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(FSDP_WORKER), str(tmp_path), _free_port()], env=env, capture_output=True, text=True, timeout=540)
+    proc = subprocess.run([sys.executable, str(FSDP_WORKER), str(tmp_path), _free_port()], env=env, capture_output=True, text=True, timeout=540, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rank0 = json.loads((tmp_path / "fused_rank0.json").read_text())
     rank1 = json.loads((tmp_path / "fused_rank1.json").read_text())
@@ -317,3 +318,60 @@ def test_fused_loss_hidden_path_under_every_fsdp2_resharding_setting(tmp_path):
 
 def _close(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7)
+
+
+# ---------------------------------------------------------------- the HF Trainer flag itself
+def test_trainer_neftune_noise_alpha_on_a_scaled_embedding_family(tmp_path):
+    """``TrainingArguments(neftune_noise_alpha=5)`` on tied Gemma 2: the Trainer registers NEFTune's hook in
+    ``train()``; headwatch's tied split equals the ``.grad`` of an untied twin trained by the same Trainer set-up
+    (same seed, so the same noise), to float64 row norms."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from headwatch.integrations.transformers import HeadwatchCallback
+
+    class GradRecorder(TrainerCallback):
+        grads: ClassVar[dict[str, torch.Tensor]] = {}
+        neftune: ClassVar[bool] = False
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            emb = model.get_input_embeddings()
+            GradRecorder.grads = {"embedding": emb.weight.grad.clone(), "head": model.lm_head.weight.grad.clone()}
+            GradRecorder.neftune = getattr(emb, "neftune_noise_alpha", None) == 5.0 and len(emb._forward_hooks) >= 2
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self):
+            self.batch = batches(1)[0]
+
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return {k: v[i] for k, v in self.batch.items()}
+
+    def run(model, out):
+        args = TrainingArguments(
+            output_dir=str(out), max_steps=1, logging_steps=1, per_device_train_batch_size=2, learning_rate=0.0,
+            max_grad_norm=0.0, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
+            neftune_noise_alpha=5.0, seed=7,
+        )  # fmt: skip
+        rec = Recording(frequency=None)
+        cb = HeadwatchCallback(monitors=[rec], figure_every_n_steps=0)  # the Trainer's logging_steps=1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[cb, GradRecorder()]).train()
+        said = [str(w.message) for w in caught if "headwatch" in str(w.message) or "Monitor" in str(w.message)]
+        return rec, dict(cb.latest), dict(GradRecorder.grads), said
+
+    model = tiny("gemma2")
+    twin = untied_twin(model)
+    rec, values, grads, said = run(model, tmp_path / "tied")
+    assert GradRecorder.neftune  # the Trainer's NEFTune hook was on the embedding during the step
+    _, _, want, _ = run(twin, tmp_path / "twin")
+    assert not [s for s in said if "GradientDensityMonitor" in s], said
+    got = rec.recorded[0]
+    torch.testing.assert_close(got["embedding"], want["embedding"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["head"], want["head"], rtol=1e-5, atol=1e-6)
+    assert values["headwatch/grad/embedding_row_norm_max"] == pytest.approx(max_row_norm(want["embedding"]), rel=1e-5)
+    assert values["headwatch/grad/shared_row_norm_max"] == pytest.approx(max_row_norm(grads["embedding"]), rel=1e-5)
+    scale = model.config.hidden_size**0.5  # the old failure: the lookup flow 1/sqrt(d_model) of the truth
+    assert not torch.allclose(got["embedding"] * scale, want["embedding"])

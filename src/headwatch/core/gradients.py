@@ -93,7 +93,8 @@ class GradientDensity(Monitor):
             self._refused_roles = {"head", "embedding"}
         if emb.trains and "embedding" not in self._refused_roles and (self.tied or emb.gradient_parameter is None):
             self._lookup_capture = LookupFlowCapture(m.embedding).attach()  # every lookup of the weight
-            self._lookup_capture.compiled = bool(compiled_modules(model))  # known now: the first step has its probe
+            # compiled code around the lookups known now: the first logging step already has its probe
+            self._lookup_capture.compiled = _compiles_a_member(compiled_modules(model), [n for n, _ in m.embedding.modules])
         if head.trains and "head" not in self._refused_roles and head.gradient_parameter is None:
             self._head_capture = HeadFlowCapture(m.head).attach()  # LoRA: no Parameter holds dL/dW_eff
         self.tying_text = m.text()
@@ -411,6 +412,11 @@ class GradientDensity(Monitor):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.logged_steps = int(state_dict.get("logged_steps", 0))
         self.failures = int(state_dict.get("failures", 0))
+
+
+def _compiles_a_member(compiled: list[str], members: list[str]) -> bool:
+    """Some module compiled with ``torch.compile`` (dotted names, ``<root>``) is or contains a lookup module."""
+    return any(c == "<root>" or m == c or m.startswith(c + ".") for c in compiled for m in members)
 
 
 def refused_kind(state: Any) -> bool:

@@ -94,10 +94,7 @@ class LookupFlowCapture(_Capture):
     def attach(self) -> LookupFlowCapture:
         """Register a forward hook on each distinct member; returns self."""
         self.detach()
-        from headwatch.distributed.zero import zero_stage  # here: headwatch.core imports this module
-
         self.shape = tuple(self.group.weight.shape)  # (V, d_model), read now: FSDP1 flattens it outside forward
-        zero3 = zero_stage(self.group.weight) == 3
         seen: set[int] = set()
         for _, module in self.group.modules:
             if id(module) not in seen:
