@@ -375,3 +375,24 @@ def test_trainer_neftune_noise_alpha_on_a_scaled_embedding_family(tmp_path):
     assert values["headwatch/grad/shared_row_norm_max"] == pytest.approx(max_row_norm(grads["embedding"]), rel=1e-5)
     scale = model.config.hidden_size**0.5  # the old failure: the lookup flow 1/sqrt(d_model) of the truth
     assert not torch.allclose(got["embedding"] * scale, want["embedding"])
+
+
+def test_lora_under_compile_embedding_measured_head_refused_with_the_cause():
+    """LoRA on both sides of a tied Llama (effectively untied), compiled: the embedding's effective gradient comes
+    from the probe (exact); the LoRA head's needs its output gradient, which compiled code does not give: refused."""
+    peft = pytest.importorskip("peft")
+    base = tiny("llama")
+    twin = untied_twin(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["embed_tokens", "lm_head"]))
+    with torch.no_grad():
+        twin.get_input_embeddings().weight.copy_(model.get_input_embeddings()(torch.arange(V)))
+        twin.lm_head.weight.copy_(model.get_output_embeddings()(torch.eye(D)).T)
+    data = batches(1)
+    expected = twin_grads(twin, data)[0]
+    model.compile(backend="aot_eager")
+    rec, values, _, said = train(model, data)
+    assert len(said) == 1 and "torch.compile" in said[0] and "head's gradient statistics are not reported" in said[0], said
+    torch.testing.assert_close(rec.recorded[0]["embedding"], expected["embedding"], rtol=1e-5, atol=1e-6)
+    assert "head" not in rec.recorded[0] and "headwatch/grad/head_row_density" not in values[0]

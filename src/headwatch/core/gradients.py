@@ -270,13 +270,16 @@ class GradientDensity(Monitor):
         refused = self._lookup_refused()
         lookup = None if refused else self._captured(self._lookup_capture, loss_scale)
         head_eff = self._captured(self._head_capture, loss_scale)
+        hc = self._head_capture  # a LoRA head inside torch.compile: refused in _captured, said once there
+        head_refused = self.reducer.all(hc is not None and hc.compiled and head_eff is None) if hc is not None else False
         param = {role: state.gradient_parameter for role, state in trains.items()}
         head_grad = full_gradient(param["head"], self.reducer, self.info_once) if param["head"] is not None else head_eff  # ZeRO: DeepSpeed holds it
         if not self.tied:
             emb_grad = full_gradient(param["embedding"], self.reducer, self.info_once) if param["embedding"] is not None else lookup
             flows = {"embedding": emb_grad, "head": head_grad}
             # frozen, or a refused lookup flow: said once, with its cause
-            return {flow: grad for flow, grad in flows.items() if trains[flow].trains and not (flow == "embedding" and refused)}
+            skip = {"embedding": refused, "head": head_refused}
+            return {flow: grad for flow, grad in flows.items() if trains[flow].trains and not skip[flow]}
         if not trains["head"].trains:
             return {}
         if param["head"] is not None:
@@ -284,7 +287,7 @@ class GradientDensity(Monitor):
         else:  # tied through adapters (ensure_weight_tying): no Parameter holds the sum of the flows
             total = lookup + head_eff if lookup is not None and head_eff is not None else None
         if total is None:
-            return {"embedding": None, "head": None, "shared": None}
+            return {} if head_refused else {"embedding": None, "head": None, "shared": None}
         total = dense_rows(total).float()
         if refused:
             return {"shared": total}
