@@ -315,7 +315,14 @@ class GradientDensity(Monitor):
         if capture is None:
             return False
         cause = capture.refused
-        if cause is None and capture.compiled and capture.probe is None and capture.flow() is None:
+        sharded = capture.sharded
+        if cause is None and capture.compiled and sharded is not None and not sharded.ids:
+            cause = (
+                "the model runs under torch.compile and the tied matrix is row-sharded (FSDP2), where headwatch "
+                "keeps the lookup flow from hooks on the embedding's output, which compiled code does not run "
+                "(the compiled path's probe is made for unsharded matrices only); it is not measured under compile"
+            )
+        elif cause is None and capture.compiled and capture.probe is None and capture.flow() is None:
             cause = (
                 "the model runs under torch.compile, which headwatch learned only during this step's compiled "
                 "forward (compiled code does not hand the gradient at the embedding's output to a hook); from the "
