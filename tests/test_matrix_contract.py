@@ -321,11 +321,55 @@ def _close(a: float, b: float) -> bool:
 
 
 # ---------------------------------------------------------------- the HF Trainer flag itself
+class Rows(torch.utils.data.Dataset):
+    """The two rows of ``batches(1)[0]``, for a Trainer."""
+
+    def __init__(self):
+        self.batch = batches(1)[0]
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return {k: v[i] for k, v in self.batch.items()}
+
+
+def trainer_args(out, **kw):
+    from transformers import TrainingArguments
+
+    opts = {
+        "output_dir": str(out), "max_steps": 1, "logging_steps": 1, "per_device_train_batch_size": 2, "learning_rate": 0.0,
+        "max_grad_norm": 0.0, "report_to": "none", "use_cpu": True, "save_strategy": "no", "disable_tqdm": True,
+    }  # fmt: skip
+    return TrainingArguments(**{**opts, **kw})
+
+
+def test_trainer_with_trainable_tokens_trains_and_says_it_once(tmp_path):
+    """Was: a HeadwatchError out of on_train_begin ("an adapter layer headwatch does not know") stopped train()."""
+    peft = pytest.importorskip("peft")
+    from transformers import Trainer
+
+    from headwatch.integrations.transformers import HeadwatchCallback
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(tiny("llama"), peft.TrainableTokensConfig(target_modules=["embed_tokens"], token_indices=[1, 2, 3]))
+    cb = HeadwatchCallback(figure_every_n_steps=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(model=model, args=trainer_args(tmp_path, learning_rate=0.1), train_dataset=Rows(), callbacks=[cb]).train()
+    said = [str(w.message) for w in caught if "GradientDensityMonitor" in str(w.message)]
+    assert len(said) == 1 and "trainable tokens" in said[0], said
+    values = dict(cb.latest)
+    assert math.isfinite(values["headwatch/logits/entropy"]) and "headwatch/update/shared_row_density" in values
+    assert not any(k.startswith("headwatch/grad/shared_row") for k in values)
+
+
 def test_trainer_neftune_noise_alpha_on_a_scaled_embedding_family(tmp_path):
     """``TrainingArguments(neftune_noise_alpha=5)`` on tied Gemma 2: the Trainer registers NEFTune's hook in
     ``train()``; headwatch's tied split equals the ``.grad`` of an untied twin trained by the same Trainer set-up
     (same seed, so the same noise), to float64 row norms."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     from headwatch.integrations.transformers import HeadwatchCallback
 
@@ -338,22 +382,8 @@ def test_trainer_neftune_noise_alpha_on_a_scaled_embedding_family(tmp_path):
             GradRecorder.grads = {"embedding": emb.weight.grad.clone(), "head": model.lm_head.weight.grad.clone()}
             GradRecorder.neftune = getattr(emb, "neftune_noise_alpha", None) == 5.0 and len(emb._forward_hooks) >= 2
 
-    class Rows(torch.utils.data.Dataset):
-        def __init__(self):
-            self.batch = batches(1)[0]
-
-        def __len__(self):
-            return 2
-
-        def __getitem__(self, i):
-            return {k: v[i] for k, v in self.batch.items()}
-
     def run(model, out):
-        args = TrainingArguments(
-            output_dir=str(out), max_steps=1, logging_steps=1, per_device_train_batch_size=2, learning_rate=0.0,
-            max_grad_norm=0.0, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
-            neftune_noise_alpha=5.0, seed=7,
-        )  # fmt: skip
+        args = trainer_args(out, neftune_noise_alpha=5.0, seed=7)
         rec = Recording(frequency=None)
         cb = HeadwatchCallback(monitors=[rec], figure_every_n_steps=0)  # the Trainer's logging_steps=1
         with warnings.catch_warnings(record=True) as caught:
