@@ -103,7 +103,7 @@ METRICS: tuple[Metric, ...] = (
            "mean `sum_{v >= vocab_size} p_v` over measured positions: the softmax mass on columns beyond the tokenizer's "
            "vocabulary (with `vocab_size=`, else the shared `TokenFrequency`'s `vocab_size` when set); entropy stays "
            "that of the full softmax the loss uses", _L),
-    Metric("{split}/ece", "probability", "expected calibration error of the top-1 prediction, 15 equal-width bins `B_m`", _L,
+    Metric("{split}/ece", "probability", "expected calibration error of the top-1 prediction, M equal-width bins `B_m` (default 15, `ece_bins=`; the last bin closed: a confidence of 1.0 is in it)", _L,
            formula="`sum_m |sum_{n in B_m} (c_n - a_n)| / N`, `c_n = max_v p_v`, `a_n = [target is the argmax]`",
            source="Naeini et al. 2015; Guo et al. 2017"),
     Metric("{split}/overconfidence", "probability", "over-confidence gap: confidence above accuracy", _L,
@@ -167,6 +167,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("alerts/{rule}", "", "1 at each critical alert step of the rule", _A),
     Metric("alerts/{rule}_warning", "", "1 at each warning alert step of the rule", _A),
     Metric("alerts", "", "text: the alert message", _A, kind="text"),
+    Metric("alerts/action_failures", "count", "alert actions that failed so far (a webhook POST after its retries, an unwritable record file, an action that raised); written when it changes", "AlertEngine", headline=False),
+    # ---- storage (headwatch.tensorboard.guard): written when writing resumes after a storage fault
+    Metric("storage/delayed_events", "count", "TensorBoard events that could not be written when added and were written once the log directory could be written again", "GuardedFileWriter", headline=False),
+    Metric("storage/lost_events", "count", "TensorBoard events never written (kept in memory beyond 64 MiB during a storage fault, or still kept at close)", "GuardedFileWriter", headline=False),
 )
 
 
@@ -264,6 +268,8 @@ GROUPS: tuple[Group, ...] = (
     Group("collision", _C, "rare-token collision (collision/)"),
     Group("tokens", _T, "token counts (tokens/)"),
     Group("alerts", _A, "alert markers, 1 at the alert step (alerts/)"),
+    Group("alert delivery", "AlertEngine", "alert actions that failed (alerts/action_failures)"),
+    Group("storage", "GuardedFileWriter", "TensorBoard events delayed or lost by a storage fault (storage/)"),
 )
 """Report groups in display order: one per monitor."""
 
