@@ -19,6 +19,7 @@ from headwatch.functional.rows import dense_rows, spearman
 from headwatch.model.flows import HeadFlowCapture, LookupFlowCapture
 from headwatch.model.adapters import trainable_matrices
 from headwatch.model.find import Matrices, resolve_matrices
+from headwatch.model.sources import compiled_modules
 from headwatch.model.weights import effective_weight
 
 
@@ -67,6 +68,7 @@ class GradientDensity(Monitor):
         self._head: nn.Module | None = None
         self._emb: nn.Module | None = None
         self.matrices: Matrices | None = None
+        self._refused_roles: set[str] = set()
         self._lookup_capture: LookupFlowCapture | None = None
         self._head_capture: HeadFlowCapture | None = None
         self._active = False
@@ -86,16 +88,22 @@ class GradientDensity(Monitor):
         m = self.matrices = resolve_matrices(model, self.head, self.embedding)
         self.tied, self._head, self._emb, self.model = m.tie.tied, m.head, m.embedding.module, model
         head, emb = m.trains["head"], m.trains["embedding"]
-        if emb.trains and (self.tied or emb.gradient_parameter is None):
+        # PEFT trainable tokens: only k rows train, as a separate (k, d) delta; refused (said once, in m.text())
+        self._refused_roles = {role for role, state in m.trains.items() if refused_kind(state)}
+        if self.tied and self._refused_roles:
+            self._refused_roles = {"head", "embedding"}
+        if emb.trains and "embedding" not in self._refused_roles and (self.tied or emb.gradient_parameter is None):
             self._lookup_capture = LookupFlowCapture(m.embedding).attach()  # every lookup of the weight
-        if head.trains and head.gradient_parameter is None:
+            # compiled code around the lookups known now: the first logging step already has its probe
+            self._lookup_capture.compiled = _compiles_a_member(compiled_modules(model), [n for n, _ in m.embedding.modules])
+        if head.trains and "head" not in self._refused_roles and head.gradient_parameter is None:
             self._head_capture = HeadFlowCapture(m.head).attach()  # LoRA: no Parameter holds dL/dW_eff
         self.tying_text = m.text()
         if m.config_message:
             self.warn_once("config_tie", m.config_message)
         for role, state in m.trains.items():
-            if not state.trains:
-                self.warn_once(f"frozen:{role}", f"GradientDensityMonitor: {m.text()} (said once)")
+            if not state.trains or role in self._refused_roles:  # one message, whichever the roles
+                self.warn_once("matrices_text", f"GradientDensityMonitor: {m.text()} (said once)")
 
     def detach(self) -> None:
         for capture in self._captures():
@@ -165,6 +173,8 @@ class GradientDensity(Monitor):
         # row-sharded (FSDP2: a DTensor between steps): keep the tied lookup flow compact
         if self._active and self.tied and lookup is not None and lookup.sharded is None and is_sharded(self._head.weight):  # type: ignore[union-attr]
             lookup.sharded = ShardedLookup()
+        if self._active and lookup is not None and lookup.compiled and lookup.sharded is None:
+            lookup.arm_probe()  # torch.compile: the lookup flow through a probe input of the graph
 
     def gradients_ready(self, loss_scale: float | Tensor | None = None) -> None:
         if not self._active or self._measured:
@@ -235,32 +245,42 @@ class GradientDensity(Monitor):
         if capture.error is not None:
             err, capture.error = capture.error, None
             self.fail(err, "capturing a gradient flow")
-        if capture.compiled:
+        if isinstance(capture, HeadFlowCapture) and capture.compiled and capture.gradient is None:
             self.warn_once(
-                "compiled_capture",
-                "GradientDensityMonitor: the embedding or head runs inside torch.compile, where its output "
-                "gradient cannot be hooked; the flows that need it are not reported. (warned once)",
+                "compiled_head",
+                f"GradientDensityMonitor: the head `{self.matrices.head_name}` is an adapter (LoRA) running inside "  # type: ignore[union-attr]
+                "torch.compile: no Parameter holds its effective gradient, and compiled code does not hand the "
+                "gradient at its output to a hook, so the head's gradient statistics are not reported (the "
+                "logits statistics still are). They are measured when the head runs outside the compiled "
+                "region, or with the adapter merged. (warned once)",
             )
         sharded = getattr(capture, "sharded", None)
-        if not self.reducer.all(capture.gradient is not None or (sharded is not None and bool(sharded.ids))):
+        grad = capture.flow() if isinstance(capture, LookupFlowCapture) else capture.gradient
+        if not self.reducer.all(grad is not None or (sharded is not None and bool(sharded.ids))):
             return None  # every process takes the same path
         if sharded is not None:
             return sharded  # combined on this process's rows in _flows
-        grad = capture.gradient
         if loss_scale is not None:
             grad = grad / loss_scale  # captured from the scaled loss; .grad is unscaled already
         return self.reducer.mean(grad)  # as DDP averages .grad
 
     def _flows(self, loss_scale: float | Tensor | None) -> dict[str, Any]:
         trains = self.matrices.trains  # type: ignore[union-attr]
-        lookup = self._captured(self._lookup_capture, loss_scale)
+        if self._refused_roles:
+            trains = {role: state._replace(trains=False) if role in self._refused_roles else state for role, state in trains.items()}
+        refused = self._lookup_refused()
+        lookup = None if refused else self._captured(self._lookup_capture, loss_scale)
         head_eff = self._captured(self._head_capture, loss_scale)
+        hc = self._head_capture  # a LoRA head inside torch.compile: refused in _captured, said once there
+        head_refused = self.reducer.all(hc is not None and hc.compiled and head_eff is None) if hc is not None else False
         param = {role: state.gradient_parameter for role, state in trains.items()}
         head_grad = full_gradient(param["head"], self.reducer, self.info_once) if param["head"] is not None else head_eff  # ZeRO: DeepSpeed holds it
         if not self.tied:
             emb_grad = full_gradient(param["embedding"], self.reducer, self.info_once) if param["embedding"] is not None else lookup
             flows = {"embedding": emb_grad, "head": head_grad}
-            return {flow: grad for flow, grad in flows.items() if trains[flow].trains}  # frozen: said once
+            # frozen, or a refused lookup flow: said once, with its cause
+            skip = {"embedding": refused, "head": head_refused}
+            return {flow: grad for flow, grad in flows.items() if trains[flow].trains and not skip[flow]}
         if not trains["head"].trains:
             return {}
         if param["head"] is not None:
@@ -268,8 +288,10 @@ class GradientDensity(Monitor):
         else:  # tied through adapters (ensure_weight_tying): no Parameter holds the sum of the flows
             total = lookup + head_eff if lookup is not None and head_eff is not None else None
         if total is None:
-            return {"embedding": None, "head": None, "shared": None}
+            return {} if head_refused else {"embedding": None, "head": None, "shared": None}
         total = dense_rows(total).float()
+        if refused:
+            return {"shared": total}
         if lookup is None:
             self.warn_once(
                 "nolookup",
@@ -287,6 +309,39 @@ class GradientDensity(Monitor):
             return {"embedding": lookup, "head": lookup.with_local(scoring), "shared": shard}
         scoring = torch.sub(total, lookup, out=self._scratch("scoring", total, torch.float32))
         return {"embedding": lookup, "head": scoring, "shared": total}
+
+    def _lookup_refused(self) -> bool:
+        """The lookup flow of this step would be wrong or is out of reach: say why once; True then (every process alike)."""
+        capture = self._lookup_capture
+        if capture is None:
+            return False
+        cause = capture.refused
+        sharded = capture.sharded
+        if cause is None and capture.compiled and sharded is not None and not sharded.ids:
+            cause = (
+                "the model runs under torch.compile and the tied matrix is row-sharded (FSDP2), where headwatch "
+                "keeps the lookup flow from hooks on the embedding's output, which compiled code does not run "
+                "(the compiled path's probe is made for unsharded matrices only); it is not measured under compile"
+            )
+        elif cause is None and capture.compiled and capture.probe is None and capture.flow() is None:
+            cause = (
+                "the model runs under torch.compile, which headwatch learned only during this step's compiled "
+                "forward (compiled code does not hand the gradient at the embedding's output to a hook); from the "
+                "next logging step on, the flow is measured exactly through a zero probe added to the embedding's "
+                "output inside the compiled graph"
+            )
+        if not self.reducer.all(cause is None):
+            cause = cause or "another process could not measure it"
+        else:
+            return False
+        group = capture.group
+        name = group.modules[0][0] if group.modules else "the embedding"
+        what = "only the shared gradient of the tied matrix is reported" if self.tied else "its gradient statistics are skipped"
+        self.warn_once(
+            f"lookup_refused:{cause[:40]}",
+            f"GradientDensityMonitor: the lookup flow of `{name}` is not measured on this step: {cause}; {what}. (warned once)",
+        )
+        return True
 
     def _gradient_stats(self, loss_scale: float | Tensor | None) -> dict[str, Tensor]:
         snap = self._snapshot = self.frequency.snapshot()
@@ -414,6 +469,16 @@ class GradientDensity(Monitor):
         """A new run: the counters and the step in progress (its captures and snapshots) emptied."""
         super().reset()
         self._reset_step()
+
+
+def _compiles_a_member(compiled: list[str], members: list[str]) -> bool:
+    """Some module compiled with ``torch.compile`` (dotted names, ``<root>``) is or contains a lookup module."""
+    return any(c == "<root>" or m == c or m.startswith(c + ".") for c in compiled for m in members)
+
+
+def refused_kind(state: Any) -> bool:
+    """A matrix that trains through PEFT trainable tokens (no Parameter holds its ``(V, d)`` gradient)."""
+    return bool(state.trains and state.kind == "trainable_tokens" and state.gradient_parameter is None)
 
 
 def norm_ratio(rare: Tensor, frequent: Tensor) -> Tensor:

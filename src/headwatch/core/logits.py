@@ -248,6 +248,11 @@ class LogitStats(Monitor):
         else:
             self._view, self._sink = None, None
 
+    def gradients_ready(self, loss_scale: float | Tensor | None = None) -> None:
+        """Close the step's capture before the optimizer moves the weights: a head that never ran (fused
+        loss) is measured from the hidden states and the head's weight as the forward used them."""
+        self._disarm()
+
     def batch_end(self) -> None:
         self._disarm()
 

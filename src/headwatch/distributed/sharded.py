@@ -81,6 +81,21 @@ def _dtensor_type() -> Any:
     return DTensor
 
 
+def fully_sharded(model: Any) -> bool:
+    """Whether ``model`` or a module inside it is managed by FSDP2 (``fully_shard``).
+
+    Such a module's Parameters are unsharded (plain tensors) only during its forward and backward;
+    ``reshard_after_forward`` frees their memory after the forward, so a tensor read from
+    ``module.weight`` during the forward must be copied to be used after it.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    modules = getattr(model, "modules", None)
+    return callable(modules) and any(isinstance(m, FSDPModule) for m in modules())
+
+
 def is_sharded(matrix: Tensor | Rows) -> bool:
     """Whether ``matrix`` is a DTensor whose rows are split over processes."""
     if isinstance(matrix, Rows):

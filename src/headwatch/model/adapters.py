@@ -26,6 +26,33 @@ def is_saved_copy(module: nn.Module) -> bool:
     return hasattr(module, "modules_to_save") and hasattr(module, "original_module")
 
 
+def _token_layer(module: nn.Module) -> nn.Module | None:
+    """The PEFT trainable-tokens layer of ``module`` (``TrainableTokensLayer``, or the one a
+    ``TrainableTokensWrapper`` from ``LoraConfig(trainable_token_indices=...)`` runs), else None."""
+    if hasattr(module, "trainable_tokens_delta") and hasattr(module, "base_layer"):
+        return module
+    inner = getattr(module, "token_adapter", None)
+    if isinstance(inner, nn.Module) and hasattr(inner, "trainable_tokens_delta") and hasattr(inner, "base_layer"):
+        return inner
+    return None
+
+
+def _token_deltas(layer: nn.Module) -> list[tuple[list[int], Tensor]]:
+    """``(token_indices, delta (k, d_model))`` of each active, unmerged trainable-tokens adapter."""
+    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
+        return []
+    deltas = layer.trainable_tokens_delta
+    return [(list(layer.token_indices[a]), deltas[a]) for a in _active(layer) if a in deltas]
+
+
+def trainable_token_count(module: nn.Module) -> int | None:
+    """How many rows PEFT trainable tokens train in ``module`` (None: not a trainable-tokens layer)."""
+    layer = _token_layer(module)
+    if layer is None:
+        return None
+    return len({i for indices, _ in _token_deltas(layer) for i in indices})
+
+
 def storage_weight(module: nn.Module) -> Tensor | None:
     """The stored ``weight`` Parameter a module's rows come from, under any adapter wrapper.
 
@@ -37,6 +64,8 @@ def storage_weight(module: nn.Module) -> Tensor | None:
         seen += 1
         if is_saved_copy(module):
             module = module.original_module
+        elif _token_layer(module) is not None and _token_layer(module) is not module:
+            module = _token_layer(module)  # a TrainableTokensWrapper: its layer, then that layer's base
         elif hasattr(module, "get_base_layer") and hasattr(module, "base_layer"):
             base = module.get_base_layer()
             if base is module:
@@ -81,9 +110,12 @@ def _saved_active(wrapper: nn.Module) -> nn.Module:
 
 def adapter_kind(module: nn.Module) -> str:
     """How ``module``'s matrix is made: ``"plain"``, ``"lora"`` (a delta added in the forward),
-    ``"lora_merged"`` (merged into the base: the forward reads the base) or ``"modules_to_save"``."""
+    ``"lora_merged"`` (merged into the base: the forward reads the base), ``"modules_to_save"`` or
+    ``"trainable_tokens"`` (PEFT: a few rows replaced by a trained ``(k, d_model)`` delta)."""
     if is_saved_copy(module):
         return "modules_to_save"
+    if _token_layer(module) is not None:
+        return "trainable_tokens"
     if _is_lora(module):
         if getattr(module, "disable_adapters", False):
             return "plain"
@@ -117,6 +149,12 @@ def effective_weight(module: nn.Module, copy: bool = False) -> Tensor:
     if kind == "modules_to_save":
         chosen = _saved_active(module)
         return effective_weight(chosen, copy)
+    if kind == "trainable_tokens":  # the base with the trained rows written over it (PEFT get_merged_weights)
+        layer = _token_layer(module)
+        out = layer.base_layer.weight.detach().to(torch.float32, copy=True)  # type: ignore[union-attr]
+        for indices, delta in _token_deltas(layer):  # type: ignore[arg-type]
+            out[torch.tensor(indices, device=out.device)] = delta.detach().float()
+        return out
     if kind == "plain" and not _is_lora(module):
         from headwatch.distributed.zero import full_weight  # DeepSpeed ZeRO-3: the partitioned weight's full value
 
@@ -147,6 +185,9 @@ def _forward_parameters(module: nn.Module) -> list[Tensor]:
     if kind == "modules_to_save":
         chosen = _saved_active(module)
         return _forward_parameters(chosen)
+    if kind == "trainable_tokens":
+        layer = _token_layer(module)
+        return [layer.base_layer.weight, *(delta for _, delta in _token_deltas(layer))]  # type: ignore[union-attr, arg-type]
     if not _is_lora(module):
         return [module.weight]
     params = [module.get_base_layer().weight]
@@ -211,6 +252,10 @@ def matrix_signature(module: nn.Module) -> tuple:
     if kind == "modules_to_save":
         chosen = _saved_active(module)
         return matrix_signature(chosen)
+    if kind == "trainable_tokens":  # a tied head's layer shares the embedding's deltas (PEFT tied_adapter)
+        layer = _token_layer(module)
+        rows = [(tuple(i), _key(d.detach())) for i, d in _token_deltas(layer)]  # type: ignore[arg-type]
+        return (_key(layer.base_layer.weight.detach()), *sorted(rows, key=repr))  # type: ignore[union-attr]
     if not _is_lora(module):
         return (_key(module.weight.detach()),)
     base = module.get_base_layer().weight.detach()

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from headwatch.distributed.sharded import fully_sharded, is_sharded
 from headwatch.model.find import logits_from_output
 from headwatch.errors import HeadwatchError
 from headwatch.model.sources import FinalTransform, LogitsSource, compiled_modules
@@ -95,7 +96,8 @@ class CaptureReport:
     path: Literal["logits", "hidden"] | None
     problem: str | None = None
     """A stable key for warn-once: ``not_fired``, ``compiled``, ``head_not_called``,
-    ``few_positions``, ``no_logits``, ``transform_mismatch``, ``hidden_mismatch``, ``failed``; None when all went well."""
+    ``few_positions``, ``no_logits``, ``transform_mismatch``, ``hidden_mismatch``, ``sharded_weight``, ``failed``;
+    None when all went well."""
     message: str | None = None
     """One sentence: the cause and the fix (set with ``problem``)."""
     note: str | None = None
@@ -144,6 +146,7 @@ class LogitsCapture:
         self.accept = accept
         self._handles: list[Any] = []
         self._armed = False
+        self._copy_weight = False
         self._reference: tuple[int, ...] | None = None
         self._reset_step()
 
@@ -172,6 +175,8 @@ class LogitsCapture:
         """Arm for one step. ``positions_shape``: the batch's ``(B, T)`` of targets or mask, if known."""
         self._reset_step()
         self._reference = tuple(positions_shape) if positions_shape is not None else None
+        # FSDP2 frees the unsharded head weight after the forward: the hidden path keeps a copy read during it
+        self._copy_weight = self.model is not None and fully_sharded(self.model)
         self._armed = True
 
     def end(self) -> CaptureReport:
@@ -212,6 +217,7 @@ class LogitsCapture:
         self._raw_lead: tuple[int, ...] | None = None
         self._head_input: Tensor | None = None
         self._head_calls = 0
+        self._weight_seen: Tensor | None = None
         self._hidden_grad = True  # the grad mode of the last hidden states seen (the owner-less fallback)
 
     # Each hook only appends (kind, tensor) when armed: traced by torch.compile (hooks registered
@@ -232,8 +238,17 @@ class LogitsCapture:
             rows = raw.reshape(-1, raw.shape[-1])[:_CHECK_ROWS].clone() if raw is not None else None
             self._events.append(("head_out", (rows, tuple(raw.shape[:-1]) if raw is not None else None)))
 
+    def _head_weight_now(self, copy: bool) -> None:
+        """Record the head's weight as the forward sees it. Under FSDP2 it is an unsharded tensor whose memory is
+        freed after the forward: ``copy`` it (a ``(V, d_model)`` copy, kept until the step is measured) where the
+        hidden states are those of a module named by ``hidden_module=`` (a fused loss: the head never runs)."""
+        weight = getattr(self.source.head, "weight", None)
+        if isinstance(weight, Tensor) and not torch.compiler.is_compiling():
+            self._events.append(("head_weight", weight.detach().clone() if copy and self._copy_weight else weight))
+
     def _on_base(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._armed:
+            self._head_weight_now(copy=False)  # the head usually runs after: no copy (checked when used)
             h = getattr(output, "last_hidden_state", None)
             if h is None and isinstance(output, (tuple, list)) and output:
                 h = output[0]
@@ -241,6 +256,7 @@ class LogitsCapture:
 
     def _on_hidden_module(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if self._armed:
+            self._head_weight_now(copy=True)
             h = args[0] if args else next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
             self._events.append(("hidden_module", (h, torch.is_grad_enabled())))
 
@@ -256,7 +272,9 @@ class LogitsCapture:
         s = self.source
         for kind, value in events:
             self._fired.add(kind)
-            if kind == "head_in":
+            if kind == "head_weight":
+                self._weight_seen = value
+            elif kind == "head_in":
                 self._head_input = value
                 self._hidden.append((f"the input of `{s.head_name}`", value))
             elif kind == "head_out":
@@ -368,10 +386,20 @@ class LogitsCapture:
                 return
         if not self._is_head_input(where, hidden):
             return
-        weight = getattr(s.head, "weight", None)
+        seen = self._weight_seen  # as the forward used it (FSDP2 reshards the module's weight after the forward)
+        weight = seen if isinstance(seen, Tensor) and seen.ndim == 2 and not is_sharded(seen) else getattr(s.head, "weight", None)
         bias = getattr(s.head, "bias", None)
         if not isinstance(weight, Tensor) or weight.ndim != 2:
             self._set_problem("no_logits", f"the head `{s.head_name}` has no 2-D weight to project the hidden states")
+            return
+        if is_sharded(weight) or is_sharded(bias) or weight.untyped_storage().nbytes() == 0:
+            self._set_problem(
+                "sharded_weight",
+                f"the head's weight `{s.head_name}.weight` is sharded over processes (FSDP2) and its full value, "
+                "which the forward used, is freed by the time the head's absence is known, so the logits cannot be "
+                "recomputed from the hidden states; nothing is measured. Pass hidden_module=<the fused loss module> "
+                "(headwatch then keeps a copy of the full weight read during the forward, on logging steps).",
+            )
             return
         transform = f" then {s.transform.description}" if s.transform is not None else ""
         if kept is not None:  # forced path='hidden' on logits_to_keep: the kept positions only

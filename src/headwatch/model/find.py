@@ -267,6 +267,12 @@ class Matrices(NamedTuple):
             name = self.head_name if role == "head" else self.embedding.name
             if not state.trains:
                 parts.append(f"`{name}` is FROZEN: it gets no gradient, so its gradient density is not measured.")
+            elif state.kind == "trainable_tokens" and state.gradient_parameter is None:
+                parts.append(
+                    f"`{name}` trains only the rows listed in PEFT's token_indices (trainable tokens: a separate "
+                    "(k, d_model) delta written over a frozen matrix), so per-row gradient statistics over its "
+                    "vocabulary are not computed; its update statistics are those of the effective matrix."
+                )
             elif state.gradient_parameter is None:
                 parts.append(f"`{name}` trains through {state.kind}: its row gradient is the effective matrix's.")
         if self.config_message:

@@ -33,6 +33,10 @@ def _padding_idx(module: nn.Module) -> int | None:
     return int(pad) if isinstance(pad, int) else None
 
 
+class _NotAMultiple(Exception):
+    """The embedding's output is not ``c * weight[ids]``: its lookup flow cannot be read from the output's gradient."""
+
+
 class _Capture:
     def __init__(self) -> None:
         self.active = False
@@ -80,32 +84,88 @@ class LookupFlowCapture(_Capture):
         self.sharded: Any = None
         """A :class:`headwatch.distributed.sharded.ShardedLookup` set by the monitor on steps whose matrix is
         row-sharded (FSDP2): the flow is then kept compact there instead of in ``gradient``."""
+        self.probe: Tensor | None = None
+        """Under ``torch.compile``: a zero ``(V, d_model)`` leaf added as ``F.embedding(ids, probe)`` to every
+        lookup's output (see :meth:`arm_probe`); its ``.grad`` is the lookup flow divided by the output scale."""
+        self.probe_scale: Tensor | None = None
+        self.refused: str | None = None
+        """Why the lookup flow of this step cannot be measured (set instead of a wrong number), or None."""
 
     def attach(self) -> LookupFlowCapture:
         """Register a forward hook on each distinct member; returns self."""
         self.detach()
-        from headwatch.distributed.zero import zero_stage  # here: headwatch.core imports this module
-
         self.shape = tuple(self.group.weight.shape)  # (V, d_model), read now: FSDP1 flattens it outside forward
-        zero3 = zero_stage(self.group.weight) == 3
         seen: set[int] = set()
         for _, module in self.group.modules:
             if id(module) not in seen:
                 seen.add(id(module))
-                # DeepSpeed ZeRO-3 releases the weight in its own forward hook: run before it (rows are read here)
-                self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True, prepend=zero3))
+                # first of the module's forward hooks: the output is the module's own, before any other hook
+                # changes it (NEFTune's noise, a user's scaling), and before DeepSpeed ZeRO-3 releases the weight
+                self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True, prepend=True))
         return self
 
     def reset(self) -> None:
         super().reset()
-        self.looked_up, self.sharded = None, None
+        self.looked_up, self.sharded, self.refused = None, None, None
+        self.probe, self.probe_scale = None, None
 
-    def _on_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def arm_probe(self) -> None:
+        """Prepare this step's probe (call before the forward, outside compiled code, once ``compiled`` is known).
+
+        ``torch.compile`` does not let a hook reach the gradient at the embedding's output, but it
+        differentiates an input of the graph: the hook adds ``F.embedding(ids, probe)`` (zeros) to the
+        output, so after the backward ``probe.grad[i] = sum over lookups n with x_n = i of g_n`` exactly,
+        ``g_n`` the gradient at the output, and the lookup flow is ``c * probe.grad`` for a module that
+        returns ``c * weight[ids]`` (``c`` read from the module's own forward, hooks bypassed).
+        Memory: one ``(V, d_model)`` tensor of the weight's dtype, on measuring steps only.
+        """
+        if self.probe is not None:
+            return
+        module = self.group.module
+        weight = self.group.weight
+        # an adapter's output is not a multiple of the base weight; its gradient is the effective matrix's (c = 1)
+        scale = torch.ones((), device=weight.device) if hasattr(module, "base_layer") else self._module_scale(module, weight)
+        if scale is None:
+            return
+        self.probe_scale = scale
+        self.probe = torch.zeros(self.shape, dtype=weight.dtype, device=weight.device, requires_grad=True)
+
+    def _module_scale(self, module: nn.Module, weight: Tensor) -> Tensor | None:
+        """``c`` of a module returning ``c * weight[ids]``, from its own forward on a few ids (no hooks run)."""
+        try:
+            with torch.no_grad():
+                ids = torch.arange(min(self.shape[0], 16), device=weight.device)
+                y = module.forward(ids).double()  # forward, not __call__: other hooks do not change it
+                rows = weight.detach()[ids].double()
+                c = (y * rows).sum() / (rows * rows).sum().clamp_min(1e-300)
+                residual = float((y - c * rows).abs().max() / y.abs().max().clamp_min(1e-300))
+        except Exception as err:  # noqa: BLE001
+            self.refused = f"its forward could not be run on a few token ids to read its output scale ({type(err).__name__}: {err})"
+            return None
+        if residual > (1e-2 if weight.dtype in (torch.bfloat16, torch.float16) else 1e-5):
+            self.refused = (
+                f"its forward does not return a fixed multiple of the looked-up rows (relative residual {residual:.2e})"
+            )
+            return None
+        return c.float()
+
+    def flow(self) -> Tensor | None:
+        """The captured ``(V, d_model)`` float32 lookup flow: the hooks' accumulator, or the probe's gradient."""
+        if self.gradient is None and self.probe is not None and self.probe.grad is not None:
+            self.gradient = self.probe.grad.float() * self.probe_scale
+        return self.gradient
+
+    def _on_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if self.active:
             if torch.compiler.is_compiling():  # a disabled function would break fullgraph=True
                 self.compiled = True
-                return
+                if self.probe is not None:  # traced: an ordinary lookup and an add, no graph break
+                    ids = args[0] if args else kwargs.get("input")
+                    if isinstance(ids, Tensor) and isinstance(output, Tensor):
+                        return output + nn.functional.embedding(ids, self.probe, padding_idx=_padding_idx(module)).to(output.dtype)
+                return None
             self._watch(module, args, kwargs, output)
+        return None
 
     @torch.compiler.disable
     def _watch(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -122,6 +182,8 @@ class LookupFlowCapture(_Capture):
                 pad = _padding_idx(module)
                 scale = self._output_scale(module, ids, output)
                 output.register_hook(lambda grad: self._add(ids, grad if scale is None else grad * scale, pad))
+        except _NotAMultiple as err:  # the flow would be wrong: refused for the step, with the cause
+            self.refused = self.refused or str(err)
         except Exception as err:  # noqa: BLE001 - monitoring never breaks the forward
             self.error = self.error or err
 
@@ -146,11 +208,7 @@ class LookupFlowCapture(_Capture):
             residual = float((y - c * rows).abs().max() / y.abs().max().clamp_min(1e-300))
         tolerance = 1e-2 if output.dtype in (torch.bfloat16, torch.float16) else 1e-5
         if residual > tolerance:
-            self.error = self.error or HeadwatchError(
-                f"the embedding's output is not a fixed multiple of its looked-up rows (relative residual "
-                f"{residual:.2e}); the lookup flow needs an embedding that returns c * weight[ids]"
-            )
-            return None
+            raise _NotAMultiple(f"its output is not a fixed multiple of the looked-up rows (relative residual {residual:.2e})")
         return None if abs(float(c) - 1.0) <= tolerance else c.to(output.dtype if output.dtype == torch.float64 else torch.float32)
 
     def _add(self, ids: Tensor, grad: Tensor, pad: int | None) -> None:
