@@ -37,6 +37,8 @@ from headwatch.integrations.hf_support import (
     loss_scale,
     restore_state,
     save_state,
+    trl_marks,
+    trl_step_values,
     unwrap,
     wire_alert,
 )
@@ -204,6 +206,7 @@ class HeadwatchCallback(Driver, TrainerCallback):
     # ---------------------------------------------------------------- training
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.run.begin_step(state.global_step, first=self._first)  # DefaultFlowCallback's rule, global_step = step + 1
+        self._trl_marks = trl_marks(self.trainer) if self.run.logging else {}
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.run.batch_end()
@@ -219,6 +222,8 @@ class HeadwatchCallback(Driver, TrainerCallback):
         self._control = control
         if self.run.logging and not control.should_log:
             self.run.warn_once("should_log", "HeadwatchCallback measured a step the Trainer does not log. (warned once)")
+        if self.run.logging:  # TRL's own entropy and token accuracy of this step, for the self-check
+            self.run.check.trainer_metrics(**trl_step_values(self.trainer, getattr(self, "_trl_marks", {})))
         self.run.end_step(state.global_step)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -129,6 +129,8 @@ class MonitorCallback(Callback):
         if not self._drives(trainer):
             return
         run = lightning_run(trainer)
+        if run.logging:
+            hand_logged_loss(trainer, run, batch)
         run.batch_end()
         stepped = (
             not pl_module.automatic_optimization
@@ -197,7 +199,34 @@ def lightning_run(trainer: pl.Trainer) -> Orchestrator:
     cores = [cb._core() for cb in monitor_callbacks(trainer)]
     # the shared token counts first, whatever the callbacks' order: the others read them (as in the other doors)
     run.monitors = [m for m in cores if isinstance(m, TokenCounts)] + [m for m in cores if not isinstance(m, TokenCounts)]
+    if cores:  # the self-check publishes under the monitors' prefix (the logit monitor's, when there is one)
+        run.check.prefix = next((m.prefix for m in cores if hasattr(m, "capture_tally")), cores[0].prefix)
     return run
+
+
+def hand_logged_loss(trainer: pl.Trainer, run: Orchestrator, batch: Any) -> None:
+    """On a logging step, the metric named by a monitor's ``compare_loss=`` (this batch's value, in
+    ``trainer.callback_metrics``) to the self-check, weighted by the batch's labelled positions."""
+    for cb in monitor_callbacks(trainer):
+        key = getattr(cb, "compare_loss", None)
+        if not key:
+            continue
+        try:
+            value = trainer.callback_metrics.get(key)
+            if value is None:
+                run.check.warn_once(
+                    f"compare_loss:{key}",
+                    f"headwatch self-check: `compare_loss={key!r}` names no metric the LightningModule logged on this "
+                    f"step (logged: {sorted(trainer.callback_metrics)}); log it with self.log({key!r}, loss) in "
+                    "training_step. No check/nll_gap. (warned once)",
+                )
+                return
+            fmt = cb._core().batch_format
+            targets = fmt.read(batch).targets
+            run.check.add_loss(value, (targets != fmt.ignore_index).sum() if targets is not None else None)
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            run.check.fail(err, f"reading the logged metric {key!r}")
+        return
 
 
 def monitor_callbacks(trainer: pl.Trainer) -> list[MonitorCallback]:
