@@ -289,3 +289,75 @@ def test_a_normal_head_gradient_is_not_flagged_and_the_counts_round_trip():
     other = Headwatch(tiny_llama(tie=False), log_every_n_steps=1, figure_every_n_steps=None)
     other.load_state_dict(hw.state_dict())
     assert (other.run.check.mismatched_steps, other.run.check.vanished_steps) == (3, 2)
+
+
+def test_an_auxiliary_loss_is_not_compared():
+    """A MoE model's ``outputs.loss`` adds the router's load-balancing loss: no reference, said once."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=32,
+                           output_router_logits=True, router_aux_loss_coef=0.5)  # fmt: skip
+    model = MixtralForCausalLM(config)
+    hw = Headwatch(model, monitors=["logits"], log_every_n_steps=1, figure_every_n_steps=None)
+    batch = one_batch()
+    hw.step_start(batch, 0)
+    with pytest.warns(UserWarning, match="includes an auxiliary loss"):  # said at the forward that returns it
+        assert model(**batch).aux_loss is not None
+        values = hw.step_end()
+    assert f"{P}/check/nll_gap" not in values and f"{P}/check/reference_nll" not in values
+    labelled = (batch["labels"][:, 1:] != -100).sum().item()
+    assert values[f"{P}/capture/labelled_positions"] == values[f"{P}/capture/positions"] == labelled  # still published
+
+
+DDP_WORKER = r'''
+import datetime, json, os, sys, warnings
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+from tests.test_self_check import uneven_batch
+from tests.test_transformers import tiny_llama
+from headwatch import Headwatch
+rank = int(sys.argv[1])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+warnings.simplefilter("ignore")
+model = tiny_llama(tie=False)
+hw = Headwatch(model, monitors=["logits"], log_every_n_steps=1, figure_every_n_steps=None)
+part = {k: v[2 * rank : 2 * rank + 2] for k, v in uneven_batch().items()}  # rank 0: 13 labels, rank 1: 9
+hw.step_start(part, 0)
+model(**part).loss.backward()
+json.dump(hw.step_end(), open(sys.argv[4] + f"/rank{rank}.json", "w"))
+dist.destroy_process_group()
+'''
+
+
+def test_two_processes_compare_the_global_token_mean(tmp_path):
+    """gloo, 2 processes with different label counts: every rank publishes the same check, against the token
+    mean over both processes' labels (float64 from the model's logits of the whole batch)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "worker.py"
+    script.write_text(DDP_WORKER)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(root) / "src")}
+    port = str(31500 + os.getpid() % 2000)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, root, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    expected = float64_nll(tiny_llama(tie=False), uneven_batch())
+    for r in (r0, r1):
+        assert r[f"{P}/capture/labelled_positions"] == r[f"{P}/check/reference_positions"] == 22  # 13 + 9
+        assert r[f"{P}/check/reference_nll"] == pytest.approx(expected, abs=1e-6)
+        assert abs(r[f"{P}/check/nll_gap"]) < 1e-5 and r[f"{P}/check/mismatch"] == 0
+    assert {k: v for k, v in r0.items() if "check" in k} == {k: v for k, v in r1.items() if "check" in k}

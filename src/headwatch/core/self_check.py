@@ -243,6 +243,13 @@ class SelfCheck(FailurePolicy):
         elif sums:
             reference = total[1] / total[2]
         gaps: list[Tensor] = []
+        if reference is None and isinstance(positions, Tensor):
+            self.info_once(
+                "headwatch self-check: no trainer loss to compare target_nll with on this run (no training forward "
+                "returned `outputs.loss`: the trainer computes the loss outside the model, e.g. label smoothing or "
+                "`compute_loss_func`, or the model is compiled); pass step_end(loss=...) (plain loop) or "
+                "compare_loss=<logged key> (Lightning) to compare. The capture/* counts are still published."
+            )
         if reference is not None:
             out[f"{p}/check/reference_nll"] = reference
             out[f"{p}/check/reference_forwards"] = float(len(sums)) if step_loss is None else float("nan")
