@@ -124,6 +124,8 @@ class SelfCheck(FailurePolicy):
         self.vanished_steps = 0
         """Logging steps with a vanished head gradient, this run."""
         self._hook: Any = None
+        self.model: nn.Module | None = None
+        """The module whose ``outputs.loss`` is read (None: not attached)."""
         self._reset()
 
     @property
@@ -139,14 +141,18 @@ class SelfCheck(FailurePolicy):
 
     # ---------------------------------------------------------------- wiring
     def attach(self, model: nn.Module) -> None:
-        """Read ``outputs.loss`` of ``model``'s training forwards (a forward hook; nothing between logging steps)."""
+        """Read ``outputs.loss`` of ``model``'s training forwards (a forward hook; nothing between logging steps).
+        Idempotent for the same model."""
+        if self._hook is not None and self.model is model:
+            return
         self.detach()
         self._hook = model.register_forward_hook(self._on_output, with_kwargs=True)
+        self.model = model
 
     def detach(self) -> None:
         if self._hook is not None:
             self._hook.remove()
-        self._hook = None
+        self._hook, self.model = None, None
 
     # ---------------------------------------------------------------- the step
     def begin(self, logging: bool) -> None:

@@ -200,7 +200,12 @@ def lightning_run(trainer: pl.Trainer) -> Orchestrator:
     # the shared token counts first, whatever the callbacks' order: the others read them (as in the other doors)
     run.monitors = [m for m in cores if isinstance(m, TokenCounts)] + [m for m in cores if not isinstance(m, TokenCounts)]
     if cores:  # the self-check publishes under the monitors' prefix (the logit monitor's, when there is one)
-        run.check.prefix = next((m.prefix for m in cores if hasattr(m, "capture_tally")), cores[0].prefix)
+        logits = next((m for m in cores if hasattr(m, "capture_tally")), None)
+        run.check.prefix = (logits or cores[0]).prefix
+        owner = getattr(getattr(logits, "source", None), "owner", None)
+        named = any(getattr(cb, "compare_loss", None) for cb in monitor_callbacks(trainer))
+        if isinstance(owner, torch.nn.Module) and not named:  # the model's own `outputs.loss` (a Hugging Face model)
+            run.check.attach(owner)
     return run
 
 
