@@ -19,14 +19,23 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
-from headwatch import LogitStatsMonitor, GradientDensityMonitor, names
+from headwatch import GradientDensityMonitor, LogitStatsMonitor, names
 from headwatch.core.self_check import TOLERANCES
 from headwatch.integrations.loop import Headwatch
 from headwatch.integrations.transformers import HeadwatchCallback
 from tests.helpers import TinyCausalLM, loader
 from tests.test_core import StepLogger
 from tests.test_monitor import make_trainer
-from tests.test_transformers import B, T, V, Rows, _word_tokenizer, hf_args, one_batch, tiny_llama
+from tests.test_transformers import (
+    B,
+    Rows,
+    T,
+    V,
+    _word_tokenizer,
+    hf_args,
+    one_batch,
+    tiny_llama,
+)
 
 P = "headwatch"
 CHECK_KEYS = ("check/reference_nll", "check/nll_gap", "check/mismatch", "check/vanished_gradient")
@@ -304,8 +313,9 @@ def test_an_auxiliary_loss_is_not_compared():
     batch = one_batch()
     hw.step_start(batch, 0)
     with pytest.warns(UserWarning, match="includes an auxiliary loss"):  # said at the forward that returns it
-        assert model(**batch).aux_loss is not None
-        values = hw.step_end()
+        out = model(**batch)
+    assert out.aux_loss is not None
+    values = hw.step_end()
     assert f"{P}/check/nll_gap" not in values and f"{P}/check/reference_nll" not in values
     labelled = (batch["labels"][:, 1:] != -100).sum().item()
     assert values[f"{P}/capture/labelled_positions"] == values[f"{P}/capture/positions"] == labelled  # still published
@@ -361,3 +371,13 @@ def test_two_processes_compare_the_global_token_mean(tmp_path):
         assert r[f"{P}/check/reference_nll"] == pytest.approx(expected, abs=1e-6)
         assert abs(r[f"{P}/check/nll_gap"]) < 1e-5 and r[f"{P}/check/mismatch"] == 0
     assert {k: v for k, v in r0.items() if "check" in k} == {k: v for k, v in r1.items() if "check" in k}
+
+
+def test_step_end_loss_must_be_a_tensor_or_a_number():
+    from headwatch import HeadwatchError
+
+    model = tiny_llama(tie=True)
+    hw = Headwatch(model, monitors=["logits"], log_every_n_steps=1, figure_every_n_steps=None)
+    hw.step_start(one_batch(), 0)
+    with pytest.raises(HeadwatchError, match="`loss` must be a scalar tensor or a number, got '4.2'"):
+        hw.step_end(loss="4.2")

@@ -22,6 +22,7 @@ After the transfer, :meth:`SelfCheck.published` warns once per kind, naming the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -225,6 +226,7 @@ class SelfCheck(FailurePolicy):
         forwards, labelled = tally.take() if tally is not None else (0, None)
         sums, weights, counted, step_loss, trl = self._sums, self._weights, self._counted, self._step_loss, self._trl
         self._reset()
+        self.active = False  # until the next logging step begins
 
         def dev(x: Tensor | float) -> Tensor:  # a device tensor, float64 (a Python number: a fill, not a copy)
             if isinstance(x, Tensor):
@@ -332,13 +334,13 @@ class SelfCheck(FailurePolicy):
             own, ref = get(f"{p}/logits/target_nll", nan), get(f"{p}/check/reference_nll", nan)
             fw, ref_fw = get(f"{p}/capture/forwards", nan), get(f"{p}/check/reference_forwards", nan)
             lab, ref_pos = get(f"{p}/capture/labelled_positions", nan), get(f"{p}/check/reference_positions", nan)
-            if own != own or lab == 0:
+            if math.isnan(own) or lab == 0:
                 cause = ("headwatch saw no labels in the forward it measured: the trainer took `labels` out of the model's "
                          "inputs (label smoothing, `compute_loss_func`) or the batch keeps them under another key (`targets_fn=`)")  # fmt: skip
-            elif fw == fw and ref_fw == ref_fw and fw != ref_fw:
+            elif not math.isnan(fw) and not math.isnan(ref_fw) and fw != ref_fw:
                 cause = (f"headwatch measured {fw:.0f} forward(s) but the loss came from {ref_fw:.0f}: a forward that does not feed "
                          "the loss was pooled (a second pass for metrics, generation, a reference model) or the loss's forward was missed")  # fmt: skip
-            elif ref_pos == ref_pos and lab != ref_pos:
+            elif not math.isnan(ref_pos) and lab != ref_pos:
                 cause = (f"headwatch's forwards hold {lab:.0f} labelled positions, the loss counts {ref_pos:.0f}: other positions "
                          "(prompt tokens, `logits_to_keep`, a different label shift)")  # fmt: skip
             else:

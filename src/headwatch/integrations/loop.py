@@ -137,13 +137,15 @@ class Headwatch(Driver):
                 steps only (a device tensor is moved with the step's one transfer).
 
         Raises:
-            HeadwatchError: no :meth:`step_start` since the last ``step_end``.
+            HeadwatchError: no :meth:`step_start` since the last ``step_end``; ``loss`` neither a tensor nor a number.
         """
         if not self._open:
             raise HeadwatchError(
                 f"step_end() was called without a step_start(batch, step) since the last step_end() (step {self.step_index}); "
                 "call step_start before each (micro-)batch's forward and step_end once after the optimizer step"
             )
+        if loss is not None:
+            check_instance("loss", loss, (Tensor, float, int), "a scalar tensor or a number")
         self._open = False
         step = self.step_index
         if loss is not None and self.run.logging:
