@@ -274,17 +274,18 @@ def _loop_step(model, hw, batch, step):
     return hw.step_end()
 
 
-@pytest.mark.parametrize("rows", ["all", "half"])
-def test_a_zeroed_head_gradient_is_a_vanished_gradient(rows):
-    model = tiny_llama(tie=False)
+@pytest.mark.parametrize(("tie", "rows"), [(False, "all"), (False, "half"), (True, "all")])
+def test_a_zeroed_head_gradient_is_a_vanished_gradient(tie, rows):
+    model = tiny_llama(tie=tie)
     hw = Headwatch(model, monitors=["logits", "gradients"], log_every_n_steps=1, figure_every_n_steps=None)
     batch = one_batch()
     keep = torch.zeros(V, 1) if rows == "all" else (torch.arange(V) % 2).view(V, 1).float()
     model.lm_head.weight.register_hook(lambda g: g * keep)  # a backward that loses (some of) the head's gradient
     with pytest.warns(UserWarning, match="output head's gradient VANISHED"):
         values = _loop_step(model, hw, batch, 0)
-    density = values[f"{P}/grad/head_row_density"]
-    assert density == (0.0 if rows == "all" else 0.5)  # the measured value stays what the gradient holds
+    # the measured value stays what the gradient holds (tied: the shared matrix's gradient is zero)
+    density = values[f"{P}/grad/shared_row_density" if tie else f"{P}/grad/head_row_density"]
+    assert density == (0.0 if rows == "all" else 0.5)
     assert values[f"{P}/check/vanished_gradient"] == 1 and values[f"{P}/check/reference_nll"] > 0
     assert hw.run.check.vanished_steps == 1
 
