@@ -251,7 +251,7 @@ def test_server_error_is_retried_then_reported_without_the_url():
         server.shutdown()
     assert hits == [9, 9]  # one attempt and one retry
     assert failures == [(f"webhook POST to http://127.0.0.1:{server.server_port}/...", "HTTPError: Internal Server Error")]
-    assert sender._executor is None  # close let the thread go
+    assert sender._thread is None  # close let the thread go
 
 
 def test_strict_engine_raises_a_failed_post_at_flush():

@@ -62,8 +62,8 @@ def reference(batches, bucket, rare, n_bins=15):
         out[f"nll{s}"], out[f"accuracy{s}"] = nll[sel].mean(), acc[sel].mean()
         out[f"confidence{s}"], out[f"positions{s}"] = conf[sel].mean(), sel.sum()
     for s, sel in (("", np.ones_like(nll, dtype=bool)), ("_rare", groups["rare"])):
-        idx = np.minimum((conf[sel] * n_bins).astype(int), n_bins)
-        ece = sum(abs((conf[sel][idx == b] - acc[sel][idx == b]).sum()) for b in range(n_bins + 1)) / sel.sum()
+        idx = np.minimum((conf[sel] * n_bins).astype(int), n_bins - 1)  # the last bin is closed: c = 1 in it
+        ece = sum(abs((conf[sel][idx == b] - acc[sel][idx == b]).sum()) for b in range(n_bins)) / sel.sum()
         out[f"ece{s}"], out[f"overconfidence{s}"] = ece, conf[sel].mean() - acc[sel].mean()
     return out
 

@@ -152,19 +152,20 @@ IDS = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(2))
 TARGETS = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(3))
 
 
-def test_few_positions_are_measured_from_a_tuple_returning_base_model():
+def test_kept_positions_are_measured_alone_with_a_tuple_returning_base_model():
+    """Logits of the last k positions (logits_to_keep), checked against the base's hidden states: those k only."""
     model = Owner()
     source = resolve_logits_source(model)
     assert (source.kind, source.base) == ("model_logits", model.body)
     got = []
     report, out = run(LogitsCapture(source, got.append), (2, 7), lambda: model(IDS, keep=2))
     assert out.shape == (2, 2, V)
-    assert (report.measured, report.path, report.reason, report.problem) == (1, "hidden", "few_positions", None)
-    assert "`last_hidden_state` of `body`" in report.note and "(2, 2, 40)" in report.note
+    assert (report.measured, report.path, report.reason, report.problem) == (1, "logits", "kept_positions", None)
+    assert got[0].kept == 2 and "last 2 positions" in report.note
     with torch.no_grad():
         full = model(IDS)  # the model's own logits of every position: the reference
-    stats = captured_statistics(got[0], None, TARGETS).statistics
-    assert_matches(stats, ref64(full, TARGETS), torch.ones(2, 7, dtype=torch.bool))
+    stats = captured_statistics(got[0], None, TARGETS[:, -2:]).statistics
+    assert_matches(stats, ref64(full[:, -2:], TARGETS[:, -2:]), torch.ones(2, 2, dtype=torch.bool))
 
 
 def test_forced_hidden_path_measures_what_the_logits_path_measures():

@@ -143,6 +143,7 @@ LOGIT_STATS = [
     ("max_chunk_bytes", bad_int(1)), ("prefix", BAD_PREFIX), ("strict", bad_bool()),
     ("alignment", bad_choice(ALIGNMENTS, optional=True)), ("path", bad_choice(PATHS)),
     ("vocab_size", bad_int(1, optional=True)), ("frequency", st.one_of(st.integers(), TEXT, st.just(object()))),
+    ("ece_bins", bad_int(1, 2**22)),
 ]
 GRADIENTS = [
     ("frequency", BAD_COUNTS), ("head", BAD_MODULE), ("embedding", BAD_MODULE), ("update_density", bad_bool()),
@@ -189,10 +190,10 @@ WEBHOOK = [("timeout", bad_number(0, 2, low_open=True)), ("retries", bad_int(0, 
 METRIC = [("ignore_index", st.one_of(st.booleans(), st.floats(), TEXT, st.none())), ("max_chunk_bytes", bad_int(1)),
           ("keep_entropies", bad_bool())]
 CALIBRATION = [
-    ("bucket_names", st.one_of(st.text(max_size=4), st.just(()), LISTS, st.just(["tail", 2]))), ("n_bins", bad_int(1)),
+    ("bucket_names", st.one_of(st.text(max_size=4), st.just(()), LISTS, st.just(["tail", 2]))), ("n_bins", bad_int(1, 2**22)),
     ("ignore_index", st.one_of(st.booleans(), st.floats(), TEXT, st.none())), ("max_chunk_bytes", bad_int(1)),
 ]
-WARMUP = [("warmup_steps", bad_int(0)), ("head_lr", bad_number(0, low_open=True, optional=True))]
+WARMUP = [("warmup_steps", bad_int(0)), ("head_lr", bad_number(0, low_open=True, optional=True)), ("untie", bad_bool())]
 COST = [("vocab_size", bad_int(1)), ("d_model", bad_int(1)), ("params", bad_int(1, optional=True)),
         ("tied", st.one_of(st.integers(), TEXT, st.floats())), ("world_size", bad_int(1))]
 

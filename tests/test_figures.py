@@ -18,7 +18,7 @@ def test_norm_vs_rank_plots_the_right_points():
     valid = torch.tensor([True, True, True, True, False])
     norms = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     fig = figures.norm_vs_frequency_rank(counts, valid, {"head": norms}, "t")
-    offsets = fig.axes[0].collections[0].get_offsets()
+    offsets = np.asarray(fig.axes[0].lines[0].get_xydata())
     # token 1 (count 10) has rank 1, token 0 rank 2, token 3 rank 3; token 2 unseen and token 4 invalid are left out
     assert sorted(map(tuple, np.asarray(offsets).tolist())) == [(1.0, 2.0), (2.0, 1.0), (3.0, 4.0)]
     assert fig.axes[0].get_xscale() == "log" and fig.axes[0].get_yscale() == "log"

@@ -149,22 +149,55 @@ def test_due_follows_the_engines_rule_and_the_first_step():
     assert run.due(0, first=True) and not run.due(1, first=True)  # logging_first_step
 
 
-def test_forward_starts_a_micro_batch_once_and_ends_it_at_a_second_training_forward():
+def test_forward_starts_a_micro_batch_at_its_first_loss_forward_only():
+    """The capture contract (headwatch.core.forwards): no-grad passes of a training step and generate()'s
+    forwards start nothing; an evaluation batch starts at its first loss forward, once."""
     planted = Planted()
     run = run_of(planted, every=2)
     run.begin_step(1)
+    with torch.no_grad():
+        run.forward({"input_ids": torch.ones(1, 2, dtype=torch.long)}, training=True)  # a reference pass: nothing
+    assert planted.calls == []
     run.forward({"input_ids": torch.ones(1, 3, dtype=torch.long)}, training=True)
-    run.forward({"input_ids": torch.ones(1, 3, dtype=torch.long)}, training=True)  # a second pass: ends the first
-    assert planted.calls == [("step_start", 1, True), "batch_end"]
+    run.forward({"input_ids": torch.ones(1, 3, dtype=torch.long)}, training=True)  # a second loss forward: pooled
+    assert planted.calls == [("step_start", 1, True)]
     run.batch_end()
     run.forward({}, training=True)  # the next micro-batch starts again
     assert planted.calls[-1] == ("step_start", 1, True)
     run.end_step()
-    run.forward({}, training=False)  # outside a training step: an evaluation batch
+    n = len(planted.calls)
+
+    class Model(torch.nn.Module):
+        def generate(self):
+            run.forward({}, training=False)  # generate()'s forwards: not the loss's
+
+    with torch.no_grad():
+        Model().generate()
+        assert len(planted.calls) == n
+        run.forward({}, training=False)  # outside a training step: an evaluation batch
+        run.forward({}, training=False)  # a second pass of the same batch: nothing new
+    assert planted.calls[n:] == ["validation_batch_start"]
+    run.validation_batch_end()
+    run.forward({}, training=False)
     assert planted.calls[-1] == "validation_batch_start"
-    run.begin_step(2)
-    run.forward({}, training=False)  # an eval-mode forward inside a training step (generation) is neither
-    assert planted.calls[-1] == "validation_batch_start" and run.step == 2
+
+
+def test_loss_inputs_complete_a_forward_without_labels():
+    """A trainer that pops ``labels`` before the forward (label smoothing): the forward's batch gets them back."""
+    planted = Planted()
+    run = run_of(planted, every=1)
+    ids, labels = torch.ones(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long)
+    inputs = {"input_ids": ids, "labels": labels}
+    seen = []
+    planted.step_start = lambda batch, step, logging: seen.append(batch)
+    run.begin_step(0)
+    with run.loss_inputs(inputs):
+        inputs.pop("labels")  # as Trainer.compute_loss does
+        run.forward({"input_ids": ids}, training=True)
+    assert seen[0]["labels"] is labels and seen[0]["input_ids"] is ids
+    assert run.with_loss_inputs({"input_ids": ids}) == {"input_ids": ids}  # closed: nothing added
+    with run.loss_inputs({"input_ids": ids, "labels": labels}):  # another batch's forward keeps its own fields
+        assert "labels" not in run.with_loss_inputs({"input_ids": torch.ones(1, 5, dtype=torch.long)})
 
 
 def test_end_step_publishes_due_monitors_once_through_every_sink():

@@ -131,11 +131,13 @@ def test_bad_arguments(kwargs, match):
         HeadWarmup(**kwargs)
 
 
-def test_a_tied_head_warns_that_the_embedding_trains_too():
+def test_a_tied_head_is_refused_not_trained_with_the_embedding():
+    # issue 19 point 8: the shared matrix is never trained as "the head only" (it used to warn and train it);
+    # tests/test_remedies_contract.py holds the untie=True path and the parameter-value checks
     model = TinyCausalLM(V, D, tie_weights=True)
-    with pytest.warns(UserWarning, match="tied to `embed_tokens`.*trains the input embedding too"):
+    with pytest.raises(HeadwatchError, match="tied to `embed_tokens`.*would train the input embedding too.*untie=True"):
         HeadWarmup(warmup_steps=2).freeze_before_training(model)
-    assert {n for n, p in model.named_parameters() if p.requires_grad} == {"embed_tokens.weight"}
+    assert all(p.requires_grad for p in model.parameters())  # nothing frozen by the refused warm-up
 
 
 def test_gradient_density_measures_the_embedding_once_the_warmup_unfreezes_it(tmp_path):

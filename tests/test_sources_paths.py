@@ -39,19 +39,34 @@ def assert_same_statistics(a, b, atol=1e-5):
         assert torch.allclose(x[a.valid], y[b.valid], atol=atol), field
 
 
-def test_logits_to_keep_is_measured_from_the_hidden_states():
+def test_logits_to_keep_measures_the_kept_positions_only():
+    """``logits_to_keep=k``: the logits of the last k positions, checked against the base's ``last_hidden_state``;
+    those positions only (the ones a loss on these logits uses), equal to the full forward's last k."""
+    from headwatch.model.capture import LogitsCapture
+    from headwatch.model.captured import captured_statistics
+    from headwatch.model.sources import batch_positions
+
     model, batch = tiny_llama(), llama_batch()
     source = resolve_logits_source(model)
     assert source.base is model.model
+    mask, targets = batch_positions(batch, source.alignment)
     with torch.no_grad():
         full, _, _ = run_captured(model, source, batch, lambda: model(**batch))
-        kept, report, out = run_captured(
-            model, source, batch, lambda: model(input_ids=batch["input_ids"], logits_to_keep=1)
-        )
-    assert out.logits.shape == (2, 1, 64)
-    assert report.path == "hidden" and report.problem is None
-    assert "last_hidden_state" in report.note and "(2, 1, 64)" in report.note
-    assert_same_statistics(full[0][1].statistics, kept[0][1].statistics)
+        got = []
+        capture = LogitsCapture(source, got.append, model=model)
+        capture.attach()
+        capture.begin(targets.shape)
+        out = model(input_ids=batch["input_ids"], logits_to_keep=3)
+        report = capture.end()
+        capture.detach()
+    assert out.logits.shape == (2, 3, 64)
+    assert (report.path, report.reason, report.problem) == ("logits", "kept_positions", None) and got[0].kept == 3
+    kept = captured_statistics(got[0], mask[:, -3:], targets[:, -3:]).statistics
+    want = full[0][1].statistics
+    for field in ("entropy", "max_prob"):  # the last position has no target: entropy over the 2 that do
+        a, b = getattr(kept, field), getattr(want, field)[:, -3:]
+        assert torch.equal(kept.valid, want.valid[:, -3:]) and int(kept.valid.sum()) == 4
+        assert torch.allclose(a[kept.valid], b[kept.valid], atol=1e-5), field
 
 
 class FusedLinearCrossEntropy(nn.Module):
@@ -167,7 +182,7 @@ def test_unknown_post_head_transform_is_refused_on_the_hidden_path():
     model.register_forward_hook(double)
     with torch.no_grad():
         results, report, _ = run_captured(
-            model, resolve_logits_source(model), batch, lambda: model(input_ids=batch["input_ids"], logits_to_keep=1)
+            model, resolve_logits_source(model), batch, lambda: model(input_ids=batch["input_ids"]), path="hidden"
         )
     assert not results and report.problem == "transform_mismatch"
 
@@ -327,20 +342,35 @@ def test_hooks_attached_before_compile_fullgraph_measure_exactly():
     with torch.no_grad():
         eager, _, _ = run_captured(lm, source, batch, lambda: lm(**batch))
         results = []
-        capture = LogitsCapture(source, lambda c: results.append(captured_statistics(c, mask, targets)), model=lm)
-        capture.attach()  # before compiling: the hooks are traced into the graph
+
+        def consume(c):  # logits_to_keep: the kept positions only
+            k = c.kept
+            results.append((k, captured_statistics(c, mask[:, -k:] if k else mask, targets[:, -k:] if k else targets)))
+
+        captures = {path: LogitsCapture(source, consume, path=path, model=lm) for path in ("auto", "hidden")}
+        for capture in captures.values():
+            capture.attach()  # before compiling: the hooks are traced into the graph
         compiled = torch.compile(lm, fullgraph=True)
         try:
             compiled(**batch)  # not armed
-            assert capture.end().measured == 0 and not results
+            assert captures["auto"].end().measured == 0 and not results
             reports = []
-            for kept in (0, 1):  # the logits path, then logits_to_keep: the hidden path, both under fullgraph
-                capture.begin(targets.shape)
+            # the logits path, logits_to_keep (the kept positions, logits path), the forced hidden path: under fullgraph
+            for path, kept in (("auto", 0), ("auto", 3), ("hidden", 0)):
+                captures[path].begin(targets.shape)
                 compiled(input_ids=batch["input_ids"], logits_to_keep=kept)
-                reports.append(capture.end())
+                reports.append(captures[path].end())
         finally:
-            capture.detach()
+            for capture in captures.values():
+                capture.detach()
             torch._dynamo.reset()
-    assert [(r.measured, r.path, r.problem) for r in reports] == [(1, "logits", None), (1, "hidden", None)]
-    for got in results:
-        assert_same_statistics(eager[0][1].statistics, got.statistics)
+    assert [(r.measured, r.path, r.problem) for r in reports] == [(1, "logits", None), (1, "logits", None), (1, "hidden", None)]
+    assert [k for k, _ in results] == [None, 3, None]
+    want = eager[0][1].statistics
+    for k, got in results:
+        if k is None:
+            assert_same_statistics(want, got.statistics)
+        else:
+            valid = want.valid[:, -k:]
+            assert torch.equal(got.statistics.valid, valid) and int(valid.sum()) == 4
+            assert torch.allclose(got.statistics.entropy[valid], want.entropy[:, -k:][valid], atol=1e-5)

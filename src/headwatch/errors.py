@@ -210,3 +210,112 @@ def check_optional(check: Callable[..., T], name: str, value: Any, *args: Any, *
         if err.expected is None:
             raise
         raise argument_error(name, f"None or {err.expected}", value) from None
+
+
+# ---------------------------------------------------------------------------- checkpoint state
+
+
+class StateError(HeadwatchError):
+    """A part of a checkpoint state that cannot be restored: not a dict, of an unknown version, or holding a
+    value of the wrong type, shape or sign, or not finite. The message names the part and the key."""
+
+
+class StateReader:
+    """Read one part of a checkpoint state (a ``state_dict``), checking each value against the current run.
+
+    Every accessor returns the value, or the default when the key is absent (a state written by an older
+    version), and raises :class:`StateError` naming ``part`` and the key when the value is present but
+    invalid. A caller reads every value before it changes anything, so that an invalid state changes
+    nothing (see ``FailurePolicy.restore`` in :mod:`headwatch.core.monitor`).
+
+    Args:
+        state: the part as loaded (``torch.load``).
+        part: its name in messages (e.g. ``"TokenCounts"``).
+        versions: the versions this code reads; a state without ``version`` is read as the first.
+
+    Raises:
+        StateError: ``state`` is not a dict, or its version is not among ``versions``.
+    """
+
+    def __init__(self, state: Any, part: str, versions: tuple[int, ...] = (1,)) -> None:
+        self.part = part
+        if not isinstance(state, Mapping):
+            raise StateError(f"{part}: the state must be a dict, got {_shown(state)}")
+        self.state = state
+        version = state.get("version", versions[0])
+        if not _is_int(version) or version not in versions:
+            raise StateError(f"{part}: `version` must be one of {list(versions)}, got {_shown(version)}")
+        self.version = int(version)
+
+    def fail(self, key: str, expected: str, value: Any) -> StateError:
+        return StateError(f"{self.part}: `{key}` must be {expected}, got {_shown(value)}")
+
+    def count(self, key: str, default: int = 0) -> int:
+        """An int >= 0 (a count, a step)."""
+        value = self.state.get(key, default)
+        if not _is_int(value) or value < 0:
+            raise self.fail(key, "an int >= 0", value)
+        return int(value)
+
+    def step(self, key: str, default: int = -1) -> int:
+        """An int >= -1 (a step; -1: none yet)."""
+        value = self.state.get(key, default)
+        if not _is_int(value) or value < -1:
+            raise self.fail(key, "an int >= -1", value)
+        return int(value)
+
+    def number(self, key: str, default: float = 0.0, minimum: float | None = 0.0) -> float:
+        """A finite number (>= ``minimum`` unless None)."""
+        value = self.state.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            minimum is not None and value < minimum
+        ):
+            raise self.fail(key, f"a finite number{'' if minimum is None else f' >= {minimum:g}'}", value)
+        return float(value)
+
+    def optional_number(self, key: str) -> float | None:
+        """None or a finite number."""
+        value = self.state.get(key)
+        return None if value is None else self.number(key, minimum=None)
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        value = self.state.get(key, default)
+        if not isinstance(value, bool):
+            raise self.fail(key, "a bool", value)
+        return value
+
+    def items(self, key: str, valid: Callable[[Any], bool] | None = None, what: str = "a list") -> list[Any]:
+        """A list or tuple (default empty) whose entries pass ``valid``."""
+        value = self.state.get(key, [])
+        if not isinstance(value, (list, tuple)) or (valid is not None and not all(valid(v) for v in value)):
+            raise self.fail(key, what, value)
+        return list(value)
+
+    def mapping(self, key: str) -> Mapping[str, Any]:
+        """A dict (default empty)."""
+        value = self.state.get(key, {})
+        if not isinstance(value, Mapping):
+            raise self.fail(key, "a dict", value)
+        return value
+
+    def counts(self, key: str, length: int | None = None) -> Any:
+        """A 1-D integer tensor of non-negative counts (``length`` entries when given), on the CPU; None when absent."""
+        import torch
+
+        value = self.state.get(key)
+        if value is None:
+            return None
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.ndim != 1
+            or value.dtype.is_floating_point
+            or value.dtype.is_complex
+            or value.dtype == torch.bool
+            or (length is not None and value.numel() != length)
+        ):
+            size = f"{length} " if length is not None else ""
+            raise self.fail(key, f"a 1-D integer tensor of {size}counts", value)
+        if value.numel() and bool((value < 0).any()):
+            raise self.fail(key, "counts >= 0", f"{int((value < 0).sum())} negative entries")
+        return value.detach().long().cpu().clone()
+

@@ -190,6 +190,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("alerts/{rule}", "", "1 at each critical alert step of the rule", _A),
     Metric("alerts/{rule}_warning", "", "1 at each warning alert step of the rule", _A),
     Metric("alerts", "", "text: the alert message", _A, kind="text"),
+    Metric("alerts/action_failures", "count", "alert actions that failed so far (a webhook POST after its retries, an unwritable record file, an action that raised); written when it changes", "AlertEngine", headline=False),
+    # ---- storage (headwatch.tensorboard.guard): written when writing resumes after a storage fault
+    Metric("storage/delayed_events", "count", "TensorBoard events that could not be written when added and were written once the log directory could be written again", "GuardedFileWriter", headline=False),
+    Metric("storage/lost_events", "count", "TensorBoard events never written (kept in memory beyond 64 MiB during a storage fault, or still kept at close)", "GuardedFileWriter", headline=False),
 )
 
 
@@ -290,6 +294,8 @@ GROUPS: tuple[Group, ...] = (
     Group("collision", _C, "rare-token collision (collision/)"),
     Group("tokens", _T, "token counts (tokens/)"),
     Group("alerts", _A, "alert markers, 1 at the alert step (alerts/)"),
+    Group("alert delivery", "AlertEngine", "alert actions that failed (alerts/action_failures)"),
+    Group("storage", "GuardedFileWriter", "TensorBoard events delayed or lost by a storage fault (storage/)"),
 )
 """Report groups in display order: one per monitor."""
 

@@ -83,20 +83,54 @@ class ConsoleWarning:
 
 
 class JsonlLog:
-    """One JSON object per alert appended to ``path`` (flushed and fsynced at once)."""
+    """One JSON object per alert appended to ``path`` (flushed and fsynced at once).
+
+    A record that cannot be written (a full or read-only disk, a missing directory that cannot be made) is
+    kept in memory (up to ``max_pending`` records; beyond that the oldest are dropped and counted in
+    ``lost``) and written, in order, before the next record or at :meth:`flush` (the alert engine's flush
+    and close): ``delayed`` counts the records written late. The failed call raises ``OSError`` saying
+    that the record is kept, which the alert engine counts and warns about once.
+    """
 
     name = "JSON Lines log"
     main_process_only = True
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], max_pending: int = 10_000) -> None:
         self.path = Path(path)
+        self.max_pending = max_pending
+        self.pending: list[str] = []
+        self.delayed = 0
+        self.lost = 0
 
     def __call__(self, alert: Alert) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(alert.to_json() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        self.pending.append(alert.to_json() + "\n")
+        if len(self.pending) > self.max_pending:
+            del self.pending[0]
+            self.lost += 1
+        self.delayed += max(self._write() - 1, 0)  # all but this alert's record were late
+
+    def flush(self, timeout: float | None = None, strict: bool = False) -> None:
+        """Write the kept records (in order). Raises ``OSError`` while the file cannot be written."""
+        self.delayed += self._write()
+
+    def _write(self) -> int:
+        """Append every kept record at once (all or none); returns how many."""
+        if not self.pending:
+            return 0
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write("".join(self.pending))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:
+            raise OSError(
+                f"cannot append to {self.path} ({type(err).__name__}: {err}); {len(self.pending)} alert record(s) are "
+                "kept in memory and written as soon as the file can be written"
+            ) from err
+        written = len(self.pending)
+        self.pending.clear()
+        return written
 
 
 class OnCritical:

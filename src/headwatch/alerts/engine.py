@@ -26,6 +26,8 @@ from typing import Any
 
 from headwatch.errors import (
     HeadwatchError,
+    StateError,
+    StateReader,
     check_bool,
     check_callable,
     check_instance,
@@ -39,6 +41,15 @@ from headwatch.alerts.actions import AlertSink, ConsoleWarning, JsonlLog, OnCrit
 from headwatch.alerts.events import CRITICAL, FIRED, RESOLVED, Alert, AlertEvent, finite_or_none
 from headwatch.alerts.rules import CollapseRules
 from headwatch.alerts.webhook import WebhookSender
+
+
+def describe_error(err: BaseException) -> str:
+    """``"Type: text"`` of an exception, even one whose ``str`` raises."""
+    try:
+        text = str(err)
+    except Exception:  # noqa: BLE001
+        text = "<its message cannot be shown>"
+    return f"{type(err).__name__}: {text}"
 
 
 def _identity(fired: bool) -> bool:
@@ -154,6 +165,7 @@ class AlertEngine:
         self.name = check_str("name", name)
         self.alerts: list[Alert] = []
         self.action_failures = 0
+        self._published_failures = 0
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
@@ -170,7 +182,21 @@ class AlertEngine:
         shown = {name: metrics.get(name) for name in (r.entropy_metric, r.kl_metric)}
         if r.thresholds["rare_nll_rise"]:
             shown.update({name: metrics.get(name) for name in (r.rare_nll_metric, r.nll_metric)})
-        return self._decide("train", events, step, epoch, shown)
+        alerts = self._decide("train", events, step, epoch, shown)
+        self.publish_failures(step)
+        return alerts
+
+    def publish_failures(self, step: int) -> None:
+        """Write ``<prefix>/alerts/action_failures`` through every marker sink when the count changed since the
+        last time (a failed webhook POST is counted later, from its thread: it shows at the next logging step)."""
+        failures = self.action_failures
+        if failures == self._published_failures:
+            return
+        self._published_failures = failures
+        for action in self.actions:
+            if isinstance(action, SinkMarker) and runs_for(action, Alert("", step, 0, "", {}, ""), self.main_process):
+                tag = f"{action.prefix}/alerts/action_failures"
+                self._run(action_name(action), lambda a=action: a.sink.scalar(tag, float(failures), step))
 
     def observe_val(self, step: int, metrics: Mapping[str, float | None], dataloader_idx: int = 0, epoch: int = 0) -> list[Alert]:
         """One validation's values for dataloader ``dataloader_idx`` (names without the ``/dataloader_idx_k`` suffix)."""
@@ -223,16 +249,26 @@ class AlertEngine:
             message=self.message(rule, severity, metrics),
             severity=severity,
         )
-        self.alerts.append(alert)
+        self.alerts.append(alert)  # the record first: no action can lose it
+        interrupt: BaseException | None = None
         for action in self.actions:
+            if isinstance(action, WebhookSender) and action.on_failure is None:
+                action.on_failure = self.action_failed  # whatever the wiring, a failed delivery is counted and warned
             if runs_for(action, alert, self.main_process):
-                self._run(action_name(action), lambda a=action: a(alert))
+                try:
+                    self._run(action_name(action), lambda a=action: a(alert))
+                except (KeyboardInterrupt, SystemExit) as err:  # raised again once every action has run
+                    interrupt = interrupt or err
+        if interrupt is not None:
+            raise interrupt
         return alert
 
     def _run(self, what: str, fn: Callable[[], Any]) -> None:
         try:
             fn()
-        except Exception as err:  # noqa: BLE001 - an action must not stop training
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # noqa: BLE001 - an action must not stop training, whatever it raises
             self.action_failed(what, err)
 
     def action_failed(self, what: str, err: BaseException) -> None:
@@ -242,22 +278,27 @@ class AlertEngine:
             first = what not in self._warned
             self._warned.add(what)
         if self.strict:
-            raise HeadwatchError(f"{self.name}: the {what} failed: {type(err).__name__}: {err}") from err
+            raise HeadwatchError(f"{self.name}: the {what} failed: {describe_error(err)}") from err
         if first:
             self.warn(
-                f"{self.name}: the {what} failed ({type(err).__name__}: {err}); training goes on. Failures are "
+                f"{self.name}: the {what} failed ({describe_error(err)}); training goes on. Failures are "
                 "counted in `action_failures`; pass strict=True to raise instead. (warned once)"
             )
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait (bounded) for actions still in flight (the webhook)."""
+        """Wait (bounded) for actions still in flight (the webhook); write the alert records a full or read-only
+        disk kept back (:class:`~headwatch.alerts.actions.JsonlLog`; a failure is counted and warned once)."""
         for action in self.actions:
             if isinstance(action, WebhookSender):
                 action.flush(timeout, strict=self.strict)
+            elif isinstance(action, JsonlLog):
+                self._run(action_name(action), action.flush)
 
     def close(self) -> None:
-        """Flush and release the webhook thread."""
+        """Flush and release the webhook thread; write the alert records kept back."""
         for action in self.actions:
+            if isinstance(action, JsonlLog):
+                self._run(action_name(action), action.flush)
             if isinstance(action, WebhookSender):
                 action.flush(strict=self.strict)
                 action.close()
@@ -272,7 +313,27 @@ class AlertEngine:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore; reads keys with defaults, so version-1 states (0.1 checkpoints) load."""
-        self.rules.load_state_dict(state.get("rules", {}))
-        self.alerts = [Alert(**a) for a in state.get("alerts", [])]
-        self.action_failures = int(state.get("action_failures", 0))
+        """Restore; reads keys with defaults, so version-1 states (0.1 checkpoints) load.
+
+        Every value is checked first: an invalid state restarts the rules and the alert list from empty with one
+        warning naming the key, and the resume goes on; ``strict`` raises :class:`~headwatch.errors.StateError`.
+        """
+        try:
+            r = StateReader(state, self.name, versions=(1, 2))
+            fields = set(Alert.__dataclass_fields__)
+            records = r.items("alerts", lambda a: isinstance(a, dict) and set(a) <= fields and {"time", "step", "epoch", "rule", "metrics", "message"} <= set(a)
+                              and isinstance(a["step"], int) and isinstance(a["metrics"], dict),
+                              "a list of alert records (dicts of time, step, epoch, rule, metrics, message, severity)")  # fmt: skip
+            alerts = [Alert(**a) for a in records]
+            failures = r.count("action_failures")
+            rules = r.mapping("rules")
+            self.rules.load_state_dict(rules)  # checks everything before changing anything
+        except StateError as err:
+            if self.strict:
+                raise
+            self.warn(f"{self.name}: the checkpoint's alert state is not valid ({err}); the alert restarts from empty "
+                      "(its smoothing, episodes and alert list) and the resume goes on. Pass strict=True to raise instead.")
+            self.rules.load_state_dict({})
+            alerts, failures = [], 0
+        self.alerts = alerts
+        self.action_failures = self._published_failures = failures

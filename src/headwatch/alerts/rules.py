@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from headwatch.errors import HeadwatchError, argument_error, check_instance, check_int, check_optional, check_range, check_str
+from headwatch.errors import HeadwatchError, StateReader, argument_error, check_instance, check_int, check_optional, check_range, check_str
 from headwatch.alerts.events import CRITICAL, FIRED, RESOLVED, SEVERITIES, AlertEvent, episode_key
 
 from headwatch.names import ALERT_RULES as RULES  # declared once with the metric names
@@ -305,14 +305,32 @@ class CollapseRules:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore; a version-1 state (episodes keyed by the bare rule name) loads as critical."""
-        self.smoothed = state.get("smoothed")
-        self.history = deque(state.get("history", []))
-        self.val_history = deque(tuple(x) for x in state.get("val_history", []))
-        self.nll_history = deque(tuple(x) for x in state.get("nll_history", []))
-        for key, values in state.get("states", {}).items():
-            key = key if "/" in key else episode_key(key, CRITICAL)
+        """Restore; a version-1 state (episodes keyed by the bare rule name) loads as critical.
+
+        Every value is checked before anything changes (finite numbers, pairs of them, episode counts >= 0).
+
+        Raises:
+            StateError: an invalid state, naming the key; nothing was changed.
+        """
+        r = StateReader(state, "CollapseRules", versions=(1, 2))
+        smoothed = r.optional_number("smoothed")
+        history = r.items("history", _is_number, "a list of finite numbers")
+
+        def pairs(key: str) -> list[tuple[float, float]]:
+            ok = lambda x: isinstance(x, (list, tuple)) and len(x) == 2 and all(_is_number(v) for v in x)  # noqa: E731
+            return [tuple(x) for x in r.items(key, ok, "a list of pairs of finite numbers")]
+
+        val_history, nll_history = pairs("val_history"), pairs("nll_history")
+        episodes: dict[str, _Episode] = {}
+        for key, values in r.mapping("states").items():
+            e = StateReader(values, f"CollapseRules episode {key!r}", versions=(r.version,))
+            episode = _Episode(e.flag("open"), e.count("fired"), e.count("pending"))
+            key = key if "/" in str(key) else episode_key(key, CRITICAL)
             if key in self.states:
-                self.states[key] = _Episode(
-                    bool(values.get("open", False)), int(values.get("fired", 0)), int(values.get("pending", 0))
-                )
+                episodes[key] = episode
+        self.smoothed = smoothed
+        self.history = deque(history)
+        self.val_history = deque(val_history)
+        self.nll_history = deque(nll_history)
+        for key in self.states:
+            self.states[key] = episodes.get(key, _Episode())

@@ -1,21 +1,39 @@
 """The webhook sender: a JSON POST of each alert from a background thread (no torch, no Lightning).
 
-Guarantees: each attempt times out after at most 2 s; at most 5 retries; the training thread
-never waits on the network (except :meth:`WebhookSender.flush`, bounded); only
-``scheme://host[:port]`` of the URL is ever printed (paths, queries and tokens are secrets).
+Time bounds (documented in ``docs/faults.md``, tested against local servers that refuse, hang and trickle):
+
+- each attempt ends after at most ``timeout`` (<= 2 s) in total, connection and response included: a
+  server that answers one byte at a time is cut off (its socket is shut down at the deadline);
+- at most ``retries`` (<= 5) more attempts, with backoff 0.25 s, 0.5 s, then 1 s: one alert takes at most
+  ``(retries + 1) * timeout + backoff`` (6.75 s with the defaults, 16.75 s at the largest settings);
+- the training thread never waits on the network, except in :meth:`WebhookSender.flush` and
+  :meth:`WebhookSender.close`, which wait at most ``timeout`` seconds in all (default :data:`CLOSE_TIMEOUT`);
+  alerts not delivered by then are abandoned, and counted and reported as failures;
+- the sender's thread is a daemon: it never holds the interpreter's exit.
+
+Every failed delivery (after its retries, or abandoned) is counted in ``failures`` and reported to
+``on_failure``; the alert engine wires that to its own failure count and warn-once policy when it is
+not set. Only ``scheme://host[:port]`` of the URL is ever printed (paths, queries and tokens are secrets).
 """
 
 from __future__ import annotations
 
+import http.client
 import os
+import queue
+import socket
+import threading
 import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from headwatch.errors import HeadwatchError, check_callable, check_int, check_optional, check_range
 from headwatch.alerts.events import Alert
+
+CLOSE_TIMEOUT = 10.0
+"""Longest wait, in seconds, of :meth:`WebhookSender.flush` and :meth:`WebhookSender.close` by default."""
 
 WEBHOOK_ENV = "HEADWATCH_WEBHOOK_URL"
 """Environment variable read for the webhook URL when ``webhook_url`` is not given."""
@@ -62,15 +80,83 @@ def check_webhook_options(
     check_int(names[1], retries, minimum=0, maximum=5)
 
 
+class _Deadline:
+    """Shuts an attempt's socket down when its time is up, so a server that trickles cannot hold it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.sock: Any = None
+        self.expired = False
+        self._timer = threading.Timer(seconds, self.expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._timer.cancel()
+
+    def expire(self) -> None:
+        self.expired = True
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class _HTTPConnection(http.client.HTTPConnection):
+    def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        super().connect()
+        self.deadline.sock = self.sock
+        if self.deadline.expired:
+            self.deadline.expire()
+
+
+class _HTTPSConnection(http.client.HTTPSConnection):
+    def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        super().connect()
+        self.deadline.sock = self.sock
+        if self.deadline.expired:
+            self.deadline.expire()
+
+
+def _opener(deadline: _Deadline) -> urllib.request.OpenerDirector:
+    """urllib's opener (proxies from the environment, redirects) with connections the deadline can cut."""
+
+    class HTTP(urllib.request.HTTPHandler):
+        def http_open(self, req: Any) -> Any:
+            return self.do_open(lambda *a, **k: _HTTPConnection(*a, deadline=deadline, **k), req)
+
+    class HTTPS(urllib.request.HTTPSHandler):
+        def https_open(self, req: Any) -> Any:
+            return self.do_open(lambda *a, **k: _HTTPSConnection(*a, deadline=deadline, **k), req, context=self._context)
+
+    return urllib.request.build_opener(HTTP, HTTPS)
+
+
 class WebhookSender:
-    """POST each :class:`Alert` as JSON to ``url`` from one background thread.
+    """POST each :class:`Alert` as JSON to ``url`` from one background (daemon) thread; time bounds in the module docstring.
 
     Args:
         url: http(s) URL (checked; never printed beyond ``scheme://host[:port]``).
-        timeout: seconds per attempt, in (0, 2].
+        timeout: seconds per attempt in total, in (0, 2].
         retries: extra attempts after a failure, in [0, 5]; backoff 0.25 s, 0.5 s, then 1 s.
-        on_failure: called from the sender thread with ``(what, error)`` after the last attempt
-            failed; the error text holds the exception type and reason, never the URL.
+        on_failure: called with ``(what, error)`` after the last attempt failed, or for an alert abandoned at
+            :meth:`close`; the error text holds the exception type and reason, never the URL. The alert
+            engine sets it to its failure policy when it is None.
+
+    Attributes:
+        sent, failures: deliveries that succeeded, and that failed or were abandoned.
 
     Raises:
         HeadwatchError: a bad URL (not echoed), timeout or retries out of range.
@@ -87,18 +173,43 @@ class WebhookSender:
         self.timeout = float(timeout)
         self.retries = retries
         self.on_failure = on_failure
-        self._executor: ThreadPoolExecutor | None = None
-        self._pending: list[Future] = []
+        self.sent = 0
+        self.failures = 0
+        self._queue: queue.Queue[Alert | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Condition()
+        self._unfinished = 0
+        self._errors: list[BaseException] = []  # raised by on_failure (a strict policy): re-raised at flush
 
     @property
     def redacted(self) -> str:
         return redact_url(self._url)
 
+    @property
+    def per_alert_seconds(self) -> float:
+        """The longest one alert can take: every attempt's timeout plus the backoff between them."""
+        return (self.retries + 1) * self.timeout + sum(min(0.25 * 2**a, 1.0) for a in range(self.retries))
+
     def __call__(self, alert: Alert) -> None:
         """Queue ``alert``; returns at once."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headwatch-webhook")
-        self._pending.append(self._executor.submit(self._post, alert))
+        with self._lock:
+            self._unfinished += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="headwatch-webhook", daemon=True)
+                self._thread.start()
+        self._queue.put(alert)
+
+    def _work(self) -> None:
+        while True:
+            alert = self._queue.get()
+            if alert is None:
+                return
+            try:
+                self._post(alert)
+            finally:
+                with self._lock:
+                    self._unfinished -= 1
+                    self._lock.notify_all()
 
     def _post(self, alert: Alert) -> None:
         body = alert.to_json().encode()
@@ -106,38 +217,63 @@ class WebhookSender:
         for attempt in range(self.retries + 1):
             request = urllib.request.Request(self._url, data=body, method="POST", headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310
+                with _Deadline(self.timeout) as deadline, _opener(deadline).open(request, timeout=self.timeout) as response:
                     if 200 <= response.status < 300:
+                        self.sent += 1
                         return
                     last = RuntimeError(f"HTTP {response.status}")
             except Exception as err:  # noqa: BLE001
                 # the exception text may hold the URL: keep only its type and reason
                 reason = getattr(err, "reason", None) or getattr(err, "code", None) or type(err).__name__
+                if deadline.expired:
+                    reason = f"no complete answer within {self.timeout:g} s"
                 last = RuntimeError(f"{type(err).__name__}: {reason}")
             if attempt < self.retries:
                 time.sleep(min(0.25 * 2**attempt, 1.0))
-        if self.on_failure is not None:
-            self.on_failure(f"webhook POST to {self.redacted}", last or RuntimeError("unknown"))
+        self._failed(f"webhook POST to {self.redacted}", last or RuntimeError("unknown"))
 
-    def flush(self, timeout: float | None = None, strict: bool = False) -> None:
-        """Wait for posts still in flight, each at most ``timeout`` s (default: its timeouts and retries).
+    def _failed(self, what: str, err: BaseException) -> None:
+        self.failures += 1
+        if self.on_failure is not None:
+            try:
+                self.on_failure(what, err)
+            except Exception as raised:  # noqa: BLE001 - a strict policy: raised at flush
+                self._errors.append(raised)
+
+    def flush(self, timeout: float | None = None, strict: bool = False) -> bool:
+        """Wait until every queued alert is delivered or has failed, at most ``timeout`` seconds in all
+        (default :data:`CLOSE_TIMEOUT`). Returns whether everything finished.
 
         An error raised by ``on_failure`` (a strict policy) is re-raised here when ``strict``.
         """
-        limit = timeout if timeout is not None else (self.timeout + 1.0) * (self.retries + 1) + 1
-        for future in self._pending:
-            try:
-                future.result(timeout=limit)
-            except HeadwatchError:
-                if strict:
-                    raise
-            except Exception:  # noqa: BLE001 - a post still running past the limit: recorded when it ends
-                pass
-        self._pending = [f for f in self._pending if not f.done()]
+        limit = CLOSE_TIMEOUT if timeout is None else timeout
+        end = time.monotonic() + limit
+        with self._lock:
+            while self._unfinished and (left := end - time.monotonic()) > 0:
+                self._lock.wait(left)
+            done = not self._unfinished
+        errors, self._errors = self._errors, []
+        if strict and errors:
+            raise errors[0]
+        return done
 
-    def close(self) -> None:
-        """Flush, then let the thread go (never blocks beyond :meth:`flush`)."""
-        self.flush()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None
+    def close(self, timeout: float | None = None) -> None:
+        """Flush (at most ``timeout`` s, default :data:`CLOSE_TIMEOUT`), then let the thread go. Alerts still
+        queued are abandoned and each counted and reported as a failure; a post in flight ends by its own
+        deadline, in the background."""
+        self.flush(timeout)
+        abandoned = 0
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                abandoned += 1
+        with self._lock:
+            self._unfinished -= abandoned
+        for _ in range(abandoned):
+            self._failed(f"webhook POST to {self.redacted}", RuntimeError(f"abandoned at close after {CLOSE_TIMEOUT if timeout is None else timeout:g} s"))
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread = None

@@ -7,7 +7,7 @@ The headline rate is measured on drift-corrected rows (mean and top principal di
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from headwatch.model.find import logits_from_output
 from headwatch.errors import (
+    StateReader,
     HeadwatchError,
     check_bool,
     check_int,
@@ -25,6 +26,7 @@ from headwatch.errors import (
 )
 from headwatch.model.batch import BatchFormat, BatchView
 from headwatch.distributed import sharded
+from headwatch.core.forwards import not_loss_forward
 from headwatch.core.frequency import TokenCounts, check_token_counts
 from headwatch.core.monitor import Monitor
 from headwatch.core.tokens import check_synonym_groups, decode_token, encode_group
@@ -121,7 +123,7 @@ class SynonymCollision(Monitor):
         self._hook: Any = None
         self._hooked: nn.Module | None = None
         self._view: BatchView | None = None
-        self._split = _TRAIN
+        self._split, self._forwards = _TRAIN, 0
         self._stash: list[Tensor] = []
         self._confusion = torch.zeros(2, 2, dtype=torch.float64)  # [train, val] x [positions, confused]
         self._step: int | None = None
@@ -158,13 +160,13 @@ class SynonymCollision(Monitor):
         # confusion is counted on every training batch (on the device, no host sync) and
         # published at the next measurement
         self._view = self.batch_format.read(batch) if self._table is not None else None
-        self._split = _TRAIN
+        self._split, self._forwards = _TRAIN, 0
         if logging:
             self._step = step
 
     def validation_batch_start(self, batch: Any, dataloader_idx: int = 0) -> None:
         self._view = self.batch_format.read(batch) if self._table is not None else None
-        self._split = _VAL
+        self._split, self._forwards = _VAL, 0
 
     def validation_batch_end(self, dataloader_idx: int = 0) -> None:
         self.batch_end()
@@ -175,9 +177,18 @@ class SynonymCollision(Monitor):
         if torch.compiler.is_compiling():
             logits = logits_from_output(output)
             if logits is not None:
-                self._stash.append(logits)  # detached in _capture (a detached view trips functionalization)
+                # detached in _capture (a detached view trips functionalization)
+                self._stash.append((logits, torch.is_grad_enabled()))
             return
-        self._count_confusion(output)
+        if self._loss_forward(torch.is_grad_enabled()):
+            self._count_confusion(output)
+
+    def _loss_forward(self, grad_enabled: bool) -> bool:
+        """The capture contract (:mod:`headwatch.core.forwards`): only the forwards the loss uses are counted."""
+        if not_loss_forward(self._split == _TRAIN, grad_enabled, self._forwards == 0) is not None:
+            return False
+        self._forwards += 1
+        return True
 
     @torch.compiler.disable
     def _count_confusion(self, output: Any) -> None:
@@ -200,8 +211,9 @@ class SynonymCollision(Monitor):
 
     def batch_end(self) -> None:
         stash, self._stash = self._stash, []
-        for logits in stash:
-            self._count_confusion(logits)
+        for logits, grad_enabled in stash:
+            if self._loss_forward(grad_enabled):
+                self._count_confusion(logits)
         self._view = None
 
     def _confusion_scalars(self, split: int, name: str) -> dict[str, Tensor]:
@@ -338,6 +350,14 @@ class SynonymCollision(Monitor):
         return {"version": 1, "measurements": self._measurements, "last_step": self._last_step, "failures": self.failures}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._measurements = int(state_dict.get("measurements", 0))
-        self._last_step = int(state_dict.get("last_step", -1))
-        self.failures = int(state_dict.get("failures", 0))
+        """Restore the counters, checked (see ``FailurePolicy.restore``)."""
+
+        def read(r: StateReader) -> Callable[[], None]:
+            measurements, last_step, failures = r.count("measurements"), r.step("last_step"), r.count("failures")
+
+            def apply() -> None:
+                self._measurements, self._last_step, self.failures = measurements, last_step, failures
+
+            return apply
+
+        self.restore(state_dict, read)

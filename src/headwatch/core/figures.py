@@ -46,10 +46,10 @@ def check_figure_argument(value: Any, name: str = "figure_every_n_steps") -> Non
         raise HeadwatchError(INSTALL_HINT)
 
 
-def _figure(width: float = 6.4, height: float = 4.2) -> Any:
+def _figure(width: float = 6.4, height: float = 4.2, layout: str | None = "constrained") -> Any:
     from matplotlib.figure import Figure
 
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+    return Figure(figsize=(width, height), dpi=100, layout=layout)
 
 
 def norm_vs_frequency_rank(counts: Tensor, valid: Tensor, norms: dict[str, Tensor], title: str) -> Any:
@@ -58,7 +58,8 @@ def norm_vs_frequency_rank(counts: Tensor, valid: Tensor, norms: dict[str, Tenso
     Args:
         counts: ``(V,)`` token counts; valid: ``(V,)`` bool; norms: name -> ``(V,)`` row norms.
     """
-    fig = _figure()
+    fig = _figure(layout=None)  # fixed margins: the constrained layout of log axes costs more than the plot
+    fig.subplots_adjust(left=0.11, right=0.97, bottom=0.12, top=0.92)
     ax = fig.add_subplot()
     c = counts.detach().double().cpu()
     ok = valid.detach().cpu() & (c > 0)
@@ -67,12 +68,13 @@ def norm_vs_frequency_rank(counts: Tensor, valid: Tensor, norms: dict[str, Tenso
     for (name, values), marker in zip(norms.items(), ("o", "s", "^", "x")):
         v = values.detach().double().cpu()
         sel = ok & (v > 0)
-        ax.scatter(rank[sel].numpy(), v[sel].numpy(), s=4, alpha=0.5, marker=marker, label=f"{name} ({int(sel.sum())} rows)")
+        label = f"{name} ({int(sel.sum())} rows)"  # markers of one line: drawn in one pass, faster than scatter
+        ax.plot(rank[sel].numpy(), v[sel].numpy(), linestyle="none", marker=marker, markersize=2, alpha=0.5, label=label)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("token frequency rank (1 = most frequent; seen tokens)")
     ax.set_ylabel("row L2 norm")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=11)
     ax.legend(loc="best", fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     return fig

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ from torch import Tensor, nn
 
 from headwatch.model.find import find_input_embedding
 from headwatch.errors import (
+    StateReader,
     HeadwatchError,
     check_int,
     check_module_or_name,
@@ -203,9 +205,22 @@ class TokenCounts(Monitor):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        counts = state_dict.get("counts")
-        self._restored = counts.long().cpu().clone() if isinstance(counts, Tensor) else torch.zeros(0, dtype=torch.long)
-        self._restored_out_of_range = int(state_dict.get("out_of_range", 0))
+        """Restore the counts, checked: a 1-D integer tensor of counts >= 0, as long as the state's ``num_rows``
+        (a vocabulary resized since is handled by :meth:`_fit_restored`); an invalid state restarts the counts from
+        zero with one warning (see ``FailurePolicy.restore``; ``strict``: raises)."""
+
+        def read(r: StateReader) -> Callable[[], None]:
+            num_rows = r.count("num_rows", 0)
+            counts = r.counts("counts", length=num_rows if "num_rows" in r.state else None)
+            out_of_range = r.count("out_of_range")
+
+            def apply() -> None:
+                self._restored = counts if counts is not None else torch.zeros(0, dtype=torch.long)
+                self._restored_out_of_range = out_of_range
+
+            return apply
+
+        self.restore(state_dict, read)
         self._local = None
         self._out_of_range = None
         self._cache = None

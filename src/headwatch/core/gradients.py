@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from headwatch.distributed import fsdp1
-from headwatch.errors import check_bool, check_int, check_module_or_name
+from headwatch.errors import StateReader, check_bool, check_int, check_module_or_name
 from headwatch.core.frequency import TokenCounts, check_token_counts
 from headwatch.core.monitor import Monitor
 from headwatch.distributed.zero import full_gradient
@@ -365,8 +366,17 @@ class GradientDensity(Monitor):
         return {"version": 1, "logged_steps": self.logged_steps, "failures": self.failures}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.logged_steps = int(state_dict.get("logged_steps", 0))
-        self.failures = int(state_dict.get("failures", 0))
+        """Restore the counters, checked (see ``FailurePolicy.restore``)."""
+
+        def read(r: StateReader) -> Callable[[], None]:
+            logged, failures = r.count("logged_steps"), r.count("failures")
+
+            def apply() -> None:
+                self.logged_steps, self.failures = logged, failures
+
+            return apply
+
+        self.restore(state_dict, read)
 
 
 def norm_ratio(rare: Tensor, frequent: Tensor) -> Tensor:

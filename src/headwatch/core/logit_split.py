@@ -5,7 +5,8 @@ A split is the training logging step, or one validation dataloader's epoch. Each
 - a :class:`~headwatch.core.metrics.LogitStatsMetric` (entropy, sharpness, target NLL, ...);
 - a :class:`~headwatch.core.metrics_evidence.FrequencyCalibrationMetric` fed from the *same*
   per-position statistics (no second pass over the logits): per target-frequency bucket mean
-  target NLL, accuracy and confidence, and the ECE (15 bins) and over-confidence gap overall and
+  target NLL, accuracy and confidence, and the ECE (``ece_bins`` equal-width bins, default 15, the last one
+  closed: ``docs/calibration.md``) and over-confidence gap overall and
   for rare targets (:mod:`headwatch.functional.calibration`);
 - float64 sums of the padded mass (:func:`headwatch.functional.padding.padded_mass`).
 
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 from headwatch.distributed.reduce import Reducer
+from headwatch.functional.calibration import ECE_BINS
 from headwatch.functional.frequency import BUCKETS
 from headwatch.functional.logits import LogitStatistics
 from headwatch.core.metrics import LogitStatsMetric
@@ -35,11 +37,13 @@ our name -> :func:`~headwatch.functional.calibration.calibration_compute`'s."""
 class SplitSums:
     """The sums of one split (see the module docstring); ``update`` adds one forward, ``compute`` reads them."""
 
-    def __init__(self, ignore_index: int, max_chunk_bytes: int) -> None:
+    def __init__(self, ignore_index: int, max_chunk_bytes: int, ece_bins: int = ECE_BINS) -> None:
         self.stats = LogitStatsMetric(ignore_index=ignore_index, max_chunk_bytes=max_chunk_bytes, pad_entropies=True)
-        self.calibration = FrequencyCalibrationMetric(bucket_names=BUCKETS, ignore_index=ignore_index)
+        self.calibration = FrequencyCalibrationMetric(bucket_names=BUCKETS, n_bins=ece_bins, ignore_index=ignore_index)
         self.padded: list[Tensor | float] = [0.0, 0.0]  # float64 (sum, count)
         self._no_bucket: Tensor | None = None  # (V,) of -1: calibration without frequencies
+        self.labelled: set[bool] = set()
+        """Whether the forwards pooled since the last ``compute`` had labels (True), none (False), or both."""
 
     @property
     def device(self) -> torch.device:
@@ -101,6 +105,7 @@ class SplitSums:
         finally:
             self.stats.reset()
             self.calibration.reset()
+            self.labelled = set()
         for key in CALIBRATION_KEYS:
             out[key] = cal[key]
         if by_frequency:

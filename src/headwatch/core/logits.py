@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from headwatch.errors import (
+    StateReader,
     HeadwatchError,
     check_bool,
     check_choice,
@@ -20,11 +23,13 @@ from headwatch.errors import (
 from headwatch.model.capture import PATHS, Captured, LogitsCapture
 from headwatch.model.captured import captured_statistics
 from headwatch.model.batch import BatchFormat, BatchView
+from headwatch.core.forwards import NOT_LOSS_REASONS, not_loss_forward
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.logit_split import SplitSums
 from headwatch.core.metrics import SCALAR_KEYS
 from headwatch.core.monitor import Monitor
 from headwatch.core.self_check import CaptureTally
+from headwatch.functional.calibration import ECE_BINS, MAX_ECE_BINS
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.model.sources import ALIGNMENTS, LogitsSource, resolve_logits_source
 
@@ -49,7 +54,10 @@ class LogitStats(Monitor):
     one, names carry Lightning's ``/dataloader_idx_<k>`` suffix.
 
     Args: see :class:`headwatch.LogitStatsMonitor`; ``figure_every``: steps between entropy
-    figures (0: none); ``frequency``: the shared :class:`TokenCounts` (target buckets).
+    figures (0: none); ``frequency``: the shared :class:`TokenCounts` (target buckets);
+    ``ece_bins``: ``M``, the equal-width bins of the ECE (default 15, at most ``2**22``; the last
+    bin ``[1 - 1/M, 1]`` is closed: ``docs/calibration.md``). The Hugging Face and plain-loop doors
+    take a configured object in ``monitors=[LogitStats(ece_bins=...)]``.
 
     Raises:
         HeadwatchError: an invalid argument (checked here, whatever the front door).
@@ -72,6 +80,7 @@ class LogitStats(Monitor):
         path: str = "auto",
         vocab_size: int | None = None,
         frequency: TokenCounts | None = None,
+        ece_bins: int = ECE_BINS,
     ) -> None:
         super().__init__(prefix, strict, batch_format)
         for name, module in (("head", head), ("logits_module", logits_module), ("hidden_module", hidden_module)):
@@ -83,6 +92,7 @@ class LogitStats(Monitor):
         check_choice("path", path, PATHS)
         check_optional(check_int, "vocab_size", vocab_size, minimum=1)
         check_optional(check_instance, "frequency", frequency, TokenCounts)
+        self.ece_bins = check_int("ece_bins", ece_bins, minimum=1, maximum=MAX_ECE_BINS)
         self.head = head
         self.logits_module, self.hidden_module, self.alignment, self.path = logits_module, hidden_module, alignment, path
         self.tokenizer_vocab_size = vocab_size
@@ -96,7 +106,7 @@ class LogitStats(Monitor):
         self.log_histogram = log_histogram
         self.figure_every = figure_every
         self.max_figure_history = 1000
-        self._train = SplitSums(self.batch_format.ignore_index, max_chunk_bytes)
+        self._train = SplitSums(self.batch_format.ignore_index, max_chunk_bytes, self.ece_bins)
         self._val: dict[int, SplitSums] = {}  # per validation dataloader
         self._val_buckets: tuple[Tensor, Tensor] | None = None  # frequencies of this validation epoch
         self._sink: SplitSums | None = None  # where the capture sends statistics; None: do nothing
@@ -107,6 +117,7 @@ class LogitStats(Monitor):
         self.head_name = ""
         self.vocab_size = 0
         self._calls = 0
+        self._accepted = 0
         self.entropy_history: list[tuple[int, Tensor]] = []
         self._history_on_device = 0  # the last entries of entropy_history, still on the device
         self.logged_steps = 0
@@ -120,7 +131,7 @@ class LogitStats(Monitor):
         source = resolve_logits_source(model, self.head, self.logits_module, self.hidden_module, self.alignment)
         if self.source is None or source.owner is not self.source.owner or source.head is not self.source.head:
             self.detach()
-            self._capturer = LogitsCapture(source, self._consume, self.path, model, self.strict)
+            self._capturer = LogitsCapture(source, self._consume, self.path, model, self.strict, accept=self._accept_forward)
             self._capturer.attach()
             self.source, self._head_module, self.head_name = source, source.head, source.head_name
         self.model = model
@@ -136,6 +147,7 @@ class LogitStats(Monitor):
     # ------------------------------------------------------------------ capture
     def _arm(self, batch: Any, sink: SplitSums, buckets: tuple[Tensor, Tensor] | None) -> None:
         self._view, self._sink, self._buckets = self._format.read(batch), sink, buckets
+        self._accepted = 0  # forwards measured in this (micro-)batch
         if self._capturer is None:
             return
         try:
@@ -145,19 +157,45 @@ class LogitStats(Monitor):
             ref = None
         self._capturer.begin(ref.shape if ref is not None else None)
 
+    def _accept_forward(self, grad_enabled: bool) -> bool:
+        """The capture contract (:func:`headwatch.core.forwards.not_loss_forward`): measure this forward of the
+        armed batch or not; called by the capture once per forward of the model, inside it."""
+        training = self._sink is self._train
+        why = not_loss_forward(training, grad_enabled, first=self._accepted == 0)
+        if why is None:
+            self._accepted += 1
+            return True
+        where = "a training step" if training else "an evaluation batch"
+        self.info_once(f"headwatch: LogitStats does not measure a forward of {where}: {NOT_LOSS_REASONS[why]}. (said once)")
+        return False
+
     def _consume(self, captured: Captured) -> None:
         """Called by the capture inside the forward (or at batch end under torch.compile)."""
         sink, view = self._sink, self._view
         if sink is None or view is None:
             return
         mask, targets = view.mask, view.targets
-        if targets is None and sink is self._train:
+        if targets is None:
+            split = "training" if sink is self._train else "evaluation"
             self.warn_once(
-                "no_targets",
-                f"LogitStatsMonitor found no `labels` in a {type(view.batch).__name__} batch: target_nll and "
-                "target_argmax_rate are logged as NaN. For (inputs, targets) tuples pass "
+                f"no_targets:{split}",
+                f"LogitStatsMonitor found no `labels` in a {split} {type(view.batch).__name__} batch: target_nll, "
+                "target_argmax_rate and the calibration are logged as NaN, and the entropy is averaged over every "
+                "attended position (each row's last too). For (inputs, targets) tuples pass "
                 "targets_fn=lambda batch: batch[1] (and shift_labels=False if they are already shifted). (warned once)",
             )
+        sink.labelled.add(targets is not None)
+        if len(sink.labelled) == 2:
+            self.warn_once(
+                "mixed_labels",
+                "LogitStatsMonitor pooled batches with labels and batches without into one value: the entropy of "
+                "the unlabelled ones covers every attended position, the target statistics only the labelled ones. "
+                "Give every batch its labels (or none). (warned once)",
+            )
+        if captured.kept is not None:  # logits_to_keep: the last `kept` positions of each row
+            k = captured.kept
+            mask = mask[..., -k:] if mask is not None else None
+            targets = targets[..., -k:] if targets is not None else None
         x = captured.logits if captured.path == "logits" else captured.hidden
         if x is None:
             raise HeadwatchError(f"the capture on the {captured.path} path holds no tensor")
@@ -190,9 +228,9 @@ class LogitStats(Monitor):
         if self._calls == 2 and sink is self._train:
             self.warn_once(
                 "twice",
-                f"LogitStatsMonitor: the model ran more than once in one training batch; every forward is "
-                "measured against the batch's labels and pooled (an auxiliary pass would need its own targets_fn). "
-                "(warned once)",
+                "LogitStatsMonitor: the model ran more than once with gradient in one training batch; every such "
+                "forward feeds the loss and is measured against the batch's labels and pooled (an auxiliary pass "
+                "would need its own targets_fn). (warned once)",
             )
 
     def _disarm(self) -> None:
@@ -236,7 +274,7 @@ class LogitStats(Monitor):
     def validation_batch_start(self, batch: Any, dataloader_idx: int = 0) -> None:
         sink = self._val.get(dataloader_idx)
         if sink is None:
-            sink = self._val[dataloader_idx] = SplitSums(self.batch_format.ignore_index, self._max_chunk_bytes)
+            sink = self._val[dataloader_idx] = SplitSums(self.batch_format.ignore_index, self._max_chunk_bytes, self.ece_bins)
         if self._val_buckets is None:  # once per validation epoch: a collective on the first batch
             self._val_buckets = self._frequency_tables()
         self._arm(batch, sink, self._val_buckets)
@@ -379,12 +417,27 @@ class LogitStats(Monitor):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.logged_steps = int(state_dict.get("logged_steps", 0))
-        for k in self.totals:
-            self.totals[k] = float(state_dict.get(f"total_{k}", 0.0))
-        self.failures = int(state_dict.get("failures", 0))
-        self.skipped_forwards = int(state_dict.get("skipped_forwards", 0))
-        self.entropy_history = [
-            (int(step), torch.tensor(hist, dtype=torch.float64)) for step, hist in state_dict.get("entropy_history", [])
-        ]
+        """Restore :meth:`state_dict`'s values, each checked (see ``FailurePolicy.restore``)."""
+
+        def histogram(entry: Any) -> bool:
+            return (
+                isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], int) and entry[0] >= 0
+                and isinstance(entry[1], (list, tuple)) and all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in entry[1])
+            )  # fmt: skip
+
+        def read(r: StateReader) -> Callable[[], None]:
+            logged, failures, skipped = r.count("logged_steps"), r.count("failures"), r.count("skipped_forwards")
+            totals = {k: r.number(f"total_{k}") for k in self.totals}
+            history = r.items("entropy_history", histogram, "a list of (step >= 0, [counts >= 0]) pairs")
+            if len({len(h) for _, h in history}) > 1:
+                raise r.fail("entropy_history", "histograms of one length", sorted({len(h) for _, h in history}))
+
+            def apply() -> None:
+                self.logged_steps, self.failures, self.skipped_forwards = logged, failures, skipped
+                self.totals.update(totals)
+                self.entropy_history = [(int(step), torch.tensor(h, dtype=torch.float64)) for step, h in history]
+
+            return apply
+
+        self.restore(state_dict, read)
         self._history_on_device = 0

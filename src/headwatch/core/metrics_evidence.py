@@ -14,6 +14,7 @@ from torchmetrics import Metric
 from headwatch.errors import HeadwatchError, check_int, check_positive_int, check_sequence
 from headwatch.functional.calibration import (
     ECE_BINS,
+    MAX_ECE_BINS,
     CalibrationSums,
     calibration_compute,
     calibration_update,
@@ -33,7 +34,9 @@ class FrequencyCalibrationMetric(Metric):
     Args:
         bucket_names: names of the buckets, in the order of the bucket ids (None:
             ``TokenFrequency``'s ``BUCKETS``: top1, top10, top50, tail, unseen).
-        n_bins: equal-width confidence bins of the ECE (default 15).
+        n_bins: ``M``, equal-width confidence bins of the ECE (default 15, at most ``2**22``): ``[m/M, (m+1)/M)``,
+            the last one ``[1 - 1/M, 1]`` closed (no extra bin for a confidence of 1; see
+            :func:`headwatch.functional.calibration.ece_bin_index` and ``docs/calibration.md``).
         ignore_index: target value marking positions that are not predictions.
         max_chunk_bytes: working-memory bound of :func:`headwatch.functional.logit_statistics`.
 
@@ -67,7 +70,7 @@ class FrequencyCalibrationMetric(Metric):
 
             bucket_names = BUCKETS
         self.bucket_names = tuple(check_sequence("bucket_names", bucket_names, "strings", lambda n: isinstance(n, str), empty=False))
-        self.n_bins = check_positive_int("n_bins", n_bins)
+        self.n_bins = check_int("n_bins", check_positive_int("n_bins", n_bins), maximum=MAX_ECE_BINS)
         self.ignore_index = check_int("ignore_index", ignore_index)
         self.max_chunk_bytes = check_positive_int("max_chunk_bytes", max_chunk_bytes)
         for name, default in empty_sums(len(self.bucket_names), n_bins)._asdict().items():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch.errors import HeadwatchError, check_bool, check_instance, check_optional, check_prefix
+from headwatch.errors import HeadwatchError, StateError, StateReader, check_bool, check_instance, check_optional, check_prefix
 from headwatch.model.batch import BatchFormat
 from headwatch.distributed.reduce import NoReducer, Reducer
 from headwatch.core.schedule import Schedule
@@ -89,6 +89,29 @@ class FailurePolicy:
             f"{label} failed while {where} ({type(err).__name__}: {err}); training goes on and "
             "this measurement is skipped. Pass strict=True to raise instead. (warned once)",
         )
+
+
+    def restore(self, state: Any, read: Callable[[StateReader], Callable[[], None]], versions: tuple[int, ...] = (1,)) -> bool:
+        """Load a checkpoint state through ``read``, which checks every value (a :class:`StateReader`) and returns
+        the assignment to make; an invalid state changes nothing checked, restarts this object from its empty state
+        (``read`` of an empty state) with one warning naming the part and the reason, and the resume goes on.
+        ``strict``: raise the :class:`StateError` instead. Returns whether ``state`` was valid."""
+        part = type(self).__name__
+        try:
+            apply = read(StateReader(state, part, versions))
+            valid = True
+        except StateError as err:
+            if self.strict:
+                raise
+            self.warn_once(
+                f"state:{part}",
+                f"headwatch: the checkpoint's {part} state is not valid ({err}); {part} restarts from empty and the "
+                "resume goes on. Pass strict=True to raise instead. (warned once)",
+            )
+            apply = read(StateReader({}, part, versions))
+            valid = False
+        apply()
+        return valid
 
 
 class Monitor(FailurePolicy):
@@ -193,7 +216,13 @@ class Monitor(FailurePolicy):
         return {"version": 1, "failures": self.failures}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.failures = int(state_dict.get("failures", 0))
+        """Restore :meth:`state_dict`'s values, each checked; an invalid state restarts from empty (see :meth:`restore`)."""
+
+        def read(r: StateReader) -> Callable[[], None]:
+            failures = r.count("failures")
+            return lambda: setattr(self, "failures", failures)
+
+        self.restore(state_dict, read)
 
     # ------------------------------------------------------------------ failure policy
     @property

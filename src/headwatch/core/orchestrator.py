@@ -7,9 +7,10 @@ events into calls here. The orchestrator owns:
   :class:`~headwatch.core.frequency.TokenCounts`);
 - the step schedule (each monitor's :class:`~headwatch.core.schedule.Schedule`, set by
   :meth:`Orchestrator.configure`) and the decision which monitors measure a step (:meth:`due`);
-- the capture decisions of a forward (:meth:`forward`): the first training forward of a
-  micro-batch starts it, a second one of the same micro-batch ends it, an evaluation forward
-  outside a training step is a validation batch;
+- the capture decisions of a forward (:meth:`forward`, the contract of :mod:`headwatch.core.forwards`):
+  the first forward with gradient of a training micro-batch starts it, the first evaluation forward
+  that is not ``generate()``'s starts a validation batch; the labels come from the inputs the loss
+  is computed with when a trainer takes them out of the model's inputs (:meth:`loss_inputs`);
 - the failure policy (:meth:`each`: a monitor that fails warns once, is skipped and training goes on;
   ``strict`` raises);
 - the reduction (:func:`~headwatch.core.monitor.compute_due`: every rank drops the same failed monitors);
@@ -23,7 +24,8 @@ events into calls here. The orchestrator owns:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -31,6 +33,7 @@ from torch import Tensor, nn
 
 from headwatch.core.collision import SynonymCollision
 from headwatch.core.figures import resolve_figure_interval
+from headwatch.core.forwards import not_loss_forward
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.gradients import GradientDensity
 from headwatch.core.logits import LogitStats
@@ -41,6 +44,7 @@ from headwatch.distributed.fsdp1 import unwrapped
 from headwatch.distributed.reduce import Reducer, TorchDistributedReducer
 from headwatch.errors import (
     HeadwatchError,
+    StateError,
     check_bool,
     check_instance,
     check_int,
@@ -221,6 +225,8 @@ class Orchestrator:
         self.logging: list[Monitor] = []
         """The monitors measuring the step in progress."""
         self._started = False  # the current micro-batch's first training forward was seen
+        self._val_started = False  # the current evaluation batch's loss forward was seen
+        self._loss_inputs: Any = None  # the inputs of the loss being computed (loss_inputs), labels included
         self.check = SelfCheck(prefix, self.reducer)
         """The self-check (docs/self_check.md): doors hand it the trainer's figures (``check.step_loss``, ...)."""
         self.check.strict = strict
@@ -307,20 +313,49 @@ class Orchestrator:
         self.each("starting a batch", lambda m: m.step_start(batch, s, m in self.logging))
 
     def forward(self, batch: Any, training: bool) -> None:
-        """A model forward with ``batch`` (the door's forward pre-hook): decides what it is.
+        """A model forward with ``batch`` (the door's forward pre-hook, called inside the forward): decides what it is.
 
-        In a training step, the first training forward of a micro-batch starts it; a second training
-        forward of the same micro-batch (a trainer that computes the loss from a second pass) ends the
-        first's capture. Outside a training step, an evaluation forward is a validation batch.
+        The contract of :mod:`headwatch.core.forwards`: in a training step, the first forward run with
+        gradient starts the micro-batch (forwards under ``no_grad`` feed no loss: never measured; a second
+        forward with gradient is measured too, against the same labels); outside a training step, the
+        first evaluation forward that is not part of ``generate()`` starts a validation batch, later ones
+        of the same batch are not measured. While :meth:`loss_inputs` is open, the fields the forward
+        lacks (the ``labels`` a trainer took out) come from the loss's inputs.
         """
         if training and self.step is not None:
-            if self._started:
-                self.each("ending the batch", lambda m: m.batch_end())
+            if self._started or not_loss_forward(True, torch.is_grad_enabled(), True) is not None:
                 return
             self._started = True
-            self.step_start(batch)
+            self.step_start(self.with_loss_inputs(batch))
         elif self.step is None and not training:
-            self.each("starting a validation batch", lambda m: m.validation_batch_start(batch))
+            if self._val_started or not_loss_forward(False, torch.is_grad_enabled(), True) is not None:
+                return
+            self._val_started = True
+            self.validation_batch_start(self.with_loss_inputs(batch))
+
+    @contextmanager
+    def loss_inputs(self, inputs: Any) -> Iterator[None]:
+        """While inside, ``inputs`` are those the step's loss is computed with (a door wraps its trainer's loss
+        computation: the Hugging Face ``Trainer.compute_loss``). A mapping is copied (the trainer may pop its
+        ``labels`` before the forward). Forwards inside take the fields they lack from it (:meth:`with_loss_inputs`)."""
+        previous = self._loss_inputs
+        self._loss_inputs = dict(inputs) if isinstance(inputs, Mapping) else inputs
+        try:
+            yield
+        finally:
+            self._loss_inputs = previous
+
+    def with_loss_inputs(self, batch: Any) -> Any:
+        """``batch`` (a forward's keyword inputs) completed with the fields of the open :meth:`loss_inputs` it lacks,
+        when both are mappings over the same token ids (same shape); else ``batch`` unchanged."""
+        loss = self._loss_inputs
+        if not isinstance(loss, Mapping) or not isinstance(batch, Mapping):
+            return batch
+        key = self.monitors[0].batch_format.ids_key if self.monitors else "input_ids"
+        ids, theirs = batch.get(key), loss.get(key)
+        if isinstance(ids, Tensor) and isinstance(theirs, Tensor) and ids.shape != theirs.shape:
+            return batch  # another batch (a second model's inputs): its own fields only
+        return {**{k: v for k, v in loss.items() if k not in batch}, **batch}
 
     def gradients_ready(self, loss_scale: float | Tensor | None = None) -> None:
         """Gradients are final (after accumulation and unscaling)."""
@@ -353,6 +388,7 @@ class Orchestrator:
         self.each("starting a validation batch", lambda m: m.validation_batch_start(batch, dataloader_idx))
 
     def validation_batch_end(self, dataloader_idx: int = 0) -> None:
+        self._val_started = False
         self.each("ending a validation batch", lambda m: m.validation_batch_end(dataloader_idx))
 
     def validation_end(self, step: int, monitors: Sequence[Monitor] | None = None) -> dict[str, float]:
@@ -425,9 +461,39 @@ class Orchestrator:
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Every monitor's state (a collective under several processes: call it on every rank)."""
-        return {"monitors": [m.state_dict() for m in self.monitors], "check": self.check.state_dict()}
+        return {
+            "version": 2, "names": [type(m).__name__ for m in self.monitors], "monitors": [m.state_dict() for m in self.monitors],
+            "check": self.check.state_dict(),
+        }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for m, s in zip(self.monitors, state.get("monitors", [])):
-            m.load_state_dict(s)
-        self.check.load_state_dict(state.get("check", {}))
+        """Give each monitor its part of ``state`` (matched by class name; a state without names, by position), each
+        checked by the monitor (an invalid part restarts that monitor from empty with one warning). A state that is
+        not a dict of parts, or that lacks a monitor's part, is said once; ``strict`` raises instead."""
+        strict = any(m.strict for m in self.monitors)
+        self.check.load_state_dict(state.get("check") if isinstance(state, dict) else None)
+        parts = state.get("monitors") if isinstance(state, dict) else None
+        if not isinstance(parts, (list, tuple)):
+            self.state_problem(strict, f"the state must be a dict with a `monitors` list, got {type(state).__name__}")
+            return
+        names = state.get("names")
+        if isinstance(names, (list, tuple)) and len(names) == len(parts) and all(isinstance(n, str) for n in names):
+            unused = list(zip(names, parts))
+            for m in self.monitors:
+                found = next((i for i, (name, _) in enumerate(unused) if name == type(m).__name__), None)
+                if found is None:
+                    self.state_problem(strict, f"it holds no {type(m).__name__} state; that monitor starts from empty")
+                    continue
+                m.load_state_dict(unused.pop(found)[1])
+            return
+        if len(parts) != len(self.monitors):
+            self.state_problem(strict, f"it holds {len(parts)} monitor states for {len(self.monitors)} monitors")
+        for m, part in zip(self.monitors, parts):
+            m.load_state_dict(part)
+
+    def state_problem(self, strict: bool, problem: str) -> None:
+        """A checkpoint state that cannot be restored as it is: raise :class:`StateError` when ``strict``, else warn once."""
+        message = f"headwatch: the checkpoint's monitor state cannot be restored as it is: {problem}."
+        if strict:
+            raise StateError(message)
+        self.warn_once(f"state:{problem}", message + " The resume goes on. Pass strict=True to raise instead. (warned once)")

@@ -372,6 +372,10 @@ class SelfCheck(FailurePolicy):
     def state_dict(self) -> dict[str, Any]:
         return {"mismatched_steps": self.mismatched_steps, "vanished_steps": self.vanished_steps}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.mismatched_steps = int(state.get("mismatched_steps", 0))
-        self.vanished_steps = int(state.get("vanished_steps", 0))
+    def load_state_dict(self, state: Any) -> None:
+        """The counts of a checkpoint; a missing or invalid value (an older checkpoint) starts from 0."""
+        state = state if isinstance(state, dict) else {}
+        for key in ("mismatched_steps", "vanished_steps"):
+            value = state.get(key, 0)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            setattr(self, key, value if ok else 0)

@@ -110,9 +110,11 @@ __all__ = [
 # collision beyond common drift; loss, accuracy and calibration by target frequency
 from headwatch.functional.calibration import (  # noqa: E402
     ECE_BINS,
+    MAX_ECE_BINS,
     CalibrationSums,
     calibration_compute,
     calibration_update,
+    ece_bin_index,
     empty_sums,
 )
 from headwatch.functional.drift import (  # noqa: E402
@@ -143,12 +145,14 @@ from headwatch.functional.drift_pairs import (  # noqa: E402
 
 __all__ += [
     "ECE_BINS",
+    "MAX_ECE_BINS",
     "CalibrationSums",
     "CorrectedCollision",
     "DriftCorrection",
     "Pairable",
     "calibration_compute",
     "calibration_update",
+    "ece_bin_index",
     "collision_from_neighbours",
     "corrected_collision",
     "default_k",

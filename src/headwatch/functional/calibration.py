@@ -14,9 +14,12 @@ correctness ``a_n = [y_n is the argmax]`` (ties count as the argmax):
   assigns it; and the rare targets; and all positions): mean NLL ``sum_{n in g} -log p_{n,y_n} /
   |g|`` (nats), accuracy ``sum a_n / |g|``, mean confidence ``sum c_n / |g|``;
 - expected calibration error of the top-1 prediction (Naeini et al., AAAI 2015; Guo et al.,
-  ICML 2017), with ``M = 15`` equal-width bins ``B_m = [m/M, (m+1)/M)`` (a confidence of
-  exactly 1 falls in a bin of its own, as in torchmetrics' ``MulticlassCalibrationError``):
-  ``ECE = sum_m |sum_{n in B_m} (c_n - a_n)| / N``;
+  ICML 2017), with ``M`` equal-width bins (default ``M = 15``, :data:`ECE_BINS`)
+  ``B_m = [m/M, (m+1)/M)`` for ``m < M - 1`` and the last one closed, ``B_{M-1} = [1 - 1/M, 1]``:
+  a confidence of exactly 1 is in the last bin, there is no extra bin (torchmetrics' ``_binning_bucketize``
+  counts it in a hidden ``(M+1)``-th bin: Lightning-AI/torchmetrics#3510). The bin is decided on the
+  exact value of ``c_n`` (:func:`ece_bin_index`), so a confidence equal to an edge ``m/M`` is in
+  ``B_m``. ``ECE = sum_m |sum_{n in B_m} (c_n - a_n)| / N``;
 - over-confidence gap: ``mean c_n - mean a_n`` (positive: more confident than accurate).
 
 Everything is kept as float64 sums and counts, so a sum over processes (DDP) is exact.
@@ -30,16 +33,18 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from headwatch.errors import HeadwatchError
+from headwatch.errors import HeadwatchError, check_int
 from headwatch.functional.logits import LogitStatistics
 
 ECE_BINS = 15
-"""Equal-width confidence bins of the expected calibration error."""
+"""Equal-width confidence bins of the expected calibration error (the default ``n_bins``)."""
+MAX_ECE_BINS = 2**22
+"""Most bins :func:`ece_bin_index` compares exactly (``lo * M`` exact in float64 needs ``M <= 2**22``)."""
 
 
 class CalibrationSums(NamedTuple):
     """Float64 sums over valid positions. Groups ``(G,)`` = the buckets, then ``rare``, then ``all``;
-    bins ``(2, n_bins + 1)``: row 0 all positions, row 1 rare targets."""
+    bins ``(2, n_bins)``: row 0 all positions, row 1 rare targets."""
 
     positions: Tensor
     nll: Tensor
@@ -53,8 +58,37 @@ class CalibrationSums(NamedTuple):
 def empty_sums(num_buckets: int, n_bins: int = ECE_BINS, device: torch.device | str | None = None) -> CalibrationSums:
     """Zero sums for ``num_buckets`` buckets and ``n_bins`` bins."""
     g = torch.zeros(num_buckets + 2, dtype=torch.float64, device=device)
-    b = torch.zeros(2, n_bins + 1, dtype=torch.float64, device=device)
+    b = torch.zeros(2, n_bins, dtype=torch.float64, device=device)
     return CalibrationSums(g, g.clone(), g.clone(), g.clone(), b, b.clone(), b.clone())
+
+
+@torch.no_grad()
+def ece_bin_index(confidence: Tensor, n_bins: int = ECE_BINS) -> Tensor:
+    """The equal-width ECE bin of each confidence: ``m`` with ``m/M <= c < (m+1)/M``, last bin closed.
+
+    Args:
+        confidence: ``(N,)`` probabilities in ``[0, 1]`` (float32 or float64; compared exactly).
+        n_bins: ``M``, the number of bins (an int in ``[1, 2**22]``).
+
+    Returns:
+        ``(N,)`` int64 in ``[0, M - 1]``: ``floor(M c)`` in exact arithmetic, ``M - 1`` for
+        ``c = 1`` (no extra bin; torchmetrics#3510), ``0`` for ``c <= 0``.
+
+    Exactness: ``c`` is split as ``hi + lo`` with ``hi`` its float32 rounding; ``hi * M`` and
+    ``lo * M`` are exact in float64 (at most 24 + 23 and 30 + 23 significant bits), and the floor of their
+    rounded sum is corrected by the sign of ``(hi M - k) + lo M``, which rounding never flips. So an
+    edge ``m/M`` that a float cannot hold exactly is still compared exactly, and float64 and float32
+    confidences of the same value land in the same bin. No host sync.
+    """
+    check_int("n_bins", n_bins, minimum=1, maximum=MAX_ECE_BINS)
+    c = confidence.double()
+    hi = c.float().double()  # float32 rounding of c: hi * M is exact
+    lo = c - hi  # exact (Sterbenz)
+    hm, lm = hi * n_bins, lo * n_bins  # both exact
+    k = torch.floor(hm + lm)  # off by at most one where c * M is within half an ulp of an integer
+    k = torch.where((hm - k) + lm < 0, k - 1, k)  # c < k / M
+    k = torch.where((hm - (k + 1)) + lm >= 0, k + 1, k)  # c >= (k + 1) / M
+    return k.clamp(0, n_bins - 1).long()
 
 
 def _check(stats: LogitStatistics, targets: Tensor, bucket: Tensor, rare: Tensor | None, n_bins: int) -> None:
@@ -67,8 +101,7 @@ def _check(stats: LogitStatistics, targets: Tensor, bucket: Tensor, rare: Tensor
         raise HeadwatchError("expected `bucket` as a 1-D integer tensor of shape (vocab_size,)")
     if rare is not None and (rare.shape != bucket.shape or rare.dtype != torch.bool):
         raise HeadwatchError(f"expected `rare` of shape {tuple(bucket.shape)} and dtype bool, got {tuple(rare.shape)} {rare.dtype}")
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
-        raise HeadwatchError(f"`n_bins` must be a positive int, got {n_bins!r}")
+    check_int("n_bins", n_bins, minimum=1, maximum=MAX_ECE_BINS)
 
 
 @torch.no_grad()
@@ -90,7 +123,7 @@ def calibration_update(
             not valid, counted in ``all`` only).
         num_buckets: number of buckets (``len(BUCKETS)``).
         rare: ``(V,)`` bool, the rare tokens (None: no rare group).
-        n_bins: equal-width confidence bins of the ECE (default 15).
+        n_bins: ``M``, equal-width confidence bins of the ECE (default 15; see :func:`ece_bin_index`).
 
     Returns:
         :class:`CalibrationSums` on the statistics' device.
@@ -118,10 +151,9 @@ def calibration_update(
     is_rare = rare.to(dev).index_select(0, t) & valid if rare is not None else torch.zeros_like(valid)
     groups[num_buckets] = (values * is_rare.unsqueeze(1)).sum(0)
     groups[num_buckets + 1] = values.sum(0)
-    # bins as torchmetrics: bucketize(c, linspace(0, 1, M + 1), right=True) - 1, float32 confidences
-    edges = torch.linspace(0, 1, n_bins + 1, dtype=torch.float32, device=dev)
-    index = (torch.bucketize(conf.float(), edges, right=True) - 1).clamp(0, n_bins)
-    bins = torch.zeros(2, n_bins + 1, 3, dtype=torch.float64, device=dev)
+    # B_m = [m/M, (m+1)/M), the last bin closed: c = 1 is in bin M - 1 (no extra bin, torchmetrics#3510)
+    index = ece_bin_index(conf, n_bins)  # conf: 0 at positions that are not valid (they add zeros)
+    bins = torch.zeros(2, n_bins, 3, dtype=torch.float64, device=dev)
     per_bin = values[:, [0, 3, 2]]  # count, confidence, correct
     bins[0].index_add_(0, index, per_bin)
     bins[1].index_add_(0, index, per_bin * is_rare.unsqueeze(1))

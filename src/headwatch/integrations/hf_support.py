@@ -15,6 +15,7 @@ from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerCall
 from headwatch import tensorboard as tb
 from headwatch.errors import HeadwatchError
 from headwatch.core.monitor import Media
+from headwatch.model.capture import called_from
 
 
 TB_PREFIX = "train/"
@@ -44,6 +45,35 @@ def find_trainer(callback: TrainerCallback) -> Trainer | None:
     finally:
         del frame
     return None
+
+
+def hand_loss_inputs(trainer: Trainer, run: Any) -> None:
+    """Wrap ``trainer.compute_loss`` (once per trainer and run) so that ``run`` sees the inputs the loss is
+    computed with, ``labels`` included, for the duration of the call (:meth:`Orchestrator.loss_inputs`).
+
+    ``Trainer.compute_loss`` pops ``labels`` from the inputs before the forward under label smoothing or a
+    ``compute_loss_func`` (TRL's ``SFTTrainer`` makes a label-free forward there); the forward pre-hook
+    then sees no labels. Which forward is measured stays the orchestrator's decision.
+    """
+    current = getattr(trainer, "compute_loss", None)
+    if current is None or getattr(current, "__headwatch_run__", None) is run:
+        return
+    original = current
+
+    def compute_loss(model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        with run.loss_inputs(inputs):
+            return original(model, inputs, *args, **kwargs)
+
+    compute_loss.__headwatch_run__ = run  # type: ignore[attr-defined]
+    compute_loss.__wrapped__ = original  # type: ignore[attr-defined]
+    trainer.compute_loss = compute_loss  # type: ignore[method-assign]
+
+
+def in_evaluation() -> bool:
+    """True when the caller runs inside a ``Trainer.prediction_step`` (``evaluate()``, ``predict()``, any subclass's
+    override): an evaluation forward. A forward of the model outside it (the user's own call after ``train()``)
+    is no evaluation batch."""
+    return called_from("prediction_step", Trainer)
 
 
 STATE_NAME = "headwatch_state.pt"

@@ -170,5 +170,11 @@ class Headwatch(Driver):
         return {"step": self.step_index, **self.run.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step_index = int(state.get("step", 0))
+        """Restore the step counter and every monitor, each part checked (an invalid part restarts from empty
+        with one warning; ``strict=True`` raises :class:`~headwatch.errors.StateError`)."""
+        step = state.get("step", 0) if isinstance(state, dict) else 0
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            self.run.state_problem(any(m.strict for m in self.run.monitors), f"`step` must be an int >= 0, got {step!r}")
+            step = 0
+        self.step_index = step
         self.run.load_state_dict(state)

@@ -33,6 +33,8 @@ from headwatch.integrations.hf_support import (
     TrainerSink,
     console_filter,
     find_trainer,
+    hand_loss_inputs,
+    in_evaluation,
     is_rules,
     loss_scale,
     restore_state,
@@ -133,13 +135,15 @@ class HeadwatchCallback(Driver, TrainerCallback):
         return self._trainer() if self._trainer is not None else None
 
     def set_trainer(self, trainer: Trainer) -> None:
-        """Keep a (weak) reference to the trainer whose ``log`` receives the values."""
+        """Keep a (weak) reference to the trainer whose ``log`` receives the values, and let the run see the
+        inputs of its loss (``labels`` included) whenever it computes one (:func:`hand_loss_inputs`)."""
         self._trainer = weakref.ref(trainer)
+        hand_loss_inputs(trainer, self.run)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
         if model is None:
             raise HeadwatchError("HeadwatchCallback.on_train_begin received no `model`; use it inside a transformers.Trainer")
-        if self.trainer is None and (found := find_trainer(self)) is not None:
+        if (found := self.trainer or find_trainer(self)) is not None:
             self.set_trainer(found)
         every = int(getattr(state, "logging_steps", 0) or args.logging_steps) if args.logging_strategy == "steps" else 0
         if args.logging_strategy == "epoch":
@@ -201,6 +205,8 @@ class HeadwatchCallback(Driver, TrainerCallback):
                 "HeadwatchCallback: TRL's fused LM head never calls the head, so collision/synonym_confusion_rate is "
                 "not counted on these forwards (the logit statistics use the hidden states). (warned once)",
             )
+        if not module.training and self.run.step is None and not in_evaluation():
+            return  # the user's own call outside the Trainer's evaluation: no loss of the run uses it
         self.run.forward(batch, training=module.training)
 
     # ---------------------------------------------------------------- training

@@ -20,6 +20,7 @@ each hook does one attribute check: no host-device sync, no tensor kept.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -34,6 +35,36 @@ from headwatch.model.sources import FinalTransform, LogitsSource, compiled_modul
 Path = Literal["auto", "logits", "hidden"]
 PATHS = ("auto", "logits", "hidden")
 _CHECK_ROWS = 8  # rows of the head's raw output kept to check the final transform
+_MAX_FRAMES = 200  # frames looked at for a generate() call above a forward
+
+
+def called_from(name: str, owner: type | tuple[type, ...]) -> bool:
+    """True when a frame of the caller's stack runs a function named ``name`` whose ``self`` is an ``owner``.
+
+    At most 200 frames are looked at. Costs one walk of the stack; not traceable by ``torch.compile``
+    (call it from eager code only).
+    """
+    frame = sys._getframe(1)
+    try:
+        for _ in range(_MAX_FRAMES):
+            if frame is None:
+                return False
+            if frame.f_code.co_name == name and isinstance(frame.f_locals.get("self"), owner):
+                return True
+            frame = frame.f_back
+        return False
+    finally:
+        del frame
+
+
+def in_generation() -> bool:
+    """True when the caller runs inside a ``generate()`` method of an ``nn.Module``.
+
+    Hugging Face ``GenerationMixin.generate`` (every decoding strategy runs below it), a PEFT
+    model's ``generate``, nanoGPT's ``generate``: called from a forward hook, this says whether the
+    forward is a prompt pass or a decoding step (:func:`called_from`).
+    """
+    return called_from("generate", nn.Module)
 
 
 @dataclass(frozen=True)
@@ -50,6 +81,9 @@ class Captured:
     bias: Tensor | None = None
     transform: FinalTransform | None = None
     """Applied to ``hidden @ weight.T + bias`` to give the logits the loss uses."""
+    kept: int | None = None
+    """The tensor covers only the last ``kept`` positions of each row (an int ``logits_to_keep``): the batch's
+    ``(B, T)`` mask and targets are to be sliced ``[:, -kept:]``; None: every position."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +101,9 @@ class CaptureReport:
     note: str | None = None
     """Which path was measured and why, when it is not the plain logits path (info once per ``reason``)."""
     reason: str | None = None
-    """A stable key for ``note``: ``forced``, ``head_not_called`` or ``few_positions``."""
+    """A stable key for ``note``: ``forced``, ``head_not_called``, ``few_positions`` or ``kept_positions``."""
+    skipped: int = 0
+    """Forwards seen during the step that ``accept`` refused (not the loss's forward): not measured, not a problem."""
 
 
 class LogitsCapture:
@@ -82,6 +118,10 @@ class LogitsCapture:
         model: the whole model, to name compiled modules in a diagnosis (optional).
         strict: let an exception raised while measuring (in ``consume``) propagate as a
             :class:`HeadwatchError` instead of ending the step with problem ``"failed"``.
+        accept: ``accept(grad_enabled) -> bool``, asked once per forward of the owner (eagerly: from
+            the owner's forward hook, or at :meth:`end` for compiled code) with the grad mode the forward
+            ran under; a forward it refuses is not measured (:attr:`CaptureReport.skipped`). None:
+            every forward is measured. The policy is the core's (:mod:`headwatch.core.forwards`).
 
     Raises:
         HeadwatchError: ``path`` is not one of the three values, or ``consume`` is not callable.
@@ -94,12 +134,14 @@ class LogitsCapture:
         path: Path = "auto",
         model: nn.Module | None = None,
         strict: bool = False,
+        accept: Callable[[bool], bool] | None = None,
     ) -> None:
         if path not in PATHS:
             raise HeadwatchError(f"`path` must be one of {PATHS}, got {path!r}")
         if not callable(consume):
             raise HeadwatchError(f"`consume` must be a callable taking a Captured, got {consume!r}")
         self.source, self.consume, self.path, self.model, self.strict = source, consume, path, model, strict
+        self.accept = accept
         self._handles: list[Any] = []
         self._armed = False
         self._reference: tuple[int, ...] | None = None
@@ -137,14 +179,17 @@ class LogitsCapture:
         try:
             if self._armed:
                 self._replay()
-            if self._armed and self._measured == 0 and self._problem is None:
+            if self._armed and self._measured == 0 and self._problem is None and self._skipped == 0:
                 if self._fired and self._hidden:  # the owner never ran but the hidden states were seen
-                    self._guarded(self._measure_hidden, None)
+                    if self._accepted(self._hidden_grad):
+                        self._guarded(self._measure_hidden, None)
                 elif not self._fired:
                     self._diagnose_silence()
                 else:
                     self._set_problem("head_not_called", self._head_message(None))
-            return CaptureReport(self._measured, self._path, self._problem, self._message, self._note, self._reason)
+            return CaptureReport(
+                self._measured, self._path, self._problem, self._message, self._note, self._reason, self._skipped
+            )
         finally:
             self._armed = False
             self._reset_step()
@@ -152,6 +197,7 @@ class LogitsCapture:
     def _reset_step(self) -> None:
         self._events: list[tuple[str, Any]] = []  # (hook, tensor or None) in call order, replayed eagerly
         self._measured = 0
+        self._skipped = 0
         self._path: Literal["logits", "hidden"] | None = None
         self._problem: str | None = None
         self._message: str | None = None
@@ -166,6 +212,7 @@ class LogitsCapture:
         self._raw_lead: tuple[int, ...] | None = None
         self._head_input: Tensor | None = None
         self._head_calls = 0
+        self._hidden_grad = True  # the grad mode of the last hidden states seen (the owner-less fallback)
 
     # Each hook only appends (kind, tensor) when armed: traced by torch.compile (hooks registered
     # before compiling) that is a list mutation, no graph break, so fullgraph=True works; the
@@ -190,16 +237,16 @@ class LogitsCapture:
             h = getattr(output, "last_hidden_state", None)
             if h is None and isinstance(output, (tuple, list)) and output:
                 h = output[0]
-            self._events.append(("base", h))
+            self._events.append(("base", (h, torch.is_grad_enabled())))
 
     def _on_hidden_module(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if self._armed:
             h = args[0] if args else next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
-            self._events.append(("hidden_module", h))
+            self._events.append(("hidden_module", (h, torch.is_grad_enabled())))
 
     def _on_owner(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._armed:  # the only work on steps that do not log: one attribute check
-            self._events.append(("owner", logits_from_output(output)))
+            self._events.append(("owner", (logits_from_output(output), torch.is_grad_enabled())))
             if not torch.compiler.is_compiling():
                 self._replay()
 
@@ -216,17 +263,38 @@ class LogitsCapture:
                 self._head_calls += 1
                 rows, self._raw_lead = value
                 self._raw_rows = rows.detach() if isinstance(rows, Tensor) else None
-            elif kind == "base" and isinstance(value, Tensor) and value.is_floating_point():
-                self._hidden.append((f"the `last_hidden_state` of `{s.base_name}`", value))
-            elif kind == "hidden_module" and isinstance(value, Tensor) and value.is_floating_point():
-                self._hidden.insert(0, (f"the first input of `{s.hidden_name}`", value))  # named by the user: first
+            elif kind in ("base", "hidden_module"):
+                value, self._hidden_grad = value
+                if not (isinstance(value, Tensor) and value.is_floating_point()):
+                    continue
+                if kind == "base":
+                    self._hidden.append((f"the `last_hidden_state` of `{s.base_name}`", value))
+                else:
+                    self._hidden.insert(0, (f"the first input of `{s.hidden_name}`", value))  # named by the user: first
             elif kind == "owner":
+                logits, grad = value
                 if s.owner is s.head:
                     self._head_calls += 1
                 try:
-                    self._guarded(self._decide, value)
+                    if self._accepted(grad):
+                        self._guarded(self._decide, logits)
                 finally:
                     self._clear_forward()
+
+    def _accepted(self, grad: bool) -> bool:
+        """``accept(grad)`` (True without one); a refused forward is counted in ``skipped``."""
+        if self.accept is None:
+            return True
+        try:
+            ok = bool(self.accept(grad))
+        except Exception as err:  # noqa: BLE001 - a monitoring failure must not stop training
+            if self.strict:
+                raise HeadwatchError(f"deciding whether to measure a forward failed: {type(err).__name__}: {err}") from err
+            self._set_problem("failed", f"deciding whether to measure a forward failed ({type(err).__name__}: {err}).")
+            return False
+        if not ok:
+            self._skipped += 1
+        return ok
 
     def _guarded(self, fn: Callable[[Any], None], arg: Any) -> None:
         try:
@@ -239,13 +307,38 @@ class LogitsCapture:
     def _decide(self, logits: Tensor | None) -> None:
         lead = tuple(logits.shape[:-1]) if logits is not None else None
         full = logits is not None and (self._reference is None or lead == self._reference)
-        if self.path == "logits" or (self.path == "auto" and full):
+        kept = None if full else self._kept_positions(logits)
+        if self.path == "logits" or (self.path == "auto" and (full or kept is not None)):
             if logits is None:
                 self._set_problem("no_logits", self._head_message(None))
                 return
-            self._emit(Captured("logits", logits=logits.detach()))
+            if kept is not None:
+                self._reason = "kept_positions"
+                self._note = (
+                    f"`{self.source.owner_name or '<root>'}` returned the logits of the last {kept} positions of each row "
+                    "(logits_to_keep): headwatch measures those positions only, the ones a loss on these logits uses."
+                )
+            self._emit(Captured("logits", logits=logits.detach(), kept=kept))
         else:
-            self._measure_hidden(logits)
+            self._measure_hidden(logits, kept)
+
+    def _kept_positions(self, logits: Tensor | None) -> int | None:
+        """``k`` when ``logits`` ``(B, k, V)`` are those of the last ``k`` positions of the batch's ``(B, T)``
+        (an int ``logits_to_keep``), checked on the first rows: the head's input is the last ``k`` rows of the
+        full final hidden states. None otherwise (every position, positions that cannot be told, or ``hidden_module=``
+        named: the user asked for the hidden states of every position, e.g. a fused loss beside last-position logits)."""
+        ref, h_in = self._reference, self._head_input
+        if self.source.hidden_module is not None or logits is None or ref is None or len(ref) != 2 or logits.ndim != 3 or not isinstance(h_in, Tensor):
+            return None
+        k = logits.shape[1]
+        if logits.shape[0] != ref[0] or not 0 < k < ref[1] or tuple(h_in.shape[:2]) != (ref[0], k):
+            return None
+        picked = self._pick_hidden()
+        if picked is None or picked[1].ndim != 3:
+            return None
+        a = h_in.detach().reshape(-1, h_in.shape[-1])[:_CHECK_ROWS].float()
+        b = picked[1].detach()[:, -k:].reshape(-1, picked[1].shape[-1])[:_CHECK_ROWS].float()
+        return k if a.shape == b.shape and torch.allclose(a, b, rtol=1e-3, atol=1e-4) else None
 
     # ------------------------------------------------------------------ decisions
     def _emit(self, captured: Captured) -> None:
@@ -262,7 +355,7 @@ class LogitsCapture:
                 return where, h
         return None
 
-    def _measure_hidden(self, logits: Tensor | None) -> None:
+    def _measure_hidden(self, logits: Tensor | None, kept: int | None = None) -> None:
         s = self.source
         picked = self._pick_hidden()
         if picked is None:
@@ -281,6 +374,8 @@ class LogitsCapture:
             self._set_problem("no_logits", f"the head `{s.head_name}` has no 2-D weight to project the hidden states")
             return
         transform = f" then {s.transform.description}" if s.transform is not None else ""
+        if kept is not None:  # forced path='hidden' on logits_to_keep: the kept positions only
+            hidden = hidden[:, -kept:]
         if self.path == "hidden":
             self._reason, why = "forced", "forced by path='hidden'"
         elif logits is None and self._head_calls == 0:
@@ -292,7 +387,7 @@ class LogitsCapture:
             "statistics are computed in chunks from those, never holding the (B, T, V) logits."
         )
         self._emit(Captured("hidden", hidden=hidden.detach(), weight=weight.detach(),
-                            bias=bias.detach() if isinstance(bias, Tensor) else None, transform=s.transform))
+                            bias=bias.detach() if isinstance(bias, Tensor) else None, transform=s.transform, kept=kept))
 
     def _is_head_input(self, where: str, hidden: Tensor) -> bool:
         """Where the head ran too, its input must be rows of ``hidden`` (no pre-head transform in between)."""

@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+import copy
+import warnings
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from headwatch.model.find import find_head_and_embedding
-from headwatch.errors import HeadwatchError, check_choice, check_instance, check_module_or_name, check_optional, check_range
+from headwatch.errors import (
+    HeadwatchError,
+    check_choice,
+    check_instance,
+    check_module_or_name,
+    check_optional,
+    check_range,
+    check_sequence,
+)
 
 INITS = ("copy", "normal")
 """Allowed values of ``untie_output_head(init=...)``."""
+OPTIMIZER_STATES = ("copy", "reset")
+"""Allowed values of ``untie_output_head(optimizer_state=...)``: what the new head's optimizer state starts from."""
 
 _FLOAT8 = {getattr(torch, n) for n in dir(torch) if n.startswith("float8_")}
 
@@ -35,14 +52,25 @@ class UntieReport:
     init: str
     std: float | None
     hf_config_updated: bool
+    optimizers_updated: int = 0
+    """How many of the given optimizers now hold the new head (0: none was given)."""
+    optimizer_state: str | None = None
+    """``"copy"`` (the shared matrix's state cloned for the new head) or ``"reset"`` (empty: the
+    optimizer initialises it at the head's first step); None when no optimizer was given."""
 
     def __str__(self) -> str:
         how = "a copy of the shared matrix" if self.init == "copy" else f"N(0, {self.std:g}^2)"
+        if self.optimizers_updated:
+            state = "a copy of the shared matrix's state" if self.optimizer_state == "copy" else "an empty state"
+            where = (f"added to the param group of the shared matrix in {self.optimizers_updated} optimizer(s), "
+                     f"with {state}; the embedding keeps its own state")
+        else:
+            where = ("in no optimizer yet: build the optimizer after this call, or pass optimizer= "
+                     "(an optimizer that steps the old tied matrix without it warns at its first step)")
         return (
             f"headwatch: untied `{self.head_name}` from `{self.embedding_name}`: new head "
             f"({self.vocab_size} x {self.d_model}, {str(self.dtype).removeprefix('torch.')}) initialised with {how}; "
-            f"+{self.params_added:,} parameters, +{self.bytes_added:,} bytes of weights "
-            "(add it to an optimizer param group: build the optimizer after this call)"
+            f"+{self.params_added:,} parameters, +{self.bytes_added:,} bytes of weights; {where}"
         )
 
 
@@ -133,6 +161,84 @@ def _init_std(model: nn.Module, head: nn.Module, std: float | None) -> float:
     )
 
 
+def _optimizers(optimizer: Any) -> list[Optimizer]:
+    """``optimizer=`` as a list of ``torch.optim.Optimizer`` (a Lightning ``LightningOptimizer`` is unwrapped)."""
+    if optimizer is None:
+        return []
+    items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    items = [getattr(o, "optimizer", o) if not isinstance(o, Optimizer) else o for o in items]  # LightningOptimizer
+    return check_sequence("optimizer", items, "torch.optim.Optimizer objects", lambda o: isinstance(o, Optimizer), empty=False)
+
+
+def _groups_holding(optimizers: Sequence[Optimizer], weight: Tensor) -> list[tuple[Optimizer, dict[str, Any]]]:
+    return [(o, g) for o in optimizers for g in o.param_groups if any(p is weight for p in g["params"])]
+
+
+def _add_to_optimizers(
+    holding: list[tuple[Optimizer, dict[str, Any]]], old: nn.Parameter, new: nn.Parameter, state: str
+) -> None:
+    """Put ``new`` into every group that holds ``old``; its state a clone of ``old``'s, or empty."""
+    for optimizer, group in holding:
+        group["params"].append(new)
+        old_state = optimizer.state.get(old)
+        if state == "copy" and old_state:
+            optimizer.state[new] = {
+                k: v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in old_state.items()
+            }
+
+
+@dataclass(eq=False)  # identity: a generated __eq__ would compare the weakly referenced tensors
+class _Watch:
+    """An untie without ``optimizer=``: weak references to the old tied matrix and the new head."""
+
+    old: weakref.ref[nn.Parameter]
+    new: weakref.ref[nn.Parameter]
+    head_name: str
+    embedding_name: str
+    checked: weakref.WeakSet[Optimizer]
+
+
+_WATCHES: list[_Watch] = []
+_HOOK: list[Any] = []  # the one global step pre-hook's handle, registered at the first watch
+
+
+def _check_stale(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    """Global ``torch.optim`` step pre-hook: warn once per untie whose old matrix an optimizer steps without the new head.
+
+    Each optimizer is checked once per pending untie (O(its parameters)); afterwards a step costs
+    one weak-set lookup, and nothing once every untie is settled (the hook stays registered:
+    removing a global hook while torch iterates over them is not allowed).
+    """
+    for watch in list(_WATCHES):
+        if optimizer in watch.checked:
+            continue
+        watch.checked.add(optimizer)
+        old, new = watch.old(), watch.new()
+        if old is None or new is None:
+            _WATCHES.remove(watch)
+            continue
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        has_old, has_new = any(p is old for p in params), any(p is new for p in params)
+        if has_old and not has_new:
+            warnings.warn(
+                f"headwatch: {type(optimizer).__name__} steps the matrix `{watch.embedding_name}.weight` that "
+                f"`{watch.head_name}` shared before untie_output_head, but not the new `{watch.head_name}.weight`: "
+                "unless another optimizer holds it, the head will never move. Pass optimizer= to untie_output_head, "
+                "or build the optimizer after untying. (warned once)",
+                UserWarning,
+                stacklevel=3,
+            )
+        if has_old or has_new:
+            _WATCHES.remove(watch)
+
+
+def _watch_for_a_stale_optimizer(old: nn.Parameter, new: nn.Parameter, head_name: str, embedding_name: str) -> None:
+    """At the first step of an optimizer that holds ``old`` but not ``new``, warn once (see :func:`_check_stale`)."""
+    _WATCHES.append(_Watch(weakref.ref(old), weakref.ref(new), head_name, embedding_name, weakref.WeakSet()))
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_check_stale))  # public torch API, process-wide
+
+
 def untie_output_head(
     model: nn.Module,
     init: str = "copy",
@@ -140,6 +246,8 @@ def untie_output_head(
     *,
     head: str | nn.Module | None = None,
     embedding: str | nn.Module | None = None,
+    optimizer: Optimizer | Sequence[Optimizer] | None = None,
+    optimizer_state: str | None = None,
 ) -> UntieReport:
     """Give the output head its own weight matrix, in place.
 
@@ -155,15 +263,36 @@ def untie_output_head(
     multimodal models) and recomputes ``all_tied_weights_keys``, so ``tie_weights()``,
     ``save_pretrained`` + ``from_pretrained`` and ``resize_token_embeddings`` keep it untied.
 
-    Optimizer: the new Parameter is in no optimizer yet. Call this before the optimizer is
-    built; with Lightning, in ``LightningModule.configure_model`` or ``__init__`` (both run
-    before ``configure_optimizers``), or rebuild the optimizer (``trainer.strategy.setup_optimizers``).
+    Optimizer: best, call this before the optimizer is built (with Lightning, in
+    ``LightningModule.configure_model`` or ``__init__``, both before ``configure_optimizers``).
+    An optimizer built earlier holds the old tied Parameter, which stays the embedding's: it
+    would keep training the embedding and never the new head. Pass it as ``optimizer=`` (one or
+    several; a Lightning ``LightningOptimizer`` is unwrapped): the new head is appended to every
+    param group that holds the shared matrix (same learning rate, weight decay, schedule), and
+    its state is, by ``optimizer_state``:
+
+    - ``"copy"`` (the default with ``init="copy"``): a clone of the shared matrix's state
+      (AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``). The new head *is* the shared matrix at this
+      instant, so it continues the same trajectory: its first step has the step size the tied
+      matrix had, not Adam's first-step jump (an empty state makes every element move by about
+      ``lr``, rare rows included). The moments hold the sum of both flows' history and fade
+      towards the head's own at the rate ``beta2``.
+    - ``"reset"`` (the default with ``init="normal"``): no state; the optimizer initialises it at
+      the head's first step, as for any new Parameter. A freshly drawn head has nothing in
+      common with the old moments.
+
+    The embedding keeps the old Parameter and its own state unchanged. Without ``optimizer=``,
+    the first step of an optimizer that holds the old matrix but not the new head warns once
+    ("the head will never move").
 
     Args:
         model: a tied model (``head.weight is embedding.weight``).
         init: ``"copy"`` or ``"normal"``.
         std: standard deviation for ``init="normal"``.
         head, embedding: explicit modules or dotted names, as for the monitors.
+        optimizer: an optimizer (or several) that already holds the tied matrix.
+        optimizer_state: ``"copy"`` or ``"reset"`` (see above); None: ``"copy"`` for
+            ``init="copy"``, ``"reset"`` for ``init="normal"``. Only with ``optimizer``.
 
     Returns:
         An :class:`UntieReport` (also logged once, on rank zero).
@@ -171,13 +300,19 @@ def untie_output_head(
     Raises:
         HeadwatchError: bad ``init``/``std``; the head and embedding are not tied; the head
             weight is sharded (DTensor, FSDP flat parameter) or quantised; a Hugging Face model
-            ties more than its head; ``init="normal"`` without a known std.
+            ties more than its head; ``init="normal"`` without a known std; ``optimizer`` not
+            optimizers, or none of them holds the tied matrix; ``optimizer_state`` without
+            ``optimizer``. The model is left tied whenever it raises.
     """
     check_instance("model", model, nn.Module, "an nn.Module")
     check_choice("init", init, INITS)
     check_optional(check_range, "std", std, 0, low_open=True)
     check_module_or_name("head", head)
     check_module_or_name("embedding", embedding)
+    optimizers = _optimizers(optimizer)
+    check_optional(check_choice, "optimizer_state", optimizer_state, OPTIMIZER_STATES)
+    if optimizer_state is not None and not optimizers:
+        raise HeadwatchError("`optimizer_state` needs `optimizer`: the optimizer whose state it sets")
     found = find_head_and_embedding(model, head, embedding)
     weight = found.head.weight
     if not found.tied:
@@ -188,12 +323,24 @@ def untie_output_head(
     _check_plain_weight(found.head_name, weight)
     _check_hf_mapping(model, f"{found.head_name}.weight")
     sigma = _init_std(model, found.head, std) if init == "normal" else None
+    holding = _groups_holding(optimizers, weight)
+    if optimizers and not holding:
+        raise HeadwatchError(
+            f"none of the {len(optimizers)} optimizer(s) given holds the tied matrix `{found.head_name}.weight`; "
+            "pass the optimizer that trains it (or build the optimizer after untying, without optimizer=)"
+        )
+    state = optimizer_state or ("copy" if init == "copy" else "reset")
     with torch.no_grad():
         if init == "copy":
             data = weight.detach().clone()
         else:
             data = torch.empty_like(weight).normal_(0.0, sigma)
-    found.head.weight = nn.Parameter(data, requires_grad=weight.requires_grad)
+    new = nn.Parameter(data, requires_grad=weight.requires_grad)
+    found.head.weight = new
+    if holding:
+        _add_to_optimizers(holding, weight, new, state)
+    else:
+        _watch_for_a_stale_optimizer(weight, new, found.head_name, found.embedding_name)
     hf = _untie_hf_config(model)
     V, d = weight.shape
     report = UntieReport(
@@ -207,6 +354,8 @@ def untie_output_head(
         init=init,
         std=sigma,
         hf_config_updated=hf,
+        optimizers_updated=len({id(o) for o, _ in holding}),
+        optimizer_state=state if holding else None,
     )
     from lightning.pytorch.utilities import rank_zero_info
 

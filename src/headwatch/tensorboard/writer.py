@@ -16,15 +16,21 @@ from torch import Tensor
 
 from headwatch.core.monitor import Media
 from headwatch.functional.rows import finite_histogram_values
+from headwatch.tensorboard.guard import guard
 
 _layout_written: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def guarded(writers: Iterable[Any]) -> list[Any]:
+    """``writers`` as a list, each made to survive storage faults (:func:`headwatch.tensorboard.guard.guard`)."""
+    return [guard(w) for w in writers]
 
 
 def write_layout(writers: Iterable[Any], prefix: str = "headwatch", category: str | None = None) -> None:
     """Write the headwatch Custom Scalars layout (:func:`headwatch.tensorboard.layout.build_layout`) into each writer, once per writer."""
     from headwatch.tensorboard.layout import build_layout
 
-    for writer in writers:
+    for writer in guarded(writers):
         if writer in _layout_written:
             continue
         writer.add_custom_scalars(build_layout(prefix, category))
@@ -33,7 +39,7 @@ def write_layout(writers: Iterable[Any], prefix: str = "headwatch", category: st
 
 
 def write_scalars(writers: Iterable[Any], scalars: Mapping[str, float], step: int) -> None:
-    for writer in writers:
+    for writer in guarded(writers):
         for tag, value in scalars.items():
             writer.add_scalar(tag, value, global_step=step)
 
@@ -61,7 +67,7 @@ def write_histogram(writers: Iterable[Any], tag: str, values: Tensor, step: int)
 
 
 def write_text(writers: Iterable[Any], tag: str, text: str, step: int) -> None:
-    for writer in writers:
+    for writer in guarded(writers):
         writer.add_text(tag, text, global_step=step)
 
 
@@ -74,7 +80,7 @@ def write_figure(writers: Iterable[Any], tag: str, figure: Any, step: int) -> No
 
 def write_media(writers: Iterable[Any], media: Media, step: int, histograms: bool = True) -> None:
     """A monitor's histograms, texts and figures of one measurement (the caller flushes once)."""
-    writers = list(writers)
+    writers = guarded(writers)
     if not writers:
         return
     if histograms:
@@ -88,7 +94,7 @@ def write_media(writers: Iterable[Any], media: Media, step: int, histograms: boo
 
 def flush(writers: Iterable[Any]) -> None:
     """Flush now: TensorBoard reloads every 5 s, Lightning's logger flushes only every 120 s."""
-    for writer in writers:
+    for writer in guarded(writers):
         writer.flush()
 
 
@@ -102,7 +108,7 @@ class WriterSink:
         self.writers, self.tag_prefix, self.scalars = writers, tag_prefix, scalars
 
     def current(self) -> list[Any]:
-        return list(self.writers() if callable(self.writers) else self.writers)
+        return guarded(self.writers() if callable(self.writers) else self.writers)
 
     def publish(self, numbers: dict[str, float], media: list[Media], step: int, val: bool) -> None:
         writers = self.current()

@@ -12,6 +12,7 @@ from headwatch.model.batch import BatchFormat
 from headwatch.core.logits import SCALAR_KEYS, LogitStats
 from headwatch.core.figures import check_figure_argument, resolve_figure_interval
 from headwatch.integrations.lightning.frequency import TokenFrequency
+from headwatch.functional.calibration import ECE_BINS
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.integrations.lightning.callback import MonitorCallback
 from headwatch.names import logged_metrics
@@ -58,6 +59,8 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
             its token-mean cross-entropy, compared on logging steps with ``target_nll`` by the self-check
             (``check/nll_gap``, ``docs/self_check.md``); read from ``trainer.callback_metrics`` on logging
             steps only. None: no comparison.
+        ece_bins: ``M``, the equal-width confidence bins of ``ece`` (default 15): ``[m/M, (m+1)/M)``,
+            the last one ``[1 - 1/M, 1]`` closed, so a confidence of exactly 1 is in it (``docs/calibration.md``).
 
     Raises:
         HeadwatchError: in ``__init__`` for invalid arguments; at set-up when the head cannot
@@ -93,6 +96,7 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
         alignment: str | None = None,
         path: str = "auto",
         vocab_size: int | None = None,
+        ece_bins: int = ECE_BINS,
         compare_loss: str | None = None,
     ) -> None:
         # the core checks its own arguments (LogitStats, BatchFormat); these are the adapter's
@@ -105,7 +109,7 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
         super().__init__(
             head, fmt, log_histogram, 0, max_chunk_bytes, prefix, strict,
             logits_module=logits_module, hidden_module=hidden_module, alignment=alignment, path=path,
-            vocab_size=vocab_size,
+            vocab_size=vocab_size, ece_bins=ece_bins,
         )  # fmt: skip
         self.log_every_n_steps = log_every_n_steps
         self.shift_labels, self.ignore_index = fmt.shift_labels, fmt.ignore_index

@@ -1,0 +1,51 @@
+"""Which forwards of a step headwatch measures: the ones the loss is computed from, written once for every door.
+
+The rule (issue 19, "the capture contract"), applied by :class:`headwatch.core.LogitStats` and
+:class:`headwatch.core.SynonymCollision` to every forward of the watched model, and by
+:meth:`headwatch.core.orchestrator.Orchestrator.forward` to decide which forward starts a micro-batch:
+
+- in a training step, a forward is measured when it runs with gradient enabled
+  (``torch.is_grad_enabled()``): a loss that is backpropagated was computed from it. Passes run
+  under ``torch.no_grad()`` / ``torch.inference_mode()`` (reference or old log-probabilities, a
+  second pass for metrics such as TRL's fused-head pass, ``generate()``) feed no gradient and are
+  never measured;
+- in an evaluation batch there is no gradient to tell them apart: the first forward that is not
+  part of a ``generate()`` call is the loss forward and is measured; the forwards of
+  ``generate()`` (its prompt pass and every decoding step) and any later forward of the same
+  batch (a second pass for a metric) are not.
+
+A forward is "part of a ``generate()`` call" when a frame of the call stack runs a method named
+``generate`` of an ``nn.Module`` (Hugging Face ``GenerationMixin.generate``, nanoGPT's ``generate``,
+a PEFT model's): :func:`headwatch.model.capture.in_generation`.
+"""
+
+from __future__ import annotations
+
+from headwatch.model.capture import in_generation
+
+NOT_LOSS_REASONS = {
+    "no_grad": "it ran without gradient (torch.no_grad / inference_mode) during a training step, so no loss that "
+    "trains was computed from it (a reference or old log-probability pass, a second pass for metrics, generate())",
+    "generation": "it is part of a generate() call (the prompt pass or a decoding step), not the loss's forward",
+    "later": "it is not the first forward of the evaluation batch (a second pass, for a metric)",
+}
+"""Why a forward is not measured: key -> the sentence said once (info)."""
+
+
+def not_loss_forward(training: bool, grad_enabled: bool, first: bool) -> str | None:
+    """None when a forward is one the step's loss is computed from, else the reason (a key of :data:`NOT_LOSS_REASONS`).
+
+    Args:
+        training: the forward belongs to a training step (False: an evaluation batch).
+        grad_enabled: ``torch.is_grad_enabled()`` while the forward ran.
+        first: no forward of this evaluation batch was measured yet (ignored in training).
+
+    Must be called while the forward runs (a forward hook, eager): the ``generate()`` test reads
+    the call stack. In training it never does (``generate()`` runs under ``no_grad``), so the
+    per-forward cost there is one flag.
+    """
+    if training:
+        return None if grad_enabled else "no_grad"
+    if in_generation():
+        return "generation"
+    return None if first else "later"
