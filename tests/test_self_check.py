@@ -382,3 +382,30 @@ def test_step_end_loss_must_be_a_tensor_or_a_number():
     hw.step_start(one_batch(), 0)
     with pytest.raises(HeadwatchError, match="`loss` must be a scalar tensor or a number, got '4.2'"):
         hw.step_end(loss="4.2")
+
+
+def test_sft_label_smoothing_compares_trls_entropy_and_accuracy_not_the_smoothed_loss(tmp_path, caplog):
+    """With label smoothing TRL's loss forward has no labels and its metrics come from a no-grad fused pass: no
+    NLL reference (said once at INFO), TRL's entropy and token accuracy still compared."""
+    import logging
+
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    data = Dataset.from_dict({"input_ids": one_batch()["input_ids"].tolist()})
+    cb = HeadwatchCallback(monitors=["logits"], figure_every_n_steps=None)
+    config = SFTConfig(output_dir=str(tmp_path), max_steps=1, logging_steps=1, per_device_train_batch_size=B, report_to="none",
+                       use_cpu=True, save_strategy="no", disable_tqdm=True, max_length=T, padding_free=False,
+                       label_smoothing_factor=0.1)  # fmt: skip
+    trainer = SFTTrainer(model=tiny_llama(tie=True), args=config, train_dataset=data, processing_class=_word_tokenizer(), callbacks=[cb])
+    with warnings.catch_warnings(record=True) as record, caplog.at_level(logging.INFO, logger="headwatch"):
+        warnings.simplefilter("always")
+        trainer.train()
+    assert no_self_check_warning(record)
+    assert "no trainer loss to compare target_nll with" in caplog.text
+    (r,) = [r for r in trainer.state.log_history if f"{P}/check/entropy_gap" in r]
+    (trl,) = [r for r in trainer.state.log_history if "entropy" in r]
+    assert f"{P}/check/reference_nll" not in r and f"{P}/check/nll_gap" not in r
+    assert r[f"{P}/logits/entropy"] - r[f"{P}/check/entropy_gap"] == pytest.approx(trl["entropy"], abs=1e-6)
+    assert abs(r[f"{P}/check/entropy_gap"]) < 1e-3 and abs(r[f"{P}/check/accuracy_gap"]) < 1e-6
+    assert r[f"{P}/capture/labelled_positions"] == B * (T - 1) and r[f"{P}/check/mismatch"] == 0
