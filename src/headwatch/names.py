@@ -120,6 +120,29 @@ METRICS: tuple[Metric, ...] = (
     Metric("{split}/entropy_histogram", "nats", "histogram of per-position entropy (TensorBoard)", _L, kind="histogram"),
     Metric("logits/entropy_over_run", "", "image (matplotlib): the entropy distribution at every logging step so far", _L,
            kind="image"),
+    # ---- the self-check of a training logging step (headwatch.core.self_check; docs/self_check.md)
+    Metric("capture/forwards", "count", "self-check: forwards measured on the logging step, this process", _L),
+    Metric("capture/positions", "count", "self-check: positions measured (`logits/positions`)", _L),
+    Metric("capture/labelled_positions", "count",
+           "self-check: positions of the measured forwards' labels that predict a label, counted from the labels", _L,
+           formula="`sum [target != ignore_index]`"),
+    Metric("check/reference_nll", "nats",
+           "self-check: the trainer's own token-mean cross-entropy of the step's loss forwards (a Hugging Face "
+           "model's `outputs.loss`, `step_end(loss=)`, Lightning's `compare_loss=` metric)", _L,
+           formula="`sum_f loss_f w_f / sum_f n_f` (`w_f`: `num_items_in_batch`, else `n_f`)"),
+    Metric("check/reference_positions", "count", "self-check: labelled positions of the loss forwards (NaN: unknown)", _L),
+    Metric("check/reference_forwards", "count", "self-check: loss forwards read on the step (NaN: a step-level figure)", _L),
+    Metric("check/nll_gap", "nats", "self-check: headwatch's target NLL minus the trainer's; beyond tolerance: warned once", _L,
+           formula="`target_nll - reference_nll`, tolerance `1e-3 + 1e-2 abs(reference_nll)`"),
+    Metric("check/entropy_gap", "nats", "self-check: headwatch's entropy minus TRL's logged `entropy` of the step", _L,
+           formula="tolerance `1e-3 + 1e-2 abs(entropy_TRL)`"),
+    Metric("check/accuracy_gap", "fraction",
+           "self-check: `target_argmax_rate` minus TRL's logged `mean_token_accuracy` of the step", _L,
+           formula="tolerance `0.02`"),
+    Metric("check/mismatch", "", "self-check: 1 when a gap is beyond its tolerance (or NaN while the reference is finite), else 0", _L),
+    Metric("check/vanished_gradient", "",
+           "self-check: 1 when the head's gradient is all zero (or an untied softmax head's row density is below 1) "
+           "next to a finite, positive loss, else 0", _L),
     # ---- gradients
     Metric("grad/{flow}_row_density", "fraction", "|{i valid : G_i != 0}| / |valid|", _G),
     Metric("grad/{flow}_row_norm_{stat}", "gradient units", "statistics of ||G_i||_2 over valid rows", _G, readme="headwatch/grad/<flow>_row_norm_{mean,max,p50,p95}"),
@@ -228,6 +251,9 @@ CHARTS: tuple[Chart, ...] = (
     Chart("common drift of rare rows", "Multiline", ("collision/drift/raw_rate_{m}", "collision/drift/mean_cos_{m}", "collision/drift/removed_variance_{m}")),
     Chart("synonym partner rank (median)", "Multiline", ("collision/synonym_partner_rank_{m}",)),
     Chart("nearest-neighbour cosine by frequency bucket", "Multiline", ("collision/{bucket}/{m}_nn_cosine_mean",)),
+    Chart("self-check: gaps to the trainer's figures, failed checks", "Multiline", (
+        "check/nll_gap", "check/entropy_gap", "check/accuracy_gap", "check/mismatch", "check/vanished_gradient",
+    )),  # fmt: skip
     Chart("alerts (1 at the alert step)", "Multiline", ("alerts/{rule}", "alerts/{rule}_warning")),
 )
 

@@ -28,6 +28,7 @@ from headwatch.core.frequency import TokenCounts
 from headwatch.core.logit_split import SplitSums
 from headwatch.core.metrics import SCALAR_KEYS
 from headwatch.core.monitor import Monitor
+from headwatch.core.self_check import CaptureTally
 from headwatch.functional.calibration import ECE_BINS, MAX_ECE_BINS
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.model.sources import ALIGNMENTS, LogitsSource, resolve_logits_source
@@ -122,6 +123,8 @@ class LogitStats(Monitor):
         self.logged_steps = 0
         self.totals = {"positions": 0.0, "nonfinite_positions": 0.0, "invalid_target_positions": 0.0}
         self.skipped_forwards = 0
+        self.capture_tally = CaptureTally()
+        """The forwards and labelled positions measured on the current training logging step (the self-check's)."""
 
     # ------------------------------------------------------------------ wiring
     def attach(self, model: nn.Module) -> None:
@@ -219,6 +222,8 @@ class LogitStats(Monitor):
             )
             buckets = None
         sink.update(out.statistics, targets, buckets, padded, V)
+        if sink is self._train:
+            self.capture_tally.add(targets, self.batch_format.ignore_index)
         self._calls += 1
         if self._calls == 2 and sink is self._train:
             self.warn_once(

@@ -16,6 +16,9 @@ events into calls here. The orchestrator owns:
 - the reduction (:func:`~headwatch.core.monitor.compute_due`: every rank drops the same failed monitors);
 - publishing: one :func:`to_host` transfer per logging step (scalars and histograms together: the
   one host-device sync), then every :class:`Sink` once (one writer flush each);
+- the self-check (:class:`~headwatch.core.self_check.SelfCheck`, :attr:`Orchestrator.check`): what was
+  captured on each training logging step and its gaps to the trainer's own figures, added before the
+  one transfer, warned about after it;
 - state (:meth:`state_dict` / :meth:`load_state_dict`).
 """
 
@@ -36,6 +39,7 @@ from headwatch.core.gradients import GradientDensity
 from headwatch.core.logits import LogitStats
 from headwatch.core.monitor import FailurePolicy, Media, Monitor, compute_due, whole_matrices
 from headwatch.core.schedule import Schedule
+from headwatch.core.self_check import SelfCheck
 from headwatch.distributed.fsdp1 import unwrapped
 from headwatch.distributed.reduce import Reducer, TorchDistributedReducer
 from headwatch.errors import (
@@ -297,6 +301,9 @@ class Orchestrator:
         self._started = False  # the current micro-batch's first training forward was seen
         self._val_started = False  # the current evaluation batch's loss forward was seen
         self._loss_inputs: Any = None  # the inputs of the loss being computed (loss_inputs), labels included
+        self.check = SelfCheck(prefix, self.reducer)
+        """The self-check (docs/self_check.md): doors hand it the trainer's figures (``check.step_loss``, ...)."""
+        self.check.strict = strict
 
     # ---------------------------------------------------------------- wiring
     def configure(self, every: int, reducer: Reducer | None = None, figure_every_n_steps: int | str | None = None) -> None:
@@ -304,7 +311,7 @@ class Orchestrator:
         the monitors built from names (None: leave them)."""
         check_int("every", every, minimum=0)
         if reducer is not None:
-            self.reducer = reducer
+            self.reducer = self.check.reducer = reducer
         for m in self.monitors:
             m.configure(Schedule(m.every_factor * every), self.reducer)
         if figure_every_n_steps is not None:
@@ -334,6 +341,7 @@ class Orchestrator:
         self.monitors = list(self.all_monitors)
         if failed:
             self.refuse(failed)
+        self.check.attach(unwrapped(model))  # the model's own `outputs.loss` on logging steps
 
     def refuse(self, failed: Mapping[Monitor, Exception]) -> None:
         """Stop driving monitors that cannot measure this run, with ONE warning naming each cause and what is
@@ -391,6 +399,7 @@ class Orchestrator:
         """Remove every monitor's hooks (their state stays)."""
         for m in self.monitors:
             m.detach()
+        self.check.detach()
 
     def each(self, where: str, call: Callable[[Monitor], Any], monitors: Sequence[Monitor] | None = None) -> list[Monitor]:
         """``call(m)`` for every monitor; a failure warns once and is skipped (raises when strict). Returns those that failed."""
@@ -418,8 +427,20 @@ class Orchestrator:
 
     def begin_step(self, step: int, first: bool = False) -> None:
         """A training step starts (before its first micro-batch): fixes which monitors measure it."""
+        new = step != self.step  # Lightning begins each micro-batch of a step: the check keeps the step's figures
         self.step, self._started = step, False
         self.logging = self.due(step, first)
+        if new:
+            self.begin_check()
+
+    def begin_check(self) -> None:
+        """The self-check starts a step: it collects the trainer's figures on logging steps; the capture tallies
+        start empty."""
+        self.check.begin(bool(self.logging))
+        for m in self.monitors:
+            tally = getattr(m, "capture_tally", None)
+            if tally is not None:
+                tally.take()
 
     def step_start(self, batch: Any, step: int | None = None) -> None:
         """A (micro-)batch of the current step starts (before its forward)."""
@@ -544,13 +565,32 @@ class Orchestrator:
         scalars, ok = compute_due(list(due), self.reducer, val)
         if not ok:
             return {}, []
+        if not val:
+            scalars = self.self_check(scalars, ok)
         try:
             numbers = to_host(scalars, [m.media for m in ok])
         except Exception as err:  # noqa: BLE001
             ok[0].fail(err, "moving the values to the host")
             return {}, []
         self.each("publishing the values", lambda m: m.published(numbers), ok)
+        if not val:
+            self.self_check_published(numbers)
         return numbers, ok
+
+    def self_check(self, scalars: dict[str, Any], ok: Sequence[Monitor]) -> dict[str, Any]:
+        """``scalars`` of a training logging step with the self-check's values added (on the device; a
+        collective under several processes). A failure warns once (raises when strict) and adds nothing."""
+        try:
+            return self.check.extend(scalars, ok)
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            self.check.fail(err, "computing the self-check")
+            return scalars
+
+    def self_check_published(self, numbers: dict[str, float]) -> None:
+        try:
+            self.check.published(numbers)
+        except Exception as err:  # noqa: BLE001
+            self.check.fail(err, "warning from the self-check")
 
     def emit(self, due: Sequence[Monitor], step: int, val: bool = False, name: str | None = None) -> dict[str, float]:
         """:meth:`compute`, then every sink once (validation names with ``/<name>``, :func:`named_evaluation`);
@@ -583,13 +623,17 @@ class Orchestrator:
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Every monitor's state (a collective under several processes: call it on every rank)."""
-        return {"version": 2, "names": [type(m).__name__ for m in self.all_monitors], "monitors": [m.state_dict() for m in self.all_monitors]}
+        return {
+            "version": 2, "names": [type(m).__name__ for m in self.all_monitors], "monitors": [m.state_dict() for m in self.all_monitors],
+            "check": self.check.state_dict(),
+        }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Give each monitor its part of ``state`` (matched by class name; a state without names, by position), each
         checked by the monitor (an invalid part restarts that monitor from empty with one warning). A state that is
         not a dict of parts, or that lacks a monitor's part, is said once; ``strict`` raises instead."""
         strict = any(m.strict for m in self.all_monitors)
+        self.check.load_state_dict(state.get("check") if isinstance(state, dict) else None)
         parts = state.get("monitors") if isinstance(state, dict) else None
         if not isinstance(parts, (list, tuple)):
             self.state_problem(strict, f"the state must be a dict with a `monitors` list, got {type(state).__name__}")

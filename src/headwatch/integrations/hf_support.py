@@ -245,6 +245,36 @@ class TrainerSink:
 
 
 
+TRL_METRICS = {"entropy": "entropy", "accuracy": "mean_token_accuracy"}
+"""The self-check's names -> TRL's per-micro-batch training metrics (``SFTTrainer._metrics["train"][...]``)."""
+
+
+def trl_marks(trainer: Trainer | None) -> dict[str, int]:
+    """How many entries TRL's training metrics hold now (at a step's start); empty without TRL's ``_metrics``."""
+    metrics = getattr(trainer, "_metrics", None)
+    train = metrics.get("train") if isinstance(metrics, dict) else None
+    if not isinstance(train, dict):
+        return {}
+    return {ours: len(train.get(theirs, ())) for ours, theirs in TRL_METRICS.items()}
+
+
+def trl_step_values(trainer: Trainer | None, marks: dict[str, int]) -> dict[str, list[float]]:
+    """TRL's training metrics appended since ``marks`` (this step's micro-batches: each a token mean over the
+    micro-batch, gathered over processes, already Python floats); not the logging window's mean."""
+    metrics = getattr(trainer, "_metrics", None)
+    train = metrics.get("train") if isinstance(metrics, dict) else None
+    if not isinstance(train, dict) or not marks:
+        return {}
+    out = {}
+    for ours, theirs in TRL_METRICS.items():
+        values = list(train.get(theirs, ()))
+        start = marks.get(ours, 0)
+        new = values[start:] if start <= len(values) else values  # cleared since (TRL's log): all of them
+        if new and all(isinstance(v, (int, float)) for v in new):
+            out[ours] = [float(v) for v in new]
+    return out
+
+
 CONSOLE_PRINTERS = (ProgressCallback, PrinterCallback)
 """The Trainer's callbacks that print every logged record on the console (tqdm bar / ``disable_tqdm``)."""
 

@@ -132,21 +132,32 @@ class Headwatch(Driver):
     def after_optimizer_step(self) -> None:
         self.run.optimizer_stepped()
 
-    def step_end(self) -> dict[str, float]:
+    def step_end(self, loss: Tensor | float | None = None) -> dict[str, float]:
         """After the optimizer step: on a logging step, compute (every rank), write (rank 0), return the values.
 
         A monitor that fails is skipped on every rank (its values of this step are dropped everywhere).
 
+        Args:
+            loss: the step's token-mean cross-entropy over its measured forward(s) (with gradient
+                accumulation: over all its micro-batches), for the self-check (``docs/self_check.md``):
+                published as ``check/reference_nll`` beside ``check/nll_gap``. None: a Hugging Face model's
+                own ``outputs.loss`` of the step's training forwards, when it returns one. Read on logging
+                steps only (a device tensor is moved with the step's one transfer).
+
         Raises:
-            HeadwatchError: no :meth:`step_start` since the last ``step_end``.
+            HeadwatchError: no :meth:`step_start` since the last ``step_end``; ``loss`` neither a tensor nor a number.
         """
         if not self._open:
             raise HeadwatchError(
                 f"step_end() was called without a step_start(batch, step) since the last step_end() (step {self.step_index}); "
                 "call step_start before each (micro-)batch's forward and step_end once after the optimizer step"
             )
+        if loss is not None:
+            check_instance("loss", loss, (Tensor, float, int), "a scalar tensor or a number")
         self._open = False
         step = self.step_index
+        if loss is not None and self.run.logging:
+            self.run.check.step_loss(loss)
         self.run.batch_end()
         numbers = self.run.end_step(step)
         self.step_index = step + 1

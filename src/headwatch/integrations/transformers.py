@@ -41,6 +41,8 @@ from headwatch.integrations.hf_support import (
     restore_state,
     resume_dir,
     save_state,
+    trl_marks,
+    trl_step_values,
     unwrap,
     wire_alert,
 )
@@ -262,6 +264,7 @@ class HeadwatchCallback(Driver, TrainerCallback):
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         with self.run.guard("starting a step"):
             self.run.begin_step(state.global_step, first=self._first)  # DefaultFlowCallback's rule, global_step = step + 1
+            self._trl_marks = trl_marks(self.trainer) if self.run.logging else {}
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.run.batch_end()
@@ -279,6 +282,8 @@ class HeadwatchCallback(Driver, TrainerCallback):
         if self.run.logging and not control.should_log and self.flow_decided():
             self.run.warn_once("should_log", "HeadwatchCallback measured a step the Trainer does not log. (warned once)")
         with self.run.guard("publishing the step"):
+            if self.run.logging:  # TRL's own entropy and token accuracy of this step, for the self-check
+                self.run.check.trainer_metrics(**trl_step_values(self.trainer, getattr(self, "_trl_marks", {})))
             self.run.end_step(state.global_step)
 
     def flow_decided(self) -> bool:

@@ -165,6 +165,8 @@ class MonitorCallback(Callback):
         if not self._drives(trainer):
             return
         run = lightning_run(trainer)
+        if run.logging:
+            hand_logged_loss(trainer, run, batch)
         run.batch_end()
         stepped = (
             not pl_module.automatic_optimization
@@ -237,6 +239,13 @@ def lightning_run(trainer: pl.Trainer) -> Orchestrator:
     # the shared token counts first, whatever the callbacks' order: the others read them (as in the other doors)
     run.all_monitors = [m for m in cores if isinstance(m, TokenCounts)] + [m for m in cores if not isinstance(m, TokenCounts)]
     run.monitors = [m for m in run.all_monitors if m not in run.refused]  # those that cannot measure this model: refused
+    if cores:  # the self-check publishes under the monitors' prefix (the logit monitor's, when there is one)
+        logits = next((m for m in cores if hasattr(m, "capture_tally")), None)
+        run.check.prefix = (logits or cores[0]).prefix
+        owner = getattr(getattr(logits, "source", None), "owner", None)
+        named = any(getattr(cb, "compare_loss", None) for cb in monitor_callbacks(trainer))
+        if isinstance(owner, torch.nn.Module) and not named:  # the model's own `outputs.loss` (a Hugging Face model)
+            run.check.attach(owner)
     return run
 
 
@@ -254,6 +263,31 @@ def validation_rows(trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_
     ids = batch.get("input_ids") if isinstance(batch, dict) else None
     rows = int(ids.shape[0]) if isinstance(ids, torch.Tensor) else size
     return sampler_rows_kept(batch_idx * size, rows, sampler.rank, sampler.num_replicas, len(sampler.dataset))
+
+
+def hand_logged_loss(trainer: pl.Trainer, run: Orchestrator, batch: Any) -> None:
+    """On a logging step, the metric named by a monitor's ``compare_loss=`` (this batch's value, in
+    ``trainer.callback_metrics``) to the self-check, weighted by the batch's labelled positions."""
+    for cb in monitor_callbacks(trainer):
+        key = getattr(cb, "compare_loss", None)
+        if not key:
+            continue
+        try:
+            value = trainer.callback_metrics.get(key)
+            if value is None:
+                run.check.warn_once(
+                    f"compare_loss:{key}",
+                    f"headwatch self-check: `compare_loss={key!r}` names no metric the LightningModule logged on this "
+                    f"step (logged: {sorted(trainer.callback_metrics)}); log it with self.log({key!r}, loss) in "
+                    "training_step. No check/nll_gap. (warned once)",
+                )
+                return
+            fmt = cb._core().batch_format
+            targets = fmt.read(batch).targets
+            run.check.add_loss(value, (targets != fmt.ignore_index).sum() if targets is not None else None)
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            run.check.fail(err, f"reading the logged metric {key!r}")
+        return
 
 
 def monitor_callbacks(trainer: pl.Trainer) -> list[MonitorCallback]:

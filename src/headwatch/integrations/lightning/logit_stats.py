@@ -7,7 +7,7 @@ import lightning.pytorch as pl
 from torch import nn
 
 from headwatch.model.find import MaskFn, TargetsFn
-from headwatch.errors import HeadwatchError, check_bool, check_every
+from headwatch.errors import HeadwatchError, check_bool, check_every, check_optional, check_str
 from headwatch.model.batch import BatchFormat
 from headwatch.core.logits import SCALAR_KEYS, LogitStats
 from headwatch.core.figures import check_figure_argument, resolve_figure_interval
@@ -55,6 +55,10 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
             (``config.is_encoder_decoder``) and ``shift_labels``.
         path: ``"auto"``, ``"logits"`` or ``"hidden"`` (force the hidden-state path).
         vocab_size: the tokenizer's vocabulary size; with wider logits, ``padded_mass`` is logged.
+        compare_loss: the key of a metric the LightningModule logs with ``on_step=True`` (e.g. ``"train_loss"``):
+            its token-mean cross-entropy, compared on logging steps with ``target_nll`` by the self-check
+            (``check/nll_gap``, ``docs/self_check.md``); read from ``trainer.callback_metrics`` on logging
+            steps only. None: no comparison.
         ece_bins: ``M``, the equal-width confidence bins of ``ece`` (default 15): ``[m/M, (m+1)/M)``,
             the last one ``[1 - 1/M, 1]`` closed, so a confidence of exactly 1 is in it (``docs/calibration.md``).
 
@@ -93,11 +97,13 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
         path: str = "auto",
         vocab_size: int | None = None,
         ece_bins: int = ECE_BINS,
+        compare_loss: str | None = None,
     ) -> None:
         # the core checks its own arguments (LogitStats, BatchFormat); these are the adapter's
         check_every("log_every_n_steps", log_every_n_steps)
         check_figure_argument(figure_every_n_steps)
         check_bool("validation", validation)
+        self.compare_loss = check_optional(check_str, "compare_loss", compare_loss)
         own = BatchFormat(shift_labels=shift_labels, ignore_index=ignore_index, mask_fn=mask_fn, targets_fn=targets_fn)
         fmt = batch_format if batch_format is not None else own  # the four are checked even when it replaces them
         super().__init__(

@@ -1,0 +1,381 @@
+"""``SelfCheck``: what headwatch captured on a logging step, compared with figures the trainer already has.
+
+Owned by the :class:`~headwatch.core.orchestrator.Orchestrator` (one per run, every front door). On each
+training logging step it adds, on the device and before the step's one host transfer:
+
+- ``capture/forwards``, ``capture/positions``, ``capture/labelled_positions``: what
+  :class:`~headwatch.core.logits.LogitStats` measured (its :class:`CaptureTally`);
+- ``check/reference_nll`` (with ``check/reference_positions``, ``check/reference_forwards``) and
+  ``check/nll_gap = logits/target_nll - check/reference_nll``: the trainer's own token-mean cross-entropy
+  of the step's loss forwards, when one exists (a Hugging Face model's ``outputs.loss``, read by a forward
+  hook; a plain-loop user's ``step_end(loss=...)``; a Lightning user's logged metric);
+- ``check/entropy_gap``, ``check/accuracy_gap``: against TRL's logged ``entropy`` and
+  ``mean_token_accuracy`` of the step, when a door hands them (:meth:`SelfCheck.trainer_metrics`);
+- ``check/mismatch``: 1 when a gap is beyond its tolerance (:data:`TOLERANCES`) or not finite while the
+  reference is, else 0;
+- ``check/vanished_gradient``: 1 when the head's gradient is all zero (row density 0), or an untied softmax
+  head's row density is below 1, next to a finite positive loss; else 0.
+
+After the transfer, :meth:`SelfCheck.published` warns once per kind, naming the likely cause. See
+``docs/self_check.md`` for the formulas, the tolerances and where each reference comes from.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from headwatch.core.monitor import FailurePolicy
+from headwatch.distributed.reduce import NoReducer, Reducer
+from headwatch.errors import check_prefix
+
+
+class Tolerance(NamedTuple):
+    """``|gap| <= atol + rtol * |reference|``."""
+
+    atol: float
+    rtol: float
+
+
+TOLERANCES: dict[str, Tolerance] = {
+    "nll": Tolerance(1e-3, 1e-2),
+    "entropy": Tolerance(1e-3, 1e-2),
+    "accuracy": Tolerance(2e-2, 0.0),
+}
+"""Per compared figure. float32 from the same logits agrees to ~1e-6 relative; TRL's chunked kernel to ~2e-4
+nats on entropy; bf16 logits (8 significant bits, relative rounding 2^-9 per logit) move a token's NLL or
+entropy by ~|logit| 2^-8, well under 1% on the mean; a near-tie argmax flips under bf16 (2 points of
+accuracy). A broken capture (other positions, other labels, another forward) moves them by tenths of a nat."""
+
+
+class CaptureTally:
+    """What :class:`~headwatch.core.logits.LogitStats` measured on the current training logging step.
+
+    ``forwards``: measured forwards on this process (a Python int); ``labelled``: positions of their
+    targets ``(B, T)`` that predict a label (``target != ignore_index``), summed on the device (no sync).
+    """
+
+    def __init__(self) -> None:
+        self.forwards = 0
+        self.labelled: Tensor | None = None
+
+    def add(self, targets: Tensor | None, ignore_index: int) -> None:
+        """One measured forward with its (aligned) ``targets`` ``(B, T)`` or None (no labels)."""
+        self.forwards += 1
+        if targets is not None:
+            n = (targets != ignore_index).sum()
+            self.labelled = n if self.labelled is None else self.labelled + n.to(self.labelled.device)
+
+    def take(self) -> tuple[int, Tensor | None]:
+        """``(forwards, labelled)`` of the step, and reset."""
+        out = (self.forwards, self.labelled)
+        self.forwards, self.labelled = 0, None
+        return out
+
+
+def _labelled_count(kwargs: dict[str, Any], output: Any, module: nn.Module) -> Tensor | None:
+    """Positions whose label the model's loss counts (Hugging Face conventions), on the device; None: unknown.
+
+    TRL's fused head returns ``label_mask``; else ``labels`` of the forward's keyword inputs (``-100`` ignored),
+    shifted by one in causal LMs (not when ``shift_labels`` is given, nor in encoder-decoders).
+    """
+    mask = getattr(output, "label_mask", None)
+    if isinstance(mask, Tensor):
+        return mask.sum()
+    shifted = kwargs.get("shift_labels")
+    if isinstance(shifted, Tensor):
+        return (shifted != -100).sum()
+    labels = kwargs.get("labels")
+    if not isinstance(labels, Tensor) or labels.is_floating_point():
+        return None
+    if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+        return (labels != -100).sum()
+    return (labels[..., 1:] != -100).sum()
+
+
+def output_loss(output: Any) -> Tensor | None:
+    """``outputs.loss`` of a model output (a ``ModelOutput``, a dict, or an object with ``loss``), or None."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    return loss if isinstance(loss, Tensor) and loss.numel() == 1 else None
+
+
+class SelfCheck(FailurePolicy):
+    """Publish what was captured and compare it with the trainer's own figures (see the module docstring).
+
+    Args:
+        prefix: first component of every metric name.
+        reducer: distributed reductions (the orchestrator's).
+        tolerances: per compared figure (``"nll"``, ``"entropy"``, ``"accuracy"``), default :data:`TOLERANCES`.
+
+    Raises:
+        HeadwatchError: a bad ``prefix``.
+    """
+
+    def __init__(self, prefix: str = "headwatch", reducer: Reducer | None = None, tolerances: dict[str, Tolerance] | None = None) -> None:
+        self.prefix = check_prefix(prefix)
+        self.reducer: Reducer = reducer or NoReducer()
+        self.tolerances = {**TOLERANCES, **(tolerances or {})}
+        self.active = False
+        self.mismatched_steps = 0
+        """Logging steps with a gap beyond its tolerance, this run."""
+        self.vanished_steps = 0
+        """Logging steps with a vanished head gradient, this run."""
+        self._hook: Any = None
+        self.model: nn.Module | None = None
+        """The module whose ``outputs.loss`` is read (None: not attached)."""
+        self._reset()
+
+    @property
+    def rank(self) -> int:
+        return self.reducer.rank
+
+    def _reset(self) -> None:
+        self._sums: list[Tensor] = []  # per loss forward: its NLL summed over its labelled positions (float64)
+        self._weights: list[Tensor | float] = []  # its labelled positions (1.0 when unknown)
+        self._counted = True  # every forward's labelled positions are known
+        self._step_loss: Tensor | float | None = None
+        self._trl: dict[str, list[float]] = {}
+
+    # ---------------------------------------------------------------- wiring
+    def attach(self, model: nn.Module) -> None:
+        """Read ``outputs.loss`` of ``model``'s training forwards (a forward hook; nothing between logging steps).
+        Idempotent for the same model."""
+        if self._hook is not None and self.model is model:
+            return
+        self.detach()
+        self._hook = model.register_forward_hook(self._on_output, with_kwargs=True)
+        self.model = model
+
+    def detach(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook, self.model = None, None
+
+    # ---------------------------------------------------------------- the step
+    def begin(self, logging: bool) -> None:
+        """A training step starts; ``logging``: it is measured (the references are collected)."""
+        self.active = logging
+        self._reset()
+
+    def _on_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """A forward of the model: a training forward with gradients and a ``loss`` is one of the step's loss forwards."""
+        if not self.active or not module.training or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        try:
+            loss = output_loss(output)
+            if loss is None:
+                return
+            aux = output.get("aux_loss") if isinstance(output, dict) else getattr(output, "aux_loss", None)
+            if aux is not None:
+                self.warn_once(
+                    "aux_loss",
+                    "headwatch self-check: the model's `outputs.loss` includes an auxiliary loss (MoE router "
+                    "load balancing), so it is not the cross-entropy headwatch measures; no check/nll_gap is "
+                    "published. (warned once)",
+                )
+                self._reset()
+                self.active = False
+                return
+            count = _labelled_count(kwargs, output, module)
+            if count is None:
+                return
+            items = kwargs.get("num_items_in_batch")  # the loss is the sum over the step's items / N
+            weight = items if items is not None else count
+            self.add_nll_sum(loss.detach().double() * weight, count)
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            self.fail(err, "reading the model's loss")
+
+    def add_nll_sum(self, nll_sum: Tensor, count: Tensor) -> None:
+        """One loss forward: its NLL summed over ``count`` labelled positions (tensors on the device)."""
+        self._sums.append(nll_sum.reshape(()).double())
+        self._weights.append(count)
+
+    def add_loss(self, loss: Tensor | float, count: Tensor | None = None) -> None:
+        """One loss forward's token-mean cross-entropy (a door's figure, e.g. Lightning's logged loss),
+        weighted by its labelled positions ``count`` (a device tensor; None: every call weighs the same)."""
+        if isinstance(loss, Tensor):
+            loss = loss.detach().double().reshape(())
+        self._sums.append(loss * count if count is not None else loss)  # type: ignore[arg-type]
+        self._weights.append(count if count is not None else 1.0)
+        self._counted = self._counted and count is not None
+
+    def step_loss(self, loss: Tensor | float) -> None:
+        """The step's token-mean cross-entropy over its measured forward(s), as the user computed it
+        (``Headwatch.step_end(loss=...)``); replaces what the hook read."""
+        self._step_loss = loss.detach() if isinstance(loss, Tensor) else float(loss)
+
+    def trainer_metrics(self, **values: Sequence[float]) -> None:
+        """A trainer's logged per-micro-batch values of this step: ``entropy`` (nats), ``accuracy`` (fraction)."""
+        self._trl = {k: [float(x) for x in v] for k, v in values.items() if v}
+
+    # ---------------------------------------------------------------- compute (on the device)
+    def extend(self, scalars: dict[str, Any], monitors: Sequence[Any]) -> dict[str, Any]:
+        """``scalars`` (a training logging step's values, still on the device) with the capture and check
+        values added: device ops only (Python numbers enter as scalar operands or fills, never as copies), and
+        with several processes one sum over them (a collective: every rank calls it on the same steps)."""
+        p = self.prefix
+        out = dict(scalars)
+        tally = next((m.capture_tally for m in monitors if isinstance(getattr(m, "capture_tally", None), CaptureTally)), None)
+        own_nll, positions = scalars.get(f"{p}/logits/target_nll"), scalars.get(f"{p}/logits/positions")
+        tensors = [v for v in scalars.values() if isinstance(v, Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        forwards, labelled = tally.take() if tally is not None else (0, None)
+        sums, weights, counted, step_loss, trl = self._sums, self._weights, self._counted, self._step_loss, self._trl
+        self._reset()
+        self.active = False  # until the next logging step begins
+
+        def dev(x: Tensor | float) -> Tensor:  # a device tensor, float64 (a Python number: a fill, not a copy)
+            if isinstance(x, Tensor):
+                return x.to(device=device, dtype=torch.float64).reshape(())
+            return torch.full((), float(x), dtype=torch.float64, device=device)
+
+        zero = dev(0.0)
+        w = torch.stack([dev(x) for x in weights]) if weights else None  # (forwards,)
+        local = torch.stack([
+            dev(labelled) if labelled is not None else zero,
+            torch.stack([dev(s) for s in sums]).sum() if sums else zero,
+            w.sum() if w is not None else zero,
+        ])  # fmt: skip
+        total = self.reducer.sum(local) if self.reducer.world_size > 1 else local
+        if isinstance(positions, Tensor):
+            out[f"{p}/capture/forwards"] = float(forwards)
+            out[f"{p}/capture/positions"] = positions
+            out[f"{p}/capture/labelled_positions"] = total[0] if labelled is not None else 0.0
+        reference: Tensor | None = None
+        if step_loss is not None:
+            reference = dev(step_loss)
+        elif sums:
+            reference = total[1] / total[2]
+        gaps: list[Tensor] = []
+        if reference is None and isinstance(positions, Tensor):
+            self.info_once(
+                "headwatch self-check: no trainer loss to compare target_nll with on this run (no training forward "
+                "returned `outputs.loss`: the trainer computes the loss outside the model, e.g. label smoothing or "
+                "`compute_loss_func`, or the model is compiled); pass step_end(loss=...) (plain loop) or "
+                "compare_loss=<logged key> (Lightning) to compare. The capture/* counts are still published."
+            )
+        if reference is not None:
+            out[f"{p}/check/reference_nll"] = reference
+            out[f"{p}/check/reference_forwards"] = float(len(sums)) if step_loss is None else float("nan")
+            out[f"{p}/check/reference_positions"] = total[2] if step_loss is None and counted else float("nan")
+            if isinstance(positions, Tensor):
+                own = own_nll.double() if isinstance(own_nll, Tensor) else dev(float("nan"))
+                out[f"{p}/check/nll_gap"] = gap = own - reference
+                gaps.append(self._beyond(gap, reference, "nll"))
+        for key, name in (("entropy", "logits/entropy"), ("accuracy", "logits/target_argmax_rate")):
+            values, mine = trl.get(key), scalars.get(f"{p}/{name}")
+            if not values or not isinstance(mine, Tensor):
+                continue
+            # the step's micro-batch values, weighted by their loss forwards' positions when they pair up
+            vw = w if w is not None and len(weights) == len(values) and counted else torch.ones(len(values), dtype=torch.float64, device=device)
+            ref = torch.stack([vw[i] * v for i, v in enumerate(values)]).sum() / vw.sum()
+            out[f"{p}/check/{key}_gap"] = gap = mine.double() - ref
+            gaps.append(self._beyond(gap, ref, key))
+        if gaps:
+            out[f"{p}/check/mismatch"] = torch.stack(gaps).any().double()
+        loss = reference if reference is not None else own_nll
+        vanished = self._vanished(scalars, loss, device)
+        if vanished is not None:
+            out[f"{p}/check/vanished_gradient"] = vanished
+        return out
+
+    def _beyond(self, gap: Tensor, reference: Tensor, key: str) -> Tensor:
+        """True where ``gap`` is beyond the tolerance of ``key``, or not finite while ``reference`` is."""
+        tol = self.tolerances[key]
+        within = gap.abs() <= tol.atol + tol.rtol * reference.abs()
+        return ~within & torch.isfinite(reference)
+
+    def _vanished(self, scalars: dict[str, Any], loss: Any, device: torch.device) -> Tensor | None:
+        """1 when the head's gradient vanished next to a finite positive loss, 0 when not, None: not measured."""
+        p = self.prefix
+        head, shared, tied = (scalars.get(f"{p}/grad/{k}") for k in ("head_row_density", "shared_row_density", "tied"))
+        if not isinstance(loss, Tensor) or not (isinstance(head, Tensor) or isinstance(shared, Tensor)):
+            return None
+        flag = torch.zeros((), dtype=torch.bool, device=device)
+        for density in (head, shared):
+            if isinstance(density, Tensor):
+                flag = flag | (density.to(device) == 0)
+        if isinstance(head, Tensor) and isinstance(tied, Tensor):  # the softmax touches every row of an untied head
+            flag = flag | ((tied.to(device) == 0) & (head.to(device) < 1))
+        loss = loss.to(device=device, dtype=torch.float64)
+        return (flag & torch.isfinite(loss) & (loss > 0)).double()
+
+    # ---------------------------------------------------------------- after the transfer
+    def published(self, numbers: dict[str, float]) -> None:
+        """Warn once per kind (rank zero) from the published floats: a gap beyond tolerance, a vanished gradient."""
+        p = self.prefix
+        get = numbers.get
+        if get(f"{p}/check/mismatch", 0.0) > 0:
+            self.mismatched_steps += 1
+            self._warn_mismatch(numbers)
+        if get(f"{p}/check/vanished_gradient", 0.0) > 0:
+            self.vanished_steps += 1
+            densities = ", ".join(f"{k.rsplit('/', 1)[1]} {numbers[k]:.4g}" for k in (f"{p}/grad/head_row_density", f"{p}/grad/shared_row_density") if k in numbers)
+            loss = get(f"{p}/check/reference_nll", get(f"{p}/logits/target_nll", float("nan")))
+            self.warn_once(
+                "vanished_gradient",
+                f"headwatch self-check: the output head's gradient VANISHED (row density: {densities}) next to a finite, "
+                f"positive loss ({loss:.4g} nats): a softmax cross-entropy gives every row of the head a gradient. "
+                "Likely causes: a fused loss whose backward returns a zero head gradient, a hook or a `torch.no_grad` "
+                "that cuts the head out of the graph, fp16 underflow without a loss scaler. The densities are what the "
+                f"gradient holds; {p}/check/vanished_gradient is 1 on such steps. (warned once)",
+            )
+
+    def _warn_mismatch(self, numbers: dict[str, float]) -> None:
+        p, get = self.prefix, numbers.get
+        nan = float("nan")
+        parts = []
+        nll_gap = get(f"{p}/check/nll_gap")
+        if nll_gap is not None and not abs(nll_gap) <= self.tolerances["nll"].atol + self.tolerances["nll"].rtol * abs(get(f"{p}/check/reference_nll", 0.0)):
+            own, ref = get(f"{p}/logits/target_nll", nan), get(f"{p}/check/reference_nll", nan)
+            fw, ref_fw = get(f"{p}/capture/forwards", nan), get(f"{p}/check/reference_forwards", nan)
+            lab, ref_pos = get(f"{p}/capture/labelled_positions", nan), get(f"{p}/check/reference_positions", nan)
+            if math.isnan(own) or lab == 0:
+                cause = ("headwatch saw no labels in the forward it measured: the trainer took `labels` out of the model's "
+                         "inputs (label smoothing, `compute_loss_func`) or the batch keeps them under another key (`targets_fn=`)")  # fmt: skip
+            elif not math.isnan(fw) and not math.isnan(ref_fw) and fw != ref_fw:
+                cause = (f"headwatch measured {fw:.0f} forward(s) but the loss came from {ref_fw:.0f}: a forward that does not feed "
+                         "the loss was pooled (a second pass for metrics, generation, a reference model) or the loss's forward was missed")  # fmt: skip
+            elif not math.isnan(ref_pos) and lab != ref_pos:
+                cause = (f"headwatch's forwards hold {lab:.0f} labelled positions, the loss counts {ref_pos:.0f}: other positions "
+                         "(prompt tokens, `logits_to_keep`, a different label shift)")  # fmt: skip
+            else:
+                cause = ("same positions, different values: the labels changed after the forward, the loss is not plain "
+                         "cross-entropy (label smoothing, an auxiliary loss, a temperature), or it comes from a different forward")  # fmt: skip
+            parts.append(f"target NLL {own:.6g} vs the trainer's loss {ref:.6g} nats (gap {nll_gap:.3g}); likely cause: {cause}")
+        for key, name, unit in (("entropy", "logits/entropy", "nats"), ("accuracy", "logits/target_argmax_rate", "")):
+            gap = get(f"{p}/check/{key}_gap")
+            if gap is None:
+                continue
+            tol = self.tolerances[key]
+            mine = get(f"{p}/{name}", nan)
+            ref = mine - gap
+            if not abs(gap) <= tol.atol + tol.rtol * abs(ref):
+                what = "entropy" if key == "entropy" else "mean_token_accuracy"
+                parts.append(
+                    f"{name} {mine:.6g} vs TRL's logged {what} {ref:.6g} {unit}(gap {gap:.3g}); likely cause: other positions "
+                    "(prompt or padding positions, each row's last position) or another distribution (a temperature, softcapping)"
+                )
+        if parts:
+            self.warn_once(
+                "mismatch",
+                "headwatch self-check FAILED: what headwatch measured disagrees with the trainer's own figures beyond the "
+                "tolerance (docs/self_check.md): " + "; ".join(parts) + f". The gaps are published under {p}/check/; "
+                f"{p}/check/mismatch is 1 on such steps. (warned once)",
+            )
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {"mismatched_steps": self.mismatched_steps, "vanished_steps": self.vanished_steps}
+
+    def load_state_dict(self, state: Any) -> None:
+        """The counts of a checkpoint; a missing or invalid value (an older checkpoint) starts from 0."""
+        state = state if isinstance(state, dict) else {}
+        for key in ("mismatched_steps", "vanished_steps"):
+            value = state.get(key, 0)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            setattr(self, key, value if ok else 0)
