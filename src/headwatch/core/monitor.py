@@ -61,7 +61,10 @@ class FailurePolicy:
         self.__dict__["_warned_keys"] = value
 
     def warn_once(self, key: str, message: str) -> None:
-        """Warn once per object and key, on rank zero."""
+        """Warn once per object and key, on rank zero; with ``strict``, raise a :class:`HeadwatchError` with the
+        message instead (on every rank: strict raises wherever the default would warn)."""
+        if self.strict:
+            raise HeadwatchError(message)
         if key in self._warned:
             return
         self._warned.add(key)
