@@ -28,7 +28,7 @@ from headwatch.distributed import sharded
 from headwatch.core.frequency import TokenCounts, check_token_counts
 from headwatch.core.monitor import Monitor
 from headwatch.core.tokens import check_synonym_groups, decode_token, encode_group
-from headwatch.functional.collision import sample_rows, top_colliding_pairs
+from headwatch.functional.collision import sample_mask, top_colliding_pairs_fixed
 from headwatch.distributed.sharded_drift import (
     corrected_collision_rows,
     nn_cosines_rows,
@@ -37,9 +37,10 @@ from headwatch.distributed.sharded_drift import (
     synonym_statistics_rows,
 )
 from headwatch.functional.drift import default_k
+from headwatch.functional.drift_pairs import FixedCollision, corrected_collision_masked
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.functional.neighbors import Neighbours, synonym_confusion, synonym_table
+from headwatch.functional.neighbors import nearest_neighbours_masked, synonym_confusion, synonym_table
 from headwatch.model.find import resolve_matrices
 from headwatch.model.weights import effective_weight
 
@@ -228,7 +229,13 @@ class SynonymCollision(Monitor):
         return False
 
     def compute(self) -> dict[str, Tensor]:
-        """Measure now (a collective: the counts and the confusion are summed over processes)."""
+        """Measure now (a collective: the counts and the confusion are summed over processes).
+
+        Nothing is read on the host here (one process): the scalars stay on the device and the
+        per-row results (sample, cosines, the top pairs' ids and cosines) go to :attr:`media` ``.host``,
+        moved in the orchestrator's one transfer; :meth:`published` then builds ``last_result``, the
+        top-pairs table and the figures from them, on the host.
+        """
         step = self._step if self._step is not None else self._last_step + 1
         self._step = None
         if self.frequency is None:
@@ -236,13 +243,28 @@ class SynonymCollision(Monitor):
         snap = self.frequency.snapshot()
         confusion = self._confusion_scalars(_TRAIN, "")
         self._last_step = step
+        self.media.texts, self.media.figures = {}, {}
         with self.full_matrices([self._head, self._emb]):  # FSDP1: the full matrices (a collective)
-            scalars, tables = self.measure(snap, step)
+            scalars, self.media.host = self._measure_on_device(snap, step)
         scalars.update(confusion)
         self._measurements += 1
+        return scalars
+
+    def published(self, numbers: dict[str, float]) -> None:
+        """The measurement's per-row results are on the host now: ``last_result``, the top-pairs table
+        (token ids decoded here) and the figures. Fewer than 2 pairable rows: the values are dropped
+        (removed from ``numbers``) and the cause raised (warned once by the door)."""
+        host, self.media.host = self.media.host, {}
+        if not host:
+            return
+        try:
+            tables = self._finish(host)
+        except HeadwatchError:
+            for key in [k for k in numbers if k.startswith(f"{self.prefix}/collision/")]:
+                del numbers[key]
+            raise
         self.media.texts = tables if self.reducer.rank == 0 else {}
         self.media.figures = self._similarity_figures() if self.draw_figures and self.reducer.rank == 0 else {}
-        return scalars
 
     def _similarity_figures(self) -> dict[str, Any]:
         from headwatch.core import figures
@@ -259,52 +281,81 @@ class SynonymCollision(Monitor):
     def measure(self, snap: FrequencySnapshot, step: int = 0) -> tuple[dict[str, Any], dict[str, str]]:
         """Collision statistics of the current weights; returns ``(scalars, text tables)``.
 
-        Also keeps the full result (colliding pairs, per-row cosines) in ``last_result``.
+        Scalars are float64 0-d tensors on the weights' device. Also keeps the full result (colliding
+        pairs, per-row cosines, on the host) in ``last_result``. The direct API: the per-row results
+        are moved to the host here, in one transfer (:meth:`compute` leaves it to the orchestrator's).
+
+        Raises:
+            HeadwatchError: fewer than 2 pairable rows (no mean and directions to remove).
         """
+        from headwatch.core.monitor import Media
+        from headwatch.core.orchestrator import to_host
+
+        scalars, host = self._measure_on_device(snap, step)
+        media = Media(host=host)
+        to_host({}, [media])
+        return scalars, self._finish(media.host)
+
+    def _measure_on_device(self, snap: FrequencySnapshot, step: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """``(scalars, per-row results)``, every tensor on the device, nothing read on the host (one process;
+        a row-sharded matrix selects its queries by value, see :meth:`_neighbours_sharded`)."""
         c = f"{self.prefix}/collision"
-        generator = torch.Generator().manual_seed(self.seed + step)
-        rare_ids = snap.rare.nonzero().flatten()
-        sample = sample_rows(rare_ids, self.max_rare, generator)
-        scalars: dict[str, Any] = {
-            f"{c}/rare_count": float(rare_ids.numel()),
-            f"{c}/rare_sample_size": float(sample.numel()),
-            f"{c}/unseen_count": float((snap.valid & (snap.counts == 0)).sum()),
-            f"{c}/invalid_count": float((~snap.valid).sum()),
+        rare = snap.rare
+        generator = torch.Generator(device=rare.device).manual_seed(self.seed + step)
+        sample, taken = sample_mask(rare, self.max_rare, generator)
+        scalars: dict[str, Tensor] = {
+            f"{c}/rare_count": rare.sum(dtype=torch.float64),
+            f"{c}/rare_sample_size": taken.sum(dtype=torch.float64),
+            f"{c}/unseen_count": (snap.valid & (snap.counts == 0)).sum(dtype=torch.float64),
+            f"{c}/invalid_count": (~snap.valid).sum(dtype=torch.float64),
         }
-        bucket_rows = {
-            name: sample_rows((snap.bucket == i).nonzero().flatten(), self.max_per_bucket, generator)
-            for i, name in enumerate(BUCKETS)
-        }
-        tables: dict[str, str] = {}
-        result: dict[str, Any] = {"rare_sample": sample.cpu(), "bucket_cosines": {}}
+        buckets = {name: sample_mask(snap.bucket == i, self.max_per_bucket, generator) for i, name in enumerate(BUCKETS)}
+        host: dict[str, Tensor] = {"rare_sample": sample, "rare_taken": taken}
         for name, weight in self._matrices().items():
-            result[name] = self._measure_matrix(name, weight, snap, sample, bucket_rows, scalars, tables)
-            result["bucket_cosines"][name] = result[name].pop("bucket_cosines")
-        self.last_result = result
-        return scalars, tables
+            self._measure_matrix(name, weight, snap, (sample, taken), buckets, scalars, host)
+        return scalars, host
 
     def _measure_matrix(
-        self, name: str, weight: Tensor, snap: FrequencySnapshot, sample: Tensor, bucket_rows: dict[str, Tensor],
-        scalars: dict[str, Any], tables: dict[str, str],
-    ) -> dict[str, Any]:  # fmt: skip
+        self, name: str, weight: Tensor, snap: FrequencySnapshot, sample: tuple[Tensor, Tensor],
+        buckets: dict[str, tuple[Tensor, Tensor]], scalars: dict[str, Tensor], host: dict[str, Tensor],
+    ) -> None:  # fmt: skip
         c, budget, reducer = f"{self.prefix}/collision", self.max_chunk_bytes, self.reducer
         rows = sharded.local_rows(weight)  # row-sharded (FSDP2): this process's rows only, combined exactly
         dev, d = rows.local.device, rows.local.shape[1]
         p = pairable_rows_sharded(rows, snap.valid.to(dev), (snap.counts > 0).to(dev), self.include_unseen, budget, reducer)
         k = min(self.k if self.k is not None else default_k(d), d)
-        res, corr_rows = corrected_collision_rows(rows, sample.to(dev), p.mask, self.tau, k, budget, reducer)
+        ids, taken = sample[0].to(dev), sample[1].to(dev)
+        groups = {g: (i.to(dev), t.to(dev) & p.mask[i.to(dev)]) for g, (i, t) in buckets.items()}
+        if rows.sharded:
+            res, corr_rows, cosines = self._neighbours_sharded(rows, ids, taken, groups, p.mask, k)
+        else:
+            res, corr_rows = corrected_collision_masked(rows.local, ids, taken, p.mask, self.tau, k, budget)
+            cosines = {g: nearest_neighbours_masked(corr_rows, i, p.mask, budget).cosine for g, (i, _) in groups.items()}
         scalars[f"{c}/rare_rate_{name}"] = res.rate
         scalars[f"{c}/drift/raw_rate_{name}"] = res.raw_rate
         scalars[f"{c}/drift/mean_cos_{name}"] = res.drift_mean_cos
         scalars[f"{c}/drift/removed_variance_{name}"] = res.removed_variance
         scalars[f"{c}/untrained_count_{name}"] = p.zero.double()  # valid all-zero rows: never trained
         scalars[f"{c}/nonfinite_count_{name}"] = p.nonfinite.double()
-        cosines = {"rare": res.cosine.cpu(), **nn_cosines_rows(corr_rows, bucket_rows, p.mask, budget, reducer)}
-        for group, cos in cosines.items():
-            finite = cos[torch.isfinite(cos)]
-            scalars[f"{c}/{group}/{name}_nn_cosine_mean"] = finite.double().mean() if finite.numel() else torch.tensor(math.nan, dtype=torch.float64)
-        pairs = top_colliding_pairs(res.queries, Neighbours(res.cosine, res.neighbour), self.tau, self.top_pairs)
-        tables[f"{c}/top_pairs_{name}"] = self._table_text(pairs, weight, snap, p)
+        groups = {"rare": (ids, res.measured), **groups}
+        cosines = {"rare": res.cosine, **cosines}
+        for group, (_, kept) in groups.items():
+            finite = kept & torch.isfinite(cosines[group])
+            n = finite.sum(dtype=torch.float64)
+            total = torch.where(finite, cosines[group].double(), 0.0).sum()
+            scalars[f"{c}/{group}/{name}_nn_cosine_mean"] = torch.where(n > 0, total / n, float("nan"))
+            host[f"{name}/bucket/{group}"], host[f"{name}/bucket_kept/{group}"] = cosines[group], kept
+        at, pair_taken = top_colliding_pairs_fixed(res.cosine, res.measured, self.tau, self.top_pairs)
+        r, j = ids[at], res.neighbour[at].clamp(min=0)
+        raw = pair_cosine_rows(weight, r, j, reducer)
+        counts = snap.counts.to(dev)
+        host.update({
+            f"{name}/cosine": res.cosine, f"{name}/neighbour": res.neighbour, f"{name}/raw_cosine": res.raw_cosine,
+            f"{name}/measured": res.measured, f"{name}/basis_rows": res.basis_rows,
+            f"{name}/pairs": torch.stack([r.double(), j.double(), res.cosine[at].double(), raw.double(),
+                                          counts[r].double(), counts[j].double(), pair_taken.double()], dim=1),
+            f"{name}/excluded": torch.stack([p.unseen, p.padded, p.zero, p.nonfinite]),
+        })  # fmt: skip
         if self._group_ids:
             st = synonym_statistics_rows(corr_rows, self._group_ids, p.mask, self.tau, budget, reducer)
             scalars[f"{c}/synonym_pair_rate_{name}"] = st["pair_rate"]
@@ -312,26 +363,77 @@ class SynonymCollision(Monitor):
             if name == "head":
                 scalars[f"{c}/synonym_pairs"] = st["pairs"]
                 scalars[f"{c}/synonym_skipped_pairs"] = st["skipped_pairs"]
-        return {
-            "cosine": res.cosine.cpu(), "neighbour": res.neighbour.cpu(), "queries": res.queries.cpu(),
-            "raw_cosine": res.raw_cosine.cpu(), "pairs": pairs, "bucket_cosines": cosines,
-        }  # fmt: skip
 
-    def _table_text(self, pairs: list[tuple[int, int, float]], weight: Tensor, snap: FrequencySnapshot, p: Any) -> str:
-        excluded = (
-            f"not paired: {int(p.unseen)} never-seen, {int(p.padded)} padded or invalid, {int(p.zero)} zero, "
-            f"{int(p.nonfinite)} non-finite rows (drift removed: mean and top principal directions)"
+    def _neighbours_sharded(
+        self, rows: Any, ids: Tensor, taken: Tensor, groups: dict[str, tuple[Tensor, Tensor]], pairable: Tensor, k: int
+    ) -> tuple[FixedCollision, Any, dict[str, Tensor]]:
+        """The row-sharded search (:mod:`headwatch.distributed.sharded_drift`, exact over processes) in the
+        fixed-size form of the one-process path. It selects the measured rows by value (the sharded
+        search takes compact query ids): syncs, on this path only."""
+        budget, reducer = self.max_chunk_bytes, self.reducer
+        res, corr_rows = corrected_collision_rows(rows, ids[taken], pairable, self.tau, k, budget, reducer)
+        measured = taken & pairable[ids]
+
+        def spread(values: Tensor, kept: Tensor, fill: float) -> Tensor:
+            out = torch.full(kept.shape, fill, dtype=values.dtype, device=values.device)
+            out[kept] = values
+            return out
+
+        found = nn_cosines_rows(corr_rows, {g: i[t] for g, (i, t) in groups.items()}, pairable, budget, reducer)
+        fixed = FixedCollision(
+            rate=res.rate, raw_rate=res.raw_rate, drift_mean_cos=res.drift_mean_cos, removed_variance=res.removed_variance,
+            measured=measured, cosine=spread(res.cosine, measured, math.nan), neighbour=spread(res.neighbour, measured, -1),
+            raw_cosine=spread(res.raw_cosine, measured, math.nan), basis_rows=pairable.sum(dtype=torch.float64),
+        )  # fmt: skip
+        return fixed, corr_rows, {g: spread(found[g].to(ids.device), groups[g][1], math.nan) for g in groups}
+
+    def _finish(self, host: dict[str, Tensor]) -> dict[str, str]:
+        """``last_result`` and the text tables from the measurement's per-row results, on the host.
+
+        Raises:
+            HeadwatchError: fewer than 2 pairable rows (the mean and directions are undefined).
+        """
+        c = f"{self.prefix}/collision"
+        taken = host["rare_taken"].bool()
+        result: dict[str, Any] = {"rare_sample": host["rare_sample"].long()[taken], "bucket_cosines": {}}
+        tables: dict[str, str] = {}
+        for name in [n for n in ("head", "embedding") if f"{n}/cosine" in host]:
+            n = int(host[f"{name}/basis_rows"])
+            if n < 2:
+                raise HeadwatchError(f"principal directions need at least 2 valid rows, got {n}")
+            measured = host[f"{name}/measured"].bool()
+            pairs = [
+                (int(r), int(j), float(cos), float(raw), int(cr), int(cj))
+                for r, j, cos, raw, cr, cj, ok in host[f"{name}/pairs"].tolist() if ok
+            ]  # fmt: skip
+            tables[f"{c}/top_pairs_{name}"] = self._table_text(pairs, host[f"{name}/excluded"].long().tolist())
+            result[name] = {
+                "cosine": host[f"{name}/cosine"].float()[measured], "neighbour": host[f"{name}/neighbour"].long()[measured],
+                "queries": host["rare_sample"].long()[measured], "raw_cosine": host[f"{name}/raw_cosine"].float()[measured],
+                "pairs": [(r, j, cos) for r, j, cos, _, _, _ in pairs],
+            }  # fmt: skip
+            result["bucket_cosines"][name] = {
+                t.split("/")[-1]: host[t].float()[host[t.replace("/bucket/", "/bucket_kept/")].bool()]
+                for t in host if t.startswith(f"{name}/bucket/")
+            }  # fmt: skip
+        self.last_result = result
+        return tables
+
+    def _table_text(self, pairs: list[tuple[int, int, float, float, int, int]], excluded: list[int]) -> str:
+        unseen, padded, zero, nonfinite = excluded
+        note = (
+            f"not paired: {unseen} never-seen, {padded} padded or invalid, {zero} zero, "
+            f"{nonfinite} non-finite rows (drift removed: mean and top principal directions)"
         )
         if not pairs:
-            return f"no rare token collides at tau = {self.tau}\n\n{excluded}"
-        raw = pair_cosine_rows(weight, torch.tensor([r for r, _, _ in pairs]), torch.tensor([j for _, j, _ in pairs]), self.reducer).tolist()
+            return f"no rare token collides at tau = {self.tau}\n\n{note}"
         lines = ["| rare token | count | nearest row | count | cosine (drift removed) | raw cosine |", "|---|---|---|---|---|---|"]
-        for (r, j, cos), raw_cos in zip(pairs, raw):
+        for r, j, cos, raw_cos, count_r, count_j in pairs:
             lines.append(
-                f"| {r} `{decode_token(self.tokenizer, r)!r}` | {int(snap.counts[r])} "
-                f"| {j} `{decode_token(self.tokenizer, j)!r}` | {int(snap.counts[j])} | {cos:.4f} | {raw_cos:.4f} |"
+                f"| {r} `{decode_token(self.tokenizer, r)!r}` | {count_r} "
+                f"| {j} `{decode_token(self.tokenizer, j)!r}` | {count_j} | {cos:.4f} | {raw_cos:.4f} |"
             )
-        return "\n".join(lines) + f"\n\n{excluded}"
+        return "\n".join(lines) + f"\n\n{note}"
 
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -235,6 +235,90 @@ def _randomized_directions(
     return directions.float(), values.flip(0)[:k].clamp(min=0.0), trace
 
 
+def _masked_centred(rows: Tensor, mask: Tensor, mean: Tensor, step: int, dtype: torch.dtype) -> Iterator[Tensor]:
+    """``(c, d)`` rows minus ``mean`` in ``dtype`` (new tensors), the rows not in ``mask`` zero, every row a chunk at a time."""
+    for s in range(0, rows.shape[0], step):
+        chunk = rows[s : s + step].to(dtype).sub(mean.to(dtype))
+        yield torch.where(mask[s : s + step].unsqueeze(1), chunk, 0.0)
+
+
+@torch.no_grad()
+def principal_directions_masked(
+    rows: Tensor,
+    mask: Tensor,
+    k: int,
+    method: str = "auto",
+    niter: int = 2,
+    seed: int = 0,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`principal_directions_of` of the rows in ``mask``, without reading a value on the host.
+
+    Every row is read a chunk at a time and the rows outside ``mask`` contribute zero (no
+    data-dependent selection); the row count stays on the device. ``method`` ``"auto"`` decides
+    on the matrix's row count ``V`` (``V d^2 <= 2^33``: exact), known without a sync, where
+    :func:`principal_directions_of` decides on the selected rows.
+
+    Args:
+        rows: ``(V, d)`` floating; mask: ``(V,)`` bool; k: directions, in ``[1, d]`` (not checked).
+
+    Returns:
+        ``(mean (d,) float32, directions (d, k) float32, variances (k,) float64, total_variance ()
+        float64, n () float64)``: as :func:`top_principal_directions`, and the number of rows in
+        ``mask``. Fewer than 2 rows do not raise here (the caller checks ``n`` on the host, after
+        its one transfer): the mean is then NaN or the covariance zero.
+    """
+    V, d = rows.shape
+    mask = mask.to(rows.device)
+    n = mask.sum(dtype=torch.float64)
+    q = min(d, k + _OVERSAMPLE)
+    step = _chunk_rows(d, max(d, q), max_chunk_bytes)
+    sums = torch.zeros(d, dtype=torch.float64, device=rows.device)
+    for s in range(0, V, step):
+        sums += torch.where(mask[s : s + step].unsqueeze(1), rows[s : s + step], 0.0).sum(0, dtype=torch.float64)
+    mean64 = sums / n
+    mean = mean64.float()
+    if method == "exact" or (method == "auto" and V * d * d <= _EXACT_MACS):
+        cov = torch.zeros(d, d, dtype=torch.float64, device=rows.device)
+        for xc in _masked_centred(rows, mask, mean64, step, torch.float64):
+            cov.addmm_(xc.T, xc)
+        values, vectors = torch.linalg.eigh(cov)  # ascending
+        return mean, vectors.flip(1)[:, :k].float(), values.flip(0)[:k].clamp(min=0.0), cov.diagonal().sum(), n
+    # the seeded start drawn on the rows' device (no host-to-device copy): on the CPU the same start as
+    # principal_directions_of, on a GPU another one of the same distribution (the same on every process)
+    gen = torch.Generator(device=rows.device).manual_seed(seed)
+    basis = torch.linalg.qr(torch.randn(d, q, generator=gen, dtype=torch.float64, device=rows.device)).Q
+    for _ in range(niter):
+        product = torch.zeros_like(basis)
+        b32 = basis.float()
+        for xc in _masked_centred(rows, mask, mean, step, torch.float32):
+            product += (xc.T @ (xc @ b32)).double()
+        basis = torch.linalg.qr(product).Q
+    trace = torch.zeros((), dtype=torch.float64, device=rows.device)
+    projected = torch.zeros_like(basis)
+    b32 = basis.float()
+    for xc in _masked_centred(rows, mask, mean, step, torch.float32):
+        trace += xc.double().square().sum()
+        projected += (xc.T @ (xc @ b32)).double()
+    values, vectors = torch.linalg.eigh(basis.T @ projected)  # (q, q), ascending
+    directions = torch.linalg.qr(basis @ vectors.flip(1)[:, :k]).Q
+    return mean, directions.float(), values.flip(0)[:k].clamp(min=0.0), trace, n
+
+
+def unit_row_sum_masked(rows: Tensor, ids: Tensor, keep: Tensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> Tensor:
+    """:func:`unit_row_sum` of the rows ``ids[keep]``, without a data-dependent selection: ``(d,)`` float64."""
+    d = rows.shape[1]
+    total = torch.zeros(d, dtype=torch.float64, device=rows.device)
+    tiny = torch.finfo(torch.float32).tiny
+    ids, keep = ids.to(rows.device).long(), keep.to(rows.device)
+    step = _chunk_rows(d, 0, max_chunk_bytes)
+    for s in range(0, ids.numel(), step):
+        x = rows.index_select(0, ids[s : s + step]).float()
+        unit = (x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp(min=tiny)).double()
+        total += torch.where(keep[s : s + step].unsqueeze(1), unit, 0.0).sum(0)
+    return total
+
+
 @torch.no_grad()
 def remove_top_directions(rows: Tensor, valid: Tensor | None = None, k: int | None = None, **options: Any) -> DriftCorrection:
     """Subtract the valid rows' mean and project out their top-``k`` principal directions.
