@@ -449,12 +449,13 @@ def batches(steps: int) -> list[dict[str, torch.Tensor]]:
     return [{k: torch.stack([rows[j][k] for j in range(s * B, (s + 1) * B)]) for k in rows[0]} for s in range(steps)]
 
 
-def run_loop(tmp_path: Path, steps: int = STEPS, probes: bool = False) -> SyncCounter:
+def run_loop(tmp_path: Path, steps: int = STEPS, probes: bool = False, monitors: Callable[[], list] | None = None) -> SyncCounter:
+    """``monitors``: makes the monitors inside the count (default: the door's own)."""
     model, data = tiny_llama(), batches(steps)
     writer = SummaryWriter(str(tmp_path / "loop"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with counting() as counter:
-        monitors = [Probe("a"), Probe("b")] if probes else None
+        monitors = [Probe("a"), Probe("b")] if probes else (monitors() if monitors is not None else None)
         hw = headwatch.Headwatch(model, monitors=monitors, writer=writer, log_every_n_steps=EVERY)
         for step, batch in enumerate(data):
             counter.boundary()
@@ -650,3 +651,20 @@ def test_one_sync_at_the_collision_step(door, measured):
     one transfer (``Media.host``); the top-pairs table, ``last_result`` and the figures are made on the host in
     ``published``. Was 149 syncs of every kind (89 value reads) before."""
     check(measured(door), door, SYNCS, only=lambda s: s == COLLISION_STEP)
+
+
+SYNONYMS = [[3, 4], [10, 11, 12], [20, 63]]
+
+
+def test_one_sync_per_logging_step_with_synonym_groups(tmp_path):
+    """With synonym groups the collision step also computes the synonym pair rate and partner ranks (masked
+    pairs, every row a competitor, the lower median from a sort), and every training step counts synonym
+    confusion on the device: still 1 sync and 1 flush per logging step, the collision step included, none on
+    the other steps."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        counter = run_loop(tmp_path, monitors=lambda: ["tokens", "logits", "gradients", headwatch.core.SynonymCollision(synonym_groups=SYNONYMS)])
+    finally:
+        torch.set_num_threads(threads)
+    check(counter, "plain loop (synonym groups)", SYNCS)

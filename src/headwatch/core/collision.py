@@ -37,7 +37,7 @@ from headwatch.distributed.sharded_drift import (
     synonym_statistics_rows,
 )
 from headwatch.functional.drift import default_k
-from headwatch.functional.drift_pairs import FixedCollision, corrected_collision_masked
+from headwatch.functional.drift_pairs import FixedCollision, corrected_collision_masked, ordered_pairs, synonym_statistics_masked
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import nearest_neighbours_masked, synonym_confusion, synonym_table
@@ -118,7 +118,9 @@ class SynonymCollision(Monitor):
         self._head: nn.Module | None = None
         self._emb: nn.Module | None = None
         self._group_ids: list[list[int]] = []
+        self._pairs: tuple[Any, Tensor, Tensor] | None = None
         self._table: Tensor | None = None
+        self._has_synonym: Tensor | None = None
         self._hook: Any = None
         self._hooked: nn.Module | None = None
         self._view: BatchView | None = None
@@ -137,11 +139,25 @@ class SynonymCollision(Monitor):
         self._head, self._emb, self.model = head, emb, model
         if self.synonym_groups is not None:
             self._group_ids = [encode_group(self.tokenizer, g) for g in self.synonym_groups]
-            self._table = synonym_table(self._group_ids, head.weight.shape[0])
+            # checks the ids; the table, its rows with synonyms and the counts live on the device from set-up on
+            # (counting confusion on a training step copies nothing)
+            device = head.weight.device
+            self._table = synonym_table(self._group_ids, head.weight.shape[0]).to(device)
+            self._has_synonym = (self._table >= 0).any(dim=1)
+            self._confusion = self._confusion.to(device)
+            self._synonym_pairs(head.weight.device)  # on the device at set-up, not at a measurement
             if self._hook is None or self._hooked is not head:  # a new model: hook its head
                 self.detach()
                 self._hook, self._hooked = head.register_forward_hook(self._on_head_forward), head
         self.model = model
+
+    def _synonym_pairs(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The ordered synonym pairs ``(a, b)`` (``(P,)`` int64 each) on ``device``, copied there once."""
+        key = (tuple(tuple(g) for g in self._group_ids), device)
+        if self._pairs is None or self._pairs[0] != key:
+            a, b = ordered_pairs(self._group_ids)
+            self._pairs = (key, a.to(device), b.to(device))
+        return self._pairs[1], self._pairs[2]
 
     def detach(self) -> None:
         if self._hook is not None:
@@ -192,7 +208,8 @@ class SynonymCollision(Monitor):
             if self.frequency is None or self._table is None:
                 return
             snap = self.frequency.latest_snapshot()
-            eligible = snap.rare & (self._table >= 0).any(dim=1).to(snap.rare.device)
+            has = self._has_synonym if self._has_synonym is not None else (self._table >= 0).any(dim=1)
+            eligible = snap.rare & has.to(snap.rare.device)
             n, confused = synonym_confusion(logits, targets.to(logits.device), self._table, eligible)
             self._confusion = self._confusion.to(n.device)
             self._confusion[self._split] += torch.stack([n, confused])
@@ -357,7 +374,10 @@ class SynonymCollision(Monitor):
             f"{name}/excluded": torch.stack([p.unseen, p.padded, p.zero, p.nonfinite]),
         })  # fmt: skip
         if self._group_ids:
-            st = synonym_statistics_rows(corr_rows, self._group_ids, p.mask, self.tau, budget, reducer)
+            if rows.sharded:
+                st = synonym_statistics_rows(corr_rows, self._group_ids, p.mask, self.tau, budget, reducer)
+            else:
+                st = synonym_statistics_masked(corr_rows, *self._synonym_pairs(dev), p.mask, self.tau, budget)
             scalars[f"{c}/synonym_pair_rate_{name}"] = st["pair_rate"]
             scalars[f"{c}/synonym_partner_rank_{name}"] = st["median_rank"]
             if name == "head":

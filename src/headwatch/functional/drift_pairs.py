@@ -324,19 +324,20 @@ def partner_ranks(
         return torch.zeros(0, dtype=torch.long, device=dev)
     target = pair_cosine(rows, a, b).unsqueeze(1)  # (P, 1)
     tiny = torch.finfo(torch.float32).tiny
-    keys = valid.nonzero().flatten()
-    qc, kc = chunk_sizes(a.numel(), keys.numel(), rows.shape[1], max_chunk_bytes)
+    V = rows.shape[0]  # every row a key, those not valid masked: nothing selected by value (no host sync)
+    qc, kc = chunk_sizes(a.numel(), V, rows.shape[1], max_chunk_bytes)
     above = torch.zeros(a.numel(), dtype=torch.long, device=dev)
-    for k0 in range(0, keys.numel(), kc):
-        ids = keys[k0 : k0 + kc]
-        w = rows.detach().index_select(0, ids).float()
+    for k0 in range(0, V, kc):
+        w = rows.detach()[k0 : k0 + kc].float()
+        ids = torch.arange(k0, k0 + w.shape[0], device=dev)
         w = w / torch.linalg.vector_norm(w, dim=1, keepdim=True).clamp(min=tiny)  # (k, d)
         for q0 in range(0, a.numel(), qc):
             qa, qb = a[q0 : q0 + qc], b[q0 : q0 + qc]
             q = rows.detach().index_select(0, qa).float()
             q = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp(min=tiny)  # (q, d)
             sims = q @ w.T  # (q, k)
-            sims.masked_fill_((ids.unsqueeze(0) == qa.unsqueeze(1)) | (ids.unsqueeze(0) == qb.unsqueeze(1)), float("-inf"))
+            mine = (ids.unsqueeze(0) == qa.unsqueeze(1)) | (ids.unsqueeze(0) == qb.unsqueeze(1))
+            sims.masked_fill_(mine | ~valid[k0 : k0 + w.shape[0]].unsqueeze(0), float("-inf"))
             above[q0 : q0 + qc] += (sims > target[q0 : q0 + qc]).sum(dim=1)
     return above + 1
 
@@ -360,15 +361,32 @@ def synonym_statistics(
     V = rows.shape[0]
     if a.numel() and (int(torch.minimum(a, b).min()) < 0 or int(torch.maximum(a, b).max()) >= V):
         raise HeadwatchError(f"synonym group ids must be in [0, {V})")
+    return synonym_statistics_masked(rows, a, b, pairable, tau, max_chunk_bytes)
+
+
+@torch.no_grad()
+def synonym_statistics_masked(
+    rows: Tensor, a: Tensor, b: Tensor, pairable: Tensor, tau: float = DEFAULT_TAU,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> dict[str, Tensor]:  # fmt: skip
+    """:func:`synonym_statistics` of the ordered pairs ``(a, b)`` (:func:`ordered_pairs`, on ``rows``' device,
+    ids in ``[0, V)``: not checked), without reading a value on the host: the pairs with a member that
+    is not pairable are masked, not removed. Same values as :func:`synonym_statistics`."""
+    device = rows.device
+    pairable = pairable.to(device)
     keep = pairable[a] & pairable[b]
-    a, b = a[keep], b[keep]
-    nan = torch.tensor(float("nan"), dtype=torch.float64, device=rows.device)
-    if a.numel() == 0:
-        return {"pair_rate": nan, "median_rank": nan, "pairs": nan.new_tensor(0.0), "skipped_pairs": (~keep).sum().double()}
-    ranks = partner_ranks(rows, a, b, pairable, max_chunk_bytes)
+    m = keep.sum(dtype=torch.float64)
+    nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
+    skipped = (~keep).sum().double()
+    if a.numel() == 0:  # no pair at all (a static shape)
+        return {"pair_rate": nan, "median_rank": nan, "pairs": m, "skipped_pairs": skipped}
+    ranks = partner_ranks(rows, a, b, pairable, max_chunk_bytes).double()
+    ordered = torch.where(keep, ranks, float("inf")).sort().values  # the kept ranks first, ascending
+    lower = ((m - 1) // 2).clamp(min=0).long().reshape(1)  # torch.median's lower median
+    collides = ((pair_cosine(rows, a, b) >= tau) & keep).sum(dtype=torch.float64)
     return {
-        "pair_rate": (pair_cosine(rows, a, b) >= tau).double().mean(),
-        "median_rank": ranks.double().median(),
-        "pairs": torch.tensor(float(a.numel()), dtype=torch.float64, device=rows.device),
-        "skipped_pairs": (~keep).sum().double(),
+        "pair_rate": torch.where(m > 0, collides / m, nan),
+        "median_rank": torch.where(m > 0, ordered.gather(0, lower).squeeze(0), nan),
+        "pairs": m,
+        "skipped_pairs": skipped,
     }

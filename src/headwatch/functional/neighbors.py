@@ -280,6 +280,6 @@ def synonym_confusion(logits: Tensor, targets: Tensor, table: Tensor, eligible: 
     ok = in_range & eligible.to(flat.device).index_select(0, tc) & has_syn.any(dim=1)
     target_logit = flat.gather(1, tc.unsqueeze(1)).float()  # (N, 1)
     syn_logits = flat.gather(1, syn.clamp(min=0)).float()  # (N, G)
-    syn_logits = torch.where(has_syn, syn_logits, torch.tensor(float("-inf"), device=flat.device))
+    syn_logits = torch.where(has_syn, syn_logits, float("-inf"))
     confused = ok & (syn_logits.amax(dim=1) >= target_logit.squeeze(1))
     return ok.sum(dtype=torch.float64), confused.sum(dtype=torch.float64)
