@@ -55,6 +55,20 @@ Independent random rows almost never reach it: at d_model 64 the largest cosine 
 _TRAIN, _VAL = 0, 1
 
 
+def _on_host(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``tensors`` on the host in one transfer (float64 on the way: exact for float32, bool and ids below
+    2**53), each back in its dtype and shape (as the orchestrator's ``to_host`` moves ``Media.host``)."""
+    if not tensors:
+        return {}
+    device = next((v.device for v in tensors.values() if v.device.type != "cpu"), torch.device("cpu"))
+    flat = torch.cat([v.detach().to(device=device, dtype=torch.float64).reshape(-1) for v in tensors.values()]).cpu()
+    out, offset = {}, 0
+    for tag, v in tensors.items():
+        out[tag] = flat[offset : offset + v.numel()].reshape(v.shape).to(v.dtype)
+        offset += v.numel()
+    return out
+
+
 class SynonymCollision(Monitor):
     """Collision statistics of head (and untied embedding) rows (see :class:`headwatch.SynonymCollisionMonitor`).
 
@@ -305,13 +319,8 @@ class SynonymCollision(Monitor):
         Raises:
             HeadwatchError: fewer than 2 pairable rows (no mean and directions to remove).
         """
-        from headwatch.core.monitor import Media
-        from headwatch.core.orchestrator import to_host
-
         scalars, host = self._measure_on_device(snap, step)
-        media = Media(host=host)
-        to_host({}, [media])
-        return scalars, self._finish(media.host)
+        return scalars, self._finish(_on_host(host))
 
     def _measure_on_device(self, snap: FrequencySnapshot, step: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """``(scalars, per-row results)``, every tensor on the device, nothing read on the host (one process;
