@@ -58,7 +58,7 @@ def main() -> None:
     for i in range(args.repeats + 1):
         for label, (m, snap) in runs.items():
             t = time.perf_counter()
-            scalars, _ = m.measure(snap, step=0)
+            m.measure(snap, step=0)
             if i:
                 times[label].append(time.perf_counter() - t)
     mid = {label: statistics.median(v) for label, v in times.items()}

@@ -5,7 +5,6 @@ results' trip through the one transfer, and the monitor's handling of too few pa
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest
