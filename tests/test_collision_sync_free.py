@@ -17,7 +17,13 @@ from headwatch.functional.collision import sample_mask, top_colliding_pairs_fixe
 from headwatch.functional.drift import principal_directions_masked
 from headwatch.functional.drift_pairs import corrected_collision_masked
 from headwatch.functional.neighbors import nearest_neighbours_masked
-from tests.test_collision import _collision_monitor, _snapshot, brute_force, corrected_reference, planted
+from tests.test_collision import (
+    _collision_monitor,
+    _snapshot,
+    brute_force,
+    corrected_reference,
+    planted,
+)
 
 
 @pytest.mark.parametrize("budget", [2_000, 50_000, 64 * 2**20])
