@@ -356,7 +356,11 @@ class SynonymCollision(Monitor):
             res, corr_rows, cosines = self._neighbours_sharded(rows, ids, taken, groups, p.mask, k)
         else:
             res, corr_rows = corrected_collision_masked(rows.local, ids, taken, p.mask, self.tau, k, budget)
-            cosines = {g: nearest_neighbours_masked(corr_rows, i, p.mask, budget).cosine for g, (i, _) in groups.items()}
+            cosines = {
+                g: torch.full(i.shape, math.nan, device=dev) if g == "unseen" and not self.include_unseen  # never pairable
+                else nearest_neighbours_masked(corr_rows, i, p.mask, budget).cosine
+                for g, (i, _) in groups.items()
+            }  # fmt: skip
         scalars[f"{c}/rare_rate_{name}"] = res.rate
         scalars[f"{c}/drift/raw_rate_{name}"] = res.raw_rate
         scalars[f"{c}/drift/mean_cos_{name}"] = res.drift_mean_cos
