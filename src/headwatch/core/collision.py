@@ -30,7 +30,7 @@ from headwatch.core.forwards import not_loss_forward
 from headwatch.core.frequency import TokenCounts, check_token_counts
 from headwatch.core.monitor import Monitor
 from headwatch.core.tokens import check_synonym_groups, decode_token, encode_group
-from headwatch.functional.collision import sample_rows, top_colliding_pairs
+from headwatch.functional.collision import sample_mask, top_colliding_pairs_fixed
 from headwatch.distributed.sharded_drift import (
     corrected_collision_rows,
     nn_cosines_rows,
@@ -39,9 +39,10 @@ from headwatch.distributed.sharded_drift import (
     synonym_statistics_rows,
 )
 from headwatch.functional.drift import default_k
+from headwatch.functional.drift_pairs import FixedCollision, corrected_collision_masked, ordered_pairs, synonym_statistics_masked
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.functional.neighbors import Neighbours, synonym_confusion, synonym_table
+from headwatch.functional.neighbors import nearest_neighbours_masked, synonym_confusion, synonym_table
 from headwatch.model.find import resolve_matrices
 from headwatch.model.weights import effective_weight
 
@@ -54,6 +55,20 @@ Independent random rows almost never reach it: at d_model 64 the largest cosine 
 32768 Gaussian rows is about 0.6, at d_model 256 about 0.3."""
 
 _TRAIN, _VAL = 0, 1
+
+
+def _on_host(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``tensors`` on the host in one transfer (float64 on the way: exact for float32, bool and ids below
+    2**53), each back in its dtype and shape (as the orchestrator's ``to_host`` moves ``Media.host``)."""
+    if not tensors:
+        return {}
+    device = next((v.device for v in tensors.values() if v.device.type != "cpu"), torch.device("cpu"))
+    flat = torch.cat([v.detach().to(device=device, dtype=torch.float64).reshape(-1) for v in tensors.values()]).cpu()
+    out, offset = {}, 0
+    for tag, v in tensors.items():
+        out[tag] = flat[offset : offset + v.numel()].reshape(v.shape).to(v.dtype)
+        offset += v.numel()
+    return out
 
 
 class SynonymCollision(Monitor):
@@ -119,7 +134,9 @@ class SynonymCollision(Monitor):
         self._head: nn.Module | None = None
         self._emb: nn.Module | None = None
         self._group_ids: list[list[int]] = []
+        self._pairs: tuple[Any, Tensor, Tensor] | None = None
         self._table: Tensor | None = None
+        self._has_synonym: Tensor | None = None
         self._hook: Any = None
         self._hooked: nn.Module | None = None
         self._view: BatchView | None = None
@@ -138,11 +155,25 @@ class SynonymCollision(Monitor):
         self._head, self._emb, self.model = head, emb, model
         if self.synonym_groups is not None:
             self._group_ids = [encode_group(self.tokenizer, g) for g in self.synonym_groups]
-            self._table = synonym_table(self._group_ids, head.weight.shape[0])
+            # checks the ids; the table, its rows with synonyms and the counts live on the device from set-up on
+            # (counting confusion on a training step copies nothing)
+            device = head.weight.device
+            self._table = synonym_table(self._group_ids, head.weight.shape[0]).to(device)
+            self._has_synonym = (self._table >= 0).any(dim=1)
+            self._confusion = self._confusion.to(device)
+            self._synonym_pairs(head.weight.device)  # on the device at set-up, not at a measurement
             if self._hook is None or self._hooked is not head:  # a new model: hook its head
                 self.detach()
                 self._hook, self._hooked = head.register_forward_hook(self._on_head_forward), head
         self.model = model
+
+    def _synonym_pairs(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The ordered synonym pairs ``(a, b)`` (``(P,)`` int64 each) on ``device``, copied there once."""
+        key = (tuple(tuple(g) for g in self._group_ids), device)
+        if self._pairs is None or self._pairs[0] != key:
+            a, b = ordered_pairs(self._group_ids)
+            self._pairs = (key, a.to(device), b.to(device))
+        return self._pairs[1], self._pairs[2]
 
     def detach(self) -> None:
         if self._hook is not None:
@@ -202,7 +233,8 @@ class SynonymCollision(Monitor):
             if self.frequency is None or self._table is None:
                 return
             snap = self.frequency.latest_snapshot()
-            eligible = snap.rare & (self._table >= 0).any(dim=1).to(snap.rare.device)
+            has = self._has_synonym if self._has_synonym is not None else (self._table >= 0).any(dim=1)
+            eligible = snap.rare & has.to(snap.rare.device)
             n, confused = synonym_confusion(logits, targets.to(logits.device), self._table, eligible)
             self._confusion = self._confusion.to(n.device)
             self._confusion[self._split] += torch.stack([n, confused])
@@ -240,7 +272,13 @@ class SynonymCollision(Monitor):
         return False
 
     def compute(self) -> dict[str, Tensor]:
-        """Measure now (a collective: the counts and the confusion are summed over processes)."""
+        """Measure now (a collective: the counts and the confusion are summed over processes).
+
+        Nothing is read on the host here (one process): the scalars stay on the device and the
+        per-row results (sample, cosines, the top pairs' ids and cosines) go to :attr:`media` ``.host``,
+        moved in the orchestrator's one transfer; :meth:`published` then builds ``last_result``, the
+        top-pairs table and the figures from them, on the host.
+        """
         step = self._step if self._step is not None else self._last_step + 1
         self._step = None
         if self.frequency is None:
@@ -248,13 +286,28 @@ class SynonymCollision(Monitor):
         snap = self.frequency.snapshot()
         confusion = self._confusion_scalars(_TRAIN, "")
         self._last_step = step
+        self.media.texts, self.media.figures = {}, {}
         with self.full_matrices([self._head, self._emb]):  # FSDP1: the full matrices (a collective)
-            scalars, tables = self.measure(snap, step)
+            scalars, self.media.host = self._measure_on_device(snap, step)
         scalars.update(confusion)
         self._measurements += 1
+        return scalars
+
+    def published(self, numbers: dict[str, float]) -> None:
+        """The measurement's per-row results are on the host now: ``last_result``, the top-pairs table
+        (token ids decoded here) and the figures. Fewer than 2 pairable rows: the values are dropped
+        (removed from ``numbers``) and the cause raised (warned once by the door)."""
+        host, self.media.host = self.media.host, {}
+        if not host:
+            return
+        try:
+            tables = self._finish(host)
+        except HeadwatchError:
+            for key in [k for k in numbers if k.startswith(f"{self.prefix}/collision/")]:
+                del numbers[key]
+            raise
         self.media.texts = tables if self.reducer.rank == 0 else {}
         self.media.figures = self._similarity_figures() if self.draw_figures and self.reducer.rank == 0 else {}
-        return scalars
 
     def _similarity_figures(self) -> dict[str, Any]:
         from headwatch.core import figures
@@ -271,79 +324,161 @@ class SynonymCollision(Monitor):
     def measure(self, snap: FrequencySnapshot, step: int = 0) -> tuple[dict[str, Any], dict[str, str]]:
         """Collision statistics of the current weights; returns ``(scalars, text tables)``.
 
-        Also keeps the full result (colliding pairs, per-row cosines) in ``last_result``.
+        Scalars are float64 0-d tensors on the weights' device. Also keeps the full result (colliding
+        pairs, per-row cosines, on the host) in ``last_result``. The direct API: the per-row results
+        are moved to the host here, in one transfer (:meth:`compute` leaves it to the orchestrator's).
+
+        Raises:
+            HeadwatchError: fewer than 2 pairable rows (no mean and directions to remove).
         """
+        scalars, host = self._measure_on_device(snap, step)
+        return scalars, self._finish(_on_host(host))
+
+    def _measure_on_device(self, snap: FrequencySnapshot, step: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """``(scalars, per-row results)``, every tensor on the device, nothing read on the host (one process;
+        a row-sharded matrix selects its queries by value, see :meth:`_neighbours_sharded`)."""
         c = f"{self.prefix}/collision"
-        generator = torch.Generator().manual_seed(self.seed + step)
-        rare_ids = snap.rare.nonzero().flatten()
-        sample = sample_rows(rare_ids, self.max_rare, generator)
-        scalars: dict[str, Any] = {
-            f"{c}/rare_count": float(rare_ids.numel()),
-            f"{c}/rare_sample_size": float(sample.numel()),
-            f"{c}/unseen_count": float((snap.valid & (snap.counts == 0)).sum()),
-            f"{c}/invalid_count": float((~snap.valid).sum()),
+        rare = snap.rare
+        generator = torch.Generator(device=rare.device).manual_seed(self.seed + step)
+        sample, taken = sample_mask(rare, self.max_rare, generator)
+        scalars: dict[str, Tensor] = {
+            f"{c}/rare_count": rare.sum(dtype=torch.float64),
+            f"{c}/rare_sample_size": taken.sum(dtype=torch.float64),
+            f"{c}/unseen_count": (snap.valid & (snap.counts == 0)).sum(dtype=torch.float64),
+            f"{c}/invalid_count": (~snap.valid).sum(dtype=torch.float64),
         }
-        bucket_rows = {
-            name: sample_rows((snap.bucket == i).nonzero().flatten(), self.max_per_bucket, generator)
-            for i, name in enumerate(BUCKETS)
-        }
-        tables: dict[str, str] = {}
-        result: dict[str, Any] = {"rare_sample": sample.cpu(), "bucket_cosines": {}}
+        buckets = {name: sample_mask(snap.bucket == i, self.max_per_bucket, generator) for i, name in enumerate(BUCKETS)}
+        host: dict[str, Tensor] = {"rare_sample": sample, "rare_taken": taken}
         for name, weight in self._matrices().items():
-            result[name] = self._measure_matrix(name, weight, snap, sample, bucket_rows, scalars, tables)
-            result["bucket_cosines"][name] = result[name].pop("bucket_cosines")
-        self.last_result = result
-        return scalars, tables
+            self._measure_matrix(name, weight, snap, (sample, taken), buckets, scalars, host)
+        return scalars, host
 
     def _measure_matrix(
-        self, name: str, weight: Tensor, snap: FrequencySnapshot, sample: Tensor, bucket_rows: dict[str, Tensor],
-        scalars: dict[str, Any], tables: dict[str, str],
-    ) -> dict[str, Any]:  # fmt: skip
+        self, name: str, weight: Tensor, snap: FrequencySnapshot, sample: tuple[Tensor, Tensor],
+        buckets: dict[str, tuple[Tensor, Tensor]], scalars: dict[str, Tensor], host: dict[str, Tensor],
+    ) -> None:  # fmt: skip
         c, budget, reducer = f"{self.prefix}/collision", self.max_chunk_bytes, self.reducer
         rows = sharded.local_rows(weight)  # row-sharded (FSDP2): this process's rows only, combined exactly
         dev, d = rows.local.device, rows.local.shape[1]
         p = pairable_rows_sharded(rows, snap.valid.to(dev), (snap.counts > 0).to(dev), self.include_unseen, budget, reducer)
         k = min(self.k if self.k is not None else default_k(d), d)
-        res, corr_rows = corrected_collision_rows(rows, sample.to(dev), p.mask, self.tau, k, budget, reducer)
+        ids, taken = sample[0].to(dev), sample[1].to(dev)
+        groups = {g: (i.to(dev), t.to(dev) & p.mask[i.to(dev)]) for g, (i, t) in buckets.items()}
+        if rows.sharded:
+            res, corr_rows, cosines = self._neighbours_sharded(rows, ids, taken, groups, p.mask, k)
+        else:
+            res, corr_rows = corrected_collision_masked(rows.local, ids, taken, p.mask, self.tau, k, budget)
+            cosines = {
+                g: torch.full(i.shape, math.nan, device=dev) if g == "unseen" and not self.include_unseen  # never pairable
+                else nearest_neighbours_masked(corr_rows, i, p.mask, budget).cosine
+                for g, (i, _) in groups.items()
+            }  # fmt: skip
         scalars[f"{c}/rare_rate_{name}"] = res.rate
         scalars[f"{c}/drift/raw_rate_{name}"] = res.raw_rate
         scalars[f"{c}/drift/mean_cos_{name}"] = res.drift_mean_cos
         scalars[f"{c}/drift/removed_variance_{name}"] = res.removed_variance
         scalars[f"{c}/untrained_count_{name}"] = p.zero.double()  # valid all-zero rows: never trained
         scalars[f"{c}/nonfinite_count_{name}"] = p.nonfinite.double()
-        cosines = {"rare": res.cosine.cpu(), **nn_cosines_rows(corr_rows, bucket_rows, p.mask, budget, reducer)}
-        for group, cos in cosines.items():
-            finite = cos[torch.isfinite(cos)]
-            scalars[f"{c}/{group}/{name}_nn_cosine_mean"] = finite.double().mean() if finite.numel() else torch.tensor(math.nan, dtype=torch.float64)
-        pairs = top_colliding_pairs(res.queries, Neighbours(res.cosine, res.neighbour), self.tau, self.top_pairs)
-        tables[f"{c}/top_pairs_{name}"] = self._table_text(pairs, weight, snap, p)
+        groups = {"rare": (ids, res.measured), **groups}
+        cosines = {"rare": res.cosine, **cosines}
+        for group, (_, kept) in groups.items():
+            finite = kept & torch.isfinite(cosines[group])
+            n = finite.sum(dtype=torch.float64)
+            total = torch.where(finite, cosines[group].double(), 0.0).sum()
+            scalars[f"{c}/{group}/{name}_nn_cosine_mean"] = torch.where(n > 0, total / n, float("nan"))
+            host[f"{name}/bucket/{group}"], host[f"{name}/bucket_kept/{group}"] = cosines[group], kept
+        at, pair_taken = top_colliding_pairs_fixed(res.cosine, res.measured, self.tau, self.top_pairs)
+        r, j = ids[at], res.neighbour[at].clamp(min=0)
+        raw = pair_cosine_rows(weight, r, j, reducer)
+        counts = snap.counts.to(dev)
+        host.update({
+            f"{name}/cosine": res.cosine, f"{name}/neighbour": res.neighbour, f"{name}/raw_cosine": res.raw_cosine,
+            f"{name}/measured": res.measured, f"{name}/basis_rows": res.basis_rows,
+            f"{name}/pairs": torch.stack([r.double(), j.double(), res.cosine[at].double(), raw.double(),
+                                          counts[r].double(), counts[j].double(), pair_taken.double()], dim=1),
+            f"{name}/excluded": torch.stack([p.unseen, p.padded, p.zero, p.nonfinite]),
+        })  # fmt: skip
         if self._group_ids:
-            st = synonym_statistics_rows(corr_rows, self._group_ids, p.mask, self.tau, budget, reducer)
+            if rows.sharded:
+                st = synonym_statistics_rows(corr_rows, self._group_ids, p.mask, self.tau, budget, reducer)
+            else:
+                st = synonym_statistics_masked(corr_rows, *self._synonym_pairs(dev), p.mask, self.tau, budget)
             scalars[f"{c}/synonym_pair_rate_{name}"] = st["pair_rate"]
             scalars[f"{c}/synonym_partner_rank_{name}"] = st["median_rank"]
             if name == "head":
                 scalars[f"{c}/synonym_pairs"] = st["pairs"]
                 scalars[f"{c}/synonym_skipped_pairs"] = st["skipped_pairs"]
-        return {
-            "cosine": res.cosine.cpu(), "neighbour": res.neighbour.cpu(), "queries": res.queries.cpu(),
-            "raw_cosine": res.raw_cosine.cpu(), "pairs": pairs, "bucket_cosines": cosines,
-        }  # fmt: skip
 
-    def _table_text(self, pairs: list[tuple[int, int, float]], weight: Tensor, snap: FrequencySnapshot, p: Any) -> str:
-        excluded = (
-            f"not paired: {int(p.unseen)} never-seen, {int(p.padded)} padded or invalid, {int(p.zero)} zero, "
-            f"{int(p.nonfinite)} non-finite rows (drift removed: mean and top principal directions)"
+    def _neighbours_sharded(
+        self, rows: Any, ids: Tensor, taken: Tensor, groups: dict[str, tuple[Tensor, Tensor]], pairable: Tensor, k: int
+    ) -> tuple[FixedCollision, Any, dict[str, Tensor]]:
+        """The row-sharded search (:mod:`headwatch.distributed.sharded_drift`, exact over processes) in the
+        fixed-size form of the one-process path. It selects the measured rows by value (the sharded
+        search takes compact query ids): syncs, on this path only."""
+        budget, reducer = self.max_chunk_bytes, self.reducer
+        res, corr_rows = corrected_collision_rows(rows, ids[taken], pairable, self.tau, k, budget, reducer)
+        measured = taken & pairable[ids]
+
+        def spread(values: Tensor, kept: Tensor, fill: float) -> Tensor:
+            out = torch.full(kept.shape, fill, dtype=values.dtype, device=values.device)
+            out[kept] = values
+            return out
+
+        found = nn_cosines_rows(corr_rows, {g: i[t] for g, (i, t) in groups.items()}, pairable, budget, reducer)
+        fixed = FixedCollision(
+            rate=res.rate, raw_rate=res.raw_rate, drift_mean_cos=res.drift_mean_cos, removed_variance=res.removed_variance,
+            measured=measured, cosine=spread(res.cosine, measured, math.nan), neighbour=spread(res.neighbour, measured, -1),
+            raw_cosine=spread(res.raw_cosine, measured, math.nan), basis_rows=pairable.sum(dtype=torch.float64),
+        )  # fmt: skip
+        return fixed, corr_rows, {g: spread(found[g].to(ids.device), groups[g][1], math.nan) for g in groups}
+
+    def _finish(self, host: dict[str, Tensor]) -> dict[str, str]:
+        """``last_result`` and the text tables from the measurement's per-row results, on the host.
+
+        Raises:
+            HeadwatchError: fewer than 2 pairable rows (the mean and directions are undefined).
+        """
+        c = f"{self.prefix}/collision"
+        taken = host["rare_taken"].bool()
+        result: dict[str, Any] = {"rare_sample": host["rare_sample"].long()[taken], "bucket_cosines": {}}
+        tables: dict[str, str] = {}
+        for name in [n for n in ("head", "embedding") if f"{n}/cosine" in host]:
+            n = int(host[f"{name}/basis_rows"])
+            if n < 2:
+                raise HeadwatchError(f"principal directions need at least 2 valid rows, got {n}")
+            measured = host[f"{name}/measured"].bool()
+            pairs = [
+                (int(r), int(j), float(cos), float(raw), int(cr), int(cj))
+                for r, j, cos, raw, cr, cj, ok in host[f"{name}/pairs"].tolist() if ok
+            ]  # fmt: skip
+            tables[f"{c}/top_pairs_{name}"] = self._table_text(pairs, host[f"{name}/excluded"].long().tolist())
+            result[name] = {
+                "cosine": host[f"{name}/cosine"].float()[measured], "neighbour": host[f"{name}/neighbour"].long()[measured],
+                "queries": host["rare_sample"].long()[measured], "raw_cosine": host[f"{name}/raw_cosine"].float()[measured],
+                "pairs": [(r, j, cos) for r, j, cos, _, _, _ in pairs],
+            }  # fmt: skip
+            result["bucket_cosines"][name] = {
+                t.split("/")[-1]: host[t].float()[host[t.replace("/bucket/", "/bucket_kept/")].bool()]
+                for t in host if t.startswith(f"{name}/bucket/")
+            }  # fmt: skip
+        self.last_result = result
+        return tables
+
+    def _table_text(self, pairs: list[tuple[int, int, float, float, int, int]], excluded: list[int]) -> str:
+        unseen, padded, zero, nonfinite = excluded
+        note = (
+            f"not paired: {unseen} never-seen, {padded} padded or invalid, {zero} zero, "
+            f"{nonfinite} non-finite rows (drift removed: mean and top principal directions)"
         )
         if not pairs:
-            return f"no rare token collides at tau = {self.tau}\n\n{excluded}"
-        raw = pair_cosine_rows(weight, torch.tensor([r for r, _, _ in pairs]), torch.tensor([j for _, j, _ in pairs]), self.reducer).tolist()
+            return f"no rare token collides at tau = {self.tau}\n\n{note}"
         lines = ["| rare token | count | nearest row | count | cosine (drift removed) | raw cosine |", "|---|---|---|---|---|---|"]
-        for (r, j, cos), raw_cos in zip(pairs, raw):
+        for r, j, cos, raw_cos, count_r, count_j in pairs:
             lines.append(
-                f"| {r} `{decode_token(self.tokenizer, r)!r}` | {int(snap.counts[r])} "
-                f"| {j} `{decode_token(self.tokenizer, j)!r}` | {int(snap.counts[j])} | {cos:.4f} | {raw_cos:.4f} |"
+                f"| {r} `{decode_token(self.tokenizer, r)!r}` | {count_r} "
+                f"| {j} `{decode_token(self.tokenizer, j)!r}` | {count_j} | {cos:.4f} | {raw_cos:.4f} |"
             )
-        return "\n".join(lines) + f"\n\n{excluded}"
+        return "\n".join(lines) + f"\n\n{note}"
 
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -213,6 +213,7 @@ class GradientDensity(Monitor):
         step = self._step
         self.media.histograms.clear()
         self.media.figures.clear()
+        self.media.host.clear()
         try:
             scalars = dict(self._pending)
             with self.full_matrices([self._head, self._emb]):  # FSDP1: a collective, entered on every process
@@ -438,12 +439,31 @@ class GradientDensity(Monitor):
         snap, norms = self._snapshot, dict(self._full_norms)
         if snap is None or not norms:
             return
+        # the counts and norms go to the host in the step's one transfer; the figure is drawn in published()
+        self.media.host.update({"norm_figure/counts": snap.counts, "norm_figure/valid": snap.valid})
+        self.media.host.update({f"norm_figure/norm/{name}": v for name, v in norms.items()})
+
+    def _draw_norm_figure(self) -> None:
+        """The row-norm figure from the counts and norms moved to the host with the step's values."""
+        from headwatch.core import figures
+
+        host = self.media.host
+        if "norm_figure/counts" not in host:
+            return
+        self.media.host = {}
+        norms = {tag.rpartition("/")[2]: v for tag, v in host.items() if tag.startswith("norm_figure/norm/")}
         title = "gradient row norm vs token frequency" + (" (tied: lookup and scoring flows)" if self.tied else "")
-        fig = figures.norm_vs_frequency_rank(snap.counts, snap.valid, norms, title)
+        try:
+            fig = figures.norm_vs_frequency_rank(host["norm_figure/counts"], host["norm_figure/valid"], norms, title)
+        except Exception as err:  # noqa: BLE001 - a figure that fails loses the figure, not the scalars
+            self.fail(err, "drawing the row-norm figure")
+            return
         self.media.figures[f"{self.prefix}/grad/row_norm_vs_frequency"] = fig
 
     def published(self, numbers: dict[str, float]) -> None:
-        """The row-norm histograms (on the host now) keep the valid rows only (their -1 entries dropped)."""
+        """The row-norm histograms (on the host now) keep the valid rows only (their -1 entries dropped); the
+        row-norm figure of a figure step is drawn."""
+        self._draw_norm_figure()
         for tag, values in self.media.histograms.items():
             if values.device.type == "cpu":
                 self.media.histograms[tag] = values[~(values < 0)]  # NaN norms stay

@@ -265,6 +265,8 @@ class LogitStats(Monitor):
         step, self._step = self._step, None
         self.media.histograms.clear()
         self.media.figures.clear()
+        self.media.host.clear()
+        self._figure_top = None
         values = self._values(self._train)
         if values is None or step is None:
             return {}
@@ -352,10 +354,30 @@ class LogitStats(Monitor):
             self._history_on_device += 1
             del self.entropy_history[: -self.max_figure_history]
             if (step + 1) % self.figure_every == 0 and self.reducer.rank == 0:
-                self._history_to_host()
-                steps, hists = [s for s, _ in self.entropy_history], [h for _, h in self.entropy_history]
-                fig = figures.entropy_over_run(steps, hists, top)
-                self.media.figures[f"{self.prefix}/logits/entropy_over_run"] = fig
+                # the histograms still on the device go to the host in the step's one transfer; drawn in published()
+                n = min(self._history_on_device, len(self.entropy_history))
+                if n:
+                    self.media.host["entropy_history"] = torch.stack([h for _, h in self.entropy_history[-n:]])
+                self._figure_top = top
+        except Exception as err:  # noqa: BLE001
+            self.fail(err, "drawing the entropy figure")
+
+    def _draw_entropy_figure(self) -> None:
+        """The entropy figure of a figure step, from the histories moved to the host with the step's values."""
+        top, self._figure_top = getattr(self, "_figure_top", None), None
+        moved = self.media.host.pop("entropy_history", None)
+        if moved is not None:
+            n = moved.shape[0]
+            self.entropy_history[-n:] = [(step, h) for (step, _), h in zip(self.entropy_history[-n:], moved.unbind(0))]
+            self._history_on_device = 0
+        if top is None:
+            return
+        try:
+            from headwatch.core import figures
+
+            self._history_to_host()  # nothing left on the device unless the transfer was skipped
+            steps, hists = [s for s, _ in self.entropy_history], [h for _, h in self.entropy_history]
+            self.media.figures[f"{self.prefix}/logits/entropy_over_run"] = figures.entropy_over_run(steps, hists, top)
         except Exception as err:  # noqa: BLE001
             self.fail(err, "drawing the entropy figure")
 
@@ -370,7 +392,9 @@ class LogitStats(Monitor):
 
     def published(self, numbers: dict[str, float]) -> None:
         """Totals and warnings from the values a front door published (floats, no extra sync); the entropy
-        histograms (on the host now) lose their NaNs, the positions that were not valid."""
+        histograms (on the host now) lose their NaNs, the positions that were not valid; the entropy figure
+        of a figure step is drawn (from the histories moved with the values)."""
+        self._draw_entropy_figure()
         for tag, values in self.media.histograms.items():
             if values.device.type == "cpu":
                 self.media.histograms[tag] = values[~torch.isnan(values)]

@@ -33,6 +33,9 @@ class Media:
     texts: dict[str, str] = field(default_factory=dict)
     figures: dict[str, Any] = field(default_factory=dict)
     """tag -> ``matplotlib.figure.Figure``."""
+    host: dict[str, Tensor] = field(default_factory=dict)
+    """Tensors the monitor reads on the host in :meth:`Monitor.published` (per-row results, ids): moved in
+    the logging step's one transfer with the histograms, their dtype and shape kept; never published."""
 
 
 class FailurePolicy:

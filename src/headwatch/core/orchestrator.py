@@ -135,22 +135,25 @@ def to_host(scalars: dict[str, Tensor | float], media: Sequence[Media] = ()) -> 
 
     The scalars are stacked (float64) and concatenated with the flattened histogram values; the
     one ``.cpu()`` of that buffer is the logging step's host-device sync. Histograms are replaced
-    in place by float64 CPU tensors of their original shape.
+    in place by float64 CPU tensors of their original shape, the ``host`` tensors (read by the
+    monitors' ``published``) by CPU tensors of their original shape and dtype.
     """
-    hist = [(m, tag, v) for m in media for tag, v in m.histograms.items() if isinstance(v, Tensor)]
+    hist = [(m.histograms, tag, v, False) for m in media for tag, v in m.histograms.items() if isinstance(v, Tensor)]
+    hist += [(m.host, tag, v, True) for m in media for tag, v in m.host.items() if isinstance(v, Tensor)]
     on_device = [k for k, v in scalars.items() if isinstance(v, Tensor)]
     numbers = {k: float(v) for k, v in scalars.items() if not isinstance(v, Tensor)}  # Python numbers: no transfer
-    tensors = [scalars[k] for k in on_device] + [v for _, _, v in hist]
+    tensors = [scalars[k] for k in on_device] + [v for _, _, v, _ in hist]
     if tensors:
         devices = [t.device for t in tensors if t.device.type != "cpu"]
         device = devices[0] if devices else torch.device("cpu")
         parts = [scalars[k].detach().to(device=device, dtype=torch.float64).reshape(1) for k in on_device]
-        parts += [v.detach().to(device=device, dtype=torch.float64).reshape(-1) for _, _, v in hist]
+        parts += [v.detach().to(device=device, dtype=torch.float64).reshape(-1) for _, _, v, _ in hist]
         flat = torch.cat(parts).cpu()  # the one host transfer
         numbers.update(zip(on_device, flat[: len(on_device)].tolist()))
         offset = len(on_device)
-        for m, tag, v in hist:
-            m.histograms[tag] = flat[offset : offset + v.numel()].reshape(v.shape)
+        for where, tag, v, own_dtype in hist:  # histograms float64; `host` tensors their own dtype (ids < 2**53 exact)
+            moved = flat[offset : offset + v.numel()].reshape(v.shape)
+            where[tag] = moved.to(v.dtype) if own_dtype else moved
             offset += v.numel()
     numbers = {k: numbers[k] for k in scalars}  # the scalars' order
     return numbers

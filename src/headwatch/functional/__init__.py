@@ -18,9 +18,11 @@ from headwatch.functional.adapters import add_low_rank_, head_weight_gradient, z
 from headwatch.functional.collision import (
     collision_scalars,
     collision_statistics,
+    sample_mask,
     sample_rows,
     synonym_pair_rate,
     top_colliding_pairs,
+    top_colliding_pairs_fixed,
 )
 from headwatch.functional.frequency import (
     BUCKETS,
@@ -43,7 +45,15 @@ from headwatch.functional.logits import (
 )
 from headwatch.functional.sums import LogitStatSums, logit_stats_compute, logit_stats_update
 from headwatch.functional.hidden import hidden_chunk_plan, logit_scale, logit_softcap, logit_statistics_from_hidden
-from headwatch.functional.neighbors import Neighbours, chunk_sizes, nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
+from headwatch.functional.neighbors import (
+    Neighbours,
+    chunk_sizes,
+    nearest_neighbours,
+    nearest_neighbours_masked,
+    pair_cosine,
+    synonym_confusion,
+    synonym_table,
+)
 from headwatch.functional.quantiles import nanquantiles, quantiles, sorted_quantiles
 from headwatch.functional.rows import (
     Summary,
@@ -136,22 +146,28 @@ from headwatch.functional.drift import (  # noqa: E402
     default_k,
     mean_resultant_length,
     pairable_rows,
+    principal_directions_masked,
     principal_directions_of,
     remove_top_directions,
     resultant_length,
     top_principal_directions,
     unit_row_sum,
+    unit_row_sum_masked,
 )
 from headwatch.functional.drift_pairs import (  # noqa: E402
     CorrectedCollision,
+    FixedCollision,
     check_queries,
     collision_from_neighbours,
     corrected_collision,
+    corrected_collision_masked,
     rate_above,
+    rate_above_masked,
     nn_cosine_by_bucket,
     ordered_pairs,
     partner_ranks,
     synonym_statistics,
+    synonym_statistics_masked,
 )
 
 __all__ += [
@@ -186,6 +202,16 @@ __all__ += [
     "check_queries",
     "synonym_statistics",
     "top_principal_directions",
+    # the collision measurement without host reads (fixed-size selections, masks)
+    "FixedCollision",
+    "corrected_collision_masked",
+    "nearest_neighbours_masked",
+    "principal_directions_masked",
+    "rate_above_masked",
+    "sample_mask",
+    "synonym_statistics_masked",
+    "top_colliding_pairs_fixed",
+    "unit_row_sum_masked",
 ]
 
 

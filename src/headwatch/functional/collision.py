@@ -16,7 +16,10 @@ from torch import Tensor
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine
 
-__all__ = ["collision_scalars", "collision_statistics", "sample_rows", "synonym_pair_rate", "top_colliding_pairs"]
+__all__ = [
+    "collision_scalars", "collision_statistics", "sample_mask", "sample_rows", "synonym_pair_rate", "top_colliding_pairs",
+    "top_colliding_pairs_fixed",
+]  # fmt: skip
 
 
 def sample_rows(rows: Tensor, k: int, generator: torch.Generator) -> Tensor:
@@ -29,6 +32,45 @@ def sample_rows(rows: Tensor, k: int, generator: torch.Generator) -> Tensor:
         return rows
     pick = torch.randperm(rows.numel(), generator=generator)[:k]
     return rows[pick.to(rows.device)].sort().values
+
+
+def sample_mask(mask: Tensor, k: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Every row of ``mask`` when at most ``k``, else a uniform sample of ``k`` of them, as a fixed-size selection.
+
+    Sync-free counterpart of :func:`sample_rows`: each row gets a uniform random key (``generator``,
+    on ``mask``'s device), the rows outside ``mask`` key -1, and the ``S = min(k, V)`` largest keys
+    are kept (a uniform ``k``-subset without replacement, as ``randperm(n)[:k]``, though not the same
+    one for a seed). Nothing is read on the host.
+
+    Args:
+        mask: ``(V,)`` bool, the rows to sample from.
+        k: the sample size (``>= 1``).
+        generator: a ``torch.Generator`` on ``mask``'s device.
+
+    Returns:
+        ``(ids (S,) int64, taken (S,) bool)``: the sampled ids ascending first (``taken``), then padding
+        (id 0, not ``taken``).
+    """
+    V = mask.numel()
+    S = min(k, V)
+    keys = torch.where(mask, torch.rand(V, generator=generator, device=mask.device), -1.0)
+    top = torch.topk(keys, S, sorted=False)
+    taken = top.values >= 0
+    ids = torch.where(taken, top.indices, V).sort().values
+    taken = ids < V
+    return torch.where(taken, ids, 0), taken
+
+
+def top_colliding_pairs_fixed(cosine: Tensor, measured: Tensor, tau: float, k: int) -> tuple[Tensor, Tensor]:
+    """:func:`top_colliding_pairs` as a fixed-size selection: ``(positions (P,), taken (P,) bool)``, ``P = min(k, S)``.
+
+    ``positions`` index the ``(S,)`` queries, most similar first; ``taken``: a measured query whose
+    cosine is ``>= tau`` (the table keeps those only).
+    """
+    colliding = measured & (cosine >= tau)
+    cos = torch.where(colliding, cosine, float("-inf"))
+    top = torch.topk(cos, min(k, cos.numel()))
+    return top.indices, colliding[top.indices]
 
 
 def collision_statistics(

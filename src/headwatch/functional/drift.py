@@ -91,16 +91,30 @@ def _chunk_rows(d: int, columns: int, max_chunk_bytes: int) -> int:
 
 
 def _chunks(rows: Tensor, ids: Tensor, step: int) -> Iterator[Tensor]:
-    """The rows ``ids`` a chunk at a time: ``(c, d)`` slices when ``ids`` is every row, else copies."""
+    """The rows ``ids`` a chunk at a time: ``(c, d)`` slices when ``ids`` is every row, else copies.
+
+    ``ids`` may also be a ``(V,)`` bool mask: every row in order, those outside the mask zero (new
+    tensors; nothing selected by value)."""
+    if ids.dtype == torch.bool:
+        for s in range(0, rows.shape[0], step):
+            yield torch.where(ids[s : s + step].unsqueeze(1), rows[s : s + step], 0.0)
+        return
     every = ids.numel() == rows.shape[0]  # ids are sorted and unique: every row, in order
     for s in range(0, ids.numel(), step):
         yield rows[s : s + step] if every else rows.index_select(0, ids[s : s + step])
 
 
-def _centred_chunks(rows: Tensor, ids: Tensor, mean: Tensor, step: int) -> Iterator[Tensor]:
-    """``(c, d)`` float32 rows ``ids`` minus ``mean`` (new tensors), a chunk at a time."""
+def _centred_chunks(rows: Tensor, ids: Tensor, mean: Tensor, step: int, dtype: torch.dtype = torch.float32) -> Iterator[Tensor]:
+    """``(c, d)`` rows ``ids`` minus ``mean`` in ``dtype`` (new tensors), a chunk at a time (a bool mask
+    ``ids``: every row, those outside the mask zero after centring)."""
+    if ids.dtype == torch.bool:
+        for s in range(0, rows.shape[0], step):
+            chunk = rows[s : s + step]
+            xc = torch.sub(chunk, mean, out=torch.empty(chunk.shape, dtype=dtype, device=chunk.device))
+            yield torch.where(ids[s : s + step].unsqueeze(1), xc, 0.0)
+        return
     for chunk in _chunks(rows, ids, step):
-        yield torch.sub(chunk, mean, out=torch.empty(chunk.shape, dtype=torch.float32, device=chunk.device))
+        yield torch.sub(chunk, mean, out=torch.empty(chunk.shape, dtype=dtype, device=chunk.device))
 
 
 def _covariance_times(rows: Tensor, ids: Tensor, mean: Tensor, basis: Tensor, step: int) -> Tensor:
@@ -204,8 +218,7 @@ def _exact_directions(
     """Top-``k`` eigenpairs of the float64 covariance accumulated over chunks (summed by ``total``), and its trace."""
     d = rows.shape[1]
     cov = torch.zeros(d, d, dtype=torch.float64, device=rows.device)
-    for chunk in _chunks(rows, ids, step):
-        xc = chunk.double().sub_(mean64)
+    for xc in _centred_chunks(rows, ids, mean64, step, torch.float64):
         cov.addmm_(xc.T, xc)
     cov = total(cov)
     values, vectors = torch.linalg.eigh(cov)  # ascending
@@ -214,12 +227,20 @@ def _exact_directions(
 
 def _randomized_directions(
     rows: Tensor, ids: Tensor, mean: Tensor, k: int, q: int, niter: int, seed: int, step: int,
-    total: Callable[[Tensor], Tensor] = _same,
+    total: Callable[[Tensor], Tensor] = _same, start_on_device: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Subspace iteration on the covariance operator (Halko et al. 2011, Alg. 4.4), then Rayleigh-Ritz."""
+    """Subspace iteration on the covariance operator (Halko et al. 2011, Alg. 4.4), then Rayleigh-Ritz.
+
+    ``start_on_device``: the seeded start drawn by a generator on the rows' device (no host-to-device
+    copy; on a GPU another draw of the same distribution), else on the CPU and copied."""
     d = rows.shape[1]
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    basis = torch.linalg.qr(torch.randn(d, q, generator=gen, dtype=torch.float64).to(rows.device)).Q
+    if start_on_device:
+        gen = torch.Generator(device=rows.device).manual_seed(seed)
+        start = torch.randn(d, q, generator=gen, dtype=torch.float64, device=rows.device)
+    else:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        start = torch.randn(d, q, generator=gen, dtype=torch.float64).to(rows.device)
+    basis = torch.linalg.qr(start).Q
     for _ in range(niter):
         basis = torch.linalg.qr(total(_covariance_times(rows, ids, mean, basis, step))).Q
     trace = torch.zeros((), dtype=torch.float64, device=rows.device)
@@ -233,6 +254,64 @@ def _randomized_directions(
     values, vectors = torch.linalg.eigh(basis.T @ projected)  # (q, q), ascending
     directions = torch.linalg.qr(basis @ vectors.flip(1)[:, :k]).Q
     return directions.float(), values.flip(0)[:k].clamp(min=0.0), trace
+
+
+@torch.no_grad()
+def principal_directions_masked(
+    rows: Tensor,
+    mask: Tensor,
+    k: int,
+    method: str = "auto",
+    niter: int = 2,
+    seed: int = 0,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`principal_directions_of` of the rows in ``mask``, without reading a value on the host.
+
+    Every row is read a chunk at a time and the rows outside ``mask`` contribute zero (no
+    data-dependent selection); the row count stays on the device. ``method`` ``"auto"`` decides
+    on the matrix's row count ``V`` (``V d^2 <= 2^33``: exact), known without a sync, where
+    :func:`principal_directions_of` decides on the selected rows; the randomized start is drawn
+    on the rows' device.
+
+    Args:
+        rows: ``(V, d)`` floating; mask: ``(V,)`` bool; k: directions, in ``[1, d]`` (not checked).
+
+    Returns:
+        ``(mean (d,) float32, directions (d, k) float32, variances (k,) float64, total_variance ()
+        float64, n () float64)``: as :func:`top_principal_directions`, and the number of rows in
+        ``mask``. Fewer than 2 rows do not raise here (the caller checks ``n`` on the host, after
+        its one transfer): the mean is then NaN or the covariance zero.
+    """
+    V, d = rows.shape
+    mask = mask.to(rows.device)
+    n = mask.sum(dtype=torch.float64)
+    q = min(d, k + _OVERSAMPLE)
+    step = _chunk_rows(d, max(d, q), max_chunk_bytes)
+    sums = torch.zeros(d, dtype=torch.float64, device=rows.device)
+    for chunk in _chunks(rows, mask, step):
+        sums += chunk.sum(0, dtype=torch.float64)
+    mean64 = sums / n
+    mean = mean64.float()
+    if method == "exact" or (method == "auto" and V * d * d <= _EXACT_MACS):
+        directions, variances, trace = _exact_directions(rows, mask, mean64, k, step)
+    else:
+        directions, variances, trace = _randomized_directions(rows, mask, mean, k, q, niter, seed, step, start_on_device=True)
+    return mean, directions, variances, trace, n
+
+
+def unit_row_sum_masked(rows: Tensor, ids: Tensor, keep: Tensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> Tensor:
+    """:func:`unit_row_sum` of the rows ``ids[keep]``, without a data-dependent selection: ``(d,)`` float64."""
+    d = rows.shape[1]
+    total = torch.zeros(d, dtype=torch.float64, device=rows.device)
+    tiny = torch.finfo(torch.float32).tiny
+    ids, keep = ids.to(rows.device).long(), keep.to(rows.device)
+    step = _chunk_rows(d, 0, max_chunk_bytes)
+    for s in range(0, ids.numel(), step):
+        x = rows.index_select(0, ids[s : s + step]).float()
+        unit = (x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp(min=tiny)).double()
+        total += torch.where(keep[s : s + step].unsqueeze(1), unit, 0.0).sum(0)
+    return total
 
 
 @torch.no_grad()

@@ -24,12 +24,15 @@ from headwatch.errors import HeadwatchError
 from headwatch.functional.drift import (
     DEFAULT_TAU,
     DriftCorrection,
+    apply_correction,
     check_rows,
     mean_resultant_length,
+    principal_directions_masked,
     remove_top_directions,
+    unit_row_sum_masked,
 )
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.functional.neighbors import Neighbours, chunk_sizes, nearest_neighbours, pair_cosine
+from headwatch.functional.neighbors import Neighbours, chunk_sizes, nearest_neighbours, nearest_neighbours_masked, pair_cosine
 
 
 class CorrectedCollision(NamedTuple):
@@ -123,6 +126,84 @@ def corrected_collision(
     raw = nearest_neighbours(rows, measured, pairable, max_chunk_bytes)
     drift_mean_cos = mean_resultant_length(rows, measured, max_chunk_bytes)
     return collision_from_neighbours(fixed, raw, tau, keep, measured, drift_mean_cos, correction.removed_variance), correction
+
+
+class FixedCollision(NamedTuple):
+    """:class:`CorrectedCollision` of a fixed-size query set with a validity mask (nothing selected by value)."""
+
+    rate: Tensor
+    """float64 scalar, measured queries whose corrected ``nn_cos >= tau`` / measured queries (NaN when none)."""
+    raw_rate: Tensor
+    """float64 scalar, the same on raw rows (a drift statistic)."""
+    drift_mean_cos: Tensor
+    """float64 scalar, mean resultant length of the measured query rows (raw rows; NaN when none)."""
+    removed_variance: Tensor
+    """float64 scalar, share of the basis rows' variance held by the removed directions."""
+    measured: Tensor
+    """``(S,)`` bool, the queries measured: given and pairable."""
+    cosine: Tensor
+    """``(S,)`` float32 corrected nearest-neighbour cosine (meaningful where ``measured``)."""
+    neighbour: Tensor
+    """``(S,)`` int64 corrected nearest neighbour (-1 if none)."""
+    raw_cosine: Tensor
+    """``(S,)`` float32 raw nearest-neighbour cosine."""
+    basis_rows: Tensor
+    """float64 scalar, rows that defined the mean and the directions (at least 2 are needed)."""
+
+
+def rate_above_masked(cos: Tensor, keep: Tensor, tau: float) -> Tensor:
+    """``|{i : keep_i, cos_i >= tau}| / |{i : keep_i}|`` float64 (NaN when none is kept), on the device."""
+    n = keep.sum(dtype=torch.float64)
+    return torch.where(n > 0, ((cos >= tau) & keep).sum(dtype=torch.float64) / n, float("nan"))
+
+
+@torch.no_grad()
+def corrected_collision_masked(
+    rows: Tensor,
+    queries: Tensor,
+    given: Tensor,
+    pairable: Tensor,
+    tau: float = DEFAULT_TAU,
+    k: int = 1,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> tuple[FixedCollision, Tensor]:
+    """:func:`corrected_collision` of a fixed-size query set, without reading a value on the host.
+
+    The basis is ``pairable``; the measured queries are those ``given`` and pairable (a mask, not a
+    selection); the mean and directions come from :func:`~headwatch.functional.drift.principal_directions_masked`,
+    the neighbours from :func:`~headwatch.functional.neighbors.nearest_neighbours_masked`. Same
+    definitions and values as :func:`corrected_collision` on ``queries[given]``.
+
+    Args:
+        rows: ``(V, d)`` floating; queries: ``(S,)`` row ids in ``[0, V)`` (not checked);
+        given: ``(S,)`` bool, the real queries among ``queries`` (the rest is padding);
+        pairable: ``(V,)`` bool; tau: cosine threshold; k: directions removed, in ``[1, d]``.
+
+    Returns:
+        ``(FixedCollision, corrected (V, d) float32 rows)``. Fewer than 2 pairable rows do not raise:
+        ``basis_rows`` says so, for the caller to check on the host.
+    """
+    device = rows.device
+    queries, given, pairable = queries.to(device).long(), given.to(device), pairable.to(device)
+    mean, directions, variances, trace, n = principal_directions_masked(rows, pairable, k, max_chunk_bytes=max_chunk_bytes)
+    corrected = apply_correction(rows, mean, directions, max_chunk_bytes)
+    measured = given & pairable[queries]
+    fixed = nearest_neighbours_masked(corrected, queries, pairable, max_chunk_bytes)
+    raw = nearest_neighbours_masked(rows, queries, pairable, max_chunk_bytes)
+    m = measured.sum(dtype=torch.float64)
+    unit = torch.linalg.vector_norm(unit_row_sum_masked(rows, queries, measured, max_chunk_bytes))
+    result = FixedCollision(
+        rate=rate_above_masked(fixed.cosine, measured, tau),
+        raw_rate=rate_above_masked(raw.cosine, measured, tau),
+        drift_mean_cos=torch.where(m > 0, unit / m, float("nan")),
+        removed_variance=variances.sum() / trace,
+        measured=measured,
+        cosine=fixed.cosine,
+        neighbour=fixed.index,
+        raw_cosine=raw.cosine,
+        basis_rows=n,
+    )
+    return result, corrected
 
 
 def collision_from_neighbours(
@@ -243,19 +324,20 @@ def partner_ranks(
         return torch.zeros(0, dtype=torch.long, device=dev)
     target = pair_cosine(rows, a, b).unsqueeze(1)  # (P, 1)
     tiny = torch.finfo(torch.float32).tiny
-    keys = valid.nonzero().flatten()
-    qc, kc = chunk_sizes(a.numel(), keys.numel(), rows.shape[1], max_chunk_bytes)
+    V = rows.shape[0]  # every row a key, those not valid masked: nothing selected by value (no host sync)
+    qc, kc = chunk_sizes(a.numel(), V, rows.shape[1], max_chunk_bytes)
     above = torch.zeros(a.numel(), dtype=torch.long, device=dev)
-    for k0 in range(0, keys.numel(), kc):
-        ids = keys[k0 : k0 + kc]
-        w = rows.detach().index_select(0, ids).float()
+    for k0 in range(0, V, kc):
+        w = rows.detach()[k0 : k0 + kc].float()
+        ids = torch.arange(k0, k0 + w.shape[0], device=dev)
         w = w / torch.linalg.vector_norm(w, dim=1, keepdim=True).clamp(min=tiny)  # (k, d)
         for q0 in range(0, a.numel(), qc):
             qa, qb = a[q0 : q0 + qc], b[q0 : q0 + qc]
             q = rows.detach().index_select(0, qa).float()
             q = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp(min=tiny)  # (q, d)
             sims = q @ w.T  # (q, k)
-            sims.masked_fill_((ids.unsqueeze(0) == qa.unsqueeze(1)) | (ids.unsqueeze(0) == qb.unsqueeze(1)), float("-inf"))
+            mine = (ids.unsqueeze(0) == qa.unsqueeze(1)) | (ids.unsqueeze(0) == qb.unsqueeze(1))
+            sims.masked_fill_(mine | ~valid[k0 : k0 + w.shape[0]].unsqueeze(0), float("-inf"))
             above[q0 : q0 + qc] += (sims > target[q0 : q0 + qc]).sum(dim=1)
     return above + 1
 
@@ -279,15 +361,32 @@ def synonym_statistics(
     V = rows.shape[0]
     if a.numel() and (int(torch.minimum(a, b).min()) < 0 or int(torch.maximum(a, b).max()) >= V):
         raise HeadwatchError(f"synonym group ids must be in [0, {V})")
+    return synonym_statistics_masked(rows, a, b, pairable, tau, max_chunk_bytes)
+
+
+@torch.no_grad()
+def synonym_statistics_masked(
+    rows: Tensor, a: Tensor, b: Tensor, pairable: Tensor, tau: float = DEFAULT_TAU,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> dict[str, Tensor]:  # fmt: skip
+    """:func:`synonym_statistics` of the ordered pairs ``(a, b)`` (:func:`ordered_pairs`, on ``rows``' device,
+    ids in ``[0, V)``: not checked), without reading a value on the host: the pairs with a member that
+    is not pairable are masked, not removed. Same values as :func:`synonym_statistics`."""
+    device = rows.device
+    pairable = pairable.to(device)
     keep = pairable[a] & pairable[b]
-    a, b = a[keep], b[keep]
-    nan = torch.tensor(float("nan"), dtype=torch.float64, device=rows.device)
-    if a.numel() == 0:
-        return {"pair_rate": nan, "median_rank": nan, "pairs": nan.new_tensor(0.0), "skipped_pairs": (~keep).sum().double()}
-    ranks = partner_ranks(rows, a, b, pairable, max_chunk_bytes)
+    m = keep.sum(dtype=torch.float64)
+    nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
+    skipped = (~keep).sum().double()
+    if a.numel() == 0:  # no pair at all (a static shape)
+        return {"pair_rate": nan, "median_rank": nan, "pairs": m, "skipped_pairs": skipped}
+    ranks = partner_ranks(rows, a, b, pairable, max_chunk_bytes).double()
+    ordered = torch.where(keep, ranks, float("inf")).sort().values  # the kept ranks first, ascending
+    lower = ((m - 1) // 2).clamp(min=0).long().reshape(1)  # torch.median's lower median
+    collides = ((pair_cosine(rows, a, b) >= tau) & keep).sum(dtype=torch.float64)
     return {
-        "pair_rate": (pair_cosine(rows, a, b) >= tau).double().mean(),
-        "median_rank": ranks.double().median(),
-        "pairs": torch.tensor(float(a.numel()), dtype=torch.float64, device=rows.device),
-        "skipped_pairs": (~keep).sum().double(),
+        "pair_rate": torch.where(m > 0, collides / m, nan),
+        "median_rank": torch.where(m > 0, ordered.gather(0, lower).squeeze(0), nan),
+        "pairs": m,
+        "skipped_pairs": skipped,
     }

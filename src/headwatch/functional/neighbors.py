@@ -155,6 +155,69 @@ def nearest_neighbours(
     return Neighbours(best.clamp(max=1.0), best_idx)
 
 
+@torch.no_grad()
+def nearest_neighbours_masked(
+    matrix: Tensor,
+    queries: Tensor,
+    valid: Tensor,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> Neighbours:
+    """:func:`nearest_neighbours` without reading a value on the host: every row is a key, the rows
+    that are not ``valid`` masked out (``-inf``), no argument check.
+
+    Same result as :func:`nearest_neighbours` (ties between exactly equal cosines aside: the lowest
+    key id wins in both); the work is ``Q x V`` instead of ``Q x K`` products. For callers whose
+    ids are in range by construction (a fixed-size sample, :func:`headwatch.functional.collision.sample_mask`).
+
+    Args:
+        matrix: ``(V, d_model)`` floating rows (math in float32).
+        queries: ``(Q,)`` integer row ids in ``[0, V)`` (not checked).
+        valid: ``(V,)`` bool, rows that may be neighbours.
+        max_chunk_bytes: bound on the working memory.
+
+    Returns:
+        :class:`Neighbours` with ``(Q,)`` tensors, as :func:`nearest_neighbours`.
+    """
+    V, d = matrix.shape
+    device = matrix.device
+    queries = queries.to(device).long()
+    valid = valid.to(device)
+    Q = queries.numel()
+    best = torch.full((Q,), float("-inf"), dtype=torch.float32, device=device)
+    best_idx = torch.full((Q,), -1, dtype=torch.long, device=device)
+    if Q == 0 or V == 0:
+        return Neighbours(best, best_idx)
+    w = matrix.detach()
+    qc, kc = chunk_sizes(Q, V, d, max_chunk_bytes)
+    bad_queries = torch.zeros(Q, dtype=torch.bool, device=device)
+    with full_precision(device):  # float32 products whatever autocast / TF32 settings say
+        for k0 in range(0, V, kc):
+            keys = w[k0 : k0 + kc].to(torch.float32, copy=True)  # (k, d), a copy (normalised in place)
+            n = keys.shape[0]
+            usable = _normalise_rows_(keys) & valid[k0 : k0 + n]  # a NaN/inf row is nobody's neighbour
+            keys.masked_fill_(~usable.unsqueeze(1), 0.0)
+            bias = torch.where(usable, 0.0, float("-inf")).unsqueeze(0)  # (1, k): -inf for the unusable keys
+            for q0 in range(0, Q, qc):
+                qs = queries[q0 : q0 + qc]
+                q_rows = w.index_select(0, qs).float()  # (q, d), a copy
+                finite_q = _normalise_rows_(q_rows)
+                if k0 == 0:
+                    bad_queries[q0 : q0 + qc] = ~finite_q
+                sims = torch.addmm(bias, q_rows, keys.T)  # (q, k); the mask added in the product (no extra pass)
+                local = qs - k0  # the query itself, if it is in this key chunk
+                inside = (local >= 0) & (local < n)
+                rows = torch.arange(sims.shape[0], device=device)
+                at = local.clamp(0, n - 1)
+                sims[rows, at] = torch.where(inside, float("-inf"), sims[rows, at])
+                value, arg = sims.max(dim=1)
+                better = value > best[q0 : q0 + qc]
+                best[q0 : q0 + qc] = torch.where(better, value, best[q0 : q0 + qc])
+                best_idx[q0 : q0 + qc] = torch.where(better, arg + k0, best_idx[q0 : q0 + qc])
+    best = torch.where(bad_queries, float("nan"), best)
+    best_idx = torch.where(bad_queries, -1, best_idx)
+    return Neighbours(best.clamp(max=1.0), best_idx)
+
+
 def pair_cosine(matrix: Tensor, a: Tensor, b: Tensor) -> Tensor:
     """``cos(W_a[i], W_b[i])`` for id pairs, ``(P,), (P,) -> (P,)`` float32 (0 for a zero row)."""
     if a.shape != b.shape or a.ndim != 1:
@@ -217,6 +280,6 @@ def synonym_confusion(logits: Tensor, targets: Tensor, table: Tensor, eligible: 
     ok = in_range & eligible.to(flat.device).index_select(0, tc) & has_syn.any(dim=1)
     target_logit = flat.gather(1, tc.unsqueeze(1)).float()  # (N, 1)
     syn_logits = flat.gather(1, syn.clamp(min=0)).float()  # (N, G)
-    syn_logits = torch.where(has_syn, syn_logits, torch.tensor(float("-inf"), device=flat.device))
+    syn_logits = torch.where(has_syn, syn_logits, float("-inf"))
     confused = ok & (syn_logits.amax(dim=1) >= target_logit.squeeze(1))
     return ok.sum(dtype=torch.float64), confused.sum(dtype=torch.float64)
