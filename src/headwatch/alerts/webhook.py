@@ -106,28 +106,33 @@ class _Deadline:
                 pass
 
 
-class _HTTPConnection(http.client.HTTPConnection):
-    def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.deadline = deadline
+class _Cut:
+    """A connection whose socket the attempt's :class:`_Deadline` can shut down (mixed into http.client's)."""
+
+    deadline: _Deadline
 
     def connect(self) -> None:
-        super().connect()
-        self.deadline.sock = self.sock
+        super().connect()  # type: ignore[misc]
+        self.deadline.sock = self.sock  # type: ignore[attr-defined]
         if self.deadline.expired:
             self.deadline.expire()
 
 
-class _HTTPSConnection(http.client.HTTPSConnection):
-    def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.deadline = deadline
+class _HTTPConnection(_Cut, http.client.HTTPConnection):
+    pass
 
-    def connect(self) -> None:
-        super().connect()
-        self.deadline.sock = self.sock
-        if self.deadline.expired:
-            self.deadline.expire()
+
+class _HTTPSConnection(_Cut, http.client.HTTPSConnection):
+    pass
+
+
+def _connection(cls: type, deadline: _Deadline) -> Callable[..., Any]:
+    def make(*args: Any, **kwargs: Any) -> Any:
+        conn = cls(*args, **kwargs)
+        conn.deadline = deadline
+        return conn
+
+    return make
 
 
 def _opener(deadline: _Deadline) -> urllib.request.OpenerDirector:
@@ -135,11 +140,11 @@ def _opener(deadline: _Deadline) -> urllib.request.OpenerDirector:
 
     class HTTP(urllib.request.HTTPHandler):
         def http_open(self, req: Any) -> Any:
-            return self.do_open(lambda *a, **k: _HTTPConnection(*a, deadline=deadline, **k), req)
+            return self.do_open(_connection(_HTTPConnection, deadline), req)
 
     class HTTPS(urllib.request.HTTPSHandler):
         def https_open(self, req: Any) -> Any:
-            return self.do_open(lambda *a, **k: _HTTPSConnection(*a, deadline=deadline, **k), req, context=self._context)
+            return self.do_open(_connection(_HTTPSConnection, deadline), req, context=self._context)
 
     return urllib.request.build_opener(HTTP, HTTPS)
 
