@@ -269,11 +269,15 @@ def test_vocabulary_mismatch_between_embedding_and_head(tmp_path):
             super().__init__(vocab_size=V)
             self.lm_head = torch.nn.Linear(16, V + 8, bias=False)
 
+    # a monitoring limitation never stops training (issue 19, point 6): refused with the cause; strict raises it
     trainer = make_trainer(tmp_path, [GradientDensityMonitor(embedding="embed_tokens")])
-    with pytest.raises(HeadwatchError, match="vocabulary mismatch"):
+    with pytest.warns(UserWarning, match="vocabulary mismatch.*training goes on"):
         trainer.fit(Mismatch(), loader())
+    assert trainer.global_step == 4
+    with pytest.raises(HeadwatchError, match="vocabulary mismatch"):
+        make_trainer(tmp_path, [GradientDensityMonitor(embedding="embed_tokens", strict=True)]).fit(Mismatch(), loader())
     with pytest.raises(HeadwatchError, match="larger than the input embedding"):
-        make_trainer(tmp_path, [TokenFrequency(vocab_size=V + 1), GradientDensityMonitor()]).fit(
+        make_trainer(tmp_path, [TokenFrequency(vocab_size=V + 1), GradientDensityMonitor(strict=True)]).fit(
             TinyCausalLM(vocab_size=V), loader()
         )
 
