@@ -6,10 +6,9 @@ for ``for_steps`` consecutive logging steps before they fire:
 - a **relative fall** (the default that matters): the smoothed entropy of the sampling distribution lost at
   least a fraction ``fall`` of the run's starting entropy (``entropy_drop`` with ``drop_from="start"``; or of
   its value ``window`` logged steps earlier with ``window=N``). Relative, because
-  absolute entropies differ by model, temperature and aggregation (per-token means of 0.3 to 1.5 nats at the
-  start of published GRPO runs of 1.5B to 32B models; a run's own start is the only safe reference);
+  absolute entropies differ by model, temperature and aggregation: a run's own start is the safe reference;
 - an **absolute floor** ``floor`` nats (``entropy_floor``): below it the policy is close to deterministic
-  whatever the model (0.05 nats per token: a top-1 probability of about 0.99 on a typical token), so sampling
+  whatever the model (0.05 nats needs a top-1 probability of about 0.99 or more at a typical token), so sampling
   several completions of a prompt explores nothing and the group advantages of GRPO vanish.
 
 No torch import: the rules are a pure state machine; a front door's ``alert=`` takes them.
