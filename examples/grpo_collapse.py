@@ -8,6 +8,7 @@ and fires the RL preset's alert (``rl_collapse_rules``) before the reward flatte
 
     python examples/grpo_collapse.py                 # the collapse
     python examples/grpo_collapse.py --remedy        # the same run with an entropy bonus (TRL entropy_coef)
+    python examples/grpo_collapse.py --plot docs/rl_collapse.png   # both runs, one picture
     tensorboard --logdir runs/grpo_collapse          # the dashboard: the headwatch section, rl/ charts
 
 Prints one line per step (entropy, reward) and the alerts with their steps.
@@ -70,7 +71,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/grpo_collapse")
+    parser.add_argument("--plot", default=None, help="also run the other variant and save both to this PNG")
     args = parser.parse_args(argv)
+    if args.plot:
+        rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--remedy",)]
+        rest = [a for i, a in enumerate(rest) if a != "--plot" and (i == 0 or rest[i - 1] != "--plot")]
+        runs = {"collapse": main(rest), "remedy (--remedy)": main(rest + ["--remedy"])}
+        plot(runs, args.plot)
+        return runs["collapse"]
 
     out = Path(args.out) / ("remedy" if args.remedy else "collapse")
     config = GRPOConfig(
@@ -100,6 +108,35 @@ def main(argv: list[str] | None = None) -> dict:
     print("alerts:", [(a["step"], a["rule"], a["severity"]) for a in alerts] or "none")
     return {"entropy": {s: r["entropy"] for s, r in rows.items()}, "reward": {s: r["reward"] for s, r in rows.items()},
             "alerts": alerts}  # fmt: skip
+
+
+def plot(runs: dict[str, dict], path: str) -> None:
+    """Entropy (left axis) and reward (right axis) of each run, the alerts as vertical lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.6), sharey=True)
+    for ax, (name, run) in zip(axes, runs.items()):
+        steps = sorted(run["entropy"])
+        ax.plot(steps, [run["entropy"][s] for s in steps], color="tab:blue", label="entropy at T (nats)")
+        ax.set_xlabel("step")
+        ax.set_title(name)
+        twin = ax.twinx()
+        twin.plot(steps, [run["reward"][s] for s in steps], color="tab:green", label="reward")
+        twin.set_ylim(0, 8)
+        for a in run["alerts"]:
+            color = "tab:red" if a["severity"] == "critical" else "tab:orange"
+            ax.axvline(a["step"], color=color, ls="--", lw=1)
+            ax.annotate(f"{a['rule']} ({a['severity']})", (a["step"], ax.get_ylim()[1] * 0.9), fontsize=7,
+                        rotation=90, ha="right", color=color)  # fmt: skip
+        ax.legend(loc="upper left", fontsize=7)
+        twin.legend(loc="upper right", fontsize=7)
+    axes[0].set_ylabel("entropy of softmax(logits / T), nats")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print("saved", path)
 
 
 if __name__ == "__main__":
