@@ -192,3 +192,22 @@ def test_rl_steps_publish_what_only_headwatch_shows(tmp_path):
     grads = {k: v for k, v in got.items() if k.startswith(f"{p}/grad/")}
     assert grads and all(math.isfinite(v) for v in grads.values()), grads
     assert any("tied" in k or "shared" in k for k in grads), sorted(grads)
+
+
+def test_rloo_trainer_shares_the_path(tmp_path):
+    """RLOOTrainer: same fused head, same temperature division, same completion mask: equal to its entropy."""
+    from trl import RLOOConfig, RLOOTrainer
+
+    cb = HeadwatchCallback(monitors=["logits"], figure_every_n_steps=0)
+    args = RLOOConfig(output_dir=str(tmp_path), max_steps=2, logging_steps=1, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=8, temperature=0.7, learning_rate=1e-2, report_to="none",
+                      use_cpu=True, save_strategy="no", disable_tqdm=True, bf16=False, use_vllm=False, seed=0,
+                      beta=0.0)  # fmt: skip  (no reference model: it would be loaded from the Hub)
+    trainer = RLOOTrainer(model=tiny_policy(), reward_funcs=reward_w7, args=args, train_dataset=prompts(),
+                          processing_class=word_tokenizer(), callbacks=[cb])  # fmt: skip
+    trainer.train()
+    history = trainer.state.log_history
+    ours, theirs = by_step(history, "headwatch/logits/entropy"), by_step(history, "entropy")
+    assert sorted(ours) == sorted(theirs) == [1, 2]
+    assert max(abs(ours[s] - theirs[s]) / theirs[s] for s in theirs) <= 1e-4
+    assert cb.latest["headwatch/rl/temperature"] == 0.7
