@@ -277,11 +277,9 @@ CHARTS: tuple[Chart, ...] = (
     )),  # fmt: skip
     Chart("alerts (1 at the alert step)", "Multiline", ("alerts/{rule}", "alerts/{rule}_warning")),
     Chart("RL: entropy of the sampling distribution and each frequency bucket's share (nats)", "Multiline", (
-        "logits/entropy", "rl/entropy_share/{bucket}", "^entropy$", "^train/entropy$",
+        "logits/entropy", "rl/entropy_share/{bucket}",
     )),  # fmt: skip
-    Chart("RL: sampled tokens' NLL and top-1 rate, reward", "Multiline", (
-        "rl/sampled_nll", "rl/sampled_top1_rate", "^train/reward$",
-    )),  # fmt: skip
+    Chart("RL: sampled tokens' NLL (nats) and top-1 rate", "Multiline", ("rl/sampled_nll", "rl/sampled_top1_rate")),
     Chart("RL: top-1 probability median with p05-p95 band", "Margin", ("logits/max_prob_p50", "logits/max_prob_p05", "logits/max_prob_p95")),
 )
 
