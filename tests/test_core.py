@@ -196,6 +196,7 @@ def test_every_emitted_name_is_declared_and_documented(tmp_path):
     # fault happens: tests/test_alerts*.py, test_webhook_faults.py and test_storage_faults.py read them back
     under_faults = {"SharpnessCollapseAlert", "AlertEngine", "GuardedFileWriter"}
     trl_only = ("check/entropy_gap", "check/accuracy_gap")  # against TRL's logged metrics: tests/test_self_check.py
+    trl_only += tuple(m.pattern for m in names.METRICS if m.pattern.startswith("rl/"))  # RL runs: tests/test_rl_grpo.py
     never = [m.pattern for m in names.METRICS if m not in hit and m.monitor not in under_faults and m.pattern not in trl_only]
     assert not never, f"declared but never emitted: {never}"
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()

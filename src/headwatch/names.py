@@ -91,6 +91,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("{split}/entropy_p{q}", "nats", "quantiles of per-position entropy", _L,
            readme="headwatch/<s>/entropy_p05`, `_p50`, `_p95", formula="linear interpolation (NumPy's default)"),
     Metric("{split}/max_prob", "probability", "mean top-1 probability", _L, formula="`max_v p_v`"),
+    Metric("{split}/max_prob_p{q}", "probability", "quantiles of per-position top-1 probability", _L,
+           readme="headwatch/<s>/max_prob_p05`, `_p50`, `_p95", formula="linear interpolation (NumPy's default)"),
     Metric("{split}/target_nll", "nats", "mean negative log-likelihood of the target (equals the CE loss)", _L,
            formula="`-log p_target`"),
     Metric("{split}/target_argmax_rate", "fraction", "fraction of positions whose target has the largest logit", _L,
@@ -117,12 +119,31 @@ METRICS: tuple[Metric, ...] = (
            formula="`x_target == max_v x_v`"),
     Metric("{split}/{bucket}/max_prob", "probability", "mean confidence at those positions", _L, formula="`max_v p_v`"),
     Metric("{split}/{bucket}/positions", "count", "positions whose target is in the bucket", _L),
+    Metric("{split}/{bucket}/entropy", "nats",
+           "mean entropy at positions whose target is in the bucket (in RL: the sampled token's bucket)", _L,
+           formula="`H(p) = -sum_v p_v log p_v`"),
     Metric("{split}/entropy_histogram", "nats", "histogram of per-position entropy (TensorBoard)", _L, kind="histogram"),
     Metric("logits/entropy_over_run", "", "image (matplotlib): the entropy distribution at every logging step so far", _L,
            kind="image"),
+    # ---- RL fine-tuning (GRPO, RLOO; headwatch.core.rl; docs/rl.md), training logging steps of an RL run
+    Metric("rl/sampled_nll", "nats",
+           "NLL of the sampled completion tokens under the sampling distribution `softmax(logits / T)` (not a label NLL; "
+           "`logits/target_nll` on an RL run)", _L, formula="`-log p_T(sampled token)`, TRL's `-per_token_logps`"),
+    Metric("rl/sampled_top1_rate", "fraction", "sampled completion tokens that were the policy's top-1", _L),
+    Metric("rl/temperature", "", "the sampling temperature `T` the statistics are measured at", _L),
+    Metric("rl/entropy_share/{bucket}", "nats",
+           "the bucket's part of `logits/entropy`: its share of completion positions times their mean entropy "
+           "(by the sampled token's bucket); the buckets add up to `logits/entropy`", _L,
+           formula="`(n_b / n) H_b`"),
     # ---- the self-check of a training logging step (headwatch.core.self_check; docs/self_check.md)
     Metric("capture/forwards", "count", "self-check: forwards measured on the logging step, this process", _L),
     Metric("capture/positions", "count", "self-check: positions measured (`logits/positions`)", _L),
+    Metric("capture/generation_forwards", "count",
+           "self-check: forwards of the logging step made by a `generate()` call (an RL trainer sampling), not measured, "
+           "this process", _L),
+    Metric("capture/no_grad_forwards", "count",
+           "self-check: other forwards of the logging step left out (no gradient or eval mode: reference, old "
+           "log-probability or metrics passes), this process", _L),
     Metric("capture/labelled_positions", "count",
            "self-check: positions of the measured forwards' labels that predict a label, counted from the labels", _L,
            formula="`sum [target != ignore_index]`"),
@@ -255,6 +276,11 @@ CHARTS: tuple[Chart, ...] = (
         "check/nll_gap", "check/entropy_gap", "check/accuracy_gap", "check/mismatch", "check/vanished_gradient",
     )),  # fmt: skip
     Chart("alerts (1 at the alert step)", "Multiline", ("alerts/{rule}", "alerts/{rule}_warning")),
+    Chart("RL: entropy of the sampling distribution and each frequency bucket's share (nats)", "Multiline", (
+        "logits/entropy", "rl/entropy_share/{bucket}",
+    )),  # fmt: skip
+    Chart("RL: sampled tokens' NLL (nats) and top-1 rate", "Multiline", ("rl/sampled_nll", "rl/sampled_top1_rate")),
+    Chart("RL: top-1 probability median with p05-p95 band", "Margin", ("logits/max_prob_p50", "logits/max_prob_p05", "logits/max_prob_p95")),
 )
 
 

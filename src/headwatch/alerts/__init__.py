@@ -1,6 +1,7 @@
 """Collapse alerts: a trainer-free rule engine and actions, and the Lightning callback.
 
 - :mod:`headwatch.alerts.rules`: :class:`CollapseRules`, the rules as a pure state machine;
+- :mod:`headwatch.alerts.rl`: :func:`rl_collapse_rules`, the preset for RL fine-tuning (``docs/rl.md``);
 - :mod:`headwatch.alerts.engine`: :class:`AlertEngine`, rules + actions for any loop;
 - :mod:`headwatch.alerts.actions`, :mod:`headwatch.alerts.webhook`: what happens at an alert;
 - :mod:`headwatch.integrations.lightning.alert`: :class:`SharpnessCollapseAlert` (imports Lightning, loaded
@@ -22,6 +23,7 @@ from headwatch.alerts.actions import (
 )
 from headwatch.alerts.engine import AlertEngine, standard_actions
 from headwatch.alerts.events import CRITICAL, SEVERITIES, WARNING, Alert, AlertEvent
+from headwatch.alerts.rl import RL_DEFAULTS, rl_collapse_rules
 from headwatch.alerts.rules import RULES, CollapseRules
 from headwatch.alerts.webhook import WEBHOOK_ENV, WebhookSender, redact_url
 
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CRITICAL",
+    "RL_DEFAULTS",
     "RULES",
     "SEVERITIES",
     "WARNING",
@@ -48,6 +51,7 @@ __all__ = [
     "WebhookSender",
     "marker_name",
     "redact_url",
+    "rl_collapse_rules",
     "standard_actions",
 ]
 

@@ -86,7 +86,8 @@ class CollapseRules:
     - ``kl_ceiling``: fires when ``KL_k > t``; re-arms when ``KL_k <= t - margin * |t|``.
     - ``entropy_drop`` ``r`` over ``window`` ``N``: with ``S_k = alpha H_k + (1 - alpha) S_{k-1}``
       (``S_0 = H_0``), fires when ``(S_{k-N} - S_k) / S_{k-N} >= r``; re-arms when the drop is
-      below ``r (1 - margin)``.
+      below ``r (1 - margin)``. With ``drop_from="start"``: ``(S_0 - S_k) / S_0 >= r``, the fraction
+      of the run's starting entropy lost (the RL preset, :func:`headwatch.alerts.rl_collapse_rules`).
     - ``val_stall`` over ``patience`` ``P`` validations of dataloader ``val_dataloader_idx``:
       with validation losses ``L_v`` and the entropy ``E_v`` at each validation (the
       ``val_entropy_metric`` value, else the smoothed training entropy ``S``), fires when
@@ -142,6 +143,9 @@ class CollapseRules:
     val_history: deque = field(default_factory=deque)  # (val loss, entropy), last patience + 1
     states: dict[str, _Episode] = field(default_factory=dict)  # episode_key(rule, severity) -> episode
     nll_history: deque = field(default_factory=deque)  # (smoothed rare NLL, smoothed NLL), last rare_window + 1
+    drop_from: str = "window"
+    """``entropy_drop``'s reference: ``"window"`` (``S_{k-N}``) or ``"start"`` (``S_0``, the run's first observed
+    entropy after ``warmup_steps``: the fraction of the starting entropy lost; ``window`` unused)."""
 
     def __post_init__(self) -> None:
         self.thresholds = {
@@ -157,6 +161,8 @@ class CollapseRules:
         for name, low in (("window", 1), ("rare_window", 1), ("for_steps", 1), ("warmup_steps", 0), ("val_dataloader_idx", 0)):
             check_int(name, getattr(self, name), minimum=low)
         check_optional(check_int, "patience", self.patience, minimum=1)
+        if self.drop_from not in ("window", "start"):
+            raise argument_error("drop_from", "'window' or 'start'", self.drop_from)
         # each field named with the argument of SharpnessCollapseAlert (Lightning) that sets it
         check_range("`alpha` (`smoothing`)", self.alpha, 0, 1, low_open=True)
         check_range("`margin` (`rearm_margin`)", self.margin, 0, 1, high_open=True)
@@ -193,7 +199,8 @@ class CollapseRules:
             "entropy_floor": f"entropy fell below {t} nats",
             "entropy_ceiling": f"entropy rose above {t} nats (predictions going flat)",
             "kl_ceiling": f"kl_to_uniform rose above {t} nats",
-            "entropy_drop": f"smoothed entropy dropped by >= {t:.0%} over {self.window} logged values" if t else "",
+            "entropy_drop": (f"smoothed entropy dropped by >= {t:.0%} over {self.window} logged values" if self.drop_from
+                             == "window" else f"smoothed entropy lost >= {t:.0%} of the run's starting entropy") if t else "",
             "rare_nll_rise": f"rare-target NLL (smoothed) rose by more than {t} nats over {self.rare_window} logged "
             "values while the overall target NLL fell",
             "val_stall": f"entropy falling while {self.val_metric} (dataloader {self.val_dataloader_idx}) improved by "
@@ -245,7 +252,12 @@ class CollapseRules:
         entropy = self._read(metrics, self.entropy_metric)
         if entropy is not None:
             self.smoothed = entropy if self.smoothed is None else self.alpha * entropy + (1 - self.alpha) * self.smoothed
-            full = _push(self.history, self.smoothed, self.window + 1)
+            if self.drop_from == "start":  # the history keeps S_0 only: the run's starting entropy
+                full = True
+                if not self.history:
+                    self.history.append(self.smoothed)
+            else:
+                full = _push(self.history, self.smoothed, self.window + 1)
             events += self._level("entropy_floor", entropy, True, step)
             events += self._level("entropy_ceiling", entropy, False, step)
             if full:

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from headwatch.errors import (
+    check_range,
     StateReader,
     HeadwatchError,
     check_bool,
@@ -55,7 +56,8 @@ class LogitStats(Monitor):
 
     Args: see :class:`headwatch.LogitStatsMonitor`; ``figure_every``: steps between entropy
     figures (0: none); ``frequency``: the shared :class:`TokenCounts` (target buckets);
-    ``ece_bins``: ``M``, the equal-width bins of the ECE (default 15, at most ``2**22``; the last
+    ``temperature``: ``T`` > 0, the statistics are of ``softmax(logits / T)`` (an RL policy's sampling
+    distribution, ``docs/rl.md``); ``ece_bins``: ``M``, the equal-width bins of the ECE (default 15, at most ``2**22``; the last
     bin ``[1 - 1/M, 1]`` is closed: ``docs/calibration.md``). The Hugging Face and plain-loop doors
     take a configured object in ``monitors=[LogitStats(ece_bins=...)]``.
 
@@ -81,6 +83,7 @@ class LogitStats(Monitor):
         vocab_size: int | None = None,
         frequency: TokenCounts | None = None,
         ece_bins: int = ECE_BINS,
+        temperature: float = 1.0,
     ) -> None:
         super().__init__(prefix, strict, batch_format)
         for name, module in (("head", head), ("logits_module", logits_module), ("hidden_module", hidden_module)):
@@ -93,6 +96,9 @@ class LogitStats(Monitor):
         check_optional(check_int, "vocab_size", vocab_size, minimum=1)
         check_optional(check_instance, "frequency", frequency, TokenCounts)
         self.ece_bins = check_int("ece_bins", ece_bins, minimum=1, maximum=MAX_ECE_BINS)
+        self.temperature = temperature  # checked by the setter
+        """The sampling temperature ``T``: every statistic is of ``softmax(logits / T)`` (RL policies, ``docs/rl.md``;
+        the Hugging Face door sets it from TRL's ``GRPOTrainer`` / ``RLOOTrainer``). 1: the logits as they are."""
         self.head = head
         self.logits_module, self.hidden_module, self.alignment, self.path = logits_module, hidden_module, alignment, path
         self.tokenizer_vocab_size = vocab_size
@@ -125,6 +131,14 @@ class LogitStats(Monitor):
         self.skipped_forwards = 0
         self.capture_tally = CaptureTally()
         """The forwards and labelled positions measured on the current training logging step (the self-check's)."""
+
+    @property
+    def temperature(self) -> float:
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self._temperature = check_range("temperature", value, 0, low_open=True)
 
     # ------------------------------------------------------------------ wiring
     def attach(self, model: nn.Module) -> None:
@@ -209,7 +223,9 @@ class LogitStats(Monitor):
         self.vocab_size = V
         known = self._known_vocab_size()
         padded_v = known if known is not None and known < V else None
-        out = captured_statistics(captured, mask, targets, self.batch_format.ignore_index, padded_v, self._max_chunk_bytes)
+        out = captured_statistics(
+            captured, mask, targets, self.batch_format.ignore_index, padded_v, self._max_chunk_bytes, self.temperature
+        )
         padded = out.padded_mass if padded_v is not None else None
         if known is not None and padded is None:  # no column beyond the vocabulary: exactly 0
             padded = torch.zeros_like(out.statistics.max_prob)

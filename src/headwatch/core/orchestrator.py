@@ -33,10 +33,11 @@ from torch import Tensor, nn
 
 from headwatch.core.collision import SynonymCollision
 from headwatch.core.figures import resolve_figure_interval
-from headwatch.core.forwards import not_loss_forward
+from headwatch.core.forwards import not_loss_forward, skipped_in_training
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.gradients import GradientDensity
 from headwatch.core.logits import LogitStats
+from headwatch.core.rl import rl_scalars
 from headwatch.core.monitor import FailurePolicy, Media, Monitor, compute_due, whole_matrices
 from headwatch.core.schedule import Schedule
 from headwatch.core.self_check import SelfCheck
@@ -50,6 +51,7 @@ from headwatch.errors import (
     check_int,
     check_optional,
     check_prefix,
+    check_range,
     check_sequence,
 )
 from headwatch.model.batch import BatchFormat
@@ -304,6 +306,8 @@ class Orchestrator:
         self._started = False  # the current micro-batch's first training forward was seen
         self._val_started = False  # the current evaluation batch's loss forward was seen
         self._loss_inputs: Any = None  # the inputs of the loss being computed (loss_inputs), labels included
+        self.sampling_temperature: float | None = None
+        """An RL run's sampling temperature (:meth:`sample_at`); None: not an RL run."""
         self.check = SelfCheck(prefix, self.reducer)
         """The self-check (docs/self_check.md): doors hand it the trainer's figures (``check.step_loss``, ...)."""
         self.check.strict = strict
@@ -345,6 +349,25 @@ class Orchestrator:
         if failed:
             self.refuse(failed)
         self.check.attach(unwrapped(model))  # the model's own `outputs.loss` on logging steps
+
+    def sample_at(self, temperature: float, source: str) -> None:
+        """An RL run whose policy samples at ``temperature`` (read from ``source``, said once): every
+        :class:`LogitStats` measures ``softmax(logits / temperature)`` and the training steps also publish the RL
+        names (:func:`headwatch.core.rl.rl_scalars`; ``docs/rl.md``).
+
+        Raises:
+            HeadwatchError: ``temperature`` is not a finite number > 0.
+        """
+        t = check_range("temperature", temperature, 0, low_open=True)
+        for m in self.all_monitors:
+            if isinstance(m, LogitStats):
+                m.temperature = t
+        self.sampling_temperature = t
+        self.check.policy_gradient = True
+        self.policy.info_once(
+            f"headwatch: an RL run sampling at temperature {t} ({source}): the logit statistics are those of "
+            f"softmax(logits / {t}) over the completion tokens of the training forward. (said once)"
+        )
 
     def refuse(self, failed: Mapping[Monitor, Exception]) -> None:
         """Stop driving monitors that cannot measure this run, with ONE warning naming each cause and what is
@@ -464,6 +487,10 @@ class Orchestrator:
         the batch's first ``real_rows`` rows are real (:func:`eval_rows_kept`); the others, repeats a
         distributed sampler added, are not counted.
         """
+        if self.step is not None and self.logging and self.check.active:  # the self-check counts what is left out
+            why = skipped_in_training(training, torch.is_grad_enabled())
+            if why is not None:
+                self.check.skipped_forward(why)
         if training and self.step is not None:
             if self._started or not_loss_forward(True, torch.is_grad_enabled(), True) is not None:
                 return
@@ -570,6 +597,8 @@ class Orchestrator:
             return {}, []
         if not val:
             scalars = self.self_check(scalars, ok)
+            if self.sampling_temperature is not None:
+                scalars = rl_scalars(scalars, self.prefix, self.sampling_temperature)
         try:
             numbers = to_host(scalars, [m.media for m in ok])
         except Exception as err:  # noqa: BLE001

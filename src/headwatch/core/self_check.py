@@ -5,6 +5,8 @@ training logging step it adds, on the device and before the step's one host tran
 
 - ``capture/forwards``, ``capture/positions``, ``capture/labelled_positions``: what
   :class:`~headwatch.core.logits.LogitStats` measured (its :class:`CaptureTally`);
+  ``capture/generation_forwards``, ``capture/no_grad_forwards``: the step's forwards left out (counted by the
+  orchestrator, :meth:`SelfCheck.skipped_forward`);
 - ``check/reference_nll`` (with ``check/reference_positions``, ``check/reference_forwards``) and
   ``check/nll_gap = logits/target_nll - check/reference_nll``: the trainer's own token-mean cross-entropy
   of the step's loss forwards, when one exists (a Hugging Face model's ``outputs.loss``, read by a forward
@@ -120,6 +122,10 @@ class SelfCheck(FailurePolicy):
         self.reducer: Reducer = reducer or NoReducer()
         self.tolerances = {**TOLERANCES, **(tolerances or {})}
         self.active = False
+        self.policy_gradient = False
+        """An RL run (policy-gradient loss, :meth:`Orchestrator.sample_at`): the model's ``outputs.loss`` is the
+        sampled tokens' NLL, not the loss that trains, and a zero gradient is legitimate (zero advantages):
+        no ``check/vanished_gradient``."""
         self.mismatched_steps = 0
         """Logging steps with a gap beyond its tolerance, this run."""
         self.vanished_steps = 0
@@ -139,6 +145,7 @@ class SelfCheck(FailurePolicy):
         self._counted = True  # every forward's labelled positions are known
         self._step_loss: Tensor | float | None = None
         self._trl: dict[str, list[float]] = {}
+        self._skipped: dict[str, int] = {"generation": 0, "no_grad": 0}  # forwards of the step not measured, by kind
 
     # ---------------------------------------------------------------- wiring
     def attach(self, model: nn.Module) -> None:
@@ -189,6 +196,11 @@ class SelfCheck(FailurePolicy):
         except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
             self.fail(err, "reading the model's loss")
 
+    def skipped_forward(self, kind: str) -> None:
+        """A forward of the logging step that feeds no loss (``"generation"``: a ``generate()`` call's; ``"no_grad"``:
+        a reference, old log-probability or metrics pass; :func:`headwatch.core.forwards.skipped_in_training`)."""
+        self._skipped[kind] = self._skipped.get(kind, 0) + 1
+
     def add_nll_sum(self, nll_sum: Tensor, count: Tensor) -> None:
         """One loss forward: its NLL summed over ``count`` labelled positions (tensors on the device)."""
         self._sums.append(nll_sum.reshape(()).double())
@@ -225,6 +237,7 @@ class SelfCheck(FailurePolicy):
         device = tensors[0].device if tensors else torch.device("cpu")
         forwards, labelled = tally.take() if tally is not None else (0, None)
         sums, weights, counted, step_loss, trl = self._sums, self._weights, self._counted, self._step_loss, self._trl
+        skipped = dict(self._skipped)
         self._reset()
         self.active = False  # until the next logging step begins
 
@@ -245,6 +258,8 @@ class SelfCheck(FailurePolicy):
             out[f"{p}/capture/forwards"] = float(forwards)
             out[f"{p}/capture/positions"] = positions
             out[f"{p}/capture/labelled_positions"] = total[0] if labelled is not None else 0.0
+            out[f"{p}/capture/generation_forwards"] = float(skipped.get("generation", 0))
+            out[f"{p}/capture/no_grad_forwards"] = float(skipped.get("no_grad", 0))
         reference: Tensor | None = None
         if step_loss is not None:
             reference = dev(step_loss)
@@ -291,6 +306,8 @@ class SelfCheck(FailurePolicy):
 
     def _vanished(self, scalars: dict[str, Any], loss: Any, device: torch.device) -> Tensor | None:
         """1 when the head's gradient vanished next to a finite positive loss, 0 when not, None: not measured."""
+        if self.policy_gradient:  # zero advantages (every completion of a group rewarded alike) give zero gradient
+            return None
         p = self.prefix
         head, shared, tied = (scalars.get(f"{p}/grad/{k}") for k in ("head_row_density", "shared_row_density", "tied"))
         if not isinstance(loss, Tensor) or not (isinstance(head, Tensor) or isinstance(shared, Tensor)):

@@ -245,6 +245,53 @@ class TrainerSink:
 
 
 
+RL_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
+"""TRL trainers whose training forward headwatch measures as an RL policy's (``docs/rl.md``): TRL's fused LM head
+with ``labels`` = the sampled completion tokens (prompt and padding ``-100``), logits divided by ``temperature``."""
+UNDERSTOOD_TRL = ("SFTTrainer", *RL_TRAINERS)
+"""TRL trainers the door understands (``docs/capture.md``, ``docs/rl.md``); any other TRL trainer is refused."""
+
+
+def trl_trainer(trainer: Any) -> str | None:
+    """The name of the first TRL trainer class in ``trainer``'s class hierarchy (a user's subclass of
+    ``GRPOTrainer`` is a ``GRPOTrainer``), or None when none comes from the ``trl`` package."""
+    for cls in type(trainer).__mro__:
+        if cls.__module__.split(".")[0] == "trl" and cls.__name__.endswith("Trainer") and cls.__name__ != "_BaseTrainer":
+            return cls.__name__
+    return None
+
+
+def sampling_temperature(trainer: Any) -> float | None:
+    """An RL trainer's sampling temperature: ``trainer.temperature`` (TRL sets it from ``args.temperature``, puts it
+    in the ``GenerationConfig`` it samples with and divides the training logits by it), else ``args.temperature``;
+    None when ``trainer`` is not one of :data:`RL_TRAINERS`."""
+    if trl_trainer(trainer) not in RL_TRAINERS:
+        return None
+    value = getattr(trainer, "temperature", None)
+    return value if value is not None else getattr(getattr(trainer, "args", None), "temperature", None)
+
+
+def refuse_unknown_trainer(run: Any, trainer: Any) -> None:
+    """Under a TRL trainer the door does not understand (``DPOTrainer``, ``KTOTrainer``, ``RewardTrainer``, ...),
+    refuse the logit statistics with ONE message (:meth:`Orchestrator.refuse`): their forwards score pairs of
+    completions, a reference model or a reward head, and the figures would silently mean something else."""
+    from headwatch.core.logits import LogitStats
+
+    name = trl_trainer(trainer)
+    if name is None or name in UNDERSTOOD_TRL:
+        return
+    logits = [m for m in run.monitors if isinstance(m, LogitStats)]
+    if not logits:
+        return
+    cause = HeadwatchError(
+        f"TRL's {name} is not supported by the logit statistics: its training forward does not score one completion "
+        f"against its labels as the statistics assume (DPO concatenates chosen and rejected completions and compares "
+        f"them with a reference model), so they would mean something else. Supported TRL trainers: "
+        f"{', '.join(UNDERSTOOD_TRL)} (docs/rl.md). Gradient, token and collision statistics do not depend on it"
+    )
+    run.refuse({m: cause for m in logits})
+
+
 TRL_METRICS = {"entropy": "entropy", "accuracy": "mean_token_accuracy"}
 """The self-check's names -> TRL's per-micro-batch training metrics (``SFTTrainer._metrics["train"][...]``)."""
 

@@ -39,6 +39,8 @@ from headwatch.integrations.hf_support import (
     is_rules,
     loss_scale,
     restore_state,
+    refuse_unknown_trainer,
+    sampling_temperature,
     resume_dir,
     save_state,
     trl_marks,
@@ -202,11 +204,23 @@ class HeadwatchCallback(Driver, TrainerCallback):
         """Configure every monitor (schedule ``every`` steps), attach it and hook the model's forward."""
         self.run.configure(every, figure_every_n_steps=self.figure_every_n_steps)
         self.run.attach(unwrap(model), root=model, refuse=True)  # FSDP1 (accelerate): summoned from the wrapped model
+        self.understand_trainer()
         inner = unwrap(model)
         if self._model is not inner:
             self.close()
             self._hooks = [inner.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
             self._model = inner
+
+    def understand_trainer(self) -> None:
+        """TRL's RL trainers: measure the policy's sampling distribution (``docs/rl.md``); TRL trainers the door
+        does not understand: the logit statistics refused with one message."""
+        trainer = self.trainer or find_trainer(self)
+        if trainer is None:
+            return
+        refuse_unknown_trainer(self.run, trainer)
+        temperature = sampling_temperature(trainer)
+        if temperature is not None:
+            self.run.sample_at(temperature, f"{type(trainer).__name__}.temperature, from its args.temperature")
 
     def stop_training(self, alert: Any = None) -> None:
         """An alert action: the Trainer stops after this step (every rank decides alike)."""

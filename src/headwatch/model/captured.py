@@ -12,6 +12,7 @@ columns' mass (:func:`headwatch.functional.padding.padded_mass`).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -23,6 +24,7 @@ from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES, LogitStatistics
 from headwatch.functional.padding import padded_mass
 from headwatch.functional.precision import full_precision
 from headwatch.model.capture import Captured
+from headwatch.model.sources import FinalTransform
 
 
 class CapturedStatistics(NamedTuple):
@@ -40,6 +42,7 @@ def captured_statistics(
     ignore_index: int = -100,
     vocab_size: int | None = None,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    temperature: float = 1.0,
 ) -> CapturedStatistics:
     """Per-position statistics of what one forward gave, whichever path it came by.
 
@@ -51,6 +54,10 @@ def captured_statistics(
         vocab_size: the tokenizer's vocabulary size, when known; with ``V > vocab_size``
             the padded mass is computed too.
         max_chunk_bytes: memory bound of one chunk, as in :func:`~headwatch.functional.logit_statistics`.
+        temperature: the sampling temperature ``T`` of an RL policy: the statistics are those of
+            ``softmax(logits / T)`` (the logits after the model's final transform, multiplied by ``1 / T``
+            one chunk at a time, as TRL's fused head does: ``docs/rl.md``); 1: the logits as they are.
+            On the logits path the padded mass stays that of ``softmax(logits)``.
 
     Returns:
         :class:`CapturedStatistics`; entropy etc. in nats, of the softmax over all ``V`` columns.
@@ -58,6 +65,8 @@ def captured_statistics(
     Raises:
         HeadwatchError: as the functional statistics (shapes that do not agree).
     """
+    if temperature != 1.0:
+        captured = replace(captured, transform=_with_temperature(captured.transform, temperature))
     measured = captured.logits if captured.path == "logits" else captured.hidden
     # a capture missing its tensor is refused below (a HeadwatchError), not here by an AttributeError
     device = measured.device if isinstance(measured, Tensor) else torch.device("cpu")
@@ -69,7 +78,7 @@ def captured_statistics(
             logits = captured.logits
             if logits is None:
                 raise HeadwatchError("a logits-path capture holds no logits")
-            stats = logit_statistics(logits, mask, targets, ignore_index, max_chunk_bytes)
+            stats = logit_statistics(logits, mask, targets, ignore_index, max_chunk_bytes, transform=captured.transform)
             mass = padded_mass(logits, vocab_size, max_chunk_bytes) if vocab_size is not None else None
             return CapturedStatistics(stats, mass)
         hidden, weight = captured.hidden, captured.weight
@@ -81,6 +90,18 @@ def captured_statistics(
             )
             return CapturedStatistics(stats, None)
         return _chunked_from_hidden(captured, mask, targets, ignore_index, vocab_size, max_chunk_bytes)
+
+
+def _with_temperature(transform: FinalTransform | None, temperature: float) -> FinalTransform:
+    """``transform`` (None: identity) then a multiplication by ``1 / temperature`` (in place, on a float32 chunk)."""
+    inverse = 1.0 / temperature
+    first = transform.fn if transform is not None else None
+    described = f"{transform.description} then " if transform is not None else ""
+
+    def fn(x: Tensor) -> Tensor:
+        return (first(x) if first is not None else x).mul_(inverse)
+
+    return FinalTransform(f"{described}x / {temperature} (sampling temperature)", fn)
 
 
 def _project(h: Tensor, weight: Tensor, bias: Tensor | None, max_chunk_bytes: int) -> Tensor:

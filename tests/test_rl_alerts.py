@@ -1,0 +1,96 @@
+"""The RL alert preset (issue 20, points 4 and 6; docs/rl.md): the fraction of the run's starting entropy lost
+and an entropy floor, held ``for_steps``; it fires on an induced GRPO collapse before the reward reaches its
+plateau, and not on a healthy run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from headwatch.alerts import RL_DEFAULTS, CollapseRules, rl_collapse_rules
+from headwatch.alerts.events import CRITICAL, FIRED, RESOLVED, WARNING
+from headwatch.errors import HeadwatchError
+
+H = "headwatch/logits/entropy"
+
+
+def test_the_fall_is_measured_from_the_runs_start_with_a_hold():
+    """alpha = 1/2 on values that are multiples of 1/4: every smoothed value is exact. Reference by hand:
+    S = 2, 2, 1.5, 1.25, 0.875, 0.6875; lost fraction 0, 0, 0.25, 0.375, 0.5625, 0.65625."""
+    rules = rl_collapse_rules(fall=(0.3, 0.5), for_steps=2, smoothing=0.5, floor=None)
+    fired = []
+    for step, h in enumerate([2.0, 2.0, 1.0, 1.0, 0.5, 0.5]):
+        fired += [(e.step, e.rule, e.severity, e.kind) for e in rules.observe_train(step, {H: h})]
+    # warning: 0.375 (step 3), 0.5625 (4) -> fires at 4; critical: 0.5625 (4), 0.65625 (5) -> fires at 5
+    assert fired == [(4, "entropy_drop", WARNING, FIRED), (5, "entropy_drop", CRITICAL, FIRED)]
+    assert "starting entropy" in rules.describe("entropy_drop", WARNING)
+    # recovery: back above the start's 1 - 0.3 (1 - margin) share re-arms the warning
+    events = [e for step, h in enumerate([4.0, 4.0, 4.0], start=6) for e in rules.observe_train(step, {H: h})]
+    assert (RESOLVED, WARNING) in {(e.kind, e.severity) for e in events}
+
+
+def test_the_start_survives_a_checkpoint():
+    rules = rl_collapse_rules(floor=None)
+    rules.observe_train(0, {H: 2.0})
+    rules.observe_train(1, {H: 1.0})
+    again = rl_collapse_rules(floor=None)
+    again.load_state_dict(json.loads(json.dumps(rules.state_dict())))
+    assert list(again.history) == [2.0] and again.smoothed == rules.smoothed
+
+
+def test_the_floor_is_absolute_and_held():
+    rules = rl_collapse_rules(fall=None, floor=0.05, for_steps=2)
+    events = [e for step, h in enumerate([1.0, 0.04, 0.2, 0.04, 0.03]) for e in rules.observe_train(step, {H: h})]
+    assert [(e.step, e.rule, e.severity) for e in events] == [(4, "entropy_floor", CRITICAL)]
+
+
+def test_defaults_and_bad_arguments():
+    rules = rl_collapse_rules()
+    assert rules.drop_from == "start" and rules.for_steps == RL_DEFAULTS["for_steps"] == 2
+    assert rules.thresholds["entropy_drop"] == {WARNING: 0.3, CRITICAL: 0.5}
+    assert rules.thresholds["entropy_floor"] == {CRITICAL: 0.05}
+    assert rl_collapse_rules(window=5).drop_from == "window"
+    with pytest.raises(HeadwatchError, match="entropy_drop"):
+        rl_collapse_rules(fall=1.5)
+    with pytest.raises(HeadwatchError, match="drop_from"):
+        CollapseRules(entropy_drop=0.5, drop_from="begin")
+
+
+# ---------------------------------------------------------------------------------------- a GRPO run
+def run_grpo(tmp_path, lr: float, steps: int = 12):
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from headwatch.integrations.transformers import HeadwatchCallback
+    from tests.test_rl_grpo import by_step, reward_w7, tiny_policy, word_tokenizer
+
+    cb = HeadwatchCallback(monitors=["logits"], figure_every_n_steps=0, alert=rl_collapse_rules())
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=steps, logging_steps=1, per_device_train_batch_size=8,
+                      num_generations=8, max_completion_length=8, temperature=0.7, learning_rate=lr, report_to="none",
+                      use_cpu=True, save_strategy="no", disable_tqdm=True, bf16=False, use_vllm=False, seed=0)  # fmt: skip
+    data = Dataset.from_dict({"prompt": ["w1 w2 w3"] * 8 * steps})  # one prompt: the reward drives the policy onto w7
+    trainer = GRPOTrainer(model=tiny_policy(), reward_funcs=reward_w7, args=args, train_dataset=data,
+                          processing_class=word_tokenizer(), callbacks=[cb])  # fmt: skip
+    trainer.train()
+    path = tmp_path / "headwatch_alerts.jsonl"
+    alerts = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    history = trainer.state.log_history
+    return alerts, by_step(history, "headwatch/logits/entropy"), by_step(history, "reward")
+
+
+def test_the_alert_fires_on_an_induced_collapse_before_the_reward_plateaus(tmp_path):
+    alerts, entropy, reward = run_grpo(tmp_path, lr=1e-2)
+    drops = [a for a in alerts if a["rule"] == "entropy_drop" and a["severity"] == WARNING]
+    assert drops, (alerts, entropy)
+    first = drops[0]["step"]
+    assert entropy[max(entropy)] < 0.5 * entropy[1]  # the collapse really happened
+    plateau = min(s for s, r in reward.items() if r >= 0.9 * max(reward.values()))
+    assert first <= plateau, (first, plateau, reward)
+
+
+def test_the_alert_stays_quiet_on_a_healthy_run(tmp_path):
+    alerts, entropy, _ = run_grpo(tmp_path, lr=0.0)
+    assert alerts == [], alerts
+    assert min(entropy.values()) > 0.7 * entropy[1]
