@@ -75,6 +75,23 @@ def is_tied(model: torch.nn.Module) -> bool:
     return model.lm_head.weight is model.get_input_embeddings().weight
 
 
+def test_the_families_are_what_the_matrix_claims():
+    """The matrix's premise: one tied family, embeddings scaled by ``sqrt(d_model)`` in their own forward, and
+    softcapping that bends the logits (capped below ``SOFTCAP``, not a scaled copy of the uncapped ones)."""
+    ids = torch.arange(1, 6)[None]
+    for name, tied, scale in (("llama_tied", True, 1.0), ("gemma_scaled", True, D**0.5), ("gemma2_softcap", False, D**0.5)):
+        model = family(name)
+        emb = model.get_input_embeddings()
+        assert is_tied(model) == tied, name
+        torch.testing.assert_close(emb(ids), scale * emb.weight[ids].detach(), rtol=1e-3, atol=0)
+    model = family("gemma2_softcap")
+    capped = model(input_ids=ids).logits
+    model.config.final_logit_softcapping = None
+    raw = model(input_ids=ids).logits
+    torch.testing.assert_close(capped, SOFTCAP * torch.tanh(raw / SOFTCAP))
+    assert (raw - capped).abs().max() > 1e-3  # tanh bends this model's logits
+
+
 class Rows(torch.utils.data.Dataset):
     """``n`` rows of ``T`` tokens; row ``i`` masks its first ``i % 3 + 1`` labels (rows of different label counts)."""
 
