@@ -192,6 +192,13 @@ def test_rl_steps_publish_what_only_headwatch_shows(tmp_path):
     grads = {k: v for k, v in got.items() if k.startswith(f"{p}/grad/")}
     assert grads and all(math.isfinite(v) for v in grads.values()), grads
     assert any("tied" in k or "shared" in k for k in grads), sorted(grads)
+    # the rare tokens' share of the entropy lost since the run's first RL logging step (step 1 here)
+    history = trainer.state.log_history
+    h, rare = by_step(history, f"{p}/logits/entropy"), by_step(history, f"{p}/rl/entropy_share/rare")
+    share = by_step(history, f"{p}/rl/rare_share_of_entropy_drop")
+    assert sorted(h) == [1, 2] and 1 not in share and 2 in share  # no reference before the first step
+    want = (rare[1] - rare[2]) / (h[1] - h[2]) if h[1] > h[2] else math.nan
+    assert share[2] == pytest.approx(want, rel=1e-9, nan_ok=True)
 
 
 def test_rloo_trainer_shares_the_path(tmp_path):

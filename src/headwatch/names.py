@@ -135,6 +135,10 @@ METRICS: tuple[Metric, ...] = (
            "the bucket's part of `logits/entropy`: its share of completion positions times their mean entropy "
            "(by the sampled token's bucket); the buckets add up to `logits/entropy`", _L,
            formula="`(n_b / n) H_b`"),
+    Metric("rl/rare_share_of_entropy_drop", "fraction",
+           "the part of the entropy lost since the run's first RL logging step that rare sampled tokens account for "
+           "(NaN while the entropy has not fallen; may leave [0, 1] when other buckets gained)", _L,
+           formula="`(S_rare(start) - S_rare) / (H(start) - H)`, `S_rare` = `rl/entropy_share/rare`"),
     # ---- the self-check of a training logging step (headwatch.core.self_check; docs/self_check.md)
     Metric("capture/forwards", "count", "self-check: forwards measured on the logging step, this process", _L),
     Metric("capture/positions", "count", "self-check: positions measured (`logits/positions`)", _L),
@@ -280,6 +284,7 @@ CHARTS: tuple[Chart, ...] = (
         "logits/entropy", "rl/entropy_share/{bucket}",
     )),  # fmt: skip
     Chart("RL: sampled tokens' NLL (nats) and top-1 rate", "Multiline", ("rl/sampled_nll", "rl/sampled_top1_rate")),
+    Chart("RL: rare tokens' share of the entropy lost since the start", "Multiline", ("rl/rare_share_of_entropy_drop",)),
     Chart("RL: top-1 probability median with p05-p95 band", "Margin", ("logits/max_prob_p50", "logits/max_prob_p05", "logits/max_prob_p95")),
 )
 

@@ -24,6 +24,8 @@ events into calls here. The orchestrator owns:
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
@@ -37,7 +39,7 @@ from headwatch.core.forwards import not_loss_forward, skipped_in_training
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.gradients import GradientDensity
 from headwatch.core.logits import LogitStats
-from headwatch.core.rl import rl_scalars
+from headwatch.core.rl import drop_reference, rl_scalars
 from headwatch.core.monitor import FailurePolicy, Media, Monitor, compute_due, whole_matrices
 from headwatch.core.schedule import Schedule
 from headwatch.core.self_check import SelfCheck
@@ -307,6 +309,8 @@ class Orchestrator:
         self._val_started = False  # the current evaluation batch's loss forward was seen
         self._loss_inputs: Any = None  # the inputs of the loss being computed (loss_inputs), labels included
         self.sampling_temperature: float | None = None
+        self.rl_start: dict[str, float] | None = None
+        """The entropy and rare share of the run's first RL logging step (``rl/rare_share_of_entropy_drop``)."""
         """An RL run's sampling temperature (:meth:`sample_at`); None: not an RL run."""
         self.check = SelfCheck(prefix, self.reducer)
         """The self-check (docs/self_check.md): doors hand it the trainer's figures (``check.step_loss``, ...)."""
@@ -400,6 +404,7 @@ class Orchestrator:
         if resumed:
             return
         self.latest.clear()
+        self.rl_start = None
         self.each("starting a new run", lambda m: m.reset(), self.all_monitors)
         for obj in also:
             with self.guard("starting a new run"):
@@ -598,7 +603,7 @@ class Orchestrator:
         if not val:
             scalars = self.self_check(scalars, ok)
             if self.sampling_temperature is not None:
-                scalars = rl_scalars(scalars, self.prefix, self.sampling_temperature)
+                scalars = rl_scalars(scalars, self.prefix, self.sampling_temperature, self.rl_start)
         try:
             numbers = to_host(scalars, [m.media for m in ok])
         except Exception as err:  # noqa: BLE001
@@ -607,6 +612,8 @@ class Orchestrator:
         self.each("publishing the values", lambda m: m.published(numbers), ok)
         if not val:
             self.self_check_published(numbers)
+            if self.sampling_temperature is not None and self.rl_start is None:
+                self.rl_start = drop_reference(numbers, self.prefix)  # the run's first RL logging step
         return numbers, ok
 
     def self_check(self, scalars: dict[str, Any], ok: Sequence[Monitor]) -> dict[str, Any]:
@@ -657,7 +664,7 @@ class Orchestrator:
         """Every monitor's state (a collective under several processes: call it on every rank)."""
         return {
             "version": 2, "names": [type(m).__name__ for m in self.all_monitors], "monitors": [m.state_dict() for m in self.all_monitors],
-            "check": self.check.state_dict(),
+            "check": self.check.state_dict(), "rl_start": self.rl_start,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -666,6 +673,13 @@ class Orchestrator:
         not a dict of parts, or that lacks a monitor's part, is said once; ``strict`` raises instead."""
         strict = any(m.strict for m in self.all_monitors)
         self.check.load_state_dict(state.get("check") if isinstance(state, dict) else None)
+        start = state.get("rl_start") if isinstance(state, dict) else None
+        valid = isinstance(start, dict) and set(start) == {"entropy", "rare"} and all(
+            isinstance(v, float) and math.isfinite(v) for v in start.values()
+        )
+        if start is not None and not valid:
+            self.state_problem(strict, f"`rl_start` must be None or a dict of finite entropy and rare, got {start!r}")
+        self.rl_start = start if valid else None
         parts = state.get("monitors") if isinstance(state, dict) else None
         if not isinstance(parts, (list, tuple)):
             self.state_problem(strict, f"the state must be a dict with a `monitors` list, got {type(state).__name__}")

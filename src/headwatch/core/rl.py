@@ -11,6 +11,7 @@ generic name). See ``docs/rl.md``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ SAMPLED_NAMES = {"logits/target_nll": "rl/sampled_nll", "logits/target_argmax_ra
 """``logits/`` name -> its RL name, on RL training logging steps."""
 
 
-def rl_scalars(scalars: dict[str, Any], prefix: str, temperature: float) -> dict[str, Any]:
+def rl_scalars(scalars: dict[str, Any], prefix: str, temperature: float, start: dict[str, float] | None = None) -> dict[str, Any]:
     """``scalars`` of a training logging step with the RL names added (device tensors, no sync).
 
     - ``rl/sampled_nll`` (nats): ``mean -log p_T(sampled token)`` over completion positions, ``p_T`` the
@@ -31,7 +32,11 @@ def rl_scalars(scalars: dict[str, Any], prefix: str, temperature: float) -> dict
     - ``rl/temperature``: ``T``;
     - ``rl/entropy_share/<bucket>`` (nats; buckets and ``rare``): ``w_b H_b``, the bucket's share of positions
       times its mean entropy; over the buckets (not ``rare``) they add up to ``logits/entropy``, so the
-      drop of one bucket's share between two steps is its part of the entropy drop (``docs/rl.md``).
+      drop of one bucket's share between two steps is its part of the entropy drop (``docs/rl.md``);
+    - ``rl/rare_share_of_entropy_drop`` (fraction), with ``start`` (the host values of the run's first RL logging
+      step, :func:`drop_reference`): ``(S_rare(start) - S_rare(now)) / (H(start) - H(now))``, ``S_rare`` the rare
+      tokens' ``entropy_share``, ``H`` the entropy; the part of the entropy lost since the start that rare tokens
+      account for (may exceed 1 or be negative when other buckets gained); NaN while the entropy has not fallen.
     """
     out = dict(scalars)
     for ours, theirs in SAMPLED_NAMES.items():
@@ -44,4 +49,17 @@ def rl_scalars(scalars: dict[str, Any], prefix: str, temperature: float) -> dict
         if isinstance(h, Tensor) and isinstance(n, Tensor) and isinstance(total, Tensor):
             share = n.double() / total.double().clamp(min=1)
             out[f"{prefix}/rl/entropy_share/{bucket}"] = torch.where(n > 0, share * h.double(), torch.zeros_like(share))
+    rare, entropy = out.get(f"{prefix}/rl/entropy_share/rare"), scalars.get(f"{prefix}/logits/entropy")
+    if start is not None and isinstance(rare, Tensor) and isinstance(entropy, Tensor):
+        drop = start["entropy"] - entropy.double()  # a host float minus a device tensor: no sync
+        out[f"{prefix}/rl/rare_share_of_entropy_drop"] = torch.where(drop > 0, (start["rare"] - rare) / drop, torch.nan)
     return out
+
+
+def drop_reference(numbers: dict[str, float], prefix: str) -> dict[str, float] | None:
+    """The reference of ``rl/rare_share_of_entropy_drop`` from a published step's host values (None when they lack
+    the entropy or the rare share, or are not finite)."""
+    entropy, rare = numbers.get(f"{prefix}/logits/entropy"), numbers.get(f"{prefix}/rl/entropy_share/rare")
+    if entropy is None or rare is None or not math.isfinite(entropy) or not math.isfinite(rare):
+        return None
+    return {"entropy": float(entropy), "rare": float(rare)}
