@@ -66,3 +66,38 @@ def test_non_finite_values_never_poison_an_alert_rules_smoothing():
     for step, v in enumerate([3.0, float("nan"), 2.9, float("inf"), -float("inf"), 2.8, 2.7]):
         dirty.observe_train(step, {e: v})
     assert dirty.smoothed == clean.smoothed and list(dirty.history) == list(clean.history)
+
+
+def _plain_step(hw, model, with_labels: bool) -> dict:
+    ids = torch.randint(0, 64, (2, 8))
+    hw.step_start({"input_ids": ids, "labels": ids} if with_labels else {"input_ids": ids}, 0)
+    logits = model(ids)
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1)).backward()
+    hw.before_optimizer_step()
+    hw.after_optimizer_step()
+    return hw.step_end()
+
+
+def test_strict_raises_where_the_default_warns_but_never_on_a_note():
+    """A limitation (a batch without labels: target statistics NaN) warns by default and raises under strict; a
+    note on how something is measured (the hidden-state path, forced here) is said and never raised."""
+    import warnings
+
+    from headwatch import Headwatch
+    from headwatch.core import LogitStats
+    from tests.helpers import TinyCausalLM
+
+    torch.manual_seed(0)
+    model = TinyCausalLM(vocab_size=64, d_model=16)
+    with pytest.warns(UserWarning, match="labels"):
+        _plain_step(Headwatch(model, monitors=["logits"], log_every_n_steps=1, figure_every_n_steps=0), model, False)
+    model = TinyCausalLM(vocab_size=64, d_model=16)  # a fresh model each time: hooks of the last Headwatch stay
+    with pytest.raises(HeadwatchError, match="labels"):
+        _plain_step(Headwatch(model, monitors=["logits"], log_every_n_steps=1, figure_every_n_steps=0, strict=True), model, False)
+    model = TinyCausalLM(vocab_size=64, d_model=16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hw = Headwatch(model, monitors=[LogitStats(path="hidden")], log_every_n_steps=1, figure_every_n_steps=0, strict=True)
+        values = _plain_step(hw, model, True)
+    assert any("(said once)" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert values["headwatch/logits/positions"] == 2 * 7

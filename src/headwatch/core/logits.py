@@ -257,7 +257,7 @@ class LogitStats(Monitor):
                 self._capture_problem = True  # the cause is said: no "every position masked" warning
                 self.warn_once(f"capture:{report.problem}", f"{report.message} (warned once)")
             elif report.note is not None:
-                self.warn_once(f"path:{report.reason}", f"{report.note} (said once)")
+                self.note_once(f"path:{report.reason}", f"{report.note} (said once)")
         self._sink, self._view = None, None
 
     # ------------------------------------------------------------------ training

@@ -74,6 +74,15 @@ class FailurePolicy:
         if self.rank == 0:
             warnings.warn(message, UserWarning, stacklevel=2)
 
+    def note_once(self, key: str, message: str) -> None:
+        """Warn once per object and key, on rank zero, even with ``strict``: a note on what is measured and how
+        (not a limitation; nothing to raise about)."""
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        if self.rank == 0:
+            warnings.warn(message, UserWarning, stacklevel=2)
+
     def info_once(self, message: str) -> None:
         """Say ``message`` once per object (``logging`` at INFO, logger ``headwatch``), on rank zero."""
         if message in self._warned:

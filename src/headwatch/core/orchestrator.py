@@ -447,6 +447,10 @@ class Orchestrator:
         """A warning about the run, once (through the first monitor's warn-once record, else the run's)."""
         (self.monitors[0] if self.monitors else self.policy).warn_once(key, message)
 
+    def note_once(self, key: str, message: str) -> None:
+        """A note about the run, once, never raised (:meth:`FailurePolicy.note_once`)."""
+        (self.monitors[0] if self.monitors else self.policy).note_once(key, message)
+
     def fail(self, err: Exception, where: str) -> None:
         """A failure of the run's publishing or state: the first monitor's failure policy (else the run's)."""
         (self.monitors[0] if self.monitors else self.policy).fail(err, where)

@@ -112,7 +112,7 @@ class Headwatch(Driver):
                     "each optimizer step (its micro-batches share one step number)"
                 )
             if int(step) == 0 and self.step_index > 0 and not self._open:
-                self.run.warn_once(
+                self.run.note_once(
                     "new_run",
                     f"headwatch: step 0 again after step {self.step_index - 1}: a new run starts with empty state (token "
                     "counts, accumulators, totals). To continue a run instead, load its state with load_state_dict "
