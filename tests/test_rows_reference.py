@@ -396,3 +396,21 @@ def test_map_rows_single_threaded_runs_every_task_once_carries_modes_and_reraise
     order: list[int] = []
     map_rows_single_threaded(lambda t, w: order.append((t, w)), [0, 1, 2], workers=1)
     assert order == [(0, 0), (1, 0), (2, 0)]  # one worker: in order, on the caller's thread
+
+
+def test_rows_of_tiny_entries_get_their_norm_not_zero():
+    """Issue 21, point 4: a statistic must stay right at extreme finite magnitudes. Entries of 1e-30 square to
+    1e-60, below float32: the float32 norm is 0 though the row is not; the gradient statistics recompute it."""
+    from headwatch.distributed.reduce import NoReducer
+    from headwatch.distributed.sharded import row_statistics
+
+    m = torch.zeros(6, 8)
+    m[1] = 1e-30
+    m[2, 3] = -3e-25
+    m[4] = 2.0
+    want = torch.linalg.vector_norm(m.double(), dim=1)
+    assert row_norms(m)[1] == 0  # what float32 alone gives
+    stats, norms = row_statistics(m, {"all": torch.ones(6, dtype=torch.bool)}, NoReducer())
+    assert torch.allclose(norms.double(), want, rtol=1e-6, atol=0) and norms[1] > 0 and norms[2] > 0
+    assert stats["all_row_density"].item() == 0.5
+    assert stats["all_row_norm_max"].item() == pytest.approx(want.max().item(), rel=1e-6)

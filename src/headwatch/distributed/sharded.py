@@ -33,7 +33,15 @@ from headwatch.distributed.reduce import Reducer
 from headwatch.functional import collision as fcollision
 from headwatch.functional.adapters import zero_rows
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours
-from headwatch.functional.rows import dense_rows, row_cosine, row_density, row_nonzero_given_norms, row_norms, summarize_groups
+from headwatch.functional.rows import (
+    dense_rows,
+    row_cosine,
+    row_density,
+    row_nonzero_given_norms,
+    row_norms,
+    row_norms_given_nonzero,
+    summarize_groups,
+)
 from headwatch.functional.tied import tied_flow_statistics as _tied_flow_statistics
 from headwatch.names import STATS
 
@@ -163,6 +171,7 @@ def _norms_and_nonzero(rows: Rows, reducer: Reducer) -> tuple[Tensor, Tensor]:
     local = dense_rows(rows.local)
     norms = row_norms(local)
     nonzero = row_nonzero_given_norms(local, norms)
+    norms = row_norms_given_nonzero(local, norms, nonzero)  # rows of entries below ~1e-23: not 0
     if not rows.sharded:
         return norms, nonzero
     both = gather_by_rows(torch.stack([norms.double(), nonzero.double()], dim=1), rows, reducer)

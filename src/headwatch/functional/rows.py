@@ -125,6 +125,20 @@ def row_nonzero_given_norms(matrix: Tensor, norms: Tensor) -> Tensor:
     return (norms != 0) | row_nonzero(matrix)
 
 
+def row_norms_given_nonzero(matrix: Tensor, norms: Tensor, nonzero: Tensor) -> Tensor:
+    """``norms`` (:func:`row_norms`) with the rows that are non-zero but got a zero float32 norm (every entry below
+    about 1e-23: their squares underflow) recomputed in float64, so that a norm is 0 only for a zero row. Fixed-size
+    operations only (the first :data:`FIX_ROWS` such rows; beyond, NaN), no host sync.
+
+    Args:
+        matrix: ``(V, d_model)``; norms: ``(V,)``; nonzero: ``(V,)`` bool (:func:`row_nonzero_given_norms`).
+    """
+    m = dense_rows(matrix)
+    suspect = nonzero & (norms == 0)
+    with full_precision(m.device):
+        return _fix_rows_float64(norms, suspect, lambda idx: torch.linalg.vector_norm(m.index_select(0, idx).double(), dim=1))
+
+
 def row_density(nonzero: Tensor, valid: Tensor | None = None) -> Tensor:
     """Fraction of valid rows that are non-zero: ``sum(nonzero & valid) / sum(valid)``, float64 scalar.
 
