@@ -83,7 +83,7 @@ def lightning(out: Path, mode: str) -> dict:
     alert = SharpnessCollapseAlert(entropy_floor=9.0, entropy_drop=0.001, window=2, log_every_n_steps=1)
     checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=STEPS, log_every_n_steps=1, logger=False, enable_progress_bar=False,
+        default_root_dir=out, accelerator="cpu", devices=1, max_steps=STEPS, log_every_n_steps=1, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=[tokens, logits, alert, checkpoint, Kill()],
     )  # fmt: skip
