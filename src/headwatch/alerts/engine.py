@@ -130,7 +130,8 @@ class AlertEngine:
             order (a collective). Default: identity (one process).
         main_process: whether this process runs ``main_process_only`` actions (rank zero).
         strict: raise :class:`HeadwatchError` when an action fails instead of warning once.
-        warn, info: message functions (default ``warnings.warn`` and nothing).
+        warn: message function for warnings (default ``warnings.warn``).
+        info: message function for information (default: nothing).
         name: used in messages.
 
     Each value is evaluated as given: a front door passes each logged value once.

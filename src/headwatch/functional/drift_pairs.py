@@ -213,10 +213,12 @@ def collision_from_neighbours(
     """:class:`CorrectedCollision` from the neighbours of the ``measured`` queries on corrected and raw rows.
 
     Args:
-        fixed, raw: :class:`~headwatch.functional.neighbors.Neighbours` of ``measured`` among the
-            pairable rows, corrected and raw, ``(Q,)`` each.
+        fixed: :class:`~headwatch.functional.neighbors.Neighbours` of ``measured`` among the
+            corrected pairable rows, ``(Q,)``.
+        raw: the same among the raw pairable rows, ``(Q,)``.
         keep: ``(Q_given,)`` bool, which of the queries given were pairable (``measured`` are those).
-        drift_mean_cos, removed_variance: float64 scalars, as the fields of the same names.
+        drift_mean_cos: float64 scalar, as the field of the same name.
+        removed_variance: float64 scalar, as the field of the same name.
 
     One process or row-sharded (:func:`headwatch.distributed.sharded_drift.corrected_collision_rows`):
     the rates and fields are defined here once.
@@ -306,7 +308,8 @@ def partner_ranks(
 
     Args:
         rows: ``(V, d)`` (the corrected rows for the corrected rank).
-        a, b: ``(P,)`` integer row ids (e.g. from :func:`ordered_pairs`).
+        a: ``(P,)`` integer row ids, the first of each pair (e.g. from :func:`ordered_pairs`).
+        b: ``(P,)`` integer row ids, the second of each pair.
         valid: ``(V,)`` bool, rows that count as competitors.
 
     Returns:

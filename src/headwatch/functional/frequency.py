@@ -115,7 +115,8 @@ def frequency_snapshot(
     Args:
         counts: ``(V,)`` int64 counts (summed over processes).
         valid: ``(V,)`` bool rows that can occur.
-        rare_max_count, rare_fraction: see :func:`rare_tokens`.
+        rare_max_count: see :func:`rare_tokens`.
+        rare_fraction: see :func:`rare_tokens`.
     """
     order = count_order(counts, valid & (counts > 0))
     return FrequencySnapshot(

@@ -113,7 +113,10 @@ def logit_statistics_from_hidden(
         hidden: ``(..., d_model)`` final hidden states (any floating dtype), the input of the head.
         weight: ``(V, d_model)`` head weight, as stored by ``nn.Linear(d_model, V)`` (any floating dtype).
         bias: optional ``(V,)`` head bias.
-        mask, targets, ignore_index, max_chunk_bytes: as in :func:`logit_statistics`.
+        mask: as in :func:`logit_statistics`.
+        targets: as in :func:`logit_statistics`.
+        ignore_index: as in :func:`logit_statistics`.
+        max_chunk_bytes: as in :func:`logit_statistics`.
         transform: the model's final transform of the logits, applied per ``(n, V)``
             float32 chunk (may work in place, must return ``(n, V)``):
             ``logit_softcap(30.0)`` for Gemma 2, ``logit_scale(s)``, or any callable.

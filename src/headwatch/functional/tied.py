@@ -25,7 +25,8 @@ def tied_flow_statistics(
         lookup: ``(V, d_model)`` lookup part ``E``.
         scoring: ``(V, d_model)`` scoring part ``H``.
         valid: ``(V,)`` bool rows that can occur.
-        lookup_norms, scoring_norms: ``(V,)`` row norms when already computed.
+        lookup_norms: ``(V,)`` row norms of ``lookup`` when already computed.
+        scoring_norms: ``(V,)`` row norms of ``scoring`` when already computed.
 
     Returns:
         float64 scalars: ``tied_flow_rows`` (valid rows where both flows are non-zero),

@@ -88,8 +88,9 @@ class HeadwatchCallback(Driver, TrainerCallback):
             built: its distributed decision is then taken through ``reducer``). Called on every rank
             with the published values; validation also sees the Trainer's ``eval_*`` metrics (use
             ``CollapseRules(val_metric="eval_loss")``).
-        stop_on_critical, checkpoint_on_critical: on a critical alert, set the Trainer's
-            ``control.should_training_stop`` / ``control.should_save`` (a checkpoint at that step).
+        stop_on_critical: on a critical alert, set the Trainer's ``control.should_training_stop``.
+        checkpoint_on_critical: on a critical alert, set the Trainer's ``control.should_save``
+            (a checkpoint at that step).
         strict: raise on a failed measurement instead of warning once.
         console_keys: which values the Trainer's console printers (``ProgressCallback``,
             ``PrinterCallback``) show: None, a handful of headline names

@@ -29,7 +29,9 @@ class BatchFormat:
     """Where a training batch keeps its token ids, labels and attention mask.
 
     Args:
-        ids_key, labels_key, mask_key: field names in a mapping or attributes of an object.
+        ids_key: field name (in a mapping) or attribute of the token ids.
+        labels_key: field name or attribute of the labels.
+        mask_key: field name or attribute of the attention mask.
         shift_labels: labels are those of the input positions (Hugging Face causal LMs:
             logits at ``t`` are scored against ``labels[t + 1]``); False: labels are aligned
             with the logits (seq2seq models, ``(inputs, targets)`` tuples).

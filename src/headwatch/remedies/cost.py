@@ -111,7 +111,8 @@ def untie_cost(
     """Parameters added by untying a ``(vocab_size, d_model)`` head, and the model totals.
 
     Args:
-        vocab_size, d_model: the matrix's shape (``V`` rows of ``d_model``).
+        vocab_size: the matrix's rows ``V``.
+        d_model: the matrix's columns (the width of a row).
         params: the model's parameter count as it ships (tied when ``tied``, untied otherwise);
             None when unknown (no shares then).
         tied: whether ``params`` counts a tied model (required with ``params``).

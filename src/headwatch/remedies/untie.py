@@ -289,7 +289,8 @@ def untie_output_head(
         model: a tied model (``head.weight is embedding.weight``).
         init: ``"copy"`` or ``"normal"``.
         std: standard deviation for ``init="normal"``.
-        head, embedding: explicit modules or dotted names, as for the monitors.
+        head: explicit module or dotted name, as for the monitors.
+        embedding: explicit module or dotted name, as for the monitors.
         optimizer: an optimizer (or several) that already holds the tied matrix.
         optimizer_state: ``"copy"`` or ``"reset"`` (see above); None: ``"copy"`` for
             ``init="copy"``, ``"reset"`` for ``init="normal"``. Only with ``optimizer``.

@@ -85,9 +85,16 @@ class SharpnessCollapseAlert(FailurePolicy, Callback):
     warned about once and counted (``action_failures``); training goes on unless ``strict=True``.
 
     Args:
-        entropy_floor, entropy_ceiling, kl_ceiling, entropy_drop: thresholds (see above).
-        window, smoothing, patience, val_delta, val_min_entropy_drop, rearm_margin, warmup_steps,
-            for_steps: see :class:`~headwatch.alerts.rules.CollapseRules` (``smoothing`` is ``alpha``).
+        entropy_floor: threshold in nats (see above).
+        kl_ceiling: threshold in nats (see above).
+        entropy_drop: relative drop ``r`` (see above).
+        window: see :class:`~headwatch.alerts.rules.CollapseRules`.
+        smoothing: ``alpha`` of :class:`~headwatch.alerts.rules.CollapseRules`.
+        patience: see :class:`~headwatch.alerts.rules.CollapseRules`.
+        val_delta: ``delta`` of :class:`~headwatch.alerts.rules.CollapseRules`.
+        val_min_entropy_drop: ``min_entropy_drop`` of :class:`~headwatch.alerts.rules.CollapseRules`.
+        rearm_margin: ``margin`` of :class:`~headwatch.alerts.rules.CollapseRules`.
+        warmup_steps: see :class:`~headwatch.alerts.rules.CollapseRules`.
         val_dataloader_idx: the validation dataloader ``val_stall`` watches (default 0).
         entropy_metric: logged metric watched as the entropy (nats).
         kl_metric: logged metric watched as kl_to_uniform (nats).
@@ -103,7 +110,14 @@ class SharpnessCollapseAlert(FailurePolicy, Callback):
         webhook_retries: extra attempts after a failure (at most 5).
         save_checkpoint: save ``<log_dir>/headwatch_alert_step<step>.ckpt`` at a critical alert.
         stop_training: stop training (on all processes) at a critical alert.
+        prefix: first component of every metric name the alert writes (``<prefix>/alerts/...``).
         strict: raise instead of warning when an action fails.
+        entropy_ceiling: threshold in nats (see above).
+        for_steps: see :class:`~headwatch.alerts.rules.CollapseRules`.
+        rare_nll_rise: see :class:`~headwatch.alerts.rules.CollapseRules`.
+        rare_window: see :class:`~headwatch.alerts.rules.CollapseRules`.
+        rare_nll_metric: logged metric watched as the rare targets' NLL (nats).
+        nll_metric: logged metric watched as the target NLL (nats).
 
     Raises:
         HeadwatchError: invalid arguments (every rule off, a bad threshold, a timeout above 2 s,

@@ -48,22 +48,26 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
         on_epoch_end: also measure at the end of each training epoch.
         figures: nearest-neighbour cosine histograms, rare vs frequent
             (``headwatch/collision/nn_similarity_<m>``); ``"auto"``: when matplotlib is installed.
-        **kwargs: the arguments of the core :class:`~headwatch.core.SynonymCollision` (keyword only):
-        max_rare: largest number of rare tokens measured (sampled above it).
-        max_per_bucket: rows sampled per frequency bucket for the per-bucket similarity.
-        top_pairs: number of most similar colliding pairs reported.
-        synonym_groups: optional list of groups (token ids or strings).
-        tokenizer: decodes pairs to text and encodes string synonyms.
-        head, embedding: modules or dotted names; found automatically if None.
-        seed: base seed of the samples.
-        max_chunk_bytes: working-memory bound of the neighbour search (default 64 MiB).
-        prefix: first component of every metric name.
-        strict: raise on a failure to measure instead of warning once.
-        batch_format: how to read targets for the confusion rate (``targets_fn``,
+        **kwargs: the arguments of the core :class:`~headwatch.core.SynonymCollision` (keyword only;
+            listed under "Other Parameters").
+
+    Other Parameters:
+        max_rare (int): largest number of rare tokens measured (sampled above it).
+        max_per_bucket (int): rows sampled per frequency bucket for the per-bucket similarity.
+        top_pairs (int): number of most similar colliding pairs reported.
+        synonym_groups (Sequence[Sequence[int | str]] | None): optional list of groups (token ids or strings).
+        tokenizer (Any): decodes pairs to text and encodes string synonyms.
+        head (str | nn.Module | None): module or dotted name; found automatically if None.
+        embedding (str | nn.Module | None): module or dotted name; found automatically if None.
+        seed (int): base seed of the samples.
+        max_chunk_bytes (int): working-memory bound of the neighbour search (default 64 MiB).
+        prefix (str): first component of every metric name.
+        strict (bool): raise on a failure to measure instead of warning once.
+        batch_format (BatchFormat | None): how to read targets for the confusion rate (``targets_fn``,
             ``shift_labels``, ``mask_fn``, ``ignore_index``).
-        k: principal directions removed before the neighbour search; None:
+        k (int | None): principal directions removed before the neighbour search; None:
             ``max(1, round(d_model / 100))``.
-        include_unseen: let never-seen tokens be nearest neighbours (default: they are not).
+        include_unseen (bool): let never-seen tokens be nearest neighbours (default: they are not).
 
     Logged metrics (``<m>`` is ``head``, and ``embedding`` when untied; definitions in
     :mod:`headwatch.names`): ``collision/rare_rate_<m>``, ``collision/drift/raw_rate_<m>``,

@@ -38,7 +38,10 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
         head: the output head, a module or its dotted name; found automatically if None.
         log_every_n_steps: measure on the steps Lightning logs (``(step + 1) % n == 0``);
             None uses the Trainer's value.
-        shift_labels, ignore_index, mask_fn, targets_fn: see :class:`~headwatch.core.BatchFormat`.
+        shift_labels: see :class:`~headwatch.core.BatchFormat`.
+        ignore_index: see :class:`~headwatch.core.BatchFormat`.
+        mask_fn: see :class:`~headwatch.core.BatchFormat`.
+        targets_fn: see :class:`~headwatch.core.BatchFormat`.
         validation: also measure every validation batch and log epoch values.
         log_histogram: with a ``TensorBoardLogger``, a histogram of per-position entropy.
         max_chunk_bytes: bound on the working memory of the statistics (default 64 MiB).
