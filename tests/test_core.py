@@ -182,6 +182,7 @@ def _emitted(tmp_path, tie: bool) -> set[str]:
 
 
 def test_every_emitted_name_is_declared_and_documented(tmp_path):
+    import re
     from pathlib import Path
 
     from headwatch import names
@@ -191,16 +192,21 @@ def test_every_emitted_name_is_declared_and_documented(tmp_path):
     emitted = _emitted(tmp_path / "untied", False) | _emitted(tmp_path / "tied", True)
     undeclared = sorted(n for n in emitted if names.declaration(n) is None)
     assert not undeclared, undeclared
+    # the metric reference names the Lightning door for every name it emitted ...
+    elsewhere = sorted(n for n in emitted if "lightning" not in names.doors_of(names.declaration(n), n.removeprefix("headwatch/")))
+    assert not elsewhere, f"emitted by Lightning, the reference says another door: {elsewhere}"
     hit = {names.declaration(n) for n in emitted}
-    # alert markers, alert-delivery failures and storage-fault counts are emitted only when an alert fires or a
-    # fault happens: tests/test_alerts*.py, test_webhook_faults.py and test_storage_faults.py read them back
+    # ... and everything it says the Lightning door emits was emitted, but for alert markers, alert-delivery
+    # failures and storage-fault counts, emitted only when an alert fires or a fault happens
+    # (tests/test_alerts*.py, test_webhook_faults.py and test_storage_faults.py read them back); the
+    # Hugging Face door: tests/test_docs_site.py
     under_faults = {"SharpnessCollapseAlert", "AlertEngine", "GuardedFileWriter"}
-    trl_only = ("check/entropy_gap", "check/accuracy_gap")  # against TRL's logged metrics: tests/test_self_check.py
-    trl_only += tuple(m.pattern for m in names.METRICS if m.pattern.startswith("rl/"))  # RL runs: tests/test_rl_grpo.py
-    never = [m.pattern for m in names.METRICS if m not in hit and m.monitor not in under_faults and m.pattern not in trl_only]
+    lightning = [m for m in names.METRICS if "lightning" in names.doors_of(m) and m.monitor not in under_faults]
+    assert {m.pattern for m in names.METRICS if m.pattern.startswith("rl/")}.isdisjoint(m.pattern for m in lightning)
+    never = [m.pattern for m in lightning if m not in hit]
     assert not never, f"declared but never emitted: {never}"
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    undocumented = [m.readme_spelling() for m in names.METRICS if m.readme_spelling() not in readme]
+    reference = (Path(__file__).resolve().parents[1] / names.REFERENCE_PATH).read_text(encoding="utf-8")
+    undocumented = [m.pattern for m in names.METRICS if "| `headwatch/" + re.sub(r"\{(\w+)\}", r"<\1>", m.pattern) + "` |" not in reference]
     assert not undocumented, undocumented
     # nothing computed is dropped: every value of the metric but the raw entropies is published
     metric = LogitStatsMetric()
@@ -231,27 +237,39 @@ def test_published_logit_scalars_and_their_declarations_agree():
     assert sorted(declared - published) == [], "declared, not published"
 
 
-def test_readme_metric_tables_and_docstring_lists_are_generated_from_the_declarations():
-    """README.md keeps the generated table (regenerate: python -m headwatch.names README.md); the
-    Lightning monitor's docstring lists every declaration of its metrics."""
+def test_metric_tables_and_docstring_lists_are_generated_from_the_declarations(tmp_path):
+    """The metric reference of the site (docs/reference/metrics.md; regenerate: python -m headwatch.names
+    --reference docs/reference/metrics.md) holds one row per declaration, current (also
+    tests/test_docs_site.py); a Markdown file's generated table (update_readme) is rewritten from the
+    declarations; the Lightning monitor's docstring lists every declaration of its metrics."""
     import re
     from pathlib import Path
 
     from headwatch import names
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    assert "<!-- metrics of LogitStatsMonitor: generated" in readme
-    assert names.update_readme(readme) == readme, "stale: run python -m headwatch.names README.md"
-    assert names.main([str(Path(__file__).resolve().parents[1] / "README.md"), "--check"]) == 0
-    table = names.readme_table("LogitStatsMonitor").splitlines()
+    reference = Path(__file__).resolve().parents[1] / names.REFERENCE_PATH
+    assert reference.read_text(encoding="utf-8") == names.reference_page(), "stale: run python -m headwatch.names --reference"
     ours = [m for m in names.METRICS if m.monitor == "LogitStatsMonitor"]
+    logits_section = names.reference_page().split("## Logits\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in logits_section.splitlines() if line.startswith("| `headwatch/")]
+    assert len(rows) == len(ours)  # one row per declaration
+    assert rows[0].startswith(
+        "| `headwatch/<split>/entropy` | nats | mean entropy of the next-token distribution; "
+        "`H(p) = -sum_v p_v log p_v`, in `[0, log V]`; `0 log 0 = 0` (Shannon 1948) |"
+    )
+    table = names.readme_table("LogitStatsMonitor").splitlines()
     assert len(table) == 2 + len(ours)  # header, rule, one row per declaration
     assert "| `headwatch/<s>/entropy` | mean entropy of the next-token distribution (Shannon 1948) | nats |" in table[2]
+    marker = "<!-- metrics of LogitStatsMonitor: generated from src/headwatch/names.py by `python -m headwatch.names README.md`; edit the declarations there -->"
+    page = tmp_path / "page.md"
+    page.write_text(f"# t\n\n{marker}\n\n| hand-edited |\n\n<!-- end of generated metrics -->\n", encoding="utf-8")
+    assert names.main([str(page), "--check"]) == 1
+    assert names.main([str(page)]) == 0
+    assert names.update_readme(page.read_text(encoding="utf-8")) == page.read_text(encoding="utf-8")
+    assert "\n".join(table) in page.read_text(encoding="utf-8")  # a hand edit inside the table is overwritten
     doc = LogitStatsMonitor.__doc__ or ""
     for m in ours:
         assert "``" + re.sub(r"\{(\w+)\}", r"<\1>", m.pattern) + "``" in doc, m.pattern
-    stale = names.update_readme(readme.replace("| mean top-1 probability |", "| hand-edited |"))
-    assert stale == readme  # a hand edit inside the table is overwritten
 
 
 def test_dashboard_and_alert_defaults_use_declared_names():

@@ -165,7 +165,7 @@ def test_declared_and_documented():
         metric = names.declaration(f"headwatch/{split}/renyi2_entropy")
         assert metric is not None and metric.unit == "nats" and metric.source == "Rényi 1961"
         assert "sum_v p_v^2" in metric.formula
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    assert names.update_readme(readme) == readme  # the generated table is current ...
-    row = next(line for line in readme.splitlines() if line.startswith("| `headwatch/<s>/renyi2_entropy` |"))
-    assert "| nats | `H_2(p) = -log sum_v p_v^2`" in row  # ... and holds the new row
+    reference = (Path(__file__).resolve().parents[1] / names.REFERENCE_PATH).read_text(encoding="utf-8")
+    assert reference == names.reference_page()  # the generated metric reference is current ...
+    row = next(line for line in reference.splitlines() if line.startswith("| `headwatch/<split>/renyi2_entropy` |"))
+    assert "| nats | mean Rényi entropy of order 2" in row and "`H_2(p) = -log sum_v p_v^2`" in row  # ... and holds the row

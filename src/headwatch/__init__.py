@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from headwatch.errors import HeadwatchError
 from headwatch.lazy import lazy_names
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
+"""The version of headwatch, written only here (``pyproject.toml`` reads it; ``headwatch --version`` prints it)."""
 
 _LAZY = {
     "LogitStatsMonitor": "headwatch.integrations.lightning.logit_stats",

@@ -19,7 +19,10 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser: it only names the subcommands; each parses its own arguments."""
+    from headwatch import __version__
+
     parser = argparse.ArgumentParser(prog="headwatch", description="Tools for the metrics headwatch logs to TensorBoard.")
+    parser.add_argument("--version", action="version", version=f"headwatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in COMMANDS.items():
         sub.add_parser(name, help=text, add_help=False)
@@ -41,7 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch ``argv`` (without the program name) to a subcommand; returns its exit status.
 
     ``report`` runs :func:`headwatch.report.main`; ``cost`` imports ``headwatch.remedies.cost`` lazily
-    and runs its ``main(argv)``. Anything else is a usage error (exit status 2).
+    and runs its ``main(argv)``; ``--version`` prints ``headwatch <version>`` (exit status 0). Anything
+    else is a usage error (exit status 2).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in COMMANDS:

@@ -4,10 +4,12 @@ A declaration gives the name pattern (after ``<prefix>/``), the unit, the defini
 the kind (``scalar``, ``histogram``, ``text``, ``image``). Placeholders in braces take the
 values of :data:`PLACEHOLDERS`. The TensorBoard layout (:data:`CHARTS`, written by
 :mod:`headwatch.tensorboard.layout`), ``headwatch report``'s groups and default selection
-(:data:`GROUPS`, :func:`is_headline`), the alert's default metrics and the README tables derive from
-or are tested against this module: a new metric is one :class:`Metric` line here. Generated from it:
-the README's logits table (:func:`update_readme`, ``python -m headwatch.names README.md``) and the
-"Logged metrics" list of :class:`headwatch.LogitStatsMonitor` (:func:`logged_metrics`).
+(:data:`GROUPS`, :func:`is_headline`), the alert's default metrics and the metric reference derive
+from or are tested against this module: a new metric is one :class:`Metric` line here. Generated from
+it: the documentation site's metric reference, ``docs/reference/metrics.md`` (:func:`reference_page`,
+``python -m headwatch.names --reference docs/reference/metrics.md``: key, unit, definition, formula,
+source, on which steps and through which front doors it is published) and the "Logged metrics" list of
+:class:`headwatch.LogitStatsMonitor` (:func:`logged_metrics`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,13 @@ PLACEHOLDERS: dict[str, tuple[str, ...]] = {
 }
 
 
+DOORS: dict[str, str] = {"lightning": "Lightning", "hf": "HF", "loop": "loop"}
+"""The front doors (key: how :attr:`Metric.doors` names it; value: how the reference page spells it)."""
+
+
 class Metric(NamedTuple):
+    """One metric (or one family of metrics, through placeholders) and what the documentation says of it."""
+
     pattern: str
     """Name after ``<prefix>/``, with ``{placeholder}`` fields."""
     unit: str
@@ -55,6 +63,10 @@ class Metric(NamedTuple):
     """The formula, when :attr:`definition` (what it means, in words) does not give it."""
     source: str = ""
     """Where the definition comes from (authors and year), when it is not headwatch's own."""
+    steps: str = ""
+    """When it is published (Markdown), when not what :func:`steps_of` derives from the pattern."""
+    doors: tuple[str, ...] = ()
+    """The front doors that publish it (keys of :data:`DOORS`); empty: every door (see :func:`doors_of`)."""
 
     def regex(self, prefix: str = "headwatch") -> re.Pattern[str]:
         """A regex matching the full names this declaration stands for.
@@ -71,10 +83,13 @@ class Metric(NamedTuple):
         return re.compile(re.escape(prefix) + "/" + body + "$")
 
     def readme_spelling(self) -> str:
+        """How the README (before 0.3) spelled the name: :attr:`readme`, else ``headwatch/<pattern>``."""
         return self.readme or "headwatch/" + re.sub(r"\{(\w+)\}", r"<\1>", self.pattern).replace("<split>", "<s>")
 
 
 _L, _G, _T, _C, _A = "LogitStatsMonitor", "GradientDensityMonitor", "TokenFrequency", "SynonymCollisionMonitor", "SharpnessCollapseAlert"
+_HF = ("hf",)  # the Hugging Face Trainer / TRL front door only
+_TRL_LOGS = "logging steps of a TRL trainer that logs the figure (`SFTTrainer`)"
 
 METRICS: tuple[Metric, ...] = (
     # ---- logits (train: logits/, validation: val/logits/); the README's table is generated from these lines
@@ -160,10 +175,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("check/nll_gap", "nats", "self-check: headwatch's target NLL minus the trainer's; beyond tolerance: warned once", _L,
            formula="`target_nll - reference_nll`, tolerance `1e-3 + 1e-2 abs(reference_nll)`"),
     Metric("check/entropy_gap", "nats", "self-check: headwatch's entropy minus TRL's logged `entropy` of the step", _L,
-           formula="tolerance `1e-3 + 1e-2 abs(entropy_TRL)`"),
+           formula="tolerance `1e-3 + 1e-2 abs(entropy_TRL)`", steps=_TRL_LOGS, doors=_HF),
     Metric("check/accuracy_gap", "fraction",
            "self-check: `target_argmax_rate` minus TRL's logged `mean_token_accuracy` of the step", _L,
-           formula="tolerance `0.02`"),
+           formula="tolerance `0.02`", steps=_TRL_LOGS, doors=_HF),
     Metric("check/mismatch", "", "self-check: 1 when a gap is beyond its tolerance (or NaN while the reference is finite), else 0", _L),
     Metric("check/vanished_gradient", "",
            "self-check: 1 when the head's gradient is all zero (or an untied softmax head's row density is below 1) "
@@ -183,7 +198,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("freq/{matrix}_norm_spearman", "[-1, 1]", "Spearman(log count, ||W_i||_2) over seen tokens", _G),
     Metric("grad/{flow}_row_norm_histogram", "gradient units", "histogram of per-row gradient norms", _G, kind="histogram"),
     Metric("grad/row_norm_vs_frequency", "", "image: row norm vs frequency rank, log-log", _G, kind="image"),
-    Metric("grad/tying", "", "text: whether and how the matrices are tied", _G, kind="text"),
+    Metric("grad/tying", "", "text: whether and how the matrices are tied", _G, kind="text",
+           steps="once, when the callback attaches for `fit`", doors=("lightning",)),
     # ---- tokens
     Metric("tokens/seen_fraction", "fraction", "valid tokens seen at least once / valid tokens", _T),
     Metric("tokens/total", "count", "tokens counted, all processes", _T),
@@ -242,6 +258,49 @@ def _expansions(metric: Metric) -> list[tuple[str, dict[str, str]]]:
         chosen = dict(zip(fields, values))
         out.append((metric.pattern.format(**chosen), chosen))
     return out
+
+
+_STEPS: tuple[tuple[str, str], ...] = (
+    ("{split}/", "logging steps; `val`: each validation epoch or evaluation"),
+    ("rl/", "logging steps of an RL run (GRPO, RLOO)"),
+    ("capture/", "logging steps (self-check)"),
+    ("check/", "logging steps (self-check)"),
+    ("collision/val/", "each validation epoch or evaluation"),
+    ("collision/", "collision steps"),
+    ("alerts/action_failures", "when the count changes"),
+    ("alerts", "alert steps"),
+    ("storage/", "when writing resumes after a storage fault"),
+    ("", "logging steps"),
+)
+"""When a metric is published, by the start of its pattern (the first match wins)."""
+
+
+def steps_of(metric: Metric) -> str:
+    """On which steps ``metric`` is published (Markdown): :attr:`Metric.steps`, else derived from its pattern.
+
+    Figures (images) outside ``collision/`` follow ``figure_every_n_steps``; names of the supervised mode of
+    the collision monitor need ``synonym_groups``."""
+    if metric.steps:
+        return metric.steps
+    if metric.kind == "image" and not metric.pattern.startswith("collision/"):
+        return "figure steps"
+    text = next(text for start, text in _STEPS if metric.pattern.startswith(start))
+    if metric.kind == "image":
+        text += " (`figures=`)"
+    if "synonym" in metric.pattern:
+        text += " (`synonym_groups=`)"
+    return text
+
+
+def doors_of(metric: Metric, name: str | None = None) -> tuple[str, ...]:
+    """The front doors (keys of :data:`DOORS`) that publish ``metric``, or its concrete ``name`` (without prefix).
+
+    :attr:`Metric.doors` when given, else ``rl/`` names: the Hugging Face door (TRL's RL trainers), others:
+    every door. Validation names (``val/...``, ``collision/val/...``) never come from the plain loop, which
+    has no validation."""
+    doors = metric.doors or (("hf",) if metric.pattern.startswith("rl/") else tuple(DOORS))
+    validation = (name if name is not None else metric.pattern).startswith(("val/", "collision/val/"))
+    return tuple(d for d in doors if not (validation and d == "loop"))
 
 
 class Chart(NamedTuple):
@@ -382,7 +441,86 @@ def is_headline(name: str, prefix: str = "headwatch") -> bool | None:
     return metric.headline and not any(value in DETAIL.get(field, ()) for field, value in chosen.items())
 
 
-# ---- documentation generated from the declarations: README tables, docstring lists
+# ---- documentation generated from the declarations: the metric reference, README tables, docstring lists
+
+REFERENCE_PATH = "docs/reference/metrics.md"
+"""Where the metric reference lives, from the repository root (``python -m headwatch.names --reference``)."""
+
+_GROUP_SLUG = re.compile(r"[^a-z0-9]+")
+
+
+def _key(metric: Metric) -> str:
+    return "headwatch/" + re.sub(r"\{(\w+)\}", r"<\1>", metric.pattern)
+
+
+def _doors_text(doors: tuple[str, ...]) -> str:
+    return "all" if set(doors) == set(DOORS) else ", ".join(DOORS[d] for d in doors)
+
+
+def _doors_cell(metric: Metric) -> str:
+    doors = doors_of(metric)
+    val = doors_of(metric, "val/" + metric.pattern)
+    if metric.pattern.startswith("{split}/") and val != doors:
+        return _doors_text(doors) + "; `val`: " + _doors_text(val)
+    return _doors_text(doors)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def reference_page() -> str:
+    """The metric reference (Markdown): one table per :data:`GROUPS` entry, one row per declaration.
+
+    Columns: key, unit, definition (with :attr:`Metric.formula` and :attr:`Metric.source`), kind, on which
+    steps (:func:`steps_of`) and through which front doors (:func:`doors_of`) it is published."""
+    placeholders = "\n".join(
+        f"| `<{name}>` | " + ", ".join(f"`{v}`" for v in values) + " |" for name, values in PLACEHOLDERS.items()
+    )
+    out = [
+        "# Metric reference",
+        "",
+        "<!-- generated from src/headwatch/names.py by `python -m headwatch.names --reference docs/reference/metrics.md`;",
+        "     edit the declarations there, not this page (tests/test_docs_site.py fails when it is stale) -->",
+        "",
+        "Every name headwatch publishes, generated from the one declaration of the metrics in the code",
+        "(`headwatch.names.METRICS`). A name is `<prefix>/<key>`, the prefix `headwatch` by default (the Hugging Face",
+        "Trainer shows training values under `train/headwatch/...`). A `<placeholder>` in a key stands for each of",
+        "its values:",
+        "",
+        "| placeholder | values |",
+        "|---|---|",
+        placeholders,
+        "",
+        "`<split>` is `logits` on training logging steps and `val/logits` (`val` in the tables) for validation",
+        "epochs and evaluations (Lightning appends `/dataloader_idx_<k>` with several validation dataloaders; the",
+        "Hugging Face Trainer names each set of an `eval_dataset` dict). Buckets rank the seen valid tokens by count",
+        "(`top1`, `top10`, `top50`: the top 1%, 10%, 50%; `tail`; `unseen`); `rare` is the rare-token set.",
+        "",
+        "**Steps.** *Logging steps*: the training steps the front door logs on (Lightning's `log_every_n_steps`,",
+        "the Hugging Face Trainer's `logging_steps`, the plain loop's `log_every_n_steps`). *Collision steps*: every",
+        "10 logging steps by default (Lightning: `SynonymCollisionMonitor(every_n_steps=)`) and at the end of each",
+        "training epoch. *Figure steps*: every `figure_every_n_steps` logging steps (default: every 10 logging",
+        "intervals, when matplotlib is installed). *Alert steps*: the steps where an alert rule fires.",
+        "",
+        "**Doors.** The front doors that publish the name: `Lightning` (the callbacks), `HF` (the Hugging Face",
+        "`Trainer` and TRL's trainers, `HeadwatchCallback`), `loop` (a plain PyTorch loop, `headwatch.Headwatch`);",
+        "`all`: the three. The plain loop has no validation. Histograms, images and text go to TensorBoard only.",
+    ]
+    for group in GROUPS:
+        out += ["", f"## {group.name.capitalize()}", "", group.title[0].upper() + group.title[1:] + ".", ""]
+        out += ["| key | unit | definition | steps | doors |", "|---|---|---|---|---|"]
+        for m in METRICS:
+            if m.monitor != group.monitor:
+                continue
+            definition = m.definition if m.kind == "scalar" or m.definition.startswith(m.kind) else f"{m.kind}: {m.definition}"
+            if m.formula:
+                definition += f"; {m.formula}"
+            if m.source:
+                definition += f" ({m.source})"
+            cells = (f"`{_key(m)}`", m.unit, definition, steps_of(m), _doors_cell(m))
+            out.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(out) + "\n"
 
 _README_TABLE = re.compile(
     r"(<!-- metrics of (\w+): generated from src/headwatch/names.py by `python -m headwatch.names README.md`; "
@@ -422,21 +560,33 @@ def logged_metrics(monitor: str, indent: str = "    ") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m headwatch.names README.md [--check]``: rewrite (or check) the README's generated metric tables."""
+    """``python -m headwatch.names --reference docs/reference/metrics.md [--check]``: write (or check) the
+    metric reference; ``python -m headwatch.names README.md [--check]``: the same for a Markdown file's
+    generated tables (:func:`update_readme`).
+
+    Returns:
+        0, or 1 with ``--check`` when a file is stale (nothing is written then).
+    """
     import argparse
     from pathlib import Path
 
     parser = argparse.ArgumentParser(prog="python -m headwatch.names", description=main.__doc__)
-    parser.add_argument("readme", type=Path)
-    parser.add_argument("--check", action="store_true", help="exit 1 when the tables are stale, write nothing")
+    parser.add_argument("readme", type=Path, nargs="?", help="a Markdown file with generated metric tables")
+    parser.add_argument("--reference", type=Path, help=f"the metric reference page (in the repository: {REFERENCE_PATH})")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a file is stale, write nothing")
     args = parser.parse_args(argv)
-    text = args.readme.read_text(encoding="utf-8")
-    new = update_readme(text)
-    if args.check:
-        return int(new != text)
-    if new != text:
-        args.readme.write_text(new, encoding="utf-8")
-    return 0
+    if args.readme is None and args.reference is None:
+        parser.error("give --reference PATH, or a Markdown file")
+    stale = False
+    for path, render in ((args.reference, lambda text: reference_page()), (args.readme, update_readme)):
+        if path is None:
+            continue
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        new = render(text)
+        stale |= new != text
+        if not args.check and new != text:
+            path.write_text(new, encoding="utf-8")
+    return int(args.check and stale)
 
 
 if __name__ == "__main__":
