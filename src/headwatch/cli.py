@@ -19,10 +19,10 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser: it only names the subcommands; each parses its own arguments."""
-    from headwatch import __version__
+    import headwatch
 
     parser = argparse.ArgumentParser(prog="headwatch", description="Tools for the metrics headwatch logs to TensorBoard.")
-    parser.add_argument("--version", action="version", version=f"headwatch {__version__}")
+    parser.add_argument("--version", action="version", version=f"headwatch {headwatch.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in COMMANDS.items():
         sub.add_parser(name, help=text, add_help=False)
