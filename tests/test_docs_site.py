@@ -52,7 +52,10 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
     remedies = (site / "api" / "remedies" / "index.html").read_text(encoding="utf-8")
     assert 'id="headwatch.remedies.untie_output_head"' in remedies
     # ... the metric reference and the changelog are pages of the site
-    assert "headwatch/&lt;split&gt;/renyi2_entropy" in (site / "reference" / "metrics" / "index.html").read_text(encoding="utf-8")
+    reference = (site / "reference" / "metrics" / "index.html").read_text(encoding="utf-8")
+    assert "headwatch/&lt;split&gt;/renyi2_entropy" in reference
+    assert "\\|" not in reference  # an escaped pipe shows as such inside code: no `|` in a declaration's code span
+    assert "|{i valid : G_i != 0}| / |valid|" in reference  # outside code it is a pipe
     changelog = (site / "changelog" / "index.html").read_text(encoding="utf-8")
     assert f"[{headwatch.__version__}]" in changelog and "Keep a Changelog" in changelog
 

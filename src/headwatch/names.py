@@ -121,7 +121,7 @@ METRICS: tuple[Metric, ...] = (
            "vocabulary (with `vocab_size=`, else the shared `TokenFrequency`'s `vocab_size` when set); entropy stays "
            "that of the full softmax the loss uses", _L),
     Metric("{split}/ece", "probability", "expected calibration error of the top-1 prediction, M equal-width bins `B_m` (default 15, `ece_bins=`; the last bin closed: a confidence of 1.0 is in it)", _L,
-           formula="`sum_m |sum_{n in B_m} (c_n - a_n)| / N`, `c_n = max_v p_v`, `a_n = [target is the argmax]`",
+           formula="`sum_m abs(sum_{n in B_m} (c_n - a_n)) / N`, `c_n = max_v p_v`, `a_n = [target is the argmax]`",
            source="Naeini et al. 2015; Guo et al. 2017"),
     Metric("{split}/overconfidence", "probability", "over-confidence gap: confidence above accuracy", _L,
            formula="`mean c_n - mean a_n`"),
