@@ -1,7 +1,7 @@
 """Rényi-2 (collision) entropy ``H_2 = -log sum_v p_v^2`` (Rényi 1961) against an independent float64 reference.
 
 The statistic is one field of ``LogitStatistics``; everything after it (sums, the published
-``<prefix>/logits/renyi2_entropy``, the README table) follows from that field and its line in
+``<prefix>/logits/renyi2_entropy``, the metric reference docs/reference/metrics.md) follows from that field and its line in
 ``headwatch.names``.
 """
 
