@@ -143,3 +143,19 @@ def test_plain_loop_quickstart(offline, capsys):
     written = scalars(offline / "runs" / "loop", "headwatch/logits/entropy")  # closed writer: on disk
     assert sorted(written) == [1, 3]
     assert written[3] == pytest.approx(values["headwatch/logits/entropy"], rel=1e-6)
+
+
+def test_headline_names_of_the_readme_are_declared_metrics():
+    """Every name in README.md's "What is measured" table is a metric headwatch declares (and so publishes:
+    tests/test_core.py checks every declaration is emitted); a renamed metric fails here."""
+    from headwatch import names
+
+    text = README.read_text(encoding="utf-8")
+    table = text.split("\n## What is measured\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ") and not line.startswith("| group")]
+    found = [name for row in rows for name in re.findall(r"`([a-z_/<>]+)`", row[1])]
+    assert len(found) >= 15, found
+    for name in found:
+        concrete = name.replace("<matrix>", "head").replace("<rule>", "entropy_floor")
+        assert names.declaration(f"headwatch/{concrete}") is not None, name
+    assert names.declaration("headwatch/logits/no_such_metric") is None  # the check can fail
