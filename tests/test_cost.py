@@ -1,4 +1,4 @@
-"""headwatch cost: exact integers against hand-computed values, the README's table against the tool."""
+"""headwatch cost: exact integers against hand-computed values, the table of docs/remedies.md against the tool."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from headwatch import HeadwatchError
 from headwatch.remedies.cost import KNOWN_CONFIGS, count_parameters, main, readme_table, shape_from_config, untie_cost
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REMEDIES = Path(__file__).resolve().parents[1] / "docs" / "remedies.md"
 
 
 def test_llama3_8b_and_gpt2_small_by_hand():
@@ -85,11 +85,11 @@ def test_python_dash_m():
     assert "38,597,376" in out
 
 
-def test_readme_table_is_the_tools_output():
+def test_remedies_page_table_is_the_tools_output():
     pytest.importorskip("transformers")
-    text = README.read_text()
+    text = REMEDIES.read_text(encoding="utf-8")
     match = re.search(r"<!-- headwatch-cost-table:start -->\n(.*?)\n<!-- headwatch-cost-table:end -->", text, re.S)
-    assert match, "README.md has no headwatch-cost-table block"
+    assert match, "docs/remedies.md has no headwatch-cost-table block"
     assert match.group(1) == readme_table(), "regenerate it: python -m headwatch.remedies.cost --readme-table"
 
 

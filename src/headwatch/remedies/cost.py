@@ -240,7 +240,7 @@ def format_cost(cost: UntieCost, name: str = "") -> str:
 
 
 def readme_table(world_size: int = 8) -> str:
-    """The README's Markdown table of :data:`KNOWN_CONFIGS`, every figure computed here."""
+    """The Markdown table (docs/remedies.md) of :data:`KNOWN_CONFIGS`, every figure computed here."""
     check_positive_int("world_size", world_size)
     head = (
         "| model | vocab_size | d_model | ships | parameters (as shipped) | added by untying (V x d) "
@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--config", metavar="PATH", help="a Hugging Face config.json (or its folder)")
-    src.add_argument("--readme-table", action="store_true", help="print the README's table of well-known configs")
+    src.add_argument("--readme-table", action="store_true", help="print the table of well-known configs (docs/remedies.md)")
     parser.add_argument("--vocab-size", type=int, help="rows of the embedding (with --d-model, instead of --config)")
     parser.add_argument("--d-model", type=int, help="hidden size (with --vocab-size)")
     parser.add_argument("--params", type=int, help="the model's parameter count as it ships (overrides the count)")
