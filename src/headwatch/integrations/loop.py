@@ -45,7 +45,8 @@ class Headwatch(Driver):
             ``"gradients"``, ``"tokens"``, ``"collision"``; default: all four. Monitors that
             need token counts share one :class:`~headwatch.core.TokenCounts` (added if absent).
         writer: a ``torch.utils.tensorboard.SummaryWriter`` (or several); None: values are
-            only returned by :meth:`step_end`.
+            only returned by :meth:`step_end`. ``headwatch.tensorboard.SummaryWriter(log_dir)`` also
+            survives a log directory that cannot be written when it is made (``docs/faults.md``).
         log_every_n_steps: measure on steps ``s`` with ``(s + 1) % n == 0`` (collision: 10 n).
         batch_format: how batches are read (:class:`~headwatch.core.BatchFormat`).
         reducer: distributed reductions; default ``torch.distributed`` when initialized.

@@ -147,9 +147,14 @@ class HeadwatchCallback(Driver, TrainerCallback):
 
     def set_trainer(self, trainer: Trainer) -> None:
         """Keep a (weak) reference to the trainer whose ``log`` receives the values, and let the run see the
-        inputs of its loss (``labels`` included) whenever it computes one (:func:`hand_loss_inputs`)."""
+        inputs of its loss (``labels`` included) whenever it computes one (:func:`hand_loss_inputs`). Its
+        ``TensorBoardCallback`` makes ``headwatch.tensorboard.SummaryWriter`` (an unwritable log directory at
+        ``on_train_begin`` no longer stops the run: ``docs/faults.md``)."""
         self._trainer = weakref.ref(trainer)
         hand_loss_inputs(trainer, self.run)
+        for cb in trainer.callback_handler.callbacks:  # its writer, made at on_train_begin, survives an unwritable log dir
+            if isinstance(cb, TensorBoardCallback):
+                cb._SummaryWriter = tb.guarded_writer_class(cb._SummaryWriter)  # noqa: SLF001 - docs/faults.md
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
         """The Trainer is built: attach to its model now, so that an ``evaluate()`` before (or without)

@@ -13,4 +13,12 @@ from headwatch.tensorboard.writer import (
     write_text,
 )
 
-__all__ = ["GuardedFileWriter", "WriterSink", "guard", "guarded", "storage_status", "flush", "prefixed", "write_histogram", "write_layout", "write_media", "write_scalars", "write_text"]
+__all__ = ["GuardedFileWriter", "SummaryWriter", "guarded_writer_class", "WriterSink", "guard", "guarded", "storage_status", "flush", "prefixed", "write_histogram", "write_layout", "write_media", "write_scalars", "write_text"]
+
+
+def __getattr__(name: str):  # imported on first use: torch.utils.tensorboard is slow to import
+    if name in ("SummaryWriter", "guarded_writer_class"):
+        from headwatch.tensorboard import summary_writer
+
+        return getattr(summary_writer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -233,7 +233,11 @@ class GuardedFileWriter:
 
 
 def _probe(logdir: str, size: int) -> None:
-    """Raise ``OSError`` unless ``size`` bytes (at most 1 MiB) can be written and synced in ``logdir`` (made if missing)."""
+    """Raise ``OSError`` unless ``size`` bytes (at most 1 MiB) can be written and synced in ``logdir`` (made if missing).
+
+    A remote ``logdir`` (``scheme://...``, written through TensorBoard's file systems) is not probed."""
+    if "://" in logdir:
+        return
     os.makedirs(logdir, exist_ok=True)
     path = os.path.join(logdir, f".headwatch_probe.{os.getpid()}")
     try:

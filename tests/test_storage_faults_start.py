@@ -1,0 +1,141 @@
+"""Storage faults at start (issue 21, point 1): a log directory that cannot be written when the writer is made
+(a read-only or a full file system, a real size-limited tmpfs), on the plain-loop and the Hugging Face doors.
+
+torch's ``SummaryWriter(...)`` raises there (it opens its event file in its constructor);
+``headwatch.tensorboard.SummaryWriter`` starts without a file instead, and the Hugging Face door gives the
+Trainer's ``TensorBoardCallback`` that class. Each test checks that training runs every step, that the values
+reach the caller (the Trainer's log history), that one warning says writing stopped, and that after the fault
+clears every event is in the files, read back with TensorBoard's ``EventAccumulator``, with
+``headwatch/storage/delayed_events`` published. Lightning raises in ``Trainer.fit`` before any callback runs
+(measured in ``test_lightning_stops_before_any_callback_runs``, documented in ``docs/faults.md``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.tensorboard import SummaryWriter as TorchSummaryWriter
+
+from headwatch import Headwatch
+from headwatch.tensorboard import SummaryWriter, storage_status
+from headwatch.tensorboard.guard import STORAGE_TAGS
+from tests.helpers import TinyCausalLM
+from tests.test_storage_faults import ENTROPY, STEPS, check_nothing_lost, fill, read_back, remount, tmpfs  # noqa: F401
+
+CLEAR_AT = 5
+
+
+def faults(mount: Path):
+    """``{name: (make the fault, clear it)}`` on the tmpfs at ``mount``."""
+    ballast: list[Path] = []
+    return {
+        "read_only": (lambda: remount(mount, "ro"), lambda: remount(mount, "rw")),
+        "full": (lambda: ballast.append(fill(mount)), lambda: ballast[0].unlink()),
+    }
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # torch's writer thread dies
+@pytest.mark.parametrize("fault", ["read_only", "full"])
+def test_torchs_writer_raises_at_start_where_headwatchs_does_not(tmpfs, fault):
+    make, clear = faults(tmpfs)[fault]
+    make()
+    with pytest.raises(OSError):  # the reason for this class: torch's own stops the run here
+        TorchSummaryWriter(str(tmpfs / "torch"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        writer = SummaryWriter(str(tmpfs / "run"), retry_seconds=0.0, purge_step=0)
+        for step in range(3):
+            writer.add_scalar("x", float(step), step)
+            writer.flush()
+        assert storage_status(writer)["pending_events"] == 5  # the purge marks (2) and 3 scalars, kept
+        assert not storage_status(writer)["writing"]
+        clear()
+        writer.add_scalar("x", 3.0, 3)
+        writer.close()
+    messages = [str(w.message) for w in caught if "headwatch" in str(w.message)]
+    assert len([m for m in messages if "cannot be written" in m]) == 1, messages
+    assert isinstance(writer, TorchSummaryWriter)
+    acc = read_back(tmpfs / "run")
+    assert [(e.step, e.value) for e in acc.Scalars("x")] == [(s, float(s)) for s in range(4)]
+    status = storage_status(writer)
+    assert status["delayed_events"] == 6 and status["lost_events"] == 0, status  # 2 purge marks + 4 scalars
+    assert acc.Scalars(STORAGE_TAGS[0])[-1].value == 6
+
+
+@pytest.mark.parametrize("fault", ["read_only", "full"])
+def test_plain_loop_starts_on_an_unwritable_log_directory_and_loses_nothing(tmpfs, fault):
+    make, clear = faults(tmpfs)[fault]
+    make()
+    torch.manual_seed(0)
+    model = TinyCausalLM(vocab_size=64, d_model=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    returned = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        writer = SummaryWriter(str(tmpfs / "run"), retry_seconds=0.0)  # torch's would raise here
+        hw = Headwatch(model, monitors=["logits"], writer=writer, log_every_n_steps=1, figure_every_n_steps=0)
+        for step in range(STEPS):
+            if step == CLEAR_AT:
+                clear()
+            ids = torch.randint(0, 64, (4, 8))
+            hw.step_start({"input_ids": ids, "labels": ids}, step)
+            loss = torch.nn.functional.cross_entropy(model(ids)[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
+            loss.backward()
+            hw.before_optimizer_step()
+            optimizer.step()
+            hw.after_optimizer_step()
+            optimizer.zero_grad()
+            returned.append(hw.step_end())
+            if step == CLEAR_AT - 1:
+                assert not list(tmpfs.rglob("events.out.tfevents.*"))  # nothing could be written yet
+        writer.close()
+    assert len(returned) == STEPS
+    check_nothing_lost(tmpfs / "run", returned, [str(w.message) for w in caught if "headwatch" in str(w.message)], writer)
+    # the steps before the fault cleared (and the layout) were written late: at least one event per step
+    assert storage_status(writer)["delayed_events"] >= CLEAR_AT + 1
+
+
+@pytest.mark.parametrize("fault", ["read_only", "full"])
+def test_hf_trainer_starts_on_an_unwritable_log_directory_and_loses_nothing(tmpfs, fault, monkeypatch):
+    from transformers import Trainer, TrainerCallback
+
+    from headwatch.integrations.transformers import HeadwatchCallback
+    from tests.test_transformers import Rows, hf_args, one_batch, tiny_llama
+
+    monkeypatch.setattr("headwatch.tensorboard.summary_writer.DEFAULT_RETRY_SECONDS", 0.0)  # retry at every flush
+    out = tmpfs / "out"
+    out.mkdir()  # the Trainer makes output_dir in its constructor (an unwritable one stops it there, headwatch or not)
+    make, clear = faults(tmpfs)[fault]
+    make()
+    steps = 6
+
+    class Clear(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                clear()
+
+    args = hf_args(out, max_steps=steps, logging_steps=1, logging_first_step=False, learning_rate=1e-2,
+                   report_to="tensorboard", per_device_train_batch_size=2)  # fmt: skip
+    trainer = Trainer(model=tiny_llama(tie=True), args=args, train_dataset=Rows(one_batch(), repeat=3),
+                      callbacks=[HeadwatchCallback(monitors=["logits"], figure_every_n_steps=0), Clear()])  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()  # without headwatch: OSError from SummaryWriter(...) in TensorBoardCallback.on_train_begin
+    assert trainer.state.global_step == steps
+    logged = {r["step"]: r for r in trainer.state.log_history if ENTROPY in r}
+    assert sorted(logged) == list(range(1, steps + 1)), "every logging step's values reach the Trainer's log"
+    messages = [str(w.message) for w in caught if "headwatch" in str(w.message)]
+    assert len([m for m in messages if "cannot be written" in m]) == 1, messages
+    assert len([m for m in messages if "again" in m]) == 1, messages
+    (logdir,) = {p.parent for p in out.rglob("events.out.tfevents.*")}
+    acc = read_back(logdir)
+    written = {e.step: e.value for e in acc.Scalars("train/" + ENTROPY)}
+    assert written == pytest.approx({s: r[ENTROPY] for s, r in logged.items()}, rel=1e-6)
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, steps + 1))  # the Trainer's own, too
+    assert "args" in " ".join(acc.Tags()["tensors"])  # its text at on_train_begin, written late
+    delayed = acc.Scalars(STORAGE_TAGS[0])
+    assert delayed and delayed[-1].value >= 3 * 2  # steps 1-3 (loss and entropy each) at least
+    assert acc.Scalars(STORAGE_TAGS[1])[-1].value == 0
