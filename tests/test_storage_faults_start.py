@@ -7,11 +7,12 @@ Trainer's ``TensorBoardCallback`` that class. Each test checks that training run
 reach the caller (the Trainer's log history), that one warning says writing stopped, and that after the fault
 clears every event is in the files, read back with TensorBoard's ``EventAccumulator``, with
 ``headwatch/storage/delayed_events`` published. Lightning raises in ``Trainer.fit`` before any callback runs
-(measured in ``test_lightning_stops_before_any_callback_runs``, documented in ``docs/faults.md``).
+(measured in ``test_lightning_stops_before_any_callback_runs_headwatch_or_not``, documented in ``docs/faults.md``).
 """
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from pathlib import Path
 
@@ -139,3 +140,34 @@ def test_hf_trainer_starts_on_an_unwritable_log_directory_and_loses_nothing(tmpf
     delayed = acc.Scalars(STORAGE_TAGS[0])
     assert delayed and delayed[-1].value >= 3 * 2  # steps 1-3 (loss and entropy each) at least
     assert acc.Scalars(STORAGE_TAGS[1])[-1].value == 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # torch's writer thread dies
+@pytest.mark.parametrize("fault", ["read_only", "full"])
+def test_lightning_stops_before_any_callback_runs_headwatch_or_not(tmpfs, fault, tmp_path):
+    """Measured, not fixed (docs/faults.md): Lightning makes its ``TensorBoardLogger.experiment`` (``makedirs`` of
+    ``save_dir``, then torch's ``SummaryWriter(...)``) in ``Trainer.fit`` before the first callback hook, and writes
+    ``hparams.yaml`` there after each ``log_metrics``; the same Trainer without headwatch stops the same way."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from headwatch import LogitStatsMonitor
+    from tests.helpers import loader
+
+    class Hooks(pl.Callback):
+        called: list[str] = []
+
+        def setup(self, trainer, pl_module, stage):
+            self.called.append("setup")
+
+    make, _ = faults(tmpfs)[fault]
+    make()
+    for callbacks in ([Hooks()], [Hooks(), LogitStatsMonitor(log_every_n_steps=1)]):
+        logger = TensorBoardLogger(str(tmpfs / "logs"))
+        trainer = pl.Trainer(max_steps=2, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=callbacks, default_root_dir=str(tmp_path))  # fmt: skip
+        with pytest.raises(OSError) as raised:
+            trainer.fit(TinyCausalLM(), loader())
+        assert raised.value.errno == (30 if fault == "read_only" else 28)
+        assert any(f.name == "experiment" for f in traceback.extract_tb(raised.tb)), "in logger.experiment"
+        assert Hooks.called == [] and trainer.global_step == 0  # before any callback hook and any step
