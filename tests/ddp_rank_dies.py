@@ -21,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.utils.tensorboard import SummaryWriter  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch.utils.tensorboard import SummaryWriter
 
-from headwatch import Headwatch  # noqa: E402
+from headwatch import Headwatch
 
 
 class Tiny(torch.nn.Module):

@@ -10,13 +10,13 @@ import json
 import multiprocessing
 import os
 import signal
-from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.ddp_rank_dies import DIE_AT, TIMEOUT_S, run
 from tests.test_ddp_skipped_backward import free_port
+
 ENTROPY = "headwatch/logits/entropy"
 
 

@@ -23,9 +23,18 @@ from torch.utils.tensorboard import SummaryWriter as TorchSummaryWriter
 from headwatch import Headwatch
 from headwatch.tensorboard import SummaryWriter, storage_status
 from headwatch.tensorboard.guard import STORAGE_TAGS
+from tests import test_storage_faults
 from tests.helpers import TinyCausalLM
-from tests.test_storage_faults import ENTROPY, STEPS, check_nothing_lost, fill, read_back, remount, tmpfs  # noqa: F401
+from tests.test_storage_faults import (
+    ENTROPY,
+    STEPS,
+    check_nothing_lost,
+    fill,
+    read_back,
+    remount,
+)
 
+tmpfs = test_storage_faults.tmpfs  # the fixture: a 256 KiB tmpfs
 CLEAR_AT = 5
 
 
@@ -154,11 +163,11 @@ def test_lightning_stops_before_any_callback_runs_headwatch_or_not(tmpfs, fault,
     from headwatch import LogitStatsMonitor
     from tests.helpers import loader
 
-    class Hooks(pl.Callback):
-        called: list[str] = []
+    called: list[str] = []
 
+    class Hooks(pl.Callback):
         def setup(self, trainer, pl_module, stage):
-            self.called.append("setup")
+            called.append("setup")
 
     make, _ = faults(tmpfs)[fault]
     make()
@@ -170,4 +179,4 @@ def test_lightning_stops_before_any_callback_runs_headwatch_or_not(tmpfs, fault,
             trainer.fit(TinyCausalLM(), loader())
         assert raised.value.errno == (30 if fault == "read_only" else 28)
         assert any(f.name == "experiment" for f in traceback.extract_tb(raised.tb)), "in logger.experiment"
-        assert Hooks.called == [] and trainer.global_step == 0  # before any callback hook and any step
+        assert called == [] and trainer.global_step == 0  # before any callback hook and any step

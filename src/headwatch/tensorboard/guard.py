@@ -306,6 +306,25 @@ def _start_broken(writer: Any, err: BaseException, kwargs: dict[str, Any]) -> An
     return writer
 
 
+def open_guarded(writer: Any, open_file: Any, **kwargs: Any) -> GuardedFileWriter:
+    """Open ``writer``'s event file with ``open_file()`` (which returns a torch ``FileWriter``) and guard it; when
+    the log directory cannot be written (probed first, so that no torch writer thread starts and dies), install
+    a :class:`GuardedFileWriter` that starts broken: it keeps the events and opens the file at a later flush.
+
+    Returns the guarded writer, installed as ``writer.file_writer``. Never raises for the storage.
+    ``kwargs``: :class:`GuardedFileWriter`'s ``max_pending_bytes`` and ``retry_seconds``.
+    """
+    try:
+        _probe(str(writer.log_dir), 4096)
+        current = open_file()
+    except Exception as err:  # noqa: BLE001 - the storage never stops training
+        writer.file_writer = writer.all_writers = None
+        _start_broken(writer, err, kwargs)
+        return writer.file_writer
+    _install(writer, GuardedFileWriter(current, **kwargs))
+    return writer.file_writer
+
+
 def storage_status(writer: Any) -> dict[str, Any]:
     """``{"writing": bool, "delayed_events": int, "lost_events": int, "pending_events": int, "error": str | None}``
     of a guarded writer (an unguarded one: writing, zeros)."""

@@ -18,9 +18,7 @@ from headwatch.tensorboard.guard import (
     DEFAULT_MAX_PENDING_BYTES,
     DEFAULT_RETRY_SECONDS,
     GuardedFileWriter,
-    _install,
-    _probe,
-    _start_broken,
+    open_guarded,
 )
 
 __all__ = ["SummaryWriter", "guarded_writer_class"]
@@ -61,22 +59,14 @@ class SummaryWriter(TorchSummaryWriter):
         """The guarded ``FileWriter``; made (or made again after ``close``) when there is none."""
         if isinstance(self.file_writer, GuardedFileWriter) and self.all_writers is not None:
             return self.file_writer
-        kwargs = self.headwatch_guard_kwargs
-        try:
-            _probe(str(self.log_dir), 4096)  # no torch writer thread (it dies loudly) while the fault lasts
-            current = super()._get_file_writer()
-        except Exception as err:  # noqa: BLE001 - the storage never stops training
-            self.file_writer = self.all_writers = None
-            _start_broken(self, err, kwargs)
-            if self.purge_step is not None:  # what torch's writer puts first in a new file
-                from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        guarded = open_guarded(self, super()._get_file_writer, **self.headwatch_guard_kwargs)
+        if guarded.broken is not None and self.purge_step is not None:  # what torch's writer puts first in a new file
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
-                self.file_writer.add_event(Event(step=self.purge_step, file_version="brain.Event:2"))
-                self.file_writer.add_event(Event(step=self.purge_step, session_log=SessionLog(status=SessionLog.START)))
-                self.purge_step = None
-            return self.file_writer
-        _install(self, GuardedFileWriter(current, **kwargs))
-        return self.file_writer
+            guarded.add_event(Event(step=self.purge_step, file_version="brain.Event:2"))
+            guarded.add_event(Event(step=self.purge_step, session_log=SessionLog(status=SessionLog.START)))
+            self.purge_step = None
+        return guarded
 
 
 def guarded_writer_class(cls: Any) -> Any:
