@@ -56,7 +56,7 @@ def test_torchs_writer_raises_at_start_where_headwatchs_does_not(tmpfs, fault):
         TorchSummaryWriter(str(tmpfs / "torch"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        writer = SummaryWriter(str(tmpfs / "run"), retry_seconds=0.0, purge_step=0)
+        writer = SummaryWriter(str(tmpfs / "run"), retry_seconds=0.0, purge_step=0, filename_suffix=".hw")
         for step in range(3):
             writer.add_scalar("x", float(step), step)
             writer.flush()
@@ -68,6 +68,7 @@ def test_torchs_writer_raises_at_start_where_headwatchs_does_not(tmpfs, fault):
     messages = [str(w.message) for w in caught if "headwatch" in str(w.message)]
     assert len([m for m in messages if "cannot be written" in m]) == 1, messages
     assert isinstance(writer, TorchSummaryWriter)
+    assert [p.name.endswith(".hw") for p in (tmpfs / "run").iterdir()] == [True]  # torch's arguments kept
     acc = read_back(tmpfs / "run")
     assert [(e.step, e.value) for e in acc.Scalars("x")] == [(s, float(s)) for s in range(4)]
     status = storage_status(writer)

@@ -29,6 +29,10 @@ Counters (cumulative over the run, also in :func:`storage_status`):
 - ``headwatch/storage/lost_events``: events never written (dropped beyond ``max_pending_bytes``, or
   still kept when the writer was closed).
 
+A log directory that cannot be written when the ``SummaryWriter`` is made: torch's raises in its
+constructor; ``headwatch.tensorboard.SummaryWriter`` (:mod:`headwatch.tensorboard.summary_writer`, through
+:func:`open_guarded`) starts with a guarded writer that has no file yet, and opens it when the fault clears.
+
 Events that were written just before a failure may be written again after it (the same step and value
 twice: TensorBoard shows one point). Writers other than ``torch.utils.tensorboard.SummaryWriter`` (for
 example ``tensorboardX``) are left as they are.
@@ -71,6 +75,7 @@ class GuardedFileWriter:
         self.delayed = self.lost = 0
         self.last_step = 0
         self.warned = False
+        self.file_args: tuple[Any, ...] = ()  # the SummaryWriter's max_queue, flush_secs, filename_suffix, for new files
 
     # ---------------------------------------------------------------- FileWriter's interface
     def get_logdir(self) -> str:
@@ -175,7 +180,7 @@ class GuardedFileWriter:
         before = _event_files(self.logdir)
         try:
             _probe(self.logdir, self.pending_bytes + 4096)  # no writer thread (that dies loudly) while the fault lasts
-            new = FileWriter(self.logdir)  # makedirs + a new file + its header event, flushed: raises while the fault lasts
+            new = FileWriter(self.logdir, *self.file_args)  # makedirs + a new file + its header event, flushed: raises while the fault lasts
             events = list(self.pending)
             for event in events:
                 new.event_writer.add_event(event)
@@ -289,6 +294,8 @@ def _install(writer: Any, guarded: GuardedFileWriter) -> None:
         guarded.delayed, guarded.lost = previous.delayed, previous.lost
         guarded.max_pending_bytes, guarded.retry_seconds = previous.max_pending_bytes, previous.retry_seconds
     writer.file_writer, writer.all_writers = guarded, {guarded.get_logdir(): guarded}
+    if all(hasattr(writer, a) for a in ("max_queue", "flush_secs", "filename_suffix")):
+        guarded.file_args = (writer.max_queue, writer.flush_secs, writer.filename_suffix)
     writer.headwatch_storage = guarded  # kept after `writer.close()` (which drops file_writer) for storage_status
 
 
