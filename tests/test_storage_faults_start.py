@@ -1,13 +1,14 @@
 """Storage faults at start (issue 21, point 1): a log directory that cannot be written when the writer is made
-(a read-only or a full file system, a real size-limited tmpfs), on the plain-loop and the Hugging Face doors.
+(a read-only or a full file system, a real size-limited tmpfs), on the plain-loop, Hugging Face and Lightning doors.
 
 torch's ``SummaryWriter(...)`` raises there (it opens its event file in its constructor);
 ``headwatch.tensorboard.SummaryWriter`` starts without a file instead, and the Hugging Face door gives the
 Trainer's ``TensorBoardCallback`` that class. Each test checks that training runs every step, that the values
 reach the caller (the Trainer's log history), that one warning says writing stopped, and that after the fault
 clears every event is in the files, read back with TensorBoard's ``EventAccumulator``, with
-``headwatch/storage/delayed_events`` published. Lightning raises in ``Trainer.fit`` before any callback runs
-(measured in ``test_lightning_stops_before_any_callback_runs_headwatch_or_not``, documented in ``docs/faults.md``).
+``headwatch/storage/delayed_events`` published. Lightning's own ``TensorBoardLogger`` raises in ``Trainer.fit``
+before any callback runs (``test_lightning_stops_before_any_callback_runs_headwatch_or_not``);
+``headwatch.TensorBoardLogger`` does not (``test_lightning_with_headwatchs_logger_...``, ``docs/faults.md``).
 """
 
 from __future__ import annotations
@@ -155,9 +156,10 @@ def test_hf_trainer_starts_on_an_unwritable_log_directory_and_loses_nothing(tmpf
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # torch's writer thread dies
 @pytest.mark.parametrize("fault", ["read_only", "full"])
 def test_lightning_stops_before_any_callback_runs_headwatch_or_not(tmpfs, fault, tmp_path):
-    """Measured, not fixed (docs/faults.md): Lightning makes its ``TensorBoardLogger.experiment`` (``makedirs`` of
-    ``save_dir``, then torch's ``SummaryWriter(...)``) in ``Trainer.fit`` before the first callback hook, and writes
-    ``hparams.yaml`` there after each ``log_metrics``; the same Trainer without headwatch stops the same way."""
+    """Lightning's own logger (``headwatch.TensorBoardLogger`` is the fix, tested below): Lightning makes its
+    ``TensorBoardLogger.experiment`` (``makedirs`` of ``save_dir``, then torch's ``SummaryWriter(...)``) in
+    ``Trainer.fit`` before the first callback hook, and writes ``hparams.yaml`` there after each ``log_metrics``;
+    the same Trainer without headwatch stops the same way."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -181,3 +183,71 @@ def test_lightning_stops_before_any_callback_runs_headwatch_or_not(tmpfs, fault,
         assert raised.value.errno == (30 if fault == "read_only" else 28)
         assert any(f.name == "experiment" for f in traceback.extract_tb(raised.tb)), "in logger.experiment"
         assert called == [] and trainer.global_step == 0  # before any callback hook and any step
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # torch's writer thread dies
+@pytest.mark.parametrize("fault", ["read_only", "full"])
+def test_lightning_with_headwatchs_logger_starts_on_an_unwritable_save_dir_and_loses_nothing(tmpfs, fault, tmp_path):
+    """``headwatch.TensorBoardLogger`` (Lightning's, with a guarded writer and ``hparams.yaml``): where Lightning's
+    own logger stops ``Trainer.fit`` with ``OSError`` in ``logger.experiment``, the run trains every step, the
+    values reach the other logger (a ``CSVLogger`` on writable storage), one warning, and after the fault clears
+    (before the end) every event and ``hparams.yaml`` are on disk, with ``headwatch/storage/delayed_events``."""
+    import csv
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
+
+    import headwatch
+    from headwatch import LogitStatsMonitor, TensorBoardLogger
+    from tests.helpers import loader
+
+    assert headwatch.integrations.lightning.TensorBoardLogger is TensorBoardLogger
+    steps, clear_after = 6, 3
+    make, clear = faults(tmpfs)[fault]
+
+    class Clear(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == clear_after:
+                clear()
+
+    def fit(logger):
+        torch.manual_seed(0)
+        csv_logger = CSVLogger(str(tmp_path / "csv"), name="", version=str(type(logger).__module__))
+        trainer = pl.Trainer(max_steps=steps, log_every_n_steps=1, logger=[logger, csv_logger],
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[LogitStatsMonitor(log_every_n_steps=1), Clear()],
+                             default_root_dir=str(tmp_path))  # fmt: skip
+        trainer.fit(TinyCausalLM(), loader(n=steps * 8))
+        return trainer, csv_logger
+
+    make()
+    with pytest.raises(OSError) as raised:  # Lightning's own logger, the same set-up: stops before step 1
+        fit(LightningTensorBoardLogger(str(tmpfs / "lightning")))
+    assert raised.value.errno == (30 if fault == "read_only" else 28)
+    logger = TensorBoardLogger(save_dir=str(tmpfs / "logs"), retry_seconds=0.0)
+    assert isinstance(logger, LightningTensorBoardLogger)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, csv_logger = fit(logger)
+    assert trainer.global_step == steps
+    assert ENTROPY in trainer.callback_metrics
+    with open(Path(csv_logger.log_dir) / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get(ENTROPY)]
+    in_csv = {int(r["step"]): float(r[ENTROPY]) for r in rows}
+    assert len(in_csv) == steps, in_csv  # every step's values reached the other logger
+    messages = [str(w.message) for w in caught if "headwatch" in str(w.message)]
+    assert len(messages) == 2, messages  # the fault, then writing resumed
+    assert "cannot be written" in messages[0] and "again" in messages[1], messages
+    log_dir = Path(logger.log_dir)
+    assert log_dir.parent.parent == tmpfs / "logs"
+    acc = read_back(log_dir)
+    written = {e.step: e.value for e in acc.Scalars(ENTROPY)}
+    assert written == pytest.approx(in_csv, rel=1e-6)  # every step, the values the other logger got
+    assert sorted({e.step for e in acc.Scalars("train_loss")}) == sorted(in_csv)  # Lightning's own metric, too
+    hparams = (log_dir / "hparams.yaml").read_text()
+    assert "vocab_size: 64" in hparams and "lr: 0.01" in hparams  # written once the fault cleared
+    status = storage_status(logger.experiment)
+    assert status["writing"] and status["lost_events"] == 0 and status["delayed_events"] >= clear_after * 2, status
+    assert acc.Scalars(STORAGE_TAGS[0])[-1].value == status["delayed_events"]
+    assert acc.Scalars(STORAGE_TAGS[1])[-1].value == 0

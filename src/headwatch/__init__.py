@@ -27,6 +27,7 @@ _LAZY = {
     "TokenFrequency": "headwatch.integrations.lightning.frequency",
     "SynonymCollisionMonitor": "headwatch.integrations.lightning.collision",
     "SharpnessCollapseAlert": "headwatch.integrations.lightning.alert",
+    "TensorBoardLogger": "headwatch.integrations.lightning.logger",
     "Alert": "headwatch.alerts",
     "Headwatch": "headwatch.integrations.loop",
     "BatchFormat": "headwatch.model.batch",
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from headwatch.integrations.lightning.collision import SynonymCollisionMonitor
     from headwatch.integrations.lightning.gradient_density import GradientDensityMonitor
     from headwatch.integrations.lightning.logit_stats import LogitStatsMonitor
+    from headwatch.integrations.lightning.logger import TensorBoardLogger
     from headwatch.core.metrics import LogitStatsMetric
     from headwatch.model.batch import BatchFormat
     from headwatch.integrations.loop import Headwatch
@@ -54,6 +56,7 @@ __all__ = [
     "LogitStatsMonitor",
     "SharpnessCollapseAlert",
     "SynonymCollisionMonitor",
+    "TensorBoardLogger",
     "TokenFrequency",
     "__version__",
     "find_input_embedding",

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from headwatch.integrations.lightning.collision import SynonymCollisionMonitor
     from headwatch.integrations.lightning.frequency import TokenFrequency
     from headwatch.integrations.lightning.gradient_density import GradientDensityMonitor
+    from headwatch.integrations.lightning.logger import TensorBoardLogger
     from headwatch.integrations.lightning.logit_stats import LogitStatsMonitor
 
 _CALLBACKS = {
@@ -31,6 +32,7 @@ _CALLBACKS = {
     "SynonymCollisionMonitor": "collision",
     "TokenFrequency": "frequency",
     "SharpnessCollapseAlert": "alert",
+    "TensorBoardLogger": "logger",
 }
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "lightning_run",
     "SharpnessCollapseAlert",
     "SynonymCollisionMonitor",
+    "TensorBoardLogger",
     "TokenFrequency",
     "lightning_step",
     "loss_scale",
