@@ -248,6 +248,40 @@ def test_lightning_with_headwatchs_logger_starts_on_an_unwritable_save_dir_and_l
     hparams = (log_dir / "hparams.yaml").read_text()
     assert "vocab_size: 64" in hparams and "lr: 0.01" in hparams  # written once the fault cleared
     status = storage_status(logger.experiment)
+    print(f"{fault}: {status}")
     assert status["writing"] and status["lost_events"] == 0 and status["delayed_events"] >= clear_after * 2, status
     assert acc.Scalars(STORAGE_TAGS[0])[-1].value == status["delayed_events"]
     assert acc.Scalars(STORAGE_TAGS[1])[-1].value == 0
+
+
+def test_lightning_with_headwatchs_logger_on_writable_storage_writes_what_lightnings_writes(tmp_path):
+    """Without a fault, ``headwatch.TensorBoardLogger`` writes what Lightning's own writes (the same scalar tags,
+    steps and values, the same ``hparams.yaml``) and warns nothing."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
+
+    from headwatch import LogitStatsMonitor, TensorBoardLogger
+    from tests.helpers import loader
+
+    out = {}
+    for cls in (LightningTensorBoardLogger, TensorBoardLogger):
+        torch.manual_seed(0)
+        logger = cls(save_dir=str(tmp_path / cls.__module__))
+        trainer = pl.Trainer(max_steps=3, log_every_n_steps=1, logger=logger, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[LogitStatsMonitor(log_every_n_steps=1)], default_root_dir=str(tmp_path))  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(TinyCausalLM(), loader(n=24))
+        assert not [w for w in caught if "headwatch" in str(w.message) and "cannot" in str(w.message)]
+        acc = read_back(Path(logger.log_dir))
+        out[cls] = ({t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]},
+                    (Path(logger.log_dir) / "hparams.yaml").read_text())  # fmt: skip
+    ours, theirs = out[TensorBoardLogger], out[LightningTensorBoardLogger]
+    assert ENTROPY in ours[0] and len(ours[0][ENTROPY]) == 3
+    assert not any(t.startswith("headwatch/storage") for t in ours[0])  # no fault: no storage counts
+    assert sorted(ours[0]) == sorted(theirs[0])
+    for tag, points in theirs[0].items():
+        assert [s for s, _ in ours[0][tag]] == [s for s, _ in points], tag
+        assert [v for _, v in ours[0][tag]] == pytest.approx([v for _, v in points], rel=1e-5, nan_ok=True), tag
+    assert ours[1] == theirs[1] and "vocab_size: 64" in ours[1]
