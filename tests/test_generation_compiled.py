@@ -180,3 +180,29 @@ def test_watch_generate_is_found_from_every_handle_and_restored():
     assert isinstance(model.__dict__["generate"], generation._WatchedGenerate) and "generate" not in lora.__dict__
     again()
     assert "generate" not in model.__dict__
+
+
+def test_lightning_compiled_validation_with_generate(tmp_path):
+    """Lightning's door, the model compiled in place before ``fit``: each validation step generates first, then
+    the loss forward, then a metric's pass (``LitLlama``); the validation figures are the loss forward's."""
+    import lightning.pytorch as pl
+
+    from headwatch import LogitStatsMonitor
+    from tests.test_capture_contract import LitLlama
+    from tests.test_core import StepLogger
+
+    model, batch = tiny_llama(tie=False), one_batch()
+    want = reference(model, batch)
+    traced: list[bool] = []
+    model.register_forward_hook(lambda m, a, o: traced.append(torch.compiler.is_compiling()))
+    compile_model(model, "compiled")
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, max_steps=1, log_every_n_steps=1, logger=StepLogger(), enable_progress_bar=False,
+        callbacks=[LogitStatsMonitor(log_every_n_steps=1, figure_every_n_steps=0)], enable_model_summary=False,
+        enable_checkpointing=False, accelerator="cpu", devices=1, num_sanity_val_steps=0, limit_val_batches=1,
+    )  # fmt: skip
+    data = torch.utils.data.DataLoader(Rows(batch), batch_size=B)
+    trainer.fit(LitLlama(model), data, data)
+    assert traced and all(traced)  # every forward ran compiled
+    val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("headwatch/val/")}
+    assert_published(val, "headwatch/val/logits", want)
