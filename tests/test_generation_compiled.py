@@ -14,7 +14,6 @@ import pickle
 
 import pytest
 import torch
-from transformers import Trainer
 
 from headwatch.core import LogitStats
 from headwatch.core.collision import SynonymCollision

@@ -35,7 +35,7 @@ class _WatchedGenerate:
     gets the plain method back, bound to the copy."""
 
     def __init__(self, module: nn.Module, previous: Any) -> None:
-        self.method = getattr(module, "generate")  # the bound method, or the instance attribute it replaces
+        self.method = module.generate  # the bound method, or the instance attribute it replaces
         self.previous = previous  # module.__dict__'s own "generate" before, or _MISSING
         self.users = 1
         self.__wrapped__ = self.method  # inspect.signature(model.generate) reads the real signature
