@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from headwatch.model import generation
 from headwatch.model.find import logits_from_output
 from headwatch.errors import (
     StateReader,
@@ -138,6 +139,7 @@ class SynonymCollision(Monitor):
         self._table: Tensor | None = None
         self._has_synonym: Tensor | None = None
         self._hook: Any = None
+        self._unwatch: Callable[[], None] | None = None  # restores the generate() methods wrapped at attach
         self._hooked: nn.Module | None = None
         self._view: BatchView | None = None
         self._split, self._forwards = _TRAIN, 0
@@ -165,6 +167,7 @@ class SynonymCollision(Monitor):
             if self._hook is None or self._hooked is not head:  # a new model: hook its head
                 self.detach()
                 self._hook, self._hooked = head.register_forward_hook(self._on_head_forward), head
+                self._unwatch = generation.watch_generate(model)  # generate()'s forwards told apart, compiled too
         self.model = model
 
     def _synonym_pairs(self, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -178,6 +181,9 @@ class SynonymCollision(Monitor):
     def detach(self) -> None:
         if self._hook is not None:
             self._hook.remove()
+        unwatch, self._unwatch = self._unwatch, None
+        if unwatch is not None:
+            unwatch()
         self._hook, self._hooked, self._view, self._stash = None, None, None, []
 
     def _matrices(self) -> dict[str, Tensor]:
@@ -209,14 +215,15 @@ class SynonymCollision(Monitor):
             logits = logits_from_output(output)
             if logits is not None:
                 # detached in _capture (a detached view trips functionalization)
-                self._stash.append((logits, torch.is_grad_enabled()))
+                self._stash.append((logits, torch.is_grad_enabled(), generation.active))
             return
-        if self._loss_forward(torch.is_grad_enabled()):
+        if self._loss_forward(torch.is_grad_enabled(), None):
             self._count_confusion(output)
 
-    def _loss_forward(self, grad_enabled: bool) -> bool:
-        """The capture contract (:mod:`headwatch.core.forwards`): only the forwards the loss uses are counted."""
-        if not_loss_forward(self._split == _TRAIN, grad_enabled, self._forwards == 0) is not None:
+    def _loss_forward(self, grad_enabled: bool, generating: bool | None) -> bool:
+        """The capture contract (:mod:`headwatch.core.forwards`): only the forwards the loss uses are counted.
+        ``generating``: recorded inside the forward (compiled code), None: asked from inside it (eager)."""
+        if not_loss_forward(self._split == _TRAIN, grad_enabled, self._forwards == 0, generating) is not None:
             return False
         self._forwards += 1
         return True
@@ -243,8 +250,8 @@ class SynonymCollision(Monitor):
 
     def batch_end(self) -> None:
         stash, self._stash = self._stash, []
-        for logits, grad_enabled in stash:
-            if self._loss_forward(grad_enabled):
+        for logits, grad_enabled, generating in stash:
+            if self._loss_forward(grad_enabled, generating):
                 self._count_confusion(logits)
         self._view = None
 

@@ -14,9 +14,13 @@ The rule (issue 19, "the capture contract"), applied by :class:`headwatch.core.L
   ``generate()`` (its prompt pass and every decoding step) and any later forward of the same
   batch (a second pass for a metric) are not.
 
-A forward is "part of a ``generate()`` call" when a frame of the call stack runs a method named
-``generate`` of an ``nn.Module`` (Hugging Face ``GenerationMixin.generate``, nanoGPT's ``generate``,
-a PEFT model's): :func:`headwatch.model.capture.in_generation`.
+A forward is "part of a ``generate()`` call" when it runs inside a method named ``generate`` of an
+``nn.Module`` (Hugging Face ``GenerationMixin.generate``, nanoGPT's ``generate``, a PEFT model's).
+headwatch wraps those of the watched model when it attaches
+(:func:`headwatch.model.generation.watch_generate`), and its hooks record inside the forward whether one
+runs, so the rule holds for compiled models too, whose forwards are replayed after they ran; a
+``generate`` it did not wrap is found by walking the call stack from inside an eager forward
+(:func:`headwatch.model.capture.in_generation`).
 """
 
 from __future__ import annotations
@@ -32,21 +36,23 @@ NOT_LOSS_REASONS = {
 """Why a forward is not measured: key -> the sentence said once (info)."""
 
 
-def not_loss_forward(training: bool, grad_enabled: bool, first: bool) -> str | None:
+def not_loss_forward(training: bool, grad_enabled: bool, first: bool, generating: bool | None = None) -> str | None:
     """None when a forward is one the step's loss is computed from, else the reason (a key of :data:`NOT_LOSS_REASONS`).
 
     Args:
         training: the forward belongs to a training step (False: an evaluation batch).
         grad_enabled: ``torch.is_grad_enabled()`` while the forward ran.
         first: no forward of this evaluation batch was measured yet (ignored in training).
+        generating: the forward ran inside a ``generate()`` call, as recorded while it ran (True or False);
+            None: not recorded, then this must be called while the forward runs (a forward hook, eager):
+            :func:`~headwatch.model.capture.in_generation` tests the call stack.
 
-    Must be called while the forward runs (a forward hook, eager): the ``generate()`` test reads
-    the call stack. In training it never does (``generate()`` runs under ``no_grad``), so the
+    In training the ``generate()`` test never runs (``generate()`` runs under ``no_grad``), so the
     per-forward cost there is one flag.
     """
     if training:
         return None if grad_enabled else "no_grad"
-    if in_generation():
+    if in_generation() if generating is None else generating:
         return "generation"
     return None if first else "later"
 

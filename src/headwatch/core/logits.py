@@ -171,11 +171,12 @@ class LogitStats(Monitor):
             ref = None
         self._capturer.begin(ref.shape if ref is not None else None)
 
-    def _accept_forward(self, grad_enabled: bool) -> bool:
+    def _accept_forward(self, grad_enabled: bool, generating: bool | None = None) -> bool:
         """The capture contract (:func:`headwatch.core.forwards.not_loss_forward`): measure this forward of the
-        armed batch or not; called by the capture once per forward of the model, inside it."""
+        armed batch or not; called by the capture once per forward of the model (inside it, or at the batch's
+        end for compiled code, with what was recorded inside it)."""
         training = self._sink is self._train
-        why = not_loss_forward(training, grad_enabled, first=self._accepted == 0)
+        why = not_loss_forward(training, grad_enabled, first=self._accepted == 0, generating=generating)
         if why is None:
             self._accepted += 1
             return True

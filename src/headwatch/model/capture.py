@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from headwatch.distributed.sharded import fully_sharded, is_sharded
+from headwatch.model import generation
 from headwatch.model.find import logits_from_output
 from headwatch.errors import HeadwatchError
 from headwatch.model.sources import FinalTransform, LogitsSource, compiled_modules
@@ -63,9 +64,11 @@ def in_generation() -> bool:
 
     Hugging Face ``GenerationMixin.generate`` (every decoding strategy runs below it), a PEFT
     model's ``generate``, nanoGPT's ``generate``: called from a forward hook, this says whether the
-    forward is a prompt pass or a decoding step (:func:`called_from`).
+    forward is a prompt pass or a decoding step. A ``generate`` headwatch wrapped
+    (:func:`headwatch.model.generation.watch_generate`) is told by one flag; any other by a walk of the
+    call stack (:func:`called_from`, eager code only).
     """
-    return called_from("generate", nn.Module)
+    return generation.active or called_from("generate", nn.Module)
 
 
 @dataclass(frozen=True)
@@ -120,10 +123,14 @@ class LogitsCapture:
         model: the whole model, to name compiled modules in a diagnosis (optional).
         strict: let an exception raised while measuring (in ``consume``) propagate as a
             :class:`HeadwatchError` instead of ending the step with problem ``"failed"``.
-        accept: ``accept(grad_enabled) -> bool``, asked once per forward of the owner (eagerly: from
-            the owner's forward hook, or at :meth:`end` for compiled code) with the grad mode the forward
-            ran under; a forward it refuses is not measured (:attr:`CaptureReport.skipped`). None:
-            every forward is measured. The policy is the core's (:mod:`headwatch.core.forwards`).
+        accept: ``accept(grad_enabled, generating) -> bool``, asked once per forward of the owner (eagerly:
+            from the owner's forward hook, or at :meth:`end` for compiled code) with the grad mode the forward
+            ran under and whether it ran inside a ``generate()`` call: True (a ``generate`` :meth:`attach`
+            wrapped was running, recorded inside the forward, compiled or not), None (asked from inside the
+            eager forward: the call stack can still tell, :func:`in_generation`) or False (replayed after a
+            compiled forward, with no wrapped ``generate`` running). A forward it refuses is not measured
+            (:attr:`CaptureReport.skipped`). None: every forward is measured. The policy is the core's
+            (:mod:`headwatch.core.forwards`).
 
     Raises:
         HeadwatchError: ``path`` is not one of the three values, or ``consume`` is not callable.
@@ -145,6 +152,7 @@ class LogitsCapture:
         self.source, self.consume, self.path, self.model, self.strict = source, consume, path, model, strict
         self.accept = accept
         self._handles: list[Any] = []
+        self._unwatch: Callable[[], None] | None = None
         self._armed = False
         self._copy_weight = False
         self._reference: tuple[int, ...] | None = None
@@ -152,9 +160,11 @@ class LogitsCapture:
 
     # ------------------------------------------------------------------ hooks
     def attach(self) -> None:
-        """Register the hooks (call before the model's first forward: compiled code skips later hooks)."""
+        """Register the hooks (call before the model's first forward: compiled code skips later hooks) and wrap
+        the ``generate`` methods of the model (:func:`headwatch.model.generation.watch_generate`)."""
         self.detach()
         s = self.source
+        self._unwatch = generation.watch_generate(self.model if self.model is not None else s.owner)
         self._handles.append(s.owner.register_forward_hook(self._on_owner))
         self._handles.append(s.head.register_forward_pre_hook(self._on_head_input))
         if s.owner is not s.head:
@@ -170,6 +180,9 @@ class LogitsCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
 
     def begin(self, positions_shape: tuple[int, ...] | torch.Size | None = None) -> None:
         """Arm for one step. ``positions_shape``: the batch's ``(B, T)`` of targets or mask, if known."""
@@ -186,7 +199,7 @@ class LogitsCapture:
                 self._replay()
             if self._armed and self._measured == 0 and self._problem is None and self._skipped == 0:
                 if self._fired and self._hidden:  # the owner never ran but the hidden states were seen
-                    if self._accepted(self._hidden_grad):
+                    if self._accepted(self._hidden_grad, self._hidden_gen):
                         self._guarded(self._measure_hidden, None)
                 elif not self._fired:
                     self._diagnose_silence()
@@ -219,10 +232,13 @@ class LogitsCapture:
         self._head_calls = 0
         self._weight_seen: Tensor | None = None
         self._hidden_grad = True  # the grad mode of the last hidden states seen (the owner-less fallback)
+        self._hidden_gen = False  # whether they were seen inside a wrapped generate()
 
     # Each hook only appends (kind, tensor) when armed: traced by torch.compile (hooks registered
     # before compiling) that is a list mutation, no graph break, so fullgraph=True works; the
     # events are replayed eagerly by the owner's hook, or by end() when the forward was compiled.
+    # Those that decide whether the forward is measured record the grad mode and generation.active
+    # with it (read inside the forward: a compiled one keeps them as constants under a guard).
     def _on_embedding(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._armed:
             self._events.append(("embedding", None))
@@ -252,22 +268,24 @@ class LogitsCapture:
             h = getattr(output, "last_hidden_state", None)
             if h is None and isinstance(output, (tuple, list)) and output:
                 h = output[0]
-            self._events.append(("base", (h, torch.is_grad_enabled())))
+            self._events.append(("base", (h, torch.is_grad_enabled(), generation.active)))
 
     def _on_hidden_module(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if self._armed:
             self._head_weight_now(copy=True)
             h = args[0] if args else next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
-            self._events.append(("hidden_module", (h, torch.is_grad_enabled())))
+            self._events.append(("hidden_module", (h, torch.is_grad_enabled(), generation.active)))
 
     def _on_owner(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._armed:  # the only work on steps that do not log: one attribute check
-            self._events.append(("owner", (logits_from_output(output), torch.is_grad_enabled())))
+            self._events.append(("owner", (logits_from_output(output), torch.is_grad_enabled(), generation.active)))
             if not torch.compiler.is_compiling():
-                self._replay()
+                self._replay(live=True)
 
     @torch.compiler.disable
-    def _replay(self) -> None:
+    def _replay(self, live: bool = False) -> None:
+        """Measure the stashed events; ``live``: called from the owner's eager forward hook (the call stack is the
+        forward's)."""
         events, self._events = self._events, []
         s = self.source
         for kind, value in events:
@@ -282,7 +300,7 @@ class LogitsCapture:
                 rows, self._raw_lead = value
                 self._raw_rows = rows.detach() if isinstance(rows, Tensor) else None
             elif kind in ("base", "hidden_module"):
-                value, self._hidden_grad = value
+                value, self._hidden_grad, self._hidden_gen = value
                 if not (isinstance(value, Tensor) and value.is_floating_point()):
                     continue
                 if kind == "base":
@@ -290,21 +308,21 @@ class LogitsCapture:
                 else:
                     self._hidden.insert(0, (f"the first input of `{s.hidden_name}`", value))  # named by the user: first
             elif kind == "owner":
-                logits, grad = value
+                logits, grad, gen = value
                 if s.owner is s.head:
                     self._head_calls += 1
                 try:
-                    if self._accepted(grad):
+                    if self._accepted(grad, True if gen else None if live else False):
                         self._guarded(self._decide, logits)
                 finally:
                     self._clear_forward()
 
-    def _accepted(self, grad: bool) -> bool:
-        """``accept(grad)`` (True without one); a refused forward is counted in ``skipped``."""
+    def _accepted(self, grad: bool, generating: bool | None) -> bool:
+        """``accept(grad, generating)`` (True without one); a refused forward is counted in ``skipped``."""
         if self.accept is None:
             return True
         try:
-            ok = bool(self.accept(grad))
+            ok = bool(self.accept(grad, generating))
         except Exception as err:  # noqa: BLE001 - a monitoring failure must not stop training
             if self.strict:
                 raise HeadwatchError(f"deciding whether to measure a forward failed: {type(err).__name__}: {err}") from err
