@@ -25,7 +25,7 @@ After the transfer, :meth:`SelfCheck.published` warns once per kind, naming the 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -214,6 +214,25 @@ class SelfCheck(FailurePolicy):
         self._sums.append(loss * count if count is not None else loss)  # type: ignore[arg-type]
         self._weights.append(count if count is not None else 1.0)
         self._counted = self._counted and count is not None
+
+    def add_logged_loss(self, key: str, logged: Mapping[str, Any], batch: Any, batch_format: Any, by: str, how: str) -> None:
+        """The trainer's logged metric ``key`` of this step (``logged``: its logged metrics by name) as one loss
+        forward's token-mean cross-entropy (:meth:`add_loss`), weighted by ``batch``'s labelled positions (read with
+        ``batch_format``). A ``key`` not logged is warned about once, naming who logs it (``by``) and ``how``; any
+        failure follows the failure policy."""
+        try:
+            value = logged.get(key)
+            if value is None:
+                self.warn_once(
+                    f"compare_loss:{key}",
+                    f"headwatch self-check: `compare_loss={key!r}` names no metric {by} logged on this "
+                    f"step (logged: {sorted(logged)}); log it with {how}. No check/nll_gap. (warned once)",
+                )
+                return
+            targets = batch_format.read(batch).targets
+            self.add_loss(value, (targets != batch_format.ignore_index).sum() if targets is not None else None)
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            self.fail(err, f"reading the logged metric {key!r}")
 
     def step_loss(self, loss: Tensor | float) -> None:
         """The step's token-mean cross-entropy over its measured forward(s), as the user computed it

@@ -13,8 +13,22 @@ from torch import Tensor, nn
 from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerCallback
 
 from headwatch import tensorboard as tb
-from headwatch.errors import HeadwatchError
+from headwatch.alerts import wiring as alerts
+from headwatch.alerts.actions import JSONL_NAME
+from headwatch.alerts.wiring import is_rules  # noqa: F401 - its home is headwatch.alerts.wiring
+from headwatch.core.checkpoint import STATE_NAME, load_state_file, save_state_file
 from headwatch.core.monitor import Media
+from headwatch.core.trl import (  # noqa: F401 - TRL's trainers, known in headwatch.core.trl
+    RL_TRAINERS,
+    TRL_METRICS,
+    UNDERSTOOD_TRL,
+    refuse_unknown_trainer,
+    sampling_temperature,
+    trl_marks,
+    trl_step_values,
+    trl_trainer,
+)
+from headwatch.errors import HeadwatchError
 from headwatch.model.capture import called_from
 
 
@@ -85,10 +99,6 @@ def in_evaluation() -> bool:
     return called_from("prediction_step", Trainer)
 
 
-STATE_NAME = "headwatch_state.pt"
-"""The monitors' state in each Trainer checkpoint folder (``<output_dir>/checkpoint-<step>/``)."""
-
-
 def resume_dir(callback: TrainerCallback, args: Any, state: Any) -> str | None:
     """The checkpoint folder a resumed ``train`` started from, or None for a fresh run.
 
@@ -117,24 +127,10 @@ def resume_dir(callback: TrainerCallback, args: Any, state: Any) -> str | None:
 
 def restore_state(callback: Any, args: Any, state: Any) -> None:
     """On a resumed run, load into ``callback`` the state its ``on_save`` wrote in the checkpoint folder
-    the run resumes from; warn once when that folder holds none."""
-    import torch
-
+    the run resumes from (:func:`headwatch.core.checkpoint.load_state_file`: warn once when it holds none)."""
     folder = resume_dir(callback, args, state)
-    if folder is None:
-        return
-    path = os.path.join(folder, STATE_NAME)
-    if not os.path.isfile(path):
-        callback.run.warn_once(
-            "no_state",
-            f"HeadwatchCallback: the run resumes from {folder!r}, which holds no {STATE_NAME}; the monitors' "
-            "counts start afresh. (warned once)",
-        )
-        return
-    try:
-        callback.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    except Exception as err:  # noqa: BLE001
-        callback.run.fail(err, f"restoring the monitors' state from {path}")
+    if folder is not None:
+        load_state_file(callback.run, callback.load_state_dict, folder)
 
 
 def loss_scale(trainer: Trainer | None, args: Any) -> Tensor | None:
@@ -152,45 +148,25 @@ def loss_scale(trainer: Trainer | None, args: Any) -> Tensor | None:
     return scaler.get_scale()
 
 
-def is_rules(alert: Any) -> bool:
-    from headwatch.alerts import CollapseRules
-
-    return isinstance(alert, CollapseRules)
-
-
 def wire_alert(callback: Any, args: Any) -> None:
     """Build the ``AlertEngine`` of a callback's ``CollapseRules`` (standard actions: console, a marker in the
     Trainer's TensorBoard, ``<output_dir>/headwatch_alerts.jsonl``); decisions through its reducer, rank zero
-    runs the main-process actions."""
-    from headwatch.alerts import AlertEngine, standard_actions
-    from headwatch.alerts.actions import JSONL_NAME
-
-    if is_rules(callback.alert):
-        actions = standard_actions(
-            sink=WritersSink(callback), prefix=callback.prefix, jsonl_path=Path(args.output_dir) / JSONL_NAME,
-            save_checkpoint=callback.save_checkpoint if callback.checkpoint_on_critical else None,
-            stop=callback.stop_training if callback.stop_on_critical else None,
-        )  # fmt: skip
-        callback.alert = AlertEngine(callback.alert, actions, name="HeadwatchCallback alert")
-    if isinstance(callback.alert, AlertEngine):
-        callback.alert.reduce_bool = lambda fired: not callback.reducer.all(not fired)
-        callback.alert.main_process = callback.reducer.rank == 0
+    runs the main-process actions (:func:`headwatch.alerts.wiring.wire_alert`)."""
+    callback.alert = alerts.wire_alert(
+        callback.alert, lambda fired: not callback.reducer.all(not fired), callback.reducer.rank == 0, "HeadwatchCallback alert",
+        sink=WritersSink(callback), prefix=callback.prefix, jsonl_path=Path(args.output_dir) / JSONL_NAME,
+        save_checkpoint=callback.save_checkpoint if callback.checkpoint_on_critical else None,
+        stop=callback.stop_training if callback.stop_on_critical else None,
+    )  # fmt: skip
 
 
 def save_state(callback: Any, args: Any, state: Any) -> None:
     """Write the callback's state to ``<output_dir>/checkpoint-<step>/headwatch_state.pt``: every rank takes the
     (collective) state, the process that saves the Trainer's state (``args.should_save``) writes."""
-    import torch
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    try:
-        state_dict = callback.state_dict()
-        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if args.should_save:
-            os.makedirs(folder, exist_ok=True)
-            torch.save(state_dict, os.path.join(folder, STATE_NAME))
-    except Exception as err:  # noqa: BLE001
-        callback.run.fail(err, "saving the monitors' state in the checkpoint")
+    folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+    save_state_file(callback.run, callback.state_dict, folder, bool(args.should_save))
 
 
 class WritersSink:
@@ -236,90 +212,8 @@ class TrainerSink:
                 "HeadwatchCallback could not find its Trainer; values are only kept in `.latest`. Attach it with "
                 "headwatch.integrations.transformers.attach(trainer, callback). (warned once)",
             )
-        if cb.alert is not None and not is_rules(cb.alert):
-            if val:
-                extra = {k: v for k, v in cb._eval_metrics.items() if isinstance(v, (int, float))}
-                cb.alert.observe_val(step, {**extra, **numbers})
-            else:
-                cb.alert.observe_train(step, numbers)
+        alerts.observe(cb.alert, step, numbers, val, cb._eval_metrics)
 
-
-
-RL_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
-"""TRL trainers whose training forward headwatch measures as an RL policy's (``docs/rl.md``): TRL's fused LM head
-with ``labels`` = the sampled completion tokens (prompt and padding ``-100``), logits divided by ``temperature``."""
-UNDERSTOOD_TRL = ("SFTTrainer", *RL_TRAINERS)
-"""TRL trainers the door understands (``docs/capture.md``, ``docs/rl.md``); any other TRL trainer is refused."""
-
-
-def trl_trainer(trainer: Any) -> str | None:
-    """The name of the first TRL trainer class in ``trainer``'s class hierarchy (a user's subclass of
-    ``GRPOTrainer`` is a ``GRPOTrainer``), or None when none comes from the ``trl`` package."""
-    for cls in type(trainer).__mro__:
-        if cls.__module__.split(".")[0] == "trl" and cls.__name__.endswith("Trainer") and cls.__name__ != "_BaseTrainer":
-            return cls.__name__
-    return None
-
-
-def sampling_temperature(trainer: Any) -> float | None:
-    """An RL trainer's sampling temperature: ``trainer.temperature`` (TRL sets it from ``args.temperature``, puts it
-    in the ``GenerationConfig`` it samples with and divides the training logits by it), else ``args.temperature``;
-    None when ``trainer`` is not one of :data:`RL_TRAINERS`."""
-    if trl_trainer(trainer) not in RL_TRAINERS:
-        return None
-    value = getattr(trainer, "temperature", None)
-    return value if value is not None else getattr(getattr(trainer, "args", None), "temperature", None)
-
-
-def refuse_unknown_trainer(run: Any, trainer: Any) -> None:
-    """Under a TRL trainer the door does not understand (``DPOTrainer``, ``KTOTrainer``, ``RewardTrainer``, ...),
-    refuse the logit statistics with ONE message (:meth:`Orchestrator.refuse`): their forwards score pairs of
-    completions, a reference model or a reward head, and the figures would silently mean something else."""
-    from headwatch.core.logits import LogitStats
-
-    name = trl_trainer(trainer)
-    if name is None or name in UNDERSTOOD_TRL:
-        return
-    logits = [m for m in run.monitors if isinstance(m, LogitStats)]
-    if not logits:
-        return
-    cause = HeadwatchError(
-        f"TRL's {name} is not supported by the logit statistics: its training forward does not score one completion "
-        f"against its labels as the statistics assume (DPO concatenates chosen and rejected completions and compares "
-        f"them with a reference model), so they would mean something else. Supported TRL trainers: "
-        f"{', '.join(UNDERSTOOD_TRL)} (docs/rl.md). Gradient, token and collision statistics do not depend on it"
-    )
-    run.refuse({m: cause for m in logits})
-
-
-TRL_METRICS = {"entropy": "entropy", "accuracy": "mean_token_accuracy"}
-"""The self-check's names -> TRL's per-micro-batch training metrics (``SFTTrainer._metrics["train"][...]``)."""
-
-
-def trl_marks(trainer: Trainer | None) -> dict[str, int]:
-    """How many entries TRL's training metrics hold now (at a step's start); empty without TRL's ``_metrics``."""
-    metrics = getattr(trainer, "_metrics", None)
-    train = metrics.get("train") if isinstance(metrics, dict) else None
-    if not isinstance(train, dict):
-        return {}
-    return {ours: len(train.get(theirs, ())) for ours, theirs in TRL_METRICS.items()}
-
-
-def trl_step_values(trainer: Trainer | None, marks: dict[str, int]) -> dict[str, list[float]]:
-    """TRL's training metrics appended since ``marks`` (this step's micro-batches: each a token mean over the
-    micro-batch, gathered over processes, already Python floats); not the logging window's mean."""
-    metrics = getattr(trainer, "_metrics", None)
-    train = metrics.get("train") if isinstance(metrics, dict) else None
-    if not isinstance(train, dict) or not marks:
-        return {}
-    out = {}
-    for ours, theirs in TRL_METRICS.items():
-        values = list(train.get(theirs, ()))
-        start = marks.get(ours, 0)
-        new = values[start:] if start <= len(values) else values  # cleared since (TRL's log): all of them
-        if new and all(isinstance(v, (int, float)) for v in new):
-            out[ours] = [float(v) for v in new]
-    return out
 
 
 CONSOLE_PRINTERS = (ProgressCallback, PrinterCallback)

@@ -23,11 +23,13 @@ from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
 from headwatch import tensorboard as tb
+from headwatch.alerts.wiring import check_alert, load_alert_state, with_alert_state
 from headwatch.core.figures import check_figure_argument
 from headwatch.core.monitor import Monitor
 from headwatch.core.orchestrator import Driver, Orchestrator, eval_rows_kept
+from headwatch.core.trl import fused_head_note, trl_marks, trl_step_values, understand_trainer
 from headwatch.distributed.reduce import Reducer
-from headwatch.errors import HeadwatchError, check_bool, check_protocol
+from headwatch.errors import HeadwatchError, check_bool
 from headwatch.integrations.hf_support import (
     TB_PREFIX,
     TrainerSink,
@@ -36,15 +38,10 @@ from headwatch.integrations.hf_support import (
     find_trainer,
     hand_loss_inputs,
     in_evaluation,
-    is_rules,
     loss_scale,
     restore_state,
-    refuse_unknown_trainer,
-    sampling_temperature,
     resume_dir,
     save_state,
-    trl_marks,
-    trl_step_values,
     unwrap,
     wire_alert,
 )
@@ -123,8 +120,7 @@ class HeadwatchCallback(Driver, TrainerCallback):
         figure_every_n_steps: int | str | None = "auto",
     ) -> None:
         check_figure_argument(figure_every_n_steps)
-        if alert is not None and not is_rules(alert):
-            check_protocol("alert", alert, ("observe_train", "observe_val"), "a headwatch.alerts.CollapseRules or have observe_train and observe_val methods (an AlertEngine)")
+        check_alert(alert)
         check_bool("stop_on_critical", stop_on_critical)
         check_bool("checkpoint_on_critical", checkpoint_on_critical)
         self.run = Orchestrator(monitors, batch_format=batch_format, prefix=prefix, reducer=reducer, strict=strict, sinks=[TrainerSink(self)])
@@ -219,14 +215,10 @@ class HeadwatchCallback(Driver, TrainerCallback):
 
     def understand_trainer(self) -> None:
         """TRL's RL trainers: measure the policy's sampling distribution (``docs/rl.md``); TRL trainers the door
-        does not understand: the logit statistics refused with one message."""
+        does not understand: the logit statistics refused with one message (:func:`headwatch.core.trl.understand_trainer`)."""
         trainer = self.trainer or find_trainer(self)
-        if trainer is None:
-            return
-        refuse_unknown_trainer(self.run, trainer)
-        temperature = sampling_temperature(trainer)
-        if temperature is not None:
-            self.run.sample_at(temperature, f"{type(trainer).__name__}.temperature, from its args.temperature")
+        if trainer is not None:
+            understand_trainer(self.run, trainer)
 
     def stop_training(self, alert: Any = None) -> None:
         """An alert action: the Trainer stops after this step (every rank decides alike)."""
@@ -270,12 +262,7 @@ class HeadwatchCallback(Driver, TrainerCallback):
         batch = dict(kwargs)
         if args and "input_ids" not in batch:
             batch["input_ids"] = args[0]
-        if kwargs.get("fused_lm_head") and any(getattr(m, "synonym_groups", None) for m in self.monitors):
-            self.run.warn_once(
-                "fused_confusion",
-                "HeadwatchCallback: TRL's fused LM head never calls the head, so collision/synonym_confusion_rate is "
-                "not counted on these forwards (the logit statistics use the hidden states). (warned once)",
-            )
+        fused_head_note(self.run, kwargs)
         if not module.training and self.run.step is None and not in_evaluation():
             return  # the user's own call outside the Trainer's evaluation: no loss of the run uses it
         self.run.forward(batch, training=module.training, real_rows=self.real_rows(batch, module.training))
@@ -346,16 +333,12 @@ class HeadwatchCallback(Driver, TrainerCallback):
 
     def state_dict(self) -> dict[str, Any]:
         """The monitors' state and, with an alert engine, its state (smoothing, episodes, alerts) under ``"alert"``."""
-        state = self.run.state_dict()
-        if hasattr(self.alert, "state_dict") and not is_rules(self.alert):
-            state["alert"] = self.alert.state_dict()
-        return state
+        return with_alert_state(self.run.state_dict(), self.alert)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (each part checked; an invalid part restarts from empty with one warning)."""
         self.run.load_state_dict(state)
-        if isinstance(state, dict) and "alert" in state and hasattr(self.alert, "load_state_dict") and not is_rules(self.alert):
-            self.alert.load_state_dict(state["alert"])
+        load_alert_state(self.alert, state)
 
 
 def attach(trainer: Trainer, callback: HeadwatchCallback | None = None, **kwargs: Any) -> HeadwatchCallback:
