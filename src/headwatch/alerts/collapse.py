@@ -131,11 +131,6 @@ class CollapseAlert(FailurePolicy):
 
     @property
     def jsonl_path(self) -> Path | None:
-        """Where the JSON Lines log is written (known after ``setup``)."""
-        return self._jsonl_path
-
-    @property
-    def jsonl_path(self) -> Path | None:
         """Where the JSON Lines log is written (known after :meth:`wire`)."""
         return self._jsonl_path
 

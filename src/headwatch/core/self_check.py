@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from headwatch.core.monitor import FailurePolicy
 from headwatch.distributed.reduce import NoReducer, Reducer
 from headwatch.errors import check_prefix
+from headwatch.model.hooks import ModelHook
 
 
 class Tolerance(NamedTuple):
@@ -130,8 +131,8 @@ class SelfCheck(FailurePolicy):
         """Logging steps with a gap beyond its tolerance, this run."""
         self.vanished_steps = 0
         """Logging steps with a vanished head gradient, this run."""
-        self._hook: Any = None
-        self.model: nn.Module | None = None
+        self.hook = ModelHook(self._on_output)
+        """The forward hook on the model whose ``outputs.loss`` is read (:meth:`attach`)."""
         """The module whose ``outputs.loss`` is read (None: not attached)."""
         self._reset()
 
@@ -151,16 +152,15 @@ class SelfCheck(FailurePolicy):
     def attach(self, model: nn.Module) -> None:
         """Read ``outputs.loss`` of ``model``'s training forwards (a forward hook; nothing between logging steps).
         Idempotent for the same model."""
-        if self._hook is not None and self.model is model:
-            return
-        self.detach()
-        self._hook = model.register_forward_hook(self._on_output, with_kwargs=True)
-        self.model = model
+        self.hook.watch(model)
 
     def detach(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-        self._hook, self.model = None, None
+        self.hook.remove()
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The model whose ``outputs.loss`` is read (None: none)."""
+        return self.hook.model
 
     # ---------------------------------------------------------------- the step
     def begin(self, logging: bool) -> None:

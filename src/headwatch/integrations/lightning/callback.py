@@ -110,13 +110,8 @@ class MonitorCallback(Callback):
         self._end_batch("ending after an exception", quiet=True)
 
     def _end_batch(self, where: str, quiet: bool = False) -> None:
-        """End the batch in progress; ``quiet`` (the run is already failing): a monitoring error is dropped, never
-        raised over the run's own exception, even when strict."""
-        try:
-            self._core().batch_end()
-        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
-            if not quiet:
-                self._core().fail(err, where)
+        """End the batch in progress (:meth:`FailurePolicy.attempt`: ``quiet`` when the run is already failing)."""
+        self._core().attempt(self._core().batch_end, where, quiet)
 
     def _info_once(self, message: str) -> None:
         """A set-up line, said once per callback; not while ``setup`` resolves a model that
