@@ -171,7 +171,6 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
             self.read_forward(module, batch, kwargs)
 
     def read_forward(self, module: nn.Module, batch: dict, kwargs: dict) -> None:
-        """A forward of the model (its inputs ``batch``): the Trainer's training or evaluation batch, or the user's own call."""
         fused_head_note(self.run, kwargs)
         if not module.training and self.run.step is None and not in_evaluation():
             return  # the user's own call outside the Trainer's evaluation: no loss of the run uses it
