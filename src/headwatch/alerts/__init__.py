@@ -4,8 +4,13 @@
 - :mod:`headwatch.alerts.rl`: :func:`rl_collapse_rules`, the preset for RL fine-tuning (``docs/rl.md``);
 - :mod:`headwatch.alerts.engine`: :class:`AlertEngine`, rules + actions for any loop;
 - :mod:`headwatch.alerts.actions`, :mod:`headwatch.alerts.webhook`: what happens at an alert;
+- :mod:`headwatch.alerts.wiring`: a front door's ``alert=`` argument (checked, made an engine, fed, saved);
+- :mod:`headwatch.alerts.feed`: :class:`~headwatch.alerts.feed.LoggedFeed`, what an alert reads of a trainer's
+  logged metrics;
+- :mod:`headwatch.alerts.collapse`: :class:`~headwatch.alerts.collapse.CollapseAlert`, the alert callback's
+  trainer-free part (imports torch, for the failure policy of :mod:`headwatch.core.monitor`);
 - :mod:`headwatch.integrations.lightning.alert`: :class:`SharpnessCollapseAlert` (imports Lightning, loaded
-  on first use of its name; everything else here imports neither torch nor Lightning).
+  on first use of its name; everything else here but ``collapse`` imports neither torch nor Lightning).
 """
 
 from __future__ import annotations

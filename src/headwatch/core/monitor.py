@@ -105,6 +105,15 @@ class FailurePolicy:
             "this measurement is skipped. Pass strict=True to raise instead. (warned once)",
         )
 
+    def attempt(self, call: Callable[[], Any], where: str, quiet: bool = False) -> None:
+        """``call()``; a failure follows this policy (:meth:`fail`), or with ``quiet`` (the run is already failing:
+        a trainer's exception hook) is dropped, never raised over the run's own exception, even when strict."""
+        try:
+            call()
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            if not quiet:
+                self.fail(err, where)
+
 
     def restore(self, state: Any, read: Callable[[StateReader], Callable[[], None]], versions: tuple[int, ...] = (1,)) -> bool:
         """Load a checkpoint state through ``read``, which checks every value (a :class:`StateReader`) and returns

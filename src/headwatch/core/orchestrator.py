@@ -186,6 +186,22 @@ def sampler_rows_kept(start: int, rows: int, rank: int, world: int, total: int) 
     return max(0, min(rows, real_here - start))
 
 
+def loader_rows_kept(loader: Any, batch: Any, batch_idx: int, ids_key: str = "input_ids") -> int | None:
+    """The real rows of batch ``batch_idx`` of ``loader`` when its sampler is a ``DistributedSampler`` that pads
+    (``drop_last=False``, several replicas; Lightning's validation sampler under DDP): :func:`sampler_rows_kept`
+    for the batch's rows (those of ``batch[ids_key]``, else the loader's ``batch_size``); None (all real) for
+    any other loader or sampler."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    size = getattr(loader, "batch_size", None)
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or not isinstance(size, int) or sampler.num_replicas <= 1:
+        return None
+    ids = batch.get(ids_key) if isinstance(batch, dict) else None
+    rows = int(ids.shape[0]) if isinstance(ids, Tensor) else size
+    return sampler_rows_kept(batch_idx * size, rows, sampler.rank, sampler.num_replicas, len(sampler.dataset))
+
+
 def keep_rows(batch: Any, rows: int, batch_format: BatchFormat) -> Any | None:
     """``batch`` with its rows from ``rows`` on marked as no prediction (``attention_mask`` 0, labels
     ``ignore_index``), for the monitors only (the model keeps its batch); None when ``batch`` is not a
@@ -338,21 +354,54 @@ class Orchestrator:
         tried again at each call (a new model may have what the last one lacked).
         """
         root = model if root is None else root
-        failed: dict[Monitor, Exception] = {}
+
+        def attach(m: Monitor) -> None:
+            m.root = root  # FSDP1: summoned from on logging steps
+            m.attach(unwrapped(model))  # FSDP1: the inner model's names (no `_fsdp_wrapped_module.`)
+
         with whole_matrices(root, model):
-            for m in self.all_monitors:
-                m.root = root  # FSDP1: summoned from on logging steps
-                try:
-                    m.attach(unwrapped(model))  # FSDP1: the inner model's names (no `_fsdp_wrapped_module.`)
-                except Exception as err:
-                    if not refuse:
-                        raise
-                    failed[m] = err
+            failed = self.attach_each(attach, refuse=refuse)
+        self.refuse_failed(failed)
+        self.check.attach(unwrapped(model))  # the model's own `outputs.loss` on logging steps
+
+    def attach_each(
+        self, attach: Callable[[Monitor], Any], monitors: Sequence[Monitor] | None = None, refuse: bool = True
+    ) -> dict[Monitor, Exception]:
+        """``attach(m)`` for each of ``monitors`` (default: every monitor of the run, refused ones too: a new model
+        may have what the last one lacked), in their order; returns those that failed, with the cause (without
+        ``refuse``, the first failure is raised instead). :meth:`refuse_failed` then refuses them."""
+        failed: dict[Monitor, Exception] = {}
+        for m in self.all_monitors if monitors is None else monitors:
+            try:
+                attach(m)
+            except Exception as err:
+                if not refuse:
+                    raise
+                failed[m] = err
+        return failed
+
+    def refuse_failed(self, failed: Mapping[Monitor, Exception]) -> None:
+        """After attaching every monitor anew (:meth:`attach_each`): all of them measured again, except ``failed``,
+        refused together (:meth:`refuse`: one warning; ``strict`` raises)."""
         self.refused.clear()
         self.monitors = list(self.all_monitors)
         if failed:
             self.refuse(failed)
-        self.check.attach(unwrapped(model))  # the model's own `outputs.loss` on logging steps
+
+    def use_monitors(self, monitors: Sequence[Monitor], model_loss: bool = True) -> None:
+        """Drive ``monitors``, gathered by the door (Lightning's callbacks, in their order): the shared token
+        counts first, whatever the order (the others read them), those :attr:`refused` left out. The self-check
+        publishes under the logit monitor's prefix (else the first monitor's) and, with ``model_loss`` (no loss
+        handed by the door), reads the model's own ``outputs.loss`` (the logit monitor's model)."""
+        counts = [m for m in monitors if isinstance(m, TokenCounts)]
+        self.all_monitors = counts + [m for m in monitors if not isinstance(m, TokenCounts)]
+        self.monitors = [m for m in self.all_monitors if m not in self.refused]
+        if monitors:
+            logits = next((m for m in monitors if hasattr(m, "capture_tally")), None)
+            self.check.prefix = (logits or monitors[0]).prefix
+            owner = getattr(getattr(logits, "source", None), "owner", None)
+            if isinstance(owner, nn.Module) and model_loss:  # the model's own `outputs.loss` (a Hugging Face model)
+                self.check.attach(owner)
 
     def sample_at(self, temperature: float, source: str) -> None:
         """An RL run whose policy samples at ``temperature`` (read from ``source``, said once): every

@@ -25,7 +25,7 @@ After the transfer, :meth:`SelfCheck.published` warns once per kind, naming the 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from headwatch.core.monitor import FailurePolicy
 from headwatch.distributed.reduce import NoReducer, Reducer
 from headwatch.errors import check_prefix
+from headwatch.model.hooks import ModelHook
 
 
 class Tolerance(NamedTuple):
@@ -130,8 +131,8 @@ class SelfCheck(FailurePolicy):
         """Logging steps with a gap beyond its tolerance, this run."""
         self.vanished_steps = 0
         """Logging steps with a vanished head gradient, this run."""
-        self._hook: Any = None
-        self.model: nn.Module | None = None
+        self.hook = ModelHook(self._on_output)
+        """The forward hook on the model whose ``outputs.loss`` is read (:meth:`attach`)."""
         """The module whose ``outputs.loss`` is read (None: not attached)."""
         self._reset()
 
@@ -151,16 +152,15 @@ class SelfCheck(FailurePolicy):
     def attach(self, model: nn.Module) -> None:
         """Read ``outputs.loss`` of ``model``'s training forwards (a forward hook; nothing between logging steps).
         Idempotent for the same model."""
-        if self._hook is not None and self.model is model:
-            return
-        self.detach()
-        self._hook = model.register_forward_hook(self._on_output, with_kwargs=True)
-        self.model = model
+        self.hook.watch(model)
 
     def detach(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-        self._hook, self.model = None, None
+        self.hook.remove()
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The model whose ``outputs.loss`` is read (None: none)."""
+        return self.hook.model
 
     # ---------------------------------------------------------------- the step
     def begin(self, logging: bool) -> None:
@@ -214,6 +214,25 @@ class SelfCheck(FailurePolicy):
         self._sums.append(loss * count if count is not None else loss)  # type: ignore[arg-type]
         self._weights.append(count if count is not None else 1.0)
         self._counted = self._counted and count is not None
+
+    def add_logged_loss(self, key: str, logged: Mapping[str, Any], batch: Any, batch_format: Any, by: str, how: str) -> None:
+        """The trainer's logged metric ``key`` of this step (``logged``: its logged metrics by name) as one loss
+        forward's token-mean cross-entropy (:meth:`add_loss`), weighted by ``batch``'s labelled positions (read with
+        ``batch_format``). A ``key`` not logged is warned about once, naming who logs it (``by``) and ``how``; any
+        failure follows the failure policy."""
+        try:
+            value = logged.get(key)
+            if value is None:
+                self.warn_once(
+                    f"compare_loss:{key}",
+                    f"headwatch self-check: `compare_loss={key!r}` names no metric {by} logged on this "
+                    f"step (logged: {sorted(logged)}); log it with {how}. No check/nll_gap. (warned once)",
+                )
+                return
+            targets = batch_format.read(batch).targets
+            self.add_loss(value, (targets != batch_format.ignore_index).sum() if targets is not None else None)
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            self.fail(err, f"reading the logged metric {key!r}")
 
     def step_loss(self, loss: Tensor | float) -> None:
         """The step's token-mean cross-entropy over its measured forward(s), as the user computed it

@@ -191,13 +191,24 @@ def principal_directions_of(
     matrices, :mod:`headwatch.distributed.sharded_drift`). The randomized start is seeded, so every
     process computes the same directions from the same sums.
 
+    ``ids`` may also be a ``(V,)`` bool mask of the rows (:func:`principal_directions_masked`): then no
+    value is read on the host (the row count stays on the device, ``"auto"`` decides on ``V``, the
+    randomized start is drawn on the rows' device) and fewer than 2 rows do not raise.
+
     Raises:
-        HeadwatchError: fewer than 2 rows in all.
+        HeadwatchError: fewer than 2 rows in all (``ids`` not a mask).
     """
     d = rows.shape[1]
-    n = ids.numel() if total is _same else int(total(torch.tensor(float(ids.numel()), dtype=torch.float64, device=rows.device)))
-    if n < 2:
-        raise HeadwatchError(f"principal directions need at least 2 valid rows, got {n}")
+    masked = ids.dtype == torch.bool
+    if masked:  # no data-dependent selection and no host read: the count stays on the device
+        ids = ids.to(rows.device)
+        n: Any = total(ids.sum(dtype=torch.float64))
+        decided_on = rows.shape[0]
+    else:
+        n = ids.numel() if total is _same else int(total(torch.tensor(float(ids.numel()), dtype=torch.float64, device=rows.device)))
+        if n < 2:
+            raise HeadwatchError(f"principal directions need at least 2 valid rows, got {n}")
+        decided_on = n
     q = min(d, k + _OVERSAMPLE)
     step = _chunk_rows(d, max(d, q), max_chunk_bytes)
     sums = torch.zeros(d, dtype=torch.float64, device=rows.device)
@@ -205,10 +216,10 @@ def principal_directions_of(
         sums += chunk.sum(0, dtype=torch.float64)
     mean64 = total(sums) / n
     mean = mean64.float()
-    if method == "exact" or (method == "auto" and n * d * d <= _EXACT_MACS):
+    if method == "exact" or (method == "auto" and decided_on * d * d <= _EXACT_MACS):
         directions, variances, trace = _exact_directions(rows, ids, mean64, k, step, total)
     else:
-        directions, variances, trace = _randomized_directions(rows, ids, mean, k, q, niter, seed, step, total)
+        directions, variances, trace = _randomized_directions(rows, ids, mean, k, q, niter, seed, step, total, masked)
     return mean, directions, variances, trace
 
 
@@ -257,15 +268,7 @@ def _randomized_directions(
 
 
 @torch.no_grad()
-def principal_directions_masked(
-    rows: Tensor,
-    mask: Tensor,
-    k: int,
-    method: str = "auto",
-    niter: int = 2,
-    seed: int = 0,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def principal_directions_masked(rows: Tensor, mask: Tensor, k: int, **options: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`principal_directions_of` of the rows in ``mask``, without reading a value on the host.
 
     Every row is read a chunk at a time and the rows outside ``mask`` contribute zero (no
@@ -276,6 +279,7 @@ def principal_directions_masked(
 
     Args:
         rows: ``(V, d)`` floating; mask: ``(V,)`` bool; k: directions, in ``[1, d]`` (not checked).
+        options: ``method``, ``niter``, ``seed``, ``max_chunk_bytes`` as in :func:`principal_directions_of`.
 
     Returns:
         ``(mean (d,) float32, directions (d, k) float32, variances (k,) float64, total_variance ()
@@ -283,21 +287,8 @@ def principal_directions_masked(
         ``mask``. Fewer than 2 rows do not raise here (the caller checks ``n`` on the host, after
         its one transfer): the mean is then NaN or the covariance zero.
     """
-    V, d = rows.shape
-    mask = mask.to(rows.device)
-    n = mask.sum(dtype=torch.float64)
-    q = min(d, k + _OVERSAMPLE)
-    step = _chunk_rows(d, max(d, q), max_chunk_bytes)
-    sums = torch.zeros(d, dtype=torch.float64, device=rows.device)
-    for chunk in _chunks(rows, mask, step):
-        sums += chunk.sum(0, dtype=torch.float64)
-    mean64 = sums / n
-    mean = mean64.float()
-    if method == "exact" or (method == "auto" and V * d * d <= _EXACT_MACS):
-        directions, variances, trace = _exact_directions(rows, mask, mean64, k, step)
-    else:
-        directions, variances, trace = _randomized_directions(rows, mask, mean, k, q, niter, seed, step, start_on_device=True)
-    return mean, directions, variances, trace, n
+    mask = mask.to(device=rows.device, dtype=torch.bool)
+    return (*principal_directions_of(rows, mask, k, **options), mask.sum(dtype=torch.float64))
 
 
 def unit_row_sum_masked(rows: Tensor, ids: Tensor, keep: Tensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> Tensor:

@@ -1,25 +1,28 @@
-"""Pieces of the Hugging Face front door (:mod:`headwatch.integrations.transformers`) that need no callback state."""
+"""The Hugging Face Trainer as its front door (:mod:`headwatch.integrations.transformers`) sees it: finding it, its
+model, its checkpoints, its loss scale, and :class:`TrainerLink`, what the door holds of it."""
 
 from __future__ import annotations
 
 import inspect
 import os
+import weakref
 from pathlib import Path
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor, nn
-from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerCallback
+from transformers import DefaultFlowCallback, Trainer, TrainerCallback
+from transformers.integrations import TensorBoardCallback
 
 from headwatch import tensorboard as tb
-from headwatch.errors import HeadwatchError
-from headwatch.core.monitor import Media
+from headwatch.alerts import wiring as alerts
+from headwatch.alerts.actions import JSONL_NAME
+from headwatch.alerts.wiring import load_alert_state, with_alert_state
+from headwatch.core.checkpoint import STATE_NAME, load_state_file, save_state_file  # noqa: F401 - STATE_NAME: the file's name
+from headwatch.core.orchestrator import Driver, eval_rows_kept
+from headwatch.core.trl import understand_trainer
+from headwatch.integrations.hf_publish import TB_PREFIX, WritersSink
 from headwatch.model.capture import called_from
-
-
-TB_PREFIX = "train/"
-"""What the Trainer's ``TensorBoardCallback`` puts before every logged key (``rewrite_logs``)."""
+from headwatch.model.hooks import InputsHook
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -85,10 +88,6 @@ def in_evaluation() -> bool:
     return called_from("prediction_step", Trainer)
 
 
-STATE_NAME = "headwatch_state.pt"
-"""The monitors' state in each Trainer checkpoint folder (``<output_dir>/checkpoint-<step>/``)."""
-
-
 def resume_dir(callback: TrainerCallback, args: Any, state: Any) -> str | None:
     """The checkpoint folder a resumed ``train`` started from, or None for a fresh run.
 
@@ -117,24 +116,10 @@ def resume_dir(callback: TrainerCallback, args: Any, state: Any) -> str | None:
 
 def restore_state(callback: Any, args: Any, state: Any) -> None:
     """On a resumed run, load into ``callback`` the state its ``on_save`` wrote in the checkpoint folder
-    the run resumes from; warn once when that folder holds none."""
-    import torch
-
+    the run resumes from (:func:`headwatch.core.checkpoint.load_state_file`: warn once when it holds none)."""
     folder = resume_dir(callback, args, state)
-    if folder is None:
-        return
-    path = os.path.join(folder, STATE_NAME)
-    if not os.path.isfile(path):
-        callback.run.warn_once(
-            "no_state",
-            f"HeadwatchCallback: the run resumes from {folder!r}, which holds no {STATE_NAME}; the monitors' "
-            "counts start afresh. (warned once)",
-        )
-        return
-    try:
-        callback.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    except Exception as err:  # noqa: BLE001
-        callback.run.fail(err, f"restoring the monitors' state from {path}")
+    if folder is not None:
+        load_state_file(callback.run, callback.load_state_dict, folder)
 
 
 def loss_scale(trainer: Trainer | None, args: Any) -> Tensor | None:
@@ -152,224 +137,130 @@ def loss_scale(trainer: Trainer | None, args: Any) -> Tensor | None:
     return scaler.get_scale()
 
 
-def is_rules(alert: Any) -> bool:
-    from headwatch.alerts import CollapseRules
-
-    return isinstance(alert, CollapseRules)
-
-
 def wire_alert(callback: Any, args: Any) -> None:
     """Build the ``AlertEngine`` of a callback's ``CollapseRules`` (standard actions: console, a marker in the
     Trainer's TensorBoard, ``<output_dir>/headwatch_alerts.jsonl``); decisions through its reducer, rank zero
-    runs the main-process actions."""
-    from headwatch.alerts import AlertEngine, standard_actions
-    from headwatch.alerts.actions import JSONL_NAME
-
-    if is_rules(callback.alert):
-        actions = standard_actions(
-            sink=WritersSink(callback), prefix=callback.prefix, jsonl_path=Path(args.output_dir) / JSONL_NAME,
-            save_checkpoint=callback.save_checkpoint if callback.checkpoint_on_critical else None,
-            stop=callback.stop_training if callback.stop_on_critical else None,
-        )  # fmt: skip
-        callback.alert = AlertEngine(callback.alert, actions, name="HeadwatchCallback alert")
-    if isinstance(callback.alert, AlertEngine):
-        callback.alert.reduce_bool = lambda fired: not callback.reducer.all(not fired)
-        callback.alert.main_process = callback.reducer.rank == 0
+    runs the main-process actions (:func:`headwatch.alerts.wiring.wire_alert`)."""
+    callback.alert = alerts.wire_alert(
+        callback.alert, lambda fired: not callback.reducer.all(not fired), callback.reducer.rank == 0, "HeadwatchCallback alert",
+        sink=WritersSink(callback), prefix=callback.prefix, jsonl_path=Path(args.output_dir) / JSONL_NAME,
+        save_checkpoint=callback.save_checkpoint if callback.checkpoint_on_critical else None,
+        stop=callback.stop_training if callback.stop_on_critical else None,
+    )  # fmt: skip
 
 
 def save_state(callback: Any, args: Any, state: Any) -> None:
     """Write the callback's state to ``<output_dir>/checkpoint-<step>/headwatch_state.pt``: every rank takes the
     (collective) state, the process that saves the Trainer's state (``args.should_save``) writes."""
-    import torch
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    try:
-        state_dict = callback.state_dict()
-        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if args.should_save:
-            os.makedirs(folder, exist_ok=True)
-            torch.save(state_dict, os.path.join(folder, STATE_NAME))
-    except Exception as err:  # noqa: BLE001
-        callback.run.fail(err, "saving the monitors' state in the checkpoint")
+    folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+    save_state_file(callback.run, callback.state_dict, folder, bool(args.should_save))
 
 
-class WritersSink:
-    """The alert's markers and messages in the Trainer's TensorBoard writer, beside its ``train/`` scalars."""
-
-    def __init__(self, callback: Any) -> None:
-        self.callback = callback
-
-    def scalar(self, tag: str, value: float, step: int) -> None:
-        writers = self.callback.writers()
-        tb.write_scalars(writers, {TB_PREFIX + tag: value}, step)
-        tb.flush(writers)
-
-    def text(self, tag: str, text: str, step: int) -> None:
-        writers = self.callback.writers()
-        tb.write_text(writers, TB_PREFIX + tag, text, step)
-        tb.flush(writers)
-
-
-class TrainerSink:
-    """The values through ``Trainer.log`` (every ``report_to`` integration, ``log_history``, the console's
-    headline keys), media to the Trainer's TensorBoard writer under ``train/``, then the alert."""
-
-    def __init__(self, callback: Any) -> None:
-        self.callback = callback
-
-    def publish(self, numbers: dict[str, float], media: list[Media], step: int, val: bool) -> None:
-        cb, trainer = self.callback, self.callback.trainer
-        writers = cb.writers()
-        for m in media:  # before Trainer.log, whose TensorBoardCallback flushes the writer: one flush
-            tb.write_media(writers, tb.prefixed(m, TB_PREFIX), step)
-        if trainer is not None:
-            should_log = trainer.control.should_log
-            # the base method: a subclass's log (TRL's) would flush its own averaged metrics into this record
-            with console_shows(trainer, cb.console_keys):  # the console: headline values; report_to: all
-                Trainer.log(trainer, dict(numbers))  # its on_log event clears control.should_log ...
-            trainer.control.should_log = should_log  # ... which must still log the loss of this step
-            cb.write_layout()  # a writer created by that log (callbacks in any order, evaluate() only)
-        else:
-            tb.flush(writers)
-            cb.run.warn_once(
-                "no_trainer",
-                "HeadwatchCallback could not find its Trainer; values are only kept in `.latest`. Attach it with "
-                "headwatch.integrations.transformers.attach(trainer, callback). (warned once)",
-            )
-        if cb.alert is not None and not is_rules(cb.alert):
-            if val:
-                extra = {k: v for k, v in cb._eval_metrics.items() if isinstance(v, (int, float))}
-                cb.alert.observe_val(step, {**extra, **numbers})
-            else:
-                cb.alert.observe_train(step, numbers)
-
-
-
-RL_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
-"""TRL trainers whose training forward headwatch measures as an RL policy's (``docs/rl.md``): TRL's fused LM head
-with ``labels`` = the sampled completion tokens (prompt and padding ``-100``), logits divided by ``temperature``."""
-UNDERSTOOD_TRL = ("SFTTrainer", *RL_TRAINERS)
-"""TRL trainers the door understands (``docs/capture.md``, ``docs/rl.md``); any other TRL trainer is refused."""
-
-
-def trl_trainer(trainer: Any) -> str | None:
-    """The name of the first TRL trainer class in ``trainer``'s class hierarchy (a user's subclass of
-    ``GRPOTrainer`` is a ``GRPOTrainer``), or None when none comes from the ``trl`` package."""
-    for cls in type(trainer).__mro__:
-        if cls.__module__.split(".")[0] == "trl" and cls.__name__.endswith("Trainer") and cls.__name__ != "_BaseTrainer":
-            return cls.__name__
-    return None
-
-
-def sampling_temperature(trainer: Any) -> float | None:
-    """An RL trainer's sampling temperature: ``trainer.temperature`` (TRL sets it from ``args.temperature``, puts it
-    in the ``GenerationConfig`` it samples with and divides the training logits by it), else ``args.temperature``;
-    None when ``trainer`` is not one of :data:`RL_TRAINERS`."""
-    if trl_trainer(trainer) not in RL_TRAINERS:
-        return None
-    value = getattr(trainer, "temperature", None)
-    return value if value is not None else getattr(getattr(trainer, "args", None), "temperature", None)
-
-
-def refuse_unknown_trainer(run: Any, trainer: Any) -> None:
-    """Under a TRL trainer the door does not understand (``DPOTrainer``, ``KTOTrainer``, ``RewardTrainer``, ...),
-    refuse the logit statistics with ONE message (:meth:`Orchestrator.refuse`): their forwards score pairs of
-    completions, a reference model or a reward head, and the figures would silently mean something else."""
-    from headwatch.core.logits import LogitStats
-
-    name = trl_trainer(trainer)
-    if name is None or name in UNDERSTOOD_TRL:
-        return
-    logits = [m for m in run.monitors if isinstance(m, LogitStats)]
-    if not logits:
-        return
-    cause = HeadwatchError(
-        f"TRL's {name} is not supported by the logit statistics: its training forward does not score one completion "
-        f"against its labels as the statistics assume (DPO concatenates chosen and rejected completions and compares "
-        f"them with a reference model), so they would mean something else. Supported TRL trainers: "
-        f"{', '.join(UNDERSTOOD_TRL)} (docs/rl.md). Gradient, token and collision statistics do not depend on it"
-    )
-    run.refuse({m: cause for m in logits})
-
-
-TRL_METRICS = {"entropy": "entropy", "accuracy": "mean_token_accuracy"}
-"""The self-check's names -> TRL's per-micro-batch training metrics (``SFTTrainer._metrics["train"][...]``)."""
-
-
-def trl_marks(trainer: Trainer | None) -> dict[str, int]:
-    """How many entries TRL's training metrics hold now (at a step's start); empty without TRL's ``_metrics``."""
-    metrics = getattr(trainer, "_metrics", None)
-    train = metrics.get("train") if isinstance(metrics, dict) else None
-    if not isinstance(train, dict):
-        return {}
-    return {ours: len(train.get(theirs, ())) for ours, theirs in TRL_METRICS.items()}
-
-
-def trl_step_values(trainer: Trainer | None, marks: dict[str, int]) -> dict[str, list[float]]:
-    """TRL's training metrics appended since ``marks`` (this step's micro-batches: each a token mean over the
-    micro-batch, gathered over processes, already Python floats); not the logging window's mean."""
-    metrics = getattr(trainer, "_metrics", None)
-    train = metrics.get("train") if isinstance(metrics, dict) else None
-    if not isinstance(train, dict) or not marks:
-        return {}
-    out = {}
-    for ours, theirs in TRL_METRICS.items():
-        values = list(train.get(theirs, ()))
-        start = marks.get(ours, 0)
-        new = values[start:] if start <= len(values) else values  # cleared since (TRL's log): all of them
-        if new and all(isinstance(v, (int, float)) for v in new):
-            out[ours] = [float(v) for v in new]
-    return out
-
-
-CONSOLE_PRINTERS = (ProgressCallback, PrinterCallback)
-"""The Trainer's callbacks that print every logged record on the console (tqdm bar / ``disable_tqdm``)."""
-
-
-def console_filter(console_keys: Sequence[str] | str | None, prefix: str) -> frozenset[str] | None:
-    """The full names shown on the console: ``None`` -> :data:`headwatch.names.CONSOLE_KEYS`, ``"all"`` -> None
-    (no filter); otherwise each name with or without ``<prefix>/``.
-
-    Raises:
-        HeadwatchError: ``console_keys`` is not None, ``"all"`` or a sequence of str.
+class TrainerLink(Driver):
+    """What the Hugging Face door holds of its Trainer, beside the hooks that translate the Trainer's events
+    (:class:`~headwatch.integrations.transformers.HeadwatchCallback`, which sets the attributes below): the
+    trainer (a weak reference), the forward pre-hook on its model, its TensorBoard writers, the alert's
+    actions on its ``control``, and the state of a checkpoint.
     """
-    from headwatch.names import CONSOLE_KEYS
 
-    if console_keys == "all":
-        return None
-    keys = CONSOLE_KEYS if console_keys is None else console_keys
-    if isinstance(keys, str) or not isinstance(keys, Sequence) or not all(isinstance(k, str) for k in keys):
-        raise HeadwatchError(f"`console_keys` must be None, 'all' or a sequence of metric names, got {console_keys!r}")
-    return frozenset(k if k.startswith(prefix + "/") else f"{prefix}/{k}" for k in keys)
+    prefix: str
+    figure_every_n_steps: int | str | None
+    alert: Any
+    inputs: InputsHook
+    """The forward pre-hook on the trained model (:class:`~headwatch.model.hooks.InputsHook`)."""
+    _trainer: Any = None
+    _control: Any = None
 
+    @property
+    def trainer(self) -> Trainer | None:
+        return self._trainer() if self._trainer is not None else None
 
-class _ConsoleView(TrainerCallback):
-    """A printing callback that sees only the shown keys of one record (nothing when none is shown)."""
+    def set_trainer(self, trainer: Trainer) -> None:
+        """Keep a (weak) reference to the trainer whose ``log`` receives the values, and let the run see the
+        inputs of its loss (``labels`` included) whenever it computes one (:func:`hand_loss_inputs`). Its
+        ``TensorBoardCallback`` makes ``headwatch.tensorboard.SummaryWriter`` (an unwritable log directory at
+        ``on_train_begin`` no longer stops the run: ``docs/faults.md``)."""
+        self._trainer = weakref.ref(trainer)
+        hand_loss_inputs(trainer, self.run)
+        for cb in trainer.callback_handler.callbacks:  # its writer, made at on_train_begin, survives an unwritable log dir
+            if isinstance(cb, TensorBoardCallback):
+                cb._SummaryWriter = tb.guarded_writer_class(cb._SummaryWriter)  # noqa: SLF001 - docs/faults.md
 
-    def __init__(self, printer: TrainerCallback, shown: frozenset[str]) -> None:
-        self.printer, self.shown = printer, shown
+    @staticmethod
+    def logging_every(args: Any, state: Any) -> int:
+        """The Trainer's logging interval in steps (0: not by steps)."""
+        return int(getattr(state, "logging_steps", 0) or args.logging_steps) if args.logging_strategy == "steps" else 0
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.printer, name)
+    def write_layout(self) -> None:
+        """The Custom Scalars layout, once per TensorBoard writer of the Trainer (rank zero): called at
+        ``on_train_begin`` and after every publication, so a writer the ``TensorBoardCallback`` creates
+        later (callbacks in any order, an evaluation-only script) gets it too."""
+        if self.reducer.rank == 0:
+            try:
+                tb.write_layout(self.writers(), TB_PREFIX + self.prefix, category=self.prefix)
+            except Exception as err:  # noqa: BLE001
+                self.run.fail(err, "writing the TensorBoard dashboard layout")
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> Any:
-        kept = {k: v for k, v in (logs or {}).items() if k in self.shown}
-        if kept:
-            extra = {k: logs[k] for k in ("epoch",) if logs and k in logs}
-            return self.printer.on_log(args, state, control, logs={**kept, **extra}, **kwargs)
-        return None
+    def attach_model(self, model: nn.Module, every: int) -> None:
+        """Configure every monitor (schedule ``every`` steps), attach it and hook the model's forward."""
+        self.run.configure(every, figure_every_n_steps=self.figure_every_n_steps)
+        self.run.attach(unwrap(model), root=model, refuse=True)  # FSDP1 (accelerate): summoned from the wrapped model
+        self.understand_trainer()
+        self.inputs.watch(unwrap(model))
 
+    def understand_trainer(self) -> None:
+        """TRL's RL trainers: measure the policy's sampling distribution (``docs/rl.md``); TRL trainers the door
+        does not understand: the logit statistics refused with one message (:func:`headwatch.core.trl.understand_trainer`)."""
+        trainer = self.trainer or find_trainer(self)
+        if trainer is not None:
+            understand_trainer(self.run, trainer)
 
-@contextmanager
-def console_shows(trainer: Trainer, shown: frozenset[str] | None) -> Iterator[None]:
-    """While inside, the Trainer's console printers print only ``shown`` keys; every other callback (the
-    reporting integrations: TensorBoard, W&B ...) receives the whole record. ``shown=None``: no change."""
-    callbacks = trainer.callback_handler.callbacks
-    swapped = [] if shown is None else [(i, cb) for i, cb in enumerate(callbacks) if isinstance(cb, CONSOLE_PRINTERS)]
-    try:
-        for i, cb in swapped:
-            callbacks[i] = _ConsoleView(cb, shown)
-        yield
-    finally:
-        for i, cb in swapped:
-            callbacks[i] = cb
+    def stop_training(self, alert: Any = None) -> None:
+        """An alert action: the Trainer stops after this step (every rank decides alike)."""
+        self._control.should_training_stop = True
+
+    def save_checkpoint(self, alert: Any = None) -> None:
+        """An alert action: the Trainer saves a checkpoint at this step."""
+        self._control.should_save = True
+
+    def close(self) -> None:
+        """Remove the forward pre-hook (the monitors keep their hooks and state; ``m.detach()`` removes those)."""
+        self.inputs.remove()
+
+    def writers(self) -> list[Any]:
+        """The ``SummaryWriter`` of the Trainer's ``TensorBoardCallback`` (``report_to`` tensorboard), rank zero."""
+        trainer = self.trainer
+        if trainer is None or self.reducer.rank != 0:
+            return []
+        return [cb.tb_writer for cb in trainer.callback_handler.callbacks if isinstance(cb, TensorBoardCallback) and cb.tb_writer]
+
+    def real_rows(self, batch: dict, training: bool) -> int | None:
+        """Evaluation: how many rows of this batch ``gather_for_metrics`` keeps (the last batch of an even
+        distributed split holds repeats; :func:`headwatch.core.orchestrator.eval_rows_kept`); None: all."""
+        if training or self.run.step is not None:
+            return None
+        accelerator = getattr(self.trainer, "accelerator", None)
+        state = getattr(accelerator, "gradient_state", None)
+        ids = batch.get("input_ids")
+        if state is None or not state.end_of_dataloader or ids is None or not hasattr(ids, "shape"):
+            return None
+        return eval_rows_kept(int(ids.shape[0]), int(accelerator.process_index), int(state.remainder))
+
+    def flow_decided(self) -> bool:
+        """Whether the Trainer's ``DefaultFlowCallback`` (which sets ``control.should_log``) ran before this
+        callback at each event (it does unless this callback was put ahead of it)."""
+        callbacks = self.trainer.callback_handler.callbacks if self.trainer is not None else []
+        flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
+        mine = [i for i, cb in enumerate(callbacks) if cb is self]
+        return not flow or not mine or flow[0] < mine[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The monitors' state and, with an alert engine, its state (smoothing, episodes, alerts) under ``"alert"``."""
+        return with_alert_state(self.run.state_dict(), self.alert)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (each part checked; an invalid part restarts from empty with one warning)."""
+        self.run.load_state_dict(state)
+        load_alert_state(self.alert, state)

@@ -14,46 +14,38 @@ Works the same with TRL's ``SFTTrainer`` (a ``Trainer`` subclass) and under ``ac
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
-from transformers import DefaultFlowCallback, Trainer, TrainerCallback
-from transformers.integrations import TensorBoardCallback
+from transformers import Trainer, TrainerCallback
 
-from headwatch import tensorboard as tb
+from headwatch.alerts.wiring import check_alert
 from headwatch.core.figures import check_figure_argument
 from headwatch.core.monitor import Monitor
-from headwatch.core.orchestrator import Driver, Orchestrator, eval_rows_kept
+from headwatch.core.orchestrator import Orchestrator
+from headwatch.core.trl import fused_head_note, trl_marks, trl_step_values
 from headwatch.distributed.reduce import Reducer
-from headwatch.errors import HeadwatchError, check_bool, check_protocol
+from headwatch.errors import HeadwatchError, check_bool
+from headwatch.integrations.hf_publish import TrainerSink, console_filter
 from headwatch.integrations.hf_support import (
-    TB_PREFIX,
-    TrainerSink,
-    console_filter,
+    TrainerLink,
     evaluation_prefix,
     find_trainer,
-    hand_loss_inputs,
     in_evaluation,
-    is_rules,
     loss_scale,
     restore_state,
-    refuse_unknown_trainer,
-    sampling_temperature,
     resume_dir,
     save_state,
-    trl_marks,
-    trl_step_values,
-    unwrap,
     wire_alert,
 )
 from headwatch.model.batch import BatchFormat
+from headwatch.model.hooks import InputsHook
 
 __all__ = ["HeadwatchCallback", "attach"]
 
 
-class HeadwatchCallback(Driver, TrainerCallback):
+class HeadwatchCallback(TrainerLink, TrainerCallback):
     """Watch the embedding and the head of the model a ``transformers.Trainer`` trains.
 
     One callback drives the run's orchestrator (:class:`headwatch.core.orchestrator.Orchestrator`;
@@ -123,8 +115,7 @@ class HeadwatchCallback(Driver, TrainerCallback):
         figure_every_n_steps: int | str | None = "auto",
     ) -> None:
         check_figure_argument(figure_every_n_steps)
-        if alert is not None and not is_rules(alert):
-            check_protocol("alert", alert, ("observe_train", "observe_val"), "a headwatch.alerts.CollapseRules or have observe_train and observe_val methods (an AlertEngine)")
+        check_alert(alert)
         check_bool("stop_on_critical", stop_on_critical)
         check_bool("checkpoint_on_critical", checkpoint_on_critical)
         self.run = Orchestrator(monitors, batch_format=batch_format, prefix=prefix, reducer=reducer, strict=strict, sinks=[TrainerSink(self)])
@@ -134,27 +125,10 @@ class HeadwatchCallback(Driver, TrainerCallback):
         self.console_keys = console_filter(console_keys, prefix)
         """Full names the console printers show (None: all)."""
         self._trainer: Any = None
-        self._hooks: list[Any] = []
-        self._model: nn.Module | None = None
+        self.inputs = InputsHook(self._on_forward)
         self._first = False
         self._control: Any = None
         self._eval_metrics: dict[str, Any] = {}
-
-    # ---------------------------------------------------------------- wiring
-    @property
-    def trainer(self) -> Trainer | None:
-        return self._trainer() if self._trainer is not None else None
-
-    def set_trainer(self, trainer: Trainer) -> None:
-        """Keep a (weak) reference to the trainer whose ``log`` receives the values, and let the run see the
-        inputs of its loss (``labels`` included) whenever it computes one (:func:`hand_loss_inputs`). Its
-        ``TensorBoardCallback`` makes ``headwatch.tensorboard.SummaryWriter`` (an unwritable log directory at
-        ``on_train_begin`` no longer stops the run: ``docs/faults.md``)."""
-        self._trainer = weakref.ref(trainer)
-        hand_loss_inputs(trainer, self.run)
-        for cb in trainer.callback_handler.callbacks:  # its writer, made at on_train_begin, survives an unwritable log dir
-            if isinstance(cb, TensorBoardCallback):
-                cb._SummaryWriter = tb.guarded_writer_class(cb._SummaryWriter)  # noqa: SLF001 - docs/faults.md
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
         """The Trainer is built: attach to its model now, so that an ``evaluate()`` before (or without)
@@ -164,11 +138,6 @@ class HeadwatchCallback(Driver, TrainerCallback):
                 self.set_trainer(found)
             if model is not None:
                 self.attach_model(model, self.logging_every(args, state))
-
-    @staticmethod
-    def logging_every(args: Any, state: Any) -> int:
-        """The Trainer's logging interval in steps (0: not by steps)."""
-        return int(getattr(state, "logging_steps", 0) or args.logging_steps) if args.logging_strategy == "steps" else 0
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
         """A run starts: fresh state unless it resumes from a checkpoint (:meth:`Orchestrator.start_run`),
@@ -196,86 +165,13 @@ class HeadwatchCallback(Driver, TrainerCallback):
         restore_state(self, args, state)  # the monitors' and the alert's state of the checkpoint's step
         self.write_layout()
 
-    def write_layout(self) -> None:
-        """The Custom Scalars layout, once per TensorBoard writer of the Trainer (rank zero): called at
-        ``on_train_begin`` and after every publication, so a writer the ``TensorBoardCallback`` creates
-        later (callbacks in any order, an evaluation-only script) gets it too."""
-        if self.reducer.rank == 0:
-            try:
-                tb.write_layout(self.writers(), TB_PREFIX + self.prefix, category=self.prefix)
-            except Exception as err:  # noqa: BLE001
-                self.run.fail(err, "writing the TensorBoard dashboard layout")
-
-    def attach_model(self, model: nn.Module, every: int) -> None:
-        """Configure every monitor (schedule ``every`` steps), attach it and hook the model's forward."""
-        self.run.configure(every, figure_every_n_steps=self.figure_every_n_steps)
-        self.run.attach(unwrap(model), root=model, refuse=True)  # FSDP1 (accelerate): summoned from the wrapped model
-        self.understand_trainer()
-        inner = unwrap(model)
-        if self._model is not inner:
-            self.close()
-            self._hooks = [inner.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
-            self._model = inner
-
-    def understand_trainer(self) -> None:
-        """TRL's RL trainers: measure the policy's sampling distribution (``docs/rl.md``); TRL trainers the door
-        does not understand: the logit statistics refused with one message."""
-        trainer = self.trainer or find_trainer(self)
-        if trainer is None:
-            return
-        refuse_unknown_trainer(self.run, trainer)
-        temperature = sampling_temperature(trainer)
-        if temperature is not None:
-            self.run.sample_at(temperature, f"{type(trainer).__name__}.temperature, from its args.temperature")
-
-    def stop_training(self, alert: Any = None) -> None:
-        """An alert action: the Trainer stops after this step (every rank decides alike)."""
-        self._control.should_training_stop = True
-
-    def save_checkpoint(self, alert: Any = None) -> None:
-        """An alert action: the Trainer saves a checkpoint at this step."""
-        self._control.should_save = True
-
-    def close(self) -> None:
-        """Remove the forward pre-hook (the monitors keep their hooks and state; ``m.detach()`` removes those)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks, self._model = [], None
-
-    def writers(self) -> list[Any]:
-        """The ``SummaryWriter`` of the Trainer's ``TensorBoardCallback`` (``report_to`` tensorboard), rank zero."""
-        trainer = self.trainer
-        if trainer is None or self.reducer.rank != 0:
-            return []
-        return [cb.tb_writer for cb in trainer.callback_handler.callbacks if isinstance(cb, TensorBoardCallback) and cb.tb_writer]
-
     # ---------------------------------------------------------------- the batch
-    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _on_forward(self, module: nn.Module, batch: dict, kwargs: dict) -> None:
         with self.run.guard("reading the batch"):
-            self.read_forward(module, args, kwargs)
+            self.read_forward(module, batch, kwargs)
 
-    def real_rows(self, batch: dict, training: bool) -> int | None:
-        """Evaluation: how many rows of this batch ``gather_for_metrics`` keeps (the last batch of an even
-        distributed split holds repeats; :func:`headwatch.core.orchestrator.eval_rows_kept`); None: all."""
-        if training or self.run.step is not None:
-            return None
-        accelerator = getattr(self.trainer, "accelerator", None)
-        state = getattr(accelerator, "gradient_state", None)
-        ids = batch.get("input_ids")
-        if state is None or not state.end_of_dataloader or ids is None or not hasattr(ids, "shape"):
-            return None
-        return eval_rows_kept(int(ids.shape[0]), int(accelerator.process_index), int(state.remainder))
-
-    def read_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        batch = dict(kwargs)
-        if args and "input_ids" not in batch:
-            batch["input_ids"] = args[0]
-        if kwargs.get("fused_lm_head") and any(getattr(m, "synonym_groups", None) for m in self.monitors):
-            self.run.warn_once(
-                "fused_confusion",
-                "HeadwatchCallback: TRL's fused LM head never calls the head, so collision/synonym_confusion_rate is "
-                "not counted on these forwards (the logit statistics use the hidden states). (warned once)",
-            )
+    def read_forward(self, module: nn.Module, batch: dict, kwargs: dict) -> None:
+        fused_head_note(self.run, kwargs)
         if not module.training and self.run.step is None and not in_evaluation():
             return  # the user's own call outside the Trainer's evaluation: no loss of the run uses it
         self.run.forward(batch, training=module.training, real_rows=self.real_rows(batch, module.training))
@@ -306,14 +202,6 @@ class HeadwatchCallback(Driver, TrainerCallback):
                 self.run.check.trainer_metrics(**trl_step_values(self.trainer, getattr(self, "_trl_marks", {})))
             self.run.end_step(state.global_step)
 
-    def flow_decided(self) -> bool:
-        """Whether the Trainer's ``DefaultFlowCallback`` (which sets ``control.should_log``) ran before this
-        callback at each event (it does unless this callback was put ahead of it)."""
-        callbacks = self.trainer.callback_handler.callbacks if self.trainer is not None else []
-        flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
-        mine = [i for i, cb in enumerate(callbacks) if cb is self]
-        return not flow or not mine or flow[0] < mine[0]
-
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         with self.run.guard("ending the epoch"):
             self.run.epoch_end(state.global_step - 1, at=state.global_step)
@@ -343,19 +231,6 @@ class HeadwatchCallback(Driver, TrainerCallback):
         """Write the monitors' state to ``<output_dir>/checkpoint-<step>/headwatch_state.pt``: every rank
         takes the (collective) state, the process that saves the Trainer's state (``args.should_save``) writes."""
         save_state(self, args, state)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The monitors' state and, with an alert engine, its state (smoothing, episodes, alerts) under ``"alert"``."""
-        state = self.run.state_dict()
-        if hasattr(self.alert, "state_dict") and not is_rules(self.alert):
-            state["alert"] = self.alert.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (each part checked; an invalid part restarts from empty with one warning)."""
-        self.run.load_state_dict(state)
-        if isinstance(state, dict) and "alert" in state and hasattr(self.alert, "load_state_dict") and not is_rules(self.alert):
-            self.alert.load_state_dict(state["alert"])
 
 
 def attach(trainer: Trainer, callback: HeadwatchCallback | None = None, **kwargs: Any) -> HeadwatchCallback:

@@ -9,21 +9,22 @@ import weakref
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 from headwatch import tensorboard as tb
-from headwatch.core.frequency import TokenCounts
 from headwatch.core.monitor import Monitor, whole_matrices
 from headwatch.core.schedule import Schedule
 from headwatch.errors import HeadwatchError
-from headwatch.core.orchestrator import Orchestrator, sampler_rows_kept
+from headwatch.core.orchestrator import Orchestrator, loader_rows_kept
 from headwatch.integrations.lightning.door import (
     LightningReducer,
     LightningSink,
     lightning_step,
+    logging_interval,
     loss_scale,
     published_steps,
     tensorboard_writers,
+    write_layout,
 )
 
 
@@ -52,10 +53,8 @@ class MonitorCallback(Callback):
         if stage == "fit" and self._drives(trainer):  # a new fit: fresh state (a resume loads its checkpoint after setup)
             lightning_run(trainer).start_run()
             published_steps(trainer).clear()
-        every = self.log_every_n_steps if self.log_every_n_steps is not None else core.every_factor * trainer.log_every_n_steps
+        every = logging_interval(trainer, self.log_every_n_steps, core.every_factor, type(self).__name__)
         core.configure(Schedule(every), LightningReducer(trainer.strategy))
-        if every == 0:
-            rank_zero_warn(f"{type(self).__name__}: log_every_n_steps is 0, training steps are not measured.")
         self._attach_error: HeadwatchError | None = None
         # Lightning calls configure_model after this hook (it may untie or build the head), and
         # on_fit_start / on_validation_start attach again: say the set-up lines then, on the final model.
@@ -73,12 +72,7 @@ class MonitorCallback(Callback):
         self._write_layout(trainer)
 
     def _write_layout(self, trainer: pl.Trainer) -> None:
-        """The Custom Scalars layout, once per TensorBoard writer (rank zero)."""
-        try:
-            if trainer.is_global_zero:
-                tb.write_layout(tensorboard_writers(trainer), self.prefix)  # type: ignore[attr-defined]
-        except Exception as err:  # noqa: BLE001
-            self._core().fail(err, "writing the TensorBoard dashboard layout")
+        write_layout(trainer, self.prefix, self._core())  # type: ignore[attr-defined]
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "validate" and self._drives(trainer):  # after configure_model
@@ -90,17 +84,9 @@ class MonitorCallback(Callback):
         """The driving callback attaches every headwatch callback on the final model; those that cannot are
         refused by the run together (:meth:`Orchestrator.refuse`: one warning naming each cause and what is
         still measured; ``strict`` raises) and training goes on without them."""
+        owner = {cb._core(): cb for cb in monitor_callbacks(trainer)}  # in trainer.callbacks order
         run = lightning_run(trainer)
-        run.refused.clear()
-        failed = {}
-        for cb in monitor_callbacks(trainer):
-            try:
-                cb._attach_wrapped(trainer, pl_module, stage)
-            except Exception as err:  # noqa: BLE001 - a monitoring limitation never stops training
-                failed[cb._core()] = err
-        lightning_run(trainer)
-        if failed:
-            run.refuse(failed)
+        run.refuse_failed(run.attach_each(lambda core: owner[core]._attach_wrapped(trainer, pl_module, stage), list(owner)))
 
     def _attach_wrapped(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """:meth:`_attach` with the strategy's wrapped model as the monitor's root; under FSDP1
@@ -124,13 +110,8 @@ class MonitorCallback(Callback):
         self._end_batch("ending after an exception", quiet=True)
 
     def _end_batch(self, where: str, quiet: bool = False) -> None:
-        """End the batch in progress; ``quiet`` (the run is already failing): a monitoring error is dropped, never
-        raised over the run's own exception, even when strict."""
-        try:
-            self._core().batch_end()
-        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
-            if not quiet:
-                self._core().fail(err, where)
+        """End the batch in progress (:meth:`FailurePolicy.attempt`: ``quiet`` when the run is already failing)."""
+        self._core().attempt(self._core().batch_end, where, quiet)
 
     def _info_once(self, message: str) -> None:
         """A set-up line, said once per callback; not while ``setup`` resolves a model that
@@ -238,59 +219,27 @@ def lightning_run(trainer: pl.Trainer) -> Orchestrator:
     run = _RUNS.get(trainer)
     if run is None:
         run = _RUNS[trainer] = Orchestrator(monitors=(), reducer=LightningReducer(trainer.strategy), sinks=[LightningSink(trainer)])
-    cores = [cb._core() for cb in monitor_callbacks(trainer)]
-    # the shared token counts first, whatever the callbacks' order: the others read them (as in the other doors)
-    run.all_monitors = [m for m in cores if isinstance(m, TokenCounts)] + [m for m in cores if not isinstance(m, TokenCounts)]
-    run.monitors = [m for m in run.all_monitors if m not in run.refused]  # those that cannot measure this model: refused
-    if cores:  # the self-check publishes under the monitors' prefix (the logit monitor's, when there is one)
-        logits = next((m for m in cores if hasattr(m, "capture_tally")), None)
-        run.check.prefix = (logits or cores[0]).prefix
-        owner = getattr(getattr(logits, "source", None), "owner", None)
-        named = any(getattr(cb, "compare_loss", None) for cb in monitor_callbacks(trainer))
-        if isinstance(owner, torch.nn.Module) and not named:  # the model's own `outputs.loss` (a Hugging Face model)
-            run.check.attach(owner)
+    named = any(getattr(cb, "compare_loss", None) for cb in monitor_callbacks(trainer))  # a logged loss instead
+    run.use_monitors([cb._core() for cb in monitor_callbacks(trainer)], model_loss=not named)
     return run
 
 
 def validation_rows(trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_idx: int) -> int | None:
     """The real rows of a validation batch under a ``DistributedSampler`` that pads (Lightning's under DDP):
-    :func:`~headwatch.core.orchestrator.sampler_rows_kept`; None (all real) for any other sampler."""
-    from torch.utils.data import DistributedSampler
-
+    :func:`~headwatch.core.orchestrator.loader_rows_kept`; None (all real) for any other sampler."""
     loaders = trainer.val_dataloaders
-    loader = loaders[dataloader_idx] if isinstance(loaders, (list, tuple)) else loaders
-    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    size = getattr(loader, "batch_size", None)
-    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or not isinstance(size, int) or sampler.num_replicas <= 1:
-        return None
-    ids = batch.get("input_ids") if isinstance(batch, dict) else None
-    rows = int(ids.shape[0]) if isinstance(ids, torch.Tensor) else size
-    return sampler_rows_kept(batch_idx * size, rows, sampler.rank, sampler.num_replicas, len(sampler.dataset))
+    return loader_rows_kept(loaders[dataloader_idx] if isinstance(loaders, (list, tuple)) else loaders, batch, batch_idx)
 
 
 def hand_logged_loss(trainer: pl.Trainer, run: Orchestrator, batch: Any) -> None:
     """On a logging step, the metric named by a monitor's ``compare_loss=`` (this batch's value, in
     ``trainer.callback_metrics``) to the self-check, weighted by the batch's labelled positions."""
-    for cb in monitor_callbacks(trainer):
-        key = getattr(cb, "compare_loss", None)
-        if not key:
-            continue
-        try:
-            value = trainer.callback_metrics.get(key)
-            if value is None:
-                run.check.warn_once(
-                    f"compare_loss:{key}",
-                    f"headwatch self-check: `compare_loss={key!r}` names no metric the LightningModule logged on this "
-                    f"step (logged: {sorted(trainer.callback_metrics)}); log it with self.log({key!r}, loss) in "
-                    "training_step. No check/nll_gap. (warned once)",
-                )
-                return
-            fmt = cb._core().batch_format
-            targets = fmt.read(batch).targets
-            run.check.add_loss(value, (targets != fmt.ignore_index).sum() if targets is not None else None)
-        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
-            run.check.fail(err, f"reading the logged metric {key!r}")
-        return
+    cb = next((cb for cb in monitor_callbacks(trainer) if getattr(cb, "compare_loss", None)), None)
+    if cb is not None:
+        key = cb.compare_loss
+        run.check.add_logged_loss(
+            key, trainer.callback_metrics, batch, cb._core().batch_format, "the LightningModule", f"self.log({key!r}, loss) in training_step"
+        )
 
 
 def monitor_callbacks(trainer: pl.Trainer) -> list[MonitorCallback]:

@@ -7,10 +7,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from headwatch import tensorboard as tb
-from headwatch.core.monitor import Media
+from headwatch.core.monitor import FailurePolicy, Media
 from headwatch.core.orchestrator import to_host
 
 
@@ -73,6 +74,24 @@ def tensorboard_writers(trainer: pl.Trainer) -> list[Any]:
     if not trainer.is_global_zero:
         return []
     return [logger.experiment for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+
+
+def logging_interval(trainer: pl.Trainer, own: int | None, factor: int, who: str) -> int:
+    """The steps between two measurements of a callback: its own ``log_every_n_steps`` (``own``), else ``factor``
+    times the Trainer's; 0 (never) is warned about, on rank zero."""
+    every = own if own is not None else factor * trainer.log_every_n_steps
+    if every == 0:
+        rank_zero_warn(f"{who}: log_every_n_steps is 0, training steps are not measured.")
+    return every
+
+
+def write_layout(trainer: pl.Trainer, prefix: str, policy: FailurePolicy) -> None:
+    """The Custom Scalars layout, once per TensorBoard writer (rank zero); a failure follows ``policy``."""
+    try:
+        if trainer.is_global_zero:
+            tb.write_layout(tensorboard_writers(trainer), prefix)
+    except Exception as err:  # noqa: BLE001
+        policy.fail(err, "writing the TensorBoard dashboard layout")
 
 
 _PUBLISHED: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = weakref.WeakKeyDictionary()

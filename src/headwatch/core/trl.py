@@ -1,0 +1,115 @@
+"""What the front doors know of TRL's trainers, read from the trainer object (no import of ``trl``).
+
+- which TRL trainers the logit statistics understand (:data:`UNDERSTOOD_TRL`), and the refusal of the others
+  (:func:`refuse_unknown_trainer`);
+- an RL trainer's sampling temperature (:func:`sampling_temperature`), which makes the run an RL run
+  (:meth:`~headwatch.core.orchestrator.Orchestrator.sample_at`, ``docs/rl.md``);
+- TRL's own per-micro-batch training metrics of a step, for the self-check (:func:`trl_marks`,
+  :func:`trl_step_values`);
+- the note that TRL's fused LM head never calls the head (:func:`fused_head_note`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from headwatch.errors import HeadwatchError
+
+RL_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
+"""TRL trainers whose training forward headwatch measures as an RL policy's (``docs/rl.md``): TRL's fused LM head
+with ``labels`` = the sampled completion tokens (prompt and padding ``-100``), logits divided by ``temperature``."""
+UNDERSTOOD_TRL = ("SFTTrainer", *RL_TRAINERS)
+"""TRL trainers the door understands (``docs/capture.md``, ``docs/rl.md``); any other TRL trainer is refused."""
+
+
+def trl_trainer(trainer: Any) -> str | None:
+    """The name of the first TRL trainer class in ``trainer``'s class hierarchy (a user's subclass of
+    ``GRPOTrainer`` is a ``GRPOTrainer``), or None when none comes from the ``trl`` package."""
+    for cls in type(trainer).__mro__:
+        if cls.__module__.split(".")[0] == "trl" and cls.__name__.endswith("Trainer") and cls.__name__ != "_BaseTrainer":
+            return cls.__name__
+    return None
+
+
+def sampling_temperature(trainer: Any) -> float | None:
+    """An RL trainer's sampling temperature: ``trainer.temperature`` (TRL sets it from ``args.temperature``, puts it
+    in the ``GenerationConfig`` it samples with and divides the training logits by it), else ``args.temperature``;
+    None when ``trainer`` is not one of :data:`RL_TRAINERS`."""
+    if trl_trainer(trainer) not in RL_TRAINERS:
+        return None
+    value = getattr(trainer, "temperature", None)
+    return value if value is not None else getattr(getattr(trainer, "args", None), "temperature", None)
+
+
+def refuse_unknown_trainer(run: Any, trainer: Any) -> None:
+    """Under a TRL trainer the door does not understand (``DPOTrainer``, ``KTOTrainer``, ``RewardTrainer``, ...),
+    refuse the logit statistics with ONE message (:meth:`Orchestrator.refuse`): their forwards score pairs of
+    completions, a reference model or a reward head, and the figures would silently mean something else."""
+    from headwatch.core.logits import LogitStats
+
+    name = trl_trainer(trainer)
+    if name is None or name in UNDERSTOOD_TRL:
+        return
+    logits = [m for m in run.monitors if isinstance(m, LogitStats)]
+    if not logits:
+        return
+    cause = HeadwatchError(
+        f"TRL's {name} is not supported by the logit statistics: its training forward does not score one completion "
+        f"against its labels as the statistics assume (DPO concatenates chosen and rejected completions and compares "
+        f"them with a reference model), so they would mean something else. Supported TRL trainers: "
+        f"{', '.join(UNDERSTOOD_TRL)} (docs/rl.md). Gradient, token and collision statistics do not depend on it"
+    )
+    run.refuse({m: cause for m in logits})
+
+
+def understand_trainer(run: Any, trainer: Any) -> None:
+    """Tell ``run`` (an :class:`~headwatch.core.orchestrator.Orchestrator`) what kind of TRL trainer drives it: a
+    TRL trainer the door does not understand has its logit statistics refused (:func:`refuse_unknown_trainer`);
+    an RL trainer's policy is measured at its sampling temperature (:meth:`Orchestrator.sample_at`). Any other
+    trainer: nothing."""
+    refuse_unknown_trainer(run, trainer)
+    temperature = sampling_temperature(trainer)
+    if temperature is not None:
+        run.sample_at(temperature, f"{type(trainer).__name__}.temperature, from its args.temperature")
+
+
+def fused_head_note(run: Any, kwargs: Mapping[str, Any]) -> None:
+    """Warn once when a forward runs TRL's fused LM head (``fused_lm_head=True`` among its keyword inputs) while a
+    monitor counts synonym confusion at the head: the fused path never calls the head."""
+    if kwargs.get("fused_lm_head") and any(getattr(m, "synonym_groups", None) for m in run.monitors):
+        run.warn_once(
+            "fused_confusion",
+            "HeadwatchCallback: TRL's fused LM head never calls the head, so collision/synonym_confusion_rate is "
+            "not counted on these forwards (the logit statistics use the hidden states). (warned once)",
+        )
+
+
+TRL_METRICS = {"entropy": "entropy", "accuracy": "mean_token_accuracy"}
+"""The self-check's names -> TRL's per-micro-batch training metrics (``SFTTrainer._metrics["train"][...]``)."""
+
+
+def trl_marks(trainer: Any) -> dict[str, int]:
+    """How many entries TRL's training metrics hold now (at a step's start); empty without TRL's ``_metrics``."""
+    metrics = getattr(trainer, "_metrics", None)
+    train = metrics.get("train") if isinstance(metrics, dict) else None
+    if not isinstance(train, dict):
+        return {}
+    return {ours: len(train.get(theirs, ())) for ours, theirs in TRL_METRICS.items()}
+
+
+def trl_step_values(trainer: Any, marks: dict[str, int]) -> dict[str, list[float]]:
+    """TRL's training metrics appended since ``marks`` (this step's micro-batches: each a token mean over the
+    micro-batch, gathered over processes, already Python floats); not the logging window's mean."""
+    metrics = getattr(trainer, "_metrics", None)
+    train = metrics.get("train") if isinstance(metrics, dict) else None
+    if not isinstance(train, dict) or not marks:
+        return {}
+    out = {}
+    for ours, theirs in TRL_METRICS.items():
+        values = list(train.get(theirs, ()))
+        start = marks.get(ours, 0)
+        new = values[start:] if start <= len(values) else values  # cleared since (TRL's log): all of them
+        if new and all(isinstance(v, (int, float)) for v in new):
+            out[ours] = [float(v) for v in new]
+    return out
