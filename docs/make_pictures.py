@@ -4,8 +4,8 @@ What it does, in order:
 
 1. trains four small runs of ``examples/train_tiny_lm.py`` (the README's example job, on the
    standard library's ``*.py`` files; 200 steps each, d_model 64, a 2,048-token BPE vocabulary):
-   ``tied`` and ``untied`` (healthy), ``collapse`` (``--induce-collapse 100``: the loss rewards low
-   entropy from step 100) and ``broken`` (a capture fault, see :class:`BrokenCaptureLM`);
+   ``tied`` and ``untied`` (healthy), ``collapse`` (``--induce-collapse 100 --collapse-weight 2``: from step 100
+   the loss adds twice the mean prediction entropy) and ``broken`` (two capture faults, see ``BrokenCaptureLM`` below);
 2. runs ``examples/grpo_collapse.py --plot`` (TRL's GRPO on a tiny Llama: the collapse and the
    entropy-bonus remedy) for ``docs/rl_collapse.png``;
 3. writes ``headwatch report --html --charts png`` of the four runs;
@@ -60,7 +60,7 @@ PICTURES: dict[str, str] = {
     "images.png": "the IMAGES tab of the same runs: row norm vs frequency, entropy over the run, nearest-neighbour cosine",
     "rl_collapse.png": "examples/grpo_collapse.py --plot: GRPO entropy collapse and the entropy-bonus remedy",
     "img/healthy.png": "chosen charts of the headwatch page, healthy tied run",
-    "img/collapse.png": "chosen charts of the headwatch page, collapsing run (--induce-collapse 100)",
+    "img/collapse.png": "chosen charts of the headwatch page, collapsing run (--induce-collapse 100 --collapse-weight 2)",
     "img/broken_capture.png": "chosen charts of the headwatch page, run whose capture breaks (self-check)",
     "img/report.png": "the top of `headwatch report --html` of the four runs",
 }
@@ -76,13 +76,13 @@ COMMON = [
 RUNS: dict[str, list[str]] = {
     "tied": [],
     "untied": ["--no-tie-weights"],
-    "collapse": ["--induce-collapse", "100"],
+    "collapse": ["--induce-collapse", "100", "--collapse-weight", "2"],
     "broken": [],
 }
 """Run name -> extra arguments. ``broken`` also swaps in :class:`BrokenCaptureLM`."""
 
-MASK_FROM_STEP = 80
-"""``broken``: from this step on, ``training_step`` masks the first half of every window's labels."""
+SMOOTH_FROM_STEP = 80
+"""``broken``: from this step on, ``training_step`` trains and logs a label-smoothed loss (0.1)."""
 ZERO_GRAD_FROM_STEP = 140
 """``broken``: from this step on, a gradient hook multiplies the head's gradient by 0."""
 
@@ -133,26 +133,28 @@ def say(message: str) -> None:
 # ----------------------------------------------------------------------------------------------- runs
 def _broken_model_class(base: type) -> type:
     class BrokenCaptureLM(base):  # type: ignore[misc, valid-type]
-        """The example's model with two capture faults a user can make, one after the other.
+        """The example's model with two faults a user can make, one after the other.
 
-        From :data:`MASK_FROM_STEP`, ``training_step`` masks the first half of each window's labels (a
-        "prompt") on a copy of the batch: the loss it logs counts the second half only, while headwatch
-        measures the labels the batch holds. From :data:`ZERO_GRAD_FROM_STEP`, a gradient hook multiplies
-        the (tied) head's gradient by 0, as a fused loss whose backward drops the head would.
+        From :data:`SMOOTH_FROM_STEP`, ``training_step`` computes its loss itself with label smoothing 0.1
+        and logs that as ``train_loss``: the loss the trainer optimizes is no longer the cross-entropy that
+        headwatch measures. From :data:`ZERO_GRAD_FROM_STEP`, a gradient hook multiplies the (tied) head's
+        gradient by 0, as a fused loss whose backward drops the head would.
         """
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.lm_head.weight.register_hook(
-                lambda g: g * 0 if self._trainer is not None and self.global_step >= ZERO_GRAD_FROM_STEP else g
-            )
+            self.lm_head.weight.register_hook(lambda g: g * 0 if self.global_step >= ZERO_GRAD_FROM_STEP else g)
 
         def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
-            if self.global_step >= MASK_FROM_STEP:
-                labels = batch["labels"].clone()
-                labels[:, : labels.shape[1] // 2] = -100
-                batch = {**batch, "labels": labels}
-            return super().training_step(batch, batch_idx)
+            if self.global_step < SMOOTH_FROM_STEP:
+                return super().training_step(batch, batch_idx)
+            import torch.nn.functional as F
+
+            logits = self(batch["input_ids"]).logits  # (B, T, V)
+            targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)  # the model's own shift
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, label_smoothing=0.1)
+            self.log("train_loss", loss, prog_bar=True)
+            return loss
 
     return BrokenCaptureLM
 
@@ -197,10 +199,15 @@ def report_page(logdir: Path, out: Path) -> None:
     """``headwatch report`` of the four runs as an HTML page with PNG charts."""
     from headwatch.report.cli import main as report_main
 
-    args = ["report", *(str(logdir / name) for name in RUNS), "--html", str(out), "--charts", "png",
+    args = ["report", *(f"runs/{name}" for name in RUNS), "--html", str(out.resolve()), "--charts", "png",
             "--match", r"logits/entropy$|check/nll_gap$|grad/shared_row_density$|grad/head_row_density$|val_loss$"]  # fmt: skip
-    with contextlib.redirect_stdout(io.StringIO()):
-        status = report_main(args)
+    cwd = os.getcwd()
+    os.chdir(logdir.parent)  # the page names the runs as given: runs/tied, not a temporary path
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            status = report_main(args)
+    finally:
+        os.chdir(cwd)
     if status != 0:
         raise RuntimeError(f"headwatch report exited with {status}")
 
@@ -213,7 +220,7 @@ def _free_port() -> int:
 
 
 def _get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - loopback only
+    with urllib.request.urlopen(url, timeout=timeout) as response:  # loopback only
         return response.read()
 
 
@@ -367,10 +374,11 @@ _CARDS_JS = r"""
     const tag = el.tagName.toLowerCase();
     if (!(tag.startsWith('tf-custom-scalar-') && tag.endsWith('-card'))) return;
     let lines = 0;
-    deep(el.shadowRoot || el, (x) => { if (x.tagName.toLowerCase() === 'path' && /\bline\b/.test(x.getAttribute('class') || '')
-                                          && (x.getAttribute('d') || '').length > 10) lines++; });
+    // drawn: a line, or a marker (a series of one point, e.g. an alert, draws a marker and no line)
+    deep(el.shadowRoot || el, (x) => { if (x.tagName.toLowerCase() === 'path' && /\b(line|symbol)\b/.test(x.getAttribute('class') || '')
+                                          && (x.getAttribute('d') || '').length > 4) lines++; });
     const r = el.getBoundingClientRect();
-    cards.push({title: el.title, lines: lines, x: r.x, y: r.y, w: r.width, h: r.height});
+    cards.push({title: el.title, lines: lines, series: (el._seriesNames || []).length, x: r.x, y: r.y, w: r.width, h: r.height});
   });
   return cards;
 })()
@@ -388,6 +396,17 @@ _OPEN_MATCHES_JS = r"""
 })(%s)
 """
 
+# Untick "Ignore outliers in chart scaling" (the dashboard's `_ignoreYOutliers`, default on): every point is
+# drawn inside the axes, so a jump to 1 or a gap of -0.3 among gaps of 1e-7 stays visible.
+_KEEP_OUTLIERS_JS = r"""
+(() => {
+  const deep = (root, f) => { for (const el of root.querySelectorAll('*')) { f(el); if (el.shadowRoot) deep(el.shadowRoot, f); } };
+  let n = 0;
+  deep(document, (el) => { if ('_ignoreYOutliers' in el && el._ignoreYOutliers === true) { el._ignoreYOutliers = false; n++; } });
+  return n;
+})()
+"""
+
 _IMAGES_JS = r"""
 (() => {
   const deep = (root, f) => { for (const el of root.querySelectorAll('*')) { f(el); if (el.shadowRoot) deep(el.shadowRoot, f); } };
@@ -400,6 +419,9 @@ _IMAGES_JS = r"""
 
 
 def open_page(tools: DevTools, url: str) -> None:
+    """A fresh load of ``url`` (through about:blank: a change of the fragment alone would keep the page and
+    its charts' axes)."""
+    tools.call("Page.navigate", url="about:blank")
     tools.call("Page.navigate", url=url)
 
 
@@ -411,8 +433,9 @@ def wait_for_cards(tools: DevTools, titles: Sequence[str] | None, timeout: float
         cards = tools.evaluate(_CARDS_JS) or []
         by_title = {c["title"]: c for c in cards}
         wanted = [by_title.get(t) for t in titles] if titles is not None else cards
-        state = [(c["lines"], round(c["y"]), round(c["h"])) if c else None for c in wanted]
-        ready = bool(wanted) and all(c and c["lines"] > 0 for c in wanted)
+        state = [(c["lines"], c["series"], round(c["y"]), round(c["h"])) if c else None for c in wanted]
+        # a card whose tags match nothing in the run ("Matches (0)", e.g. no alert) is ready empty, once others drew
+        ready = any(c and c["lines"] for c in wanted) and all(c and (c["lines"] > 0 or c["series"] == 0) for c in wanted)
         if ready and state == previous:
             return cards
         if time.monotonic() > deadline:
@@ -464,8 +487,8 @@ def compose(shots: Sequence[bytes], caption: str, columns: int = 3, pad: int = 8
     return canvas
 
 
-def screenshots(base: str, binary: str, workdir: Path, report_html: Path, docs: Path) -> None:
-    with chromium(binary, workdir / "chromium") as tools:
+def screenshots(base: str, binary: str, report_html: Path, docs: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="headwatch_chromium_") as profile, chromium(binary, Path(profile)) as tools:
         page = f"{base}/?darkMode=false#custom_scalars&_smoothingWeight=0&regexInput="
         # the whole page, healthy runs tied and untied
         open_page(tools, page + "%5E(tied%7Cuntied)%2F")
@@ -475,11 +498,12 @@ def screenshots(base: str, binary: str, workdir: Path, report_html: Path, docs: 
         for picture, (run, titles) in CARDS.items():
             open_page(tools, page + f"%5E{run}%2F")
             wait_for_cards(tools, titles)
+            tools.evaluate(_KEEP_OUTLIERS_JS)
             tools.evaluate(_OPEN_MATCHES_JS % json.dumps(titles))
             cards = {c["title"]: c for c in wait_for_cards(tools, titles)}
             shots = [tools.screenshot(cards[t]["x"], cards[t]["y"], cards[t]["w"], cards[t]["h"]) for t in titles]
             command = "examples/train_tiny_lm.py " + " ".join(RUNS[run]) if RUNS[run] else "examples/train_tiny_lm.py"
-            save_png(compose(shots, f"run {run}/version_0 ({command}), TensorBoard's headwatch page, smoothing 0"),
+            save_png(compose(shots, f"run {run}/version_0 ({command}), TensorBoard's headwatch page, smoothing 0, outliers kept"),
                      docs / picture)
         # IMAGES tab of the healthy runs
         open_page(tools, f"{base}/?darkMode=false#images&regexInput=%5E(tied%7Cuntied)%2F")
@@ -511,8 +535,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         report_page(logdir, report_html)
         say("TensorBoard and Chromium: screenshots")
         with tensorboard(logdir) as base:
-            screenshots(base, binary, workdir, report_html, docs)
-    say(f"done in {time.perf_counter() - t0:.0f} s: " + ", ".join(PICTURES))
+            screenshots(base, binary, report_html, docs)
+    import resource
+
+    cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))  # fmt: skip
+    say(f"done in {time.perf_counter() - t0:.0f} s ({cpu:.0f} CPU seconds, this process and its children): "
+        + ", ".join(PICTURES))
     return 0
 
 
