@@ -27,9 +27,10 @@ Needs: everything of the ``examples`` and ``test`` extras (``tensorboard`` comes
 ``trl``/``transformers``/``datasets`` for the GRPO picture), and Chromium (``/usr/bin/chromium``,
 ``chromium-browser`` or ``google-chrome`` on the PATH, or ``--chromium PATH``). Nothing is downloaded.
 
-Takes about 4 minutes on 2 idle CPU cores (the training about 2, the GRPO runs about 1, TensorBoard
-and the screenshots the rest); ``--reuse`` skips the training. Every number in the pictures is what
-this code logged in these runs.
+Takes about 4 minutes on 2 CPU cores (measured from nothing: 3 min 41 s wall, 170 CPU seconds, on a
+shared 2-core machine: each training run about 15 s when the machine is quiet, the GRPO runs 10 s,
+TensorBoard and the screenshots about a minute); ``--reuse`` skips the training. The runs are
+deterministic (seeded), and every number in the pictures is what this code logged in them.
 """
 
 from __future__ import annotations
