@@ -538,7 +538,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         callbacks += [
             # the tokenizer's own size: rows padded beyond it can never occur
             TokenFrequency(vocab_size=tokenizer.get_vocab_size()),
-            LogitStatsMonitor(),
+            # the self-check compares headwatch's target NLL with the loss training_step logs (check/nll_gap)
+            LogitStatsMonitor(compare_loss="train_loss"),
             GradientDensityMonitor(),
             SynonymCollisionMonitor(every_n_steps=args.collision_every, tokenizer=tokenizer),
             alert,  # after the monitors whose metrics it reads

@@ -41,6 +41,18 @@ def test_small_run_learns_and_reports(tmp_path, tie, capsys):
     assert s["params_saved_by_tying"] == s["vocab_size"] * s["d_model"]
     assert Path(s["tokenizer_path"]).exists()
     assert s["seed"] == 0 and 1 <= s["val_files"] < s["corpus_files"]
+    # the self-check compares headwatch's target NLL with the train_loss the module logs (compare_loss):
+    # the same figure of the same logits, so the gap is float32 rounding and no check fails
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(s["log_dir"], size_guidance={"scalars": 0})
+    events.Reload()
+    gaps = [e.value for e in events.Scalars("headwatch/check/nll_gap")]
+    nll = {e.step: e.value for e in events.Scalars("headwatch/logits/target_nll")}
+    loss = {e.step: e.value for e in events.Scalars("train_loss")}
+    assert len(gaps) == 10 and max(abs(g) for g in gaps) < 1e-4
+    assert all(abs(nll[k] - loss[k]) < 1e-4 for k in nll)  # against the logged loss itself
+    assert {e.value for e in events.Scalars("headwatch/check/mismatch")} == {0.0}
 
 
 def test_induced_collapse_fires_the_alert(tmp_path):
