@@ -319,7 +319,7 @@ CHARTS: tuple[Chart, ...] = (
         "val/logits/entropy", "val/logits/renyi2_entropy", "val/logits/kl_to_uniform", "val/logits/kl_from_uniform",
     )),  # fmt: skip
     Chart("entropy median with p05-p95 band, train (nats)", "Margin", ("logits/entropy_p50", "logits/entropy_p05", "logits/entropy_p95")),
-    Chart("target NLL vs loss (nats)", "Multiline", ("logits/target_nll", "val/logits/target_nll", "^train_loss$", "^val_loss$")),
+    Chart("target NLL vs loss (nats)", "Multiline", ("logits/target_nll", "val/logits/target_nll", "^(train_loss|train/loss)$", "^(val_loss|eval/loss)$")),
     Chart("target NLL by target frequency, train (nats)", "Multiline", tuple(f"logits/{b}/target_nll" for b in (*BUCKETS, "rare"))),
     Chart("target NLL by target frequency, validation (nats)", "Multiline", tuple(f"val/logits/{b}/target_nll" for b in (*BUCKETS, "rare"))),
     Chart("calibration: ECE and over-confidence, all and rare targets", "Multiline", (
