@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo_caches():
-    """Each test starts with dynamo's caches empty: compiled variants of one forward (the same transformers code
-    object in many tests) would otherwise add up past ``recompile_limit``, after which dynamo runs that forward
-    eagerly and a later compile test would test eager code."""
-    yield
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is not None:
-        dynamo.reset()
+@pytest.fixture(autouse=True, scope="session")
+def room_to_recompile():
+    """Compiled variants of one forward (the same transformers code object, in many tests) add up over the
+    session; past dynamo's ``recompile_limit`` (8) it would run that forward eagerly, and a later compile test
+    would test eager code. The limits are raised for the session instead of emptying the caches after each test:
+    a warm cache keeps the compile tests fast (a cold compile of a Hugging Face model takes up to 40 s here)."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(recompile_limit=100_000, accumulated_recompile_limit=1_000_000):
+        yield

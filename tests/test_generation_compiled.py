@@ -28,14 +28,6 @@ MODES = ["eager", "compiled", "fullgraph"]
 NEW = 3  # max_new_tokens
 
 
-@pytest.fixture(autouse=True)
-def room_to_recompile():
-    """Train and eval mode, gradient or not, prompt and decoding shapes, inside generate() or not: more variants
-    of the one forward than dynamo's default 8, after which it would run the rest eagerly (not what is tested)."""
-    with torch._dynamo.config.patch(recompile_limit=64):
-        yield
-
-
 def compile_model(model, mode: str) -> None:
     """In place (hooks registered before stay traced): dynamo's ``eager`` backend, fast on a CPU."""
     torch._dynamo.reset()
