@@ -19,36 +19,16 @@ pytest.importorskip("trl")
 
 from headwatch.integrations.transformers import HeadwatchCallback  # noqa: E402
 
-V = 256
-EOS, PAD = V - 1, V - 2
+from examples.grpo_collapse import EOS, PAD, V, word_tokenizer  # noqa: E402, F401 - the example's ids and tokenizer
+from examples.grpo_collapse import tiny_policy as _example_policy  # noqa: E402
+
 STEPS = 4
 
 
-def word_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(V - 2)} | {"<pad>": PAD, "<eos>": EOS}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-
-
 def tiny_policy(seed: int = 0):
-    """A peaked policy (large initial weights: entropy well under log V, so the temperature matters) that ends
-    some completions early (a large end-of-sequence row: completions of several lengths, padded)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=PAD,
-        eos_token_id=EOS, bos_token_id=None, initializer_range=0.6,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[EOS] *= 2.5
-    return model
+    """The example's peaked policy (large initial weights: entropy well under log V, so the temperature matters),
+    which ends some completions early (a large end-of-sequence row: completions of several lengths, padded)."""
+    return _example_policy(seed)
 
 
 def prompts(n: int = 16):
