@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
 from headwatch import Headwatch
+from tests.helpers import watched_step
 
 
 class Tiny(torch.nn.Module):
@@ -72,14 +73,7 @@ def run(rank: int, port: str, out: Path, mode: str) -> None:
             if rank == 1 and mode == "exit" and step == DIE_AT:
                 os._exit(1)
             ids = torch.randint(0, V, (4, 8), generator=g)
-            hw.step_start({"input_ids": ids, "labels": ids}, step)
-            loss = torch.nn.functional.cross_entropy(model(ids)[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
-            loss.backward()
-            hw.before_optimizer_step()
-            optimizer.step()
-            hw.after_optimizer_step()
-            optimizer.zero_grad()
-            values = hw.step_end()
+            values = watched_step(hw, model, optimizer, ids, step)
             if rank == 0:
                 with open(out / "rank0.jsonl", "a") as f:
                     f.write(json.dumps({"step": step, "values": values, "t": time.monotonic() - started}) + "\n")

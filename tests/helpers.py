@@ -108,3 +108,17 @@ def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def watched_step(hw, model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, step: int) -> dict[str, float]:
+    """One plain-loop training step of a causal LM returning ``(B, T, V)`` logits, watched through the plain-loop
+    door (``hw``: a :class:`headwatch.Headwatch`): next-token cross-entropy, backward, the optimizer step; returns
+    ``hw.step_end()``."""
+    hw.step_start({"input_ids": ids, "labels": ids}, step)
+    logits = model(ids)
+    F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
+    hw.before_optimizer_step()
+    optimizer.step()
+    hw.after_optimizer_step()
+    optimizer.zero_grad()
+    return hw.step_end()

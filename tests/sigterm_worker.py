@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from headwatch.alerts import CollapseRules  # noqa: E402
-from tests.helpers import TinyCausalLM, ids_loader  # noqa: E402
+from tests.helpers import TinyCausalLM, ids_loader, watched_step  # noqa: E402
 
 STEPS, KILL_AT, V = 8, 5, 64
 E = "headwatch/logits/entropy"
@@ -51,15 +51,7 @@ def plain_loop(out: Path, mode: str) -> dict:
         if mode == "kill" and step == KILL_AT:
             os.kill(os.getpid(), signal.SIGTERM)
         ids = data[step]
-        hw.step_start({"input_ids": ids, "labels": ids}, step)
-        logits = model(ids)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
-        loss.backward()
-        hw.before_optimizer_step()
-        optimizer.step()
-        hw.after_optimizer_step()
-        optimizer.zero_grad()
-        values = hw.step_end()
+        values = watched_step(hw, model, optimizer, ids, step)
         alert.observe_train(step, values)
         if (step + 1) % 2 == 0:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "headwatch": hw.state_dict(),

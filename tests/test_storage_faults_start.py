@@ -25,7 +25,7 @@ from headwatch import Headwatch
 from headwatch.tensorboard import SummaryWriter, storage_status
 from headwatch.tensorboard.guard import STORAGE_TAGS
 from tests import test_storage_faults
-from tests.helpers import TinyCausalLM
+from tests.helpers import TinyCausalLM, watched_step
 from tests.test_storage_faults import (
     ENTROPY,
     STEPS,
@@ -93,14 +93,7 @@ def test_plain_loop_starts_on_an_unwritable_log_directory_and_loses_nothing(tmpf
             if step == CLEAR_AT:
                 clear()
             ids = torch.randint(0, 64, (4, 8))
-            hw.step_start({"input_ids": ids, "labels": ids}, step)
-            loss = torch.nn.functional.cross_entropy(model(ids)[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
-            loss.backward()
-            hw.before_optimizer_step()
-            optimizer.step()
-            hw.after_optimizer_step()
-            optimizer.zero_grad()
-            returned.append(hw.step_end())
+            returned.append(watched_step(hw, model, optimizer, ids, step))
             if step == CLEAR_AT - 1:
                 assert not list(tmpfs.rglob("events.out.tfevents.*"))  # nothing could be written yet
         writer.close()
