@@ -2,16 +2,17 @@
 
 A tiny Llama (vocab 256, hidden 32, one layer, built from a ``LlamaConfig``: no download) is trained by TRL's
 ``GRPOTrainer`` on one prompt, 8 completions of up to 8 tokens sampled at temperature 0.7, with a reward that
-counts one token (``w7``): the policy learns to say it every time and its entropy collapses. headwatch
+counts one token (``w7``, at most 8): the policy's entropy collapses and its reward stalls at 7. headwatch
 reports the entropy of the sampling distribution (equal to TRL's ``entropy``), splits it by token frequency
-and fires the RL preset's alert (``rl_collapse_rules``) before the reward flattens.
+and fires the RL preset's alert (``rl_collapse_rules``) before the reward flattens, and says by how many steps.
 
     python examples/grpo_collapse.py                 # the collapse
     python examples/grpo_collapse.py --remedy        # the same run with an entropy bonus (TRL entropy_coef)
     python examples/grpo_collapse.py --plot docs/rl_collapse.png   # both runs, one picture
     tensorboard --logdir runs/grpo_collapse          # the dashboard: the headwatch section, rl/ charts
 
-Prints one line per step (entropy, reward) and the alerts with their steps.
+Prints one line per step (entropy, reward), the alerts with their steps, and the lead of the first alert over
+the reward's plateau (the first step at 90% of the run's best reward).
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--remedy", action="store_true", help="an entropy bonus (GRPOConfig.entropy_coef)")
-    parser.add_argument("--entropy-coef", type=float, default=0.5)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--entropy-coef", type=float, default=0.1)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/grpo_collapse")
     parser.add_argument("--plot", default=None, help="also run the other variant and save both to this PNG")
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plot:
         rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--remedy",)]
         rest = [a for i, a in enumerate(rest) if a != "--plot" and (i == 0 or rest[i - 1] != "--plot")]
-        runs = {"collapse": main(rest), "remedy (--remedy)": main(rest + ["--remedy"])}
+        runs = {"collapse": main(rest), f"remedy (--remedy, entropy_coef {args.entropy_coef})": main(rest + ["--remedy"])}
         plot(runs, args.plot)
         return runs["collapse"]
 
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     data = Dataset.from_dict({"prompt": ["w1 w2 w3"] * 8 * args.steps})
     trainer = GRPOTrainer(model=tiny_policy(args.seed), reward_funcs=reward_w7, args=config, train_dataset=data,
                           processing_class=word_tokenizer(), callbacks=[callback])  # fmt: skip
+    path = out / "headwatch_alerts.jsonl"
+    start = path.stat().st_size if path.exists() else 0  # the file is appended to: read this run's alerts only
     trainer.train()
 
     history = trainer.state.log_history
@@ -102,12 +105,24 @@ def main(argv: list[str] | None = None) -> dict:
         h = ours.get(step, {})
         print(f"{step:4d}  {rows[step]['entropy']:12.4f}  {h.get('headwatch/logits/entropy', float('nan')):18.4f}  "
               f"{rows[step]['reward']:6.3f}  {h.get('headwatch/rl/entropy_share/rare', float('nan')):.4f}")
-    path = out / "headwatch_alerts.jsonl"
-    alerts = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    alerts = []
+    if path.exists():  # headwatch creates the file at its first alert
+        with path.open("rb") as f:
+            f.seek(start)
+            alerts = [json.loads(line) for line in f.read().decode().splitlines()]
     alerts = [a for a in alerts if a.get("kind", "fired") == "fired"]
     print("alerts:", [(a["step"], a["rule"], a["severity"]) for a in alerts] or "none")
-    return {"entropy": {s: r["entropy"] for s, r in rows.items()}, "reward": {s: r["reward"] for s, r in rows.items()},
-            "alerts": alerts}  # fmt: skip
+    reward = {s: r["reward"] for s, r in rows.items()}
+    plateau = plateau_step(reward)
+    print(f"reward: best {max(reward.values()):.3f}, first at 90% of it at step {plateau}", end="")
+    print(f"; the first alert {plateau - alerts[0]['step']} steps before" if alerts else "; no alert")
+    return {"entropy": {s: r["entropy"] for s, r in rows.items()}, "reward": reward, "alerts": alerts,
+            "plateau": plateau}  # fmt: skip
+
+
+def plateau_step(reward: dict[int, float]) -> int:
+    """The first step whose reward is at least 90% of the run's best: where the reward curve flattens."""
+    return min(s for s, r in reward.items() if r >= 0.9 * max(reward.values()))
 
 
 def plot(runs: dict[str, dict], path: str) -> None:
@@ -125,12 +140,15 @@ def plot(runs: dict[str, dict], path: str) -> None:
         ax.set_title(name)
         twin = ax.twinx()
         twin.plot(steps, [run["reward"][s] for s in steps], color="tab:green", label="reward")
-        twin.set_ylim(0, 8)
+        twin.set_ylim(0, 8.5)
+        twin.axvline(run["plateau"], color="tab:green", ls=":", lw=1)
+        twin.annotate("reward at 90% of its best", (run["plateau"], 0.3), fontsize=7, rotation=90, ha="right",
+                      color="tab:green")  # fmt: skip
         for a in run["alerts"]:
             color = "tab:red" if a["severity"] == "critical" else "tab:orange"
             ax.axvline(a["step"], color=color, ls="--", lw=1)
-            ax.annotate(f"{a['rule']} ({a['severity']})", (a["step"], ax.get_ylim()[1] * 0.9), fontsize=7,
-                        rotation=90, ha="right", color=color)  # fmt: skip
+            ax.annotate(f"{a['rule']} ({a['severity']})", (a["step"], ax.get_ylim()[1] * 0.8), fontsize=7,
+                        rotation=90, ha="right", va="top", color=color)  # fmt: skip
         ax.legend(loc="upper left", fontsize=7)
         twin.legend(loc="upper right", fontsize=7)
     axes[0].set_ylabel("entropy of softmax(logits / T), nats")
