@@ -142,7 +142,7 @@ def test_a_truncated_checkpoint_file_leaves_the_monitors_empty_and_says_so(tmp_p
     """The Hugging Face door reads ``headwatch_state.pt`` itself: a truncated file warns once and the resume goes on."""
     from types import SimpleNamespace
 
-    from headwatch.integrations.hf_support import STATE_NAME, restore_state
+    from headwatch.integrations.hf_checkpoint import STATE_NAME, restore_state
 
     hw = trained()
     folder = tmp_path / "checkpoint-4"

@@ -4,7 +4,6 @@ model, its checkpoints, its loss scale, and :class:`TrainerLink`, what the door 
 from __future__ import annotations
 
 import inspect
-import os
 import weakref
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,6 @@ from headwatch import tensorboard as tb
 from headwatch.alerts import wiring as alerts
 from headwatch.alerts.actions import JSONL_NAME
 from headwatch.alerts.wiring import load_alert_state, with_alert_state
-from headwatch.core.checkpoint import STATE_NAME, load_state_file, save_state_file  # noqa: F401 - STATE_NAME: the file's name
 from headwatch.core.orchestrator import Driver, eval_rows_kept
 from headwatch.core.trl import understand_trainer
 from headwatch.integrations.hf_publish import TB_PREFIX, WritersSink
@@ -88,40 +86,6 @@ def in_evaluation() -> bool:
     return called_from("prediction_step", Trainer)
 
 
-def resume_dir(callback: TrainerCallback, args: Any, state: Any) -> str | None:
-    """The checkpoint folder a resumed ``train`` started from, or None for a fresh run.
-
-    ``Trainer.train(resume_from_checkpoint=...)`` is read on the call stack (the callback is not
-    handed it; ``True`` is already the resolved folder there), else ``args.resume_from_checkpoint``;
-    a run whose state starts past step 0 without either resumed from
-    ``<output_dir>/checkpoint-<global_step>``.
-    """
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            owner, path = frame.f_locals.get("self"), frame.f_locals.get("resume_from_checkpoint")
-            if isinstance(owner, Trainer) and isinstance(path, str) and any(cb is callback for cb in owner.callback_handler.callbacks):
-                return path
-            frame = frame.f_back
-    finally:
-        del frame
-    if isinstance(getattr(args, "resume_from_checkpoint", None), str):
-        return args.resume_from_checkpoint
-    if state.global_step > 0:
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-    return None
-
-
-def restore_state(callback: Any, args: Any, state: Any) -> None:
-    """On a resumed run, load into ``callback`` the state its ``on_save`` wrote in the checkpoint folder
-    the run resumes from (:func:`headwatch.core.checkpoint.load_state_file`: warn once when it holds none)."""
-    folder = resume_dir(callback, args, state)
-    if folder is not None:
-        load_state_file(callback.run, callback.load_state_dict, folder)
-
-
 def loss_scale(trainer: Trainer | None, args: Any) -> Tensor | None:
     """The fp16 ``GradScaler`` scale the backward ran with (gradients unscaled in place first), or None.
 
@@ -147,15 +111,6 @@ def wire_alert(callback: Any, args: Any) -> None:
         save_checkpoint=callback.save_checkpoint if callback.checkpoint_on_critical else None,
         stop=callback.stop_training if callback.stop_on_critical else None,
     )  # fmt: skip
-
-
-def save_state(callback: Any, args: Any, state: Any) -> None:
-    """Write the callback's state to ``<output_dir>/checkpoint-<step>/headwatch_state.pt``: every rank takes the
-    (collective) state, the process that saves the Trainer's state (``args.should_save``) writes."""
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-    folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-    save_state_file(callback.run, callback.state_dict, folder, bool(args.should_save))
 
 
 class TrainerLink(Driver):

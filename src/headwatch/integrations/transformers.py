@@ -28,15 +28,13 @@ from headwatch.core.trl import fused_head_note, trl_marks, trl_step_values
 from headwatch.distributed.reduce import Reducer
 from headwatch.errors import HeadwatchError, check_bool
 from headwatch.integrations.hf_publish import TrainerSink, console_filter
+from headwatch.integrations.hf_checkpoint import restore_state, resume_dir, save_state
 from headwatch.integrations.hf_support import (
     TrainerLink,
     evaluation_prefix,
     find_trainer,
     in_evaluation,
     loss_scale,
-    restore_state,
-    resume_dir,
-    save_state,
     wire_alert,
 )
 from headwatch.model.batch import BatchFormat
