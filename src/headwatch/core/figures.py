@@ -53,7 +53,8 @@ def _figure(width: float = 6.4, height: float = 4.2, layout: str | None = "const
 
 
 def norm_vs_frequency_rank(counts: Tensor, valid: Tensor, norms: dict[str, Tensor], title: str) -> Any:
-    """Per-row norm against frequency rank (1 = most frequent), log-log, one series per matrix.
+    """Per-row norm against frequency rank (1 = most frequent), log-log, one series per matrix (linear axes and a
+    note when no seen row has a positive norm).
 
     Args:
         counts: ``(V,)`` token counts; valid: ``(V,)`` bool; norms: name -> ``(V,)`` row norms.
@@ -65,13 +66,18 @@ def norm_vs_frequency_rank(counts: Tensor, valid: Tensor, norms: dict[str, Tenso
     ok = valid.detach().cpu() & (c > 0)
     order = torch.argsort(-c.masked_fill(~ok, -1.0), stable=True)
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(1, c.numel() + 1))
+    plotted = 0
     for (name, values), marker in zip(norms.items(), ("o", "s", "^", "x")):
         v = values.detach().double().cpu()
         sel = ok & (v > 0)
+        plotted += int(sel.sum())
         label = f"{name} ({int(sel.sum())} rows)"  # markers of one line: drawn in one pass, faster than scatter
         ax.plot(rank[sel].numpy(), v[sel].numpy(), linestyle="none", marker=marker, markersize=2, alpha=0.5, label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    if plotted:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    else:  # a zero gradient (GRPO with equal rewards in every group): no point, and log axes would not draw
+        ax.text(0.5, 0.5, "no seen row with a norm above 0 at this step", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("token frequency rank (1 = most frequent; seen tokens)")
     ax.set_ylabel("row L2 norm")
     ax.set_title(title, fontsize=11)

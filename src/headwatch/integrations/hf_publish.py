@@ -38,7 +38,8 @@ class WritersSink:
 
 class TrainerSink:
     """The values through ``Trainer.log`` (every ``report_to`` integration, ``log_history``, the console's
-    headline keys), media to the Trainer's TensorBoard writer under ``train/``, then the alert."""
+    headline keys), media to the Trainer's TensorBoard writer under ``train/``, then the alert. Media that
+    cannot be written do not keep the values or the alert from the step (their error is raised last)."""
 
     def __init__(self, callback: Any) -> None:
         self.callback = callback
@@ -46,8 +47,12 @@ class TrainerSink:
     def publish(self, numbers: dict[str, float], media: list[Media], step: int, val: bool) -> None:
         cb, trainer = self.callback, self.callback.trainer
         writers = cb.writers()
+        media_error: Exception | None = None
         for m in media:  # before Trainer.log, whose TensorBoardCallback flushes the writer: one flush
-            tb.write_media(writers, tb.prefixed(m, TB_PREFIX), step)
+            try:
+                tb.write_media(writers, tb.prefixed(m, TB_PREFIX), step)
+            except Exception as err:  # noqa: BLE001 - the values and the alert go on; raised below
+                media_error = media_error or err
         if trainer is not None:
             should_log = trainer.control.should_log
             # the base method: a subclass's log (TRL's) would flush its own averaged metrics into this record
@@ -63,6 +68,8 @@ class TrainerSink:
                 "headwatch.integrations.transformers.attach(trainer, callback). (warned once)",
             )
         alerts.observe(cb.alert, step, numbers, val, cb._eval_metrics)
+        if media_error is not None:  # the orchestrator warns once (raises when strict): only the media were lost
+            raise media_error
 
 
 CONSOLE_PRINTERS = (ProgressCallback, PrinterCallback)

@@ -79,17 +79,28 @@ def write_figure(writers: Iterable[Any], tag: str, figure: Any, step: int) -> No
 
 
 def write_media(writers: Iterable[Any], media: Media, step: int, histograms: bool = True) -> None:
-    """A monitor's histograms, texts and figures of one measurement (the caller flushes once)."""
+    """A monitor's histograms, texts and figures of one measurement (the caller flushes once).
+
+    Every item is tried: one that fails (a figure matplotlib cannot draw) does not keep the others
+    from being written.
+
+    Raises:
+        Exception: the first item's error, once every item was tried.
+    """
     writers = guarded(writers)
     if not writers:
         return
-    if histograms:
-        for tag, values in media.histograms.items():
-            write_histogram(writers, tag, values, step)
-    for tag, text in media.texts.items():
-        write_text(writers, tag, text, step)
-    for tag, figure in media.figures.items():
-        write_figure(writers, tag, figure, step)
+    calls = [(write_histogram, tag, values) for tag, values in (media.histograms.items() if histograms else ())]
+    calls += [(write_text, tag, text) for tag, text in media.texts.items()]
+    calls += [(write_figure, tag, figure) for tag, figure in media.figures.items()]
+    first: Exception | None = None
+    for write, tag, item in calls:
+        try:
+            write(writers, tag, item, step)
+        except Exception as err:  # noqa: BLE001 - raised below, after the other items
+            first = first or err
+    if first is not None:
+        raise first
 
 
 def flush(writers: Iterable[Any]) -> None:
@@ -114,11 +125,13 @@ class WriterSink:
         writers = self.current()
         if not writers:
             return
-        if self.scalars:
-            write_scalars(writers, {self.tag_prefix + k: v for k, v in numbers.items()}, step)
-        for m in media:
-            write_media(writers, prefixed(m, self.tag_prefix) if self.tag_prefix else m, step)
-        flush(writers)
+        try:
+            if self.scalars:
+                write_scalars(writers, {self.tag_prefix + k: v for k, v in numbers.items()}, step)
+            for m in media:
+                write_media(writers, prefixed(m, self.tag_prefix) if self.tag_prefix else m, step)
+        finally:
+            flush(writers)  # what was written reaches the disk, whatever failed
 
 
 def prefixed(media: Media, prefix: str) -> Media:

@@ -116,9 +116,11 @@ def publish(trainer: pl.Trainer, scalars: dict[str, Tensor | float], step: int, 
     trainer.callback_metrics.update({k: torch.tensor(v) for k, v in numbers.items()})
     published_steps(trainer).update(dict.fromkeys(numbers, step))
     writers = tensorboard_writers(trainer)
-    for m in media:
-        tb.write_media(writers, m, step)
-    tb.flush(writers)  # live charts: TensorBoardLogger alone flushes every 120 s
+    try:
+        for m in media:
+            tb.write_media(writers, m, step)
+    finally:
+        tb.flush(writers)  # live charts: TensorBoardLogger alone flushes every 120 s
     return numbers
 
 
