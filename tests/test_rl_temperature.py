@@ -70,3 +70,31 @@ def test_plain_loop_with_a_sampling_temperature():
 def test_a_bad_temperature_is_refused(bad):
     with pytest.raises(HeadwatchError, match="`temperature` must be"):
         LogitStats(temperature=bad)
+
+
+@pytest.mark.parametrize("offset", [20.0, 60.0])
+def test_near_collapse_headwatch_keeps_float64_precision_where_trls_fused_entropy_loses_it(offset):
+    """A near-deterministic policy (about 2e-3 nats per token), logits around ``offset`` as real heads give.
+    TRL's fused head (``trl.kernels.ChunkedLogProbFunction``, its CPU path) computes ``H = log Z - E[z]`` from
+    the raw logits: two numbers near ``max z`` whose float32 difference loses about ``eps * max|z|`` nats.
+    headwatch's hidden-state path stays within 1e-5 relative of float64 there; TRL's figure stays within its
+    own rounding bound of it (``8 eps max|z|`` per token), which is the tolerance docs/rl.md gives for the
+    equality with TRL's ``entropy`` below a few hundredths of a nat."""
+    kernels = pytest.importorskip("trl.kernels")
+    g = torch.Generator().manual_seed(0)
+    V, N, T = 151, 256, 0.7
+    hidden = torch.randn(N, V, generator=g) + offset
+    hidden[:, 3] += 15.0 * T  # one dominant token
+    weight = torch.eye(V)  # logits = hidden: the case isolates the entropy's arithmetic
+    z64 = hidden.double() / T
+    logp = torch.log_softmax(z64, -1)
+    H64 = float(-(logp.exp() * logp).sum(-1).mean())
+    assert 1e-3 < H64 < 1e-2
+    ours = captured_statistics(Captured("hidden", hidden=hidden.unsqueeze(0), weight=weight), temperature=T).statistics
+    ours = float(ours.entropy.double().mean())
+    _, theirs, *_ = kernels.ChunkedLogProbFunction.apply(hidden, weight, None, torch.full((N,), 3), T, 64, None, 1.0,
+                                                        ("log_probs", "entropy"))  # fmt: skip
+    theirs = float(theirs.double().mean())
+    assert abs(ours - H64) <= 1e-5 * H64
+    bound = 8 * torch.finfo(torch.float32).eps * float(z64.abs().max())
+    assert abs(theirs - H64) <= bound and abs(ours - theirs) <= bound
