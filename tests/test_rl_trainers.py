@@ -37,6 +37,7 @@ def test_dpo_trainer_is_refused_with_one_message(tmp_path):
     assert not any(k.startswith("headwatch/logits/") for r in trainer.state.log_history for k in r)
     assert any(k.startswith("headwatch/grad/") for k in cb.latest)  # the other monitors go on
     assert not any(k.startswith("headwatch/rl/") for k in cb.latest)
+    assert not any(k.startswith("headwatch/check/") and "nll" in k for k in cb.latest)  # no NLL to compare: none shown
 
 
 def test_dpo_refusal_is_said_once_at_construction(tmp_path, recwarn):
@@ -54,3 +55,4 @@ def test_dpo_refusal_is_said_once_at_construction(tmp_path, recwarn):
     said = [str(w.message) for w in recwarn if "DPOTrainer is not supported" in str(w.message)]
     assert len(said) == 1
     assert "GRPOTrainer" in said[0] and "docs/rl.md" in said[0]
+    assert "never fires" in said[0] and "update" in said[0]  # what else it means for the user

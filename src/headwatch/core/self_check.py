@@ -292,14 +292,13 @@ class SelfCheck(FailurePolicy):
                 "`compute_loss_func`, or the model is compiled); pass step_end(loss=...) (plain loop) or "
                 "compare_loss=<logged key> (Lightning) to compare. The capture/* counts are still published."
             )
-        if reference is not None:
+        if reference is not None and isinstance(positions, Tensor):  # no logit statistics (refused): nothing to compare
             out[f"{p}/check/reference_nll"] = reference
             out[f"{p}/check/reference_forwards"] = float(len(sums)) if step_loss is None else float("nan")
             out[f"{p}/check/reference_positions"] = total[2] if step_loss is None and counted else float("nan")
-            if isinstance(positions, Tensor):
-                own = own_nll.double() if isinstance(own_nll, Tensor) else dev(float("nan"))
-                out[f"{p}/check/nll_gap"] = gap = own - reference
-                gaps.append(self._beyond(gap, reference, "nll"))
+            own = own_nll.double() if isinstance(own_nll, Tensor) else dev(float("nan"))
+            out[f"{p}/check/nll_gap"] = gap = own - reference
+            gaps.append(self._beyond(gap, reference, "nll"))
         for key, name in (("entropy", "logits/entropy"), ("accuracy", "logits/target_argmax_rate")):
             values, mine = trl.get(key), scalars.get(f"{p}/{name}")
             if not values or not isinstance(mine, Tensor):

@@ -58,7 +58,9 @@ def refuse_unknown_trainer(run: Any, trainer: Any) -> None:
         f"TRL's {name} is not supported by the logit statistics: its training forward does not score one completion "
         f"against its labels as the statistics assume (DPO concatenates chosen and rejected completions and compares "
         f"them with a reference model), so they would mean something else. Supported TRL trainers: "
-        f"{', '.join(UNDERSTOOD_TRL)} (docs/rl.md). Gradient, token and collision statistics do not depend on it"
+        f"{', '.join(UNDERSTOOD_TRL)} (docs/rl.md). The gradient, update, frequency, token and collision statistics "
+        f"do not depend on it; an alert on the entropy (CollapseRules, rl_collapse_rules) has nothing to read and never "
+        f"fires, and the self-check has no NLL to compare"
     )
     run.refuse({m: cause for m in logits})
 
