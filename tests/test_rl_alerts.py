@@ -51,7 +51,7 @@ def test_defaults_and_bad_arguments():
     assert rules.thresholds["entropy_drop"] == {WARNING: 0.3, CRITICAL: 0.5}
     assert rules.thresholds["entropy_floor"] == {CRITICAL: 0.05}
     assert rl_collapse_rules(window=5).drop_from == "window"
-    with pytest.raises(HeadwatchError, match="entropy_drop"):
+    with pytest.raises(HeadwatchError, match="`fall`"):
         rl_collapse_rules(fall=1.5)
     with pytest.raises(HeadwatchError, match="drop_from"):
         CollapseRules(entropy_drop=0.5, drop_from="begin")
@@ -149,3 +149,40 @@ def test_the_rl_preset_agrees_on_every_rank(tmp_path):
     assert ranks[0]["fired"] == ranks[1]["fired"] == expected
     assert ranks[0]["stops"] == ranks[1]["stops"] == 1
     assert [r["jsonl"] for r in ranks] == [True, False]
+
+
+def test_a_misspelt_metric_is_warned_about_once_with_the_closest_names():
+    """A misspelt ``entropy_metric`` could never fire (found by a break-it trial: no warning on any door, as the
+    KL metric was published). The engine warns once after 20 logging steps with values but without it."""
+    import warnings
+
+    from headwatch.alerts import AlertEngine
+
+    def run(rules):
+        engine = AlertEngine(rules)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(45):
+                engine.observe_train(step, {H: 1.0, "headwatch/logits/kl_to_uniform": 3.0, "headwatch/grad/x": 0.1})
+        return [str(w.message) for w in caught if "has not been published" in str(w.message)]
+
+    (said,) = run(rl_collapse_rules(entropy_metric="headwatch/logits/entropyy"))
+    assert "'headwatch/logits/entropyy'" in said and "entropy_floor and entropy_drop read" in said
+    assert "'headwatch/logits/entropy'" in said.split("closest")[1]
+    assert run(rl_collapse_rules()) == []
+    assert run(rl_collapse_rules(floor=None, entropy_metric="nope")) != []  # the fall rule alone still needs it
+    assert run(CollapseRules(entropy_floor=None, entropy_drop=None, kl_ceiling=None, entropy_metric="nope")) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [({"fall": (0.5, 0.3)}, "`fall`"), ({"fall": -1}, "`fall`"), ({"floor": "x"}, "`floor`"), ({"floor": 0}, "`floor`"),
+     ({"floor": -1.0}, "`floor`"), ({"floor": (0.2, -1)}, "`floor`"), ({"smoothing": 2}, "`smoothing`"),
+     ({"for_steps": 0}, "`for_steps`"), ({"window": 0}, "`window`")],
+)  # fmt: skip
+def test_the_presets_errors_name_the_argument_typed(kwargs, named):
+    """The preset's names (``fall``, ``floor``, ``smoothing``), not CollapseRules' (``entropy_drop``, ...); a floor
+    at or below 0 nats could never fire and is refused (break-it trial)."""
+    with pytest.raises(HeadwatchError) as err:
+        rl_collapse_rules(**kwargs)
+    assert named in str(err.value) and "entropy_drop" not in str(err.value) and "alpha" not in str(err.value)

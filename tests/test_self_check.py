@@ -409,3 +409,52 @@ def test_sft_label_smoothing_compares_trls_entropy_and_accuracy_not_the_smoothed
     assert r[f"{P}/logits/entropy"] - r[f"{P}/check/entropy_gap"] == pytest.approx(trl["entropy"], abs=1e-6)
     assert abs(r[f"{P}/check/entropy_gap"]) < 1e-3 and abs(r[f"{P}/check/accuracy_gap"]) < 1e-6
     assert r[f"{P}/capture/labelled_positions"] == B * (T - 1) and r[f"{P}/check/mismatch"] == 0
+
+
+TRL_WEIGHTS_WORKER = r'''
+import datetime, json, os, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+from headwatch.core import TorchDistributedReducer
+from headwatch.core.self_check import SelfCheck
+rank = int(sys.argv[1])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+check = SelfCheck("hw", TorchDistributedReducer())
+check.begin(True)
+local = [10.0, 2.0] if rank == 0 else [2.0, 10.0]  # each micro-batch's labelled positions on this process
+for n in local:
+    check.add_nll_sum(torch.tensor(3.0 * n, dtype=torch.float64), torch.tensor(n))
+check.trainer_metrics(entropy=[1.0, 2.0])  # TRL: each micro-batch's token mean over both processes
+pooled = torch.tensor(1.5, dtype=torch.float64)  # headwatch: every token of the step, both processes (12 + 12)
+out = check.extend({"hw/logits/entropy": pooled, "hw/logits/positions": torch.tensor(24.0),
+                    "hw/logits/target_nll": torch.tensor(3.0, dtype=torch.float64)}, [])
+json.dump({k: float(v) for k, v in out.items() if k.startswith("hw/check/")}, open(sys.argv[4] + f"/rank{rank}.json", "w"))
+dist.destroy_process_group()
+'''
+
+
+def test_trls_micro_batch_entries_are_weighted_by_their_positions_over_every_process(tmp_path):
+    """gloo, 2 processes, 2 micro-batches whose positions split 10/2 and 2/10 between the processes (12 and 12 in
+    all): TRL's entries (1.0 and 2.0 nats) weighed by the global counts give 1.5, the pooled entropy, so the gap is
+    0 on both ranks. Weighed by each rank's own counts (before) the ranks published +0.333 and -0.333 and a
+    mismatch (found by a break-it trial under GRPO with gradient accumulation)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "worker.py"
+    script.write_text(TRL_WEIGHTS_WORKER)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(root) / "src"), "PYTHONWARNINGS": "ignore"}
+    port = str(35500 + os.getpid() % 2000)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, root, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    assert abs(ranks[0]["hw/check/entropy_gap"]) < 1e-12 and ranks[0]["hw/check/mismatch"] == 0.0
+    assert ranks[0]["hw/check/nll_gap"] == pytest.approx(0.0, abs=1e-12)

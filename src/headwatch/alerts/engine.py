@@ -94,6 +94,11 @@ def standard_actions(
     return actions
 
 
+MISSING_AFTER = 20
+"""Logging steps with values but without a watched metric before the engine warns that its rules cannot fire
+(the collision monitor publishes every 10 logging steps)."""
+
+
 def closest_names(name: str, logged: Sequence[str]) -> str:
     """The logged names closest to ``name`` (difflib), as a clause for a warning about a metric never logged."""
     close = difflib.get_close_matches(name, list(logged), n=3, cutoff=0.5)
@@ -167,6 +172,7 @@ class AlertEngine:
         self.alerts: list[Alert] = []
         self.action_failures = 0
         self._published_failures = 0
+        self._missing: dict[str, int] = {}  # watched metric -> observations without it (-1: seen, or warned)
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
@@ -178,6 +184,8 @@ class AlertEngine:
         """
         observed = any(v is not None for v in metrics.values())
         events = self.rules.observe_train(step, metrics) if observed else []
+        if observed:
+            self._check_watched(metrics)
         self._check_ceiling(metrics)
         r = self.rules
         shown = {name: metrics.get(name) for name in (r.entropy_metric, r.kl_metric)}
@@ -186,6 +194,34 @@ class AlertEngine:
         alerts = self._decide("train", events, step, epoch, shown)
         self.publish_failures(step)
         return alerts
+
+    def watched_train_metrics(self) -> dict[str, list[str]]:
+        """The training metrics the rules with a threshold read: name -> those rules (``entropy_metric`` for the
+        entropy rules, ``kl_metric`` for ``kl_ceiling``, the two NLLs for ``rare_nll_rise``)."""
+        r, t = self.rules, self.rules.thresholds
+        needs = {r.entropy_metric: ("entropy_floor", "entropy_drop", "entropy_ceiling"), r.kl_metric: ("kl_ceiling",),
+                 r.rare_nll_metric: ("rare_nll_rise",), r.nll_metric: ("rare_nll_rise",)}  # fmt: skip
+        out = {name: [rule for rule in rules if t.get(rule)] for name, rules in needs.items()}
+        return {name: rules for name, rules in out.items() if rules}
+
+    def _check_watched(self, metrics: Mapping[str, float | None]) -> None:
+        """Warn once per watched metric absent from :data:`MISSING_AFTER` logging steps that published values and
+        never present (a misspelt ``entropy_metric``: its rules could never fire), with the closest published names."""
+        for name, rules in self.watched_train_metrics().items():
+            count = self._missing.get(name, 0)
+            if count < 0:
+                continue
+            if metrics.get(name) is not None:
+                self._missing[name] = -1
+                continue
+            self._missing[name] = count + 1
+            if count + 1 >= MISSING_AFTER:
+                self._missing[name] = -1
+                published = [k for k, v in metrics.items() if v is not None]
+                readers = " and ".join(rules) + (" read" if len(rules) > 1 else " reads")
+                self.warn(f"{self.name}: {name!r}, which {readers}, has not been published in {MISSING_AFTER} "
+                          f"logging steps, so {'they' if len(rules) > 1 else 'it'} cannot fire; {closest_names(name, published)}. "
+                          "Check the rules' *_metric names. (warned once)")  # fmt: skip
 
     def publish_failures(self, step: int) -> None:
         """Write ``<prefix>/alerts/action_failures`` through every marker sink when the count changed since the

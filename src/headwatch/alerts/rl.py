@@ -17,6 +17,10 @@ No torch import: the rules are a pure state machine; a front door's ``alert=`` t
 from __future__ import annotations
 
 from headwatch.alerts.rules import CollapseRules, Threshold
+from headwatch.errors import HeadwatchError
+
+PRESET_NAMES = {"entropy_floor": "floor", "entropy_drop": "fall", "alpha": "smoothing"}
+""":class:`CollapseRules` argument -> the preset's name for it (errors name the argument the user typed)."""
 
 RL_DEFAULTS = {"floor": 0.05, "fall": (0.3, 0.5), "window": None, "for_steps": 2, "smoothing": 0.5}
 """The preset's defaults; their justification is in ``docs/rl.md`` ("Alerts")."""
@@ -49,10 +53,20 @@ def rl_collapse_rules(
             ``softmax(logits / T)`` over completion tokens, equal to TRL's ``entropy``).
 
     Raises:
-        HeadwatchError: as :class:`CollapseRules` (a fall outside (0, 1), a bad window, ...).
+        HeadwatchError: as :class:`CollapseRules` (a fall outside (0, 1), a bad window, ...), naming the preset's
+            argument; a ``floor`` that is not above 0 nats (an entropy is never below 0: it could not fire).
     """
-    return CollapseRules(
-        entropy_floor=floor, entropy_drop=fall, window=window if window is not None else 10, for_steps=for_steps,
-        alpha=smoothing, warmup_steps=warmup_steps, margin=margin, entropy_metric=entropy_metric,
-        drop_from="start" if window is None else "window",
-    )  # fmt: skip
+    floors = floor if isinstance(floor, (tuple, list)) else () if floor is None else (floor,)
+    if any(isinstance(f, (int, float)) and not isinstance(f, bool) and not f > 0 for f in floors):
+        raise HeadwatchError(f"`floor` must be above 0 nats (an entropy is never below 0, so it could not fire) or None, got {floor!r}")
+    try:
+        return CollapseRules(
+            entropy_floor=floor, entropy_drop=fall, window=window if window is not None else 10, for_steps=for_steps,
+            alpha=smoothing, warmup_steps=warmup_steps, margin=margin, entropy_metric=entropy_metric,
+            drop_from="start" if window is None else "window",
+        )  # fmt: skip
+    except HeadwatchError as err:
+        message = str(err).replace("`alpha` (`smoothing`)", "`alpha`")
+        for theirs, ours in PRESET_NAMES.items():
+            message = message.replace(f"`{theirs}`", f"`{ours}`").replace(f"{theirs} ", f"{ours} ")
+        raise HeadwatchError(message) from err

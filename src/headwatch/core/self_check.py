@@ -55,6 +55,11 @@ entropy by ~|logit| 2^-8, well under 1% on the mean; a near-tie argmax flips und
 accuracy). A broken capture (other positions, other labels, another forward) moves them by tenths of a nat."""
 
 
+MAX_PAIRED = 64
+"""Loss forwards per logging step whose positions are summed over processes to weigh TRL's per-micro-batch
+entries (more: the entries are averaged unweighted)."""
+
+
 class CaptureTally:
     """What :class:`~headwatch.core.logits.LogitStats` measured on the current training logging step.
 
@@ -267,12 +272,21 @@ class SelfCheck(FailurePolicy):
 
         zero = dev(0.0)
         w = torch.stack([dev(x) for x in weights]) if weights else None  # (forwards,)
-        local = torch.stack([
+        # each forward's positions summed over processes too (TRL's entries are per micro-batch, over every process):
+        # a fixed-size slot per forward, so that every rank's collective has the same shape
+        slots = torch.zeros(MAX_PAIRED, dtype=torch.float64, device=device)
+        if w is not None and len(weights) <= MAX_PAIRED:
+            slots[: len(weights)] = w
+        local = torch.cat([torch.stack([
             dev(labelled) if labelled is not None else zero,
             torch.stack([dev(s) for s in sums]).sum() if sums else zero,
             w.sum() if w is not None else zero,
-        ])  # fmt: skip
+            dev(0.0 if counted else 1.0),
+        ]), slots])  # fmt: skip
         total = self.reducer.sum(local) if self.reducer.world_size > 1 else local
+        if w is not None and len(weights) <= MAX_PAIRED:  # the global positions of each forward (on one process: w)
+            w = total[4 : 4 + len(weights)]
+            w = torch.where(total[3] > 0, 1.0, w)  # a process without its counts: unweighted on every process (no sync)
         if isinstance(positions, Tensor):
             out[f"{p}/capture/forwards"] = float(forwards)
             out[f"{p}/capture/positions"] = positions
