@@ -122,3 +122,29 @@ def watched_step(hw, model: nn.Module, optimizer: torch.optim.Optimizer, ids: to
     hw.after_optimizer_step()
     optimizer.zero_grad()
     return hw.step_end()
+
+
+def run_gloo_workers(source: str, tmp_path, port_base: int, timeout: float = 240.0) -> list:
+    """Run ``source`` (a worker script: ``argv`` = rank, port, repository root, ``tmp_path``) as 2 gloo processes and
+    return what each wrote to ``tmp_path/rank<r>.json``; both must exit 0 (their output is the failure message).
+    ``port_base``: this test's range of ports (plus ``pid % 2000``), apart from the other tests'."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(tmp_path) / "worker.py"
+    script.write_text(source)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(root) / "src"), "PYTHONWARNINGS": "ignore"}
+    port = str(port_base + os.getpid() % 2000)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, root, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    return [json.loads((Path(tmp_path) / f"rank{r}.json").read_text()) for r in range(2)]

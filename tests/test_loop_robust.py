@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import warnings
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
 from headwatch import Headwatch, HeadwatchError
 from headwatch.core import TokenCounts
+from tests.helpers import run_gloo_workers
 
 V, D = 16, 8
 
@@ -130,20 +124,7 @@ dist.destroy_process_group()
 
 
 def test_a_monitor_failing_on_one_rank_is_dropped_on_every_rank(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(root) / "src")}
-    port = str(29500 + os.getpid() % 2000)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, root, str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outs  # was: rank 1 raised out of step_end, rank 0 crashed
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    r0, r1 = run_gloo_workers(WORKER, tmp_path, 29500, timeout=120)  # was: rank 1 raised out of step_end, rank 0 crashed
     assert r0 == r1  # the same keys on every rank, every step
     # the logits (and the self-check of what they captured), no gradient statistics
     assert r0[0] and all(k.startswith(("headwatch/logits/", "headwatch/capture/", "headwatch/check/")) for step in r0 for k in step)

@@ -130,21 +130,9 @@ def test_the_rl_preset_agrees_on_every_rank(tmp_path):
     """gloo, 2 processes, the Hugging Face door's wiring (hf_support.wire_alert): rank 0's entropy collapses,
     rank 1's does not; both ranks fire the same alerts on the same steps and both stop (any rank firing fires
     everywhere); only rank 0 writes the alert file."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.helpers import run_gloo_workers
 
-    script = tmp_path / "worker.py"
-    script.write_text(AGREE_WORKER)
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(root) / "src"), "PYTHONWARNINGS": "ignore"}
-    port = str(33500 + os.getpid() % 2000)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, root, str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], logs
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_gloo_workers(AGREE_WORKER, tmp_path, 33500)
     expected = [[4, "entropy_drop", WARNING], [5, "entropy_drop", CRITICAL]]
     assert ranks[0]["fired"] == ranks[1]["fired"] == expected
     assert ranks[0]["stops"] == ranks[1]["stops"] == 1

@@ -346,26 +346,9 @@ dist.destroy_process_group()
 def test_two_processes_compare_the_global_token_mean(tmp_path):
     """gloo, 2 processes with different label counts: every rank publishes the same check, against the token
     mean over both processes' labels (float64 from the model's logits of the whole batch)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.helpers import run_gloo_workers
 
-    script = tmp_path / "worker.py"
-    script.write_text(DDP_WORKER)
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(root) / "src")}
-    port = str(31500 + os.getpid() % 2000)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, root, str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outs
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    r0, r1 = run_gloo_workers(DDP_WORKER, tmp_path, 31500)
     expected = float64_nll(tiny_llama(tie=False), uneven_batch())
     for r in (r0, r1):
         assert r[f"{P}/capture/labelled_positions"] == r[f"{P}/check/reference_positions"] == 22  # 13 + 9
@@ -439,22 +422,9 @@ def test_trls_micro_batch_entries_are_weighted_by_their_positions_over_every_pro
     all): TRL's entries (1.0 and 2.0 nats) weighed by the global counts give 1.5, the pooled entropy, so the gap is
     0 on both ranks. Weighed by each rank's own counts (before) the ranks published +0.333 and -0.333 and a
     mismatch (found by a break-it trial under GRPO with gradient accumulation)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.helpers import run_gloo_workers
 
-    script = tmp_path / "worker.py"
-    script.write_text(TRL_WEIGHTS_WORKER)
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(root) / "src"), "PYTHONWARNINGS": "ignore"}
-    port = str(35500 + os.getpid() % 2000)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, root, str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], logs
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_gloo_workers(TRL_WEIGHTS_WORKER, tmp_path, 35500)
     assert ranks[0] == ranks[1]
     assert abs(ranks[0]["hw/check/entropy_gap"]) < 1e-12 and ranks[0]["hw/check/mismatch"] == 0.0
     assert ranks[0]["hw/check/nll_gap"] == pytest.approx(0.0, abs=1e-12)
