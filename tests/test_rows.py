@@ -21,7 +21,9 @@ from headwatch.functional.rows import (
     row_nonzero,
     row_nonzero_given_norms,
     row_norms,
+    selected_ranks,
     spearman,
+    spearman_of_ranks,
     summarize,
 )
 
@@ -167,3 +169,27 @@ def test_frequency_bucket_ties_broken_by_token_id():
     counts = torch.tensor([5, 5, 5, 5, 0])
     valid = torch.ones(5, dtype=torch.bool)
     assert [BUCKETS[i] for i in frequency_buckets(counts, valid).tolist()] == ["top1", "top50", "tail", "tail", "unseen"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=2, max_size=40), st.integers(0, 10_000))
+def test_spearman_of_shared_count_ranks_matches_scipy_of_log_counts(counts, seed):
+    """The gradient monitor ranks the counts once and correlates them with several matrices' norms: the
+    same as SciPy's rho of log(count) and each norm over the seen rows (count > 0)."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.tensor(counts, dtype=torch.float64)
+    seen = c > 0
+    ranks = selected_ranks(c, seen)
+    for _ in range(2):
+        y = torch.randn(len(counts), generator=g, dtype=torch.float64).round(decimals=1)  # ties too
+        got = spearman_of_ranks(ranks, y, seen).item()
+        kept = seen.numpy()
+        want = stats.spearmanr(np.log(np.asarray(counts)[kept]), y.numpy()[kept]).statistic if kept.sum() >= 2 else np.nan
+        if np.isnan(want):
+            assert math.isnan(got)
+        else:
+            assert got == pytest.approx(want, abs=1e-9)
+    # a NaN norm among the seen rows: undefined, as SciPy
+    if seen.any():
+        y[int(seen.nonzero()[0, 0])] = float("nan")
+        assert math.isnan(spearman_of_ranks(ranks, y, seen).item())

@@ -15,7 +15,7 @@ from headwatch.core.monitor import Monitor
 from headwatch.distributed.zero import full_gradient
 from headwatch.distributed.sharded import ShardedLookup, is_sharded, local_rows, row_norms_full, row_statistics, tied_flow_statistics
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
-from headwatch.functional.rows import dense_rows, spearman
+from headwatch.functional.rows import dense_rows, selected_ranks, spearman_of_ranks
 from headwatch.model.flows import HeadFlowCapture, LookupFlowCapture
 from headwatch.model.adapters import trainable_matrices
 from headwatch.model.find import Matrices, resolve_matrices
@@ -395,10 +395,12 @@ class GradientDensity(Monitor):
             )
             out.update({f"{g}/{k}": v for k, v in stats.items()})
         seen = snap.seen
-        log_counts = snap.counts.double().log()  # -inf at unseen rows, not selected
+        # Spearman's rho of log(count) and the row norm: ranks of the counts are those of their log (a strictly
+        # increasing map), computed once for every matrix; unseen rows (count 0) are not selected
+        count_ranks = selected_ranks(snap.counts.double(), seen)
         for name, weight in self._matrices().items():
             norms = row_norms_full(weight, self.reducer)
-            rho = spearman(log_counts, norms.double().to(log_counts.device), select=seen)
+            rho = spearman_of_ranks(count_ranks, norms.double().to(count_ranks.device), seen)
             out[f"{self.prefix}/freq/{name}_norm_spearman"] = rho
         return out
 
