@@ -42,6 +42,31 @@ def test_scalars_go_to_every_writer_and_flush_makes_them_readable(tmp_path):
         w.close()
 
 
+def test_a_step_of_scalars_is_one_event_read_as_add_scalar_writes_them(tmp_path):
+    """torch's writer gets one event per step (one summary value per tag); TensorBoard reads the same
+    scalars, steps and float32 values as from one ``add_scalar`` per tag, in another directory."""
+    from tensorboard.backend.event_processing import event_file_loader
+
+    values = {f"headwatch/m{i}": (i - 3) * 0.37 for i in range(7)} | {"nan": float("nan"), "inf": float("inf")}
+    ours, theirs = SummaryWriter(str(tmp_path / "ours")), SummaryWriter(str(tmp_path / "theirs"))
+    for step in (3, 4):
+        write_scalars([ours], values, step)
+        for tag, value in values.items():
+            theirs.add_scalar(tag, value, global_step=step)
+    ours.close()
+    theirs.close()
+    a, b = reload(tmp_path / "ours"), reload(tmp_path / "theirs")
+    assert sorted(a.Tags()["scalars"]) == sorted(b.Tags()["scalars"]) == sorted(values)
+    for tag in values:
+        got = [(e.step, e.value) for e in a.Scalars(tag)]
+        want = [(e.step, e.value) for e in b.Scalars(tag)]
+        assert np.array_equal(np.array(got), np.array(want), equal_nan=True), tag
+    (path,) = (tmp_path / "ours").iterdir()
+    events = [e for e in event_file_loader.EventFileLoader(str(path)).Load() if e.HasField("summary")]
+    assert [(e.step, len(e.summary.value)) for e in events] == [(3, len(values)), (4, len(values))]
+    write_scalars([ours], {}, 5)  # nothing to write: no empty event
+
+
 def test_histogram_of_the_finite_values(tmp_path):
     writer = SummaryWriter(str(tmp_path))
     values = torch.tensor([[0.5, -1.25, float("nan")], [3.0, float("-inf"), 2.0]], dtype=torch.float16)

@@ -77,6 +77,15 @@ class GuardedFileWriter:
         self.warned = False
         self.file_args: tuple[Any, ...] = ()  # the SummaryWriter's max_queue, flush_secs, filename_suffix, for new files
 
+    @staticmethod
+    def writer_class() -> type:
+        """``torch.utils.tensorboard.SummaryWriter``, the writers :func:`guard` guards (``type(None)`` without tensorboard)."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # pragma: no cover - tensorboard not installed
+            return type(None)
+        return SummaryWriter
+
     # ---------------------------------------------------------------- FileWriter's interface
     def get_logdir(self) -> str:
         return self.logdir

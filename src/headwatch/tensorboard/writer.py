@@ -16,7 +16,7 @@ from torch import Tensor
 
 from headwatch.core.monitor import Media
 from headwatch.functional.rows import finite_histogram_values
-from headwatch.tensorboard.guard import guard
+from headwatch.tensorboard.guard import GuardedFileWriter, guard
 
 _layout_written: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
@@ -39,7 +39,24 @@ def write_layout(writers: Iterable[Any], prefix: str = "headwatch", category: st
 
 
 def write_scalars(writers: Iterable[Any], scalars: Mapping[str, float], step: int) -> None:
+    """Every scalar of ``scalars`` at ``step``, into each writer.
+
+    A ``torch.utils.tensorboard.SummaryWriter`` gets them as one event holding one summary value per
+    tag (as ``tf.summary.merge_all`` wrote them; TensorBoard reads each value as ``add_scalar``'s):
+    ``add_scalar`` makes an event per scalar, 0.13 ms each on a CPU, 20 ms for the 150 scalars of a
+    logging step, against 2 ms for one event. Other writers (``tensorboardX``, stand-ins) get ``add_scalar``
+    per tag.
+    """
+    if not scalars:
+        return
     for writer in guarded(writers):
+        if isinstance(writer, GuardedFileWriter.writer_class()):
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from torch.utils.tensorboard.summary import scalar
+
+            values = [v for tag, value in scalars.items() for v in scalar(tag, value).value]
+            writer._get_file_writer().add_summary(Summary(value=values), step)  # noqa: SLF001 - what add_scalar calls
+            continue
         for tag, value in scalars.items():
             writer.add_scalar(tag, value, global_step=step)
 
