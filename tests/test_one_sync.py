@@ -279,8 +279,13 @@ def counting(root: str = HEADWATCH_SRC) -> Iterator[SyncCounter]:
         inner = None
         while frame is not None:
             name = frame.f_code.co_filename
-            # headwatch.tensorboard.guard stands in for the writer's FileWriter: a flush through it is its caller's
-            if inner is None and name.startswith(root) and not name.endswith(os.path.join("tensorboard", "guard.py")):
+            # headwatch.tensorboard.guard stands in for the writer's FileWriter, and headwatch.tensorboard.batched_scalars
+            # (with the Hugging Face door's on_log around the TensorBoardCallback) for its add_scalar and flush: a flush
+            # through them is their caller's
+            stand_in = name.endswith(os.path.join("tensorboard", "guard.py")) or any(
+                s in frame.f_code.co_qualname for s in ("batched_scalars.<locals>", "batch_scalars_of.<locals>")
+            )
+            if inner is None and name.startswith(root) and not stand_in:
                 inner = frame
             frame = frame.f_back
         if inner is not None:

@@ -67,6 +67,24 @@ def test_a_step_of_scalars_is_one_event_read_as_add_scalar_writes_them(tmp_path)
     write_scalars([ours], {}, 5)  # nothing to write: no empty event
 
 
+def test_batched_scalars_flush_inside_writes_them_and_the_writer_is_its_own_after_an_error(tmp_path):
+    from headwatch.tensorboard import batched_scalars
+
+    writer = SummaryWriter(str(tmp_path))
+    with batched_scalars(writer):
+        writer.add_scalar("a", 1.5, 7)
+        writer.flush()  # as the Trainer's TensorBoardCallback ends each on_log: what was collected is on disk
+        assert [(e.step, e.value) for e in reload(tmp_path).Scalars("a")] == [(7, 1.5)]
+    with pytest.raises(RuntimeError, match="boom"):
+        with batched_scalars(writer):
+            writer.add_scalar("b", 2.5, 8)
+            raise RuntimeError("boom")
+    assert "add_scalar" not in vars(writer) and "flush" not in vars(writer)  # the class's methods again
+    writer.add_scalar("b", 3.5, 9)
+    writer.flush()
+    assert [(e.step, e.value) for e in reload(tmp_path).Scalars("b")] == [(8, 2.5), (9, 3.5)]  # kept, then the next
+
+
 def test_histogram_of_the_finite_values(tmp_path):
     writer = SummaryWriter(str(tmp_path))
     values = torch.tensor([[0.5, -1.25, float("nan")], [3.0, float("-inf"), 2.0]], dtype=torch.float16)

@@ -214,6 +214,22 @@ def test_trainer_run_writes_the_tags_on_the_logging_steps_grid(tmp_path):
     assert "custom_scalars__config__" in acc.Tags()["tensors"]
     assert "train/headwatch/logits/entropy_histogram" in acc.Tags()["histograms"]
     assert cb.trainer is trainer
+    # each Trainer.log call's scalars are one event (headwatch.tensorboard.batched_scalars), every value that of
+    # the log history (float32, as TensorBoard stores scalars)
+    from tensorboard.backend.event_processing import event_file_loader
+
+    events = [e for path in sorted(logdir.glob("events.out.tfevents.*"))
+              for e in event_file_loader.LegacyEventFileLoader(str(path)).Load() if e.HasField("summary")]  # fmt: skip
+    scalar_events = [e for e in events if e.summary.value[0].HasField("simple_value")]
+    per_step = {s: sum(e.step == s for e in scalar_events) for s in (2, 4, 6)}
+    records = {s: [r for r in trainer.state.log_history if r.get("step") == s] for s in (2, 4, 6)}
+    assert per_step == {s: len(records[s]) for s in (2, 4, 6)}  # one event per Trainer.log call
+    for s, recs in records.items():
+        for record in recs:
+            for key, value in record.items():
+                if key.startswith("headwatch/") and isinstance(value, float):
+                    (got,) = [e.value for e in acc.Scalars("train/" + key) if e.step == s]
+                    assert got == pytest.approx(np.float32(value), nan_ok=True, rel=1e-7), key
 
 
 def test_first_step_and_evaluation(tmp_path):

@@ -79,6 +79,21 @@ def hand_loss_inputs(trainer: Trainer, run: Any) -> None:
     trainer.compute_loss = compute_loss  # type: ignore[method-assign]
 
 
+def batch_scalars_of(callback: Any) -> None:
+    """Make a ``TensorBoardCallback`` write each ``Trainer.log`` call's scalars as one event per step
+    (:func:`headwatch.tensorboard.batched_scalars`; 150 headwatch values at a logging step: 24 ms -> about 3 ms)."""
+    original = callback.on_log
+    if getattr(original, "__headwatch_batched__", False):
+        return
+
+    def on_log(*args: Any, **kwargs: Any) -> Any:
+        with tb.batched_scalars(callback.tb_writer):
+            return original(*args, **kwargs)
+
+    on_log.__headwatch_batched__ = True  # type: ignore[attr-defined]
+    callback.on_log = on_log
+
+
 def in_evaluation() -> bool:
     """True when the caller runs inside a ``Trainer.prediction_step`` (``evaluate()``, ``predict()``, any subclass's
     override): an evaluation forward. A forward of the model outside it (the user's own call after ``train()``)
@@ -142,6 +157,7 @@ class TrainerLink(Driver):
         for cb in trainer.callback_handler.callbacks:  # its writer, made at on_train_begin, survives an unwritable log dir
             if isinstance(cb, TensorBoardCallback):
                 cb._SummaryWriter = tb.guarded_writer_class(cb._SummaryWriter)  # noqa: SLF001 - docs/faults.md
+                batch_scalars_of(cb)
 
     @staticmethod
     def logging_every(args: Any, state: Any) -> int:

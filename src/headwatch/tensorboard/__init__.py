@@ -9,11 +9,12 @@ from headwatch.tensorboard.writer import (
     write_histogram,
     write_layout,
     write_media,
+    batched_scalars,
     write_scalars,
     write_text,
 )
 
-__all__ = ["GuardedFileWriter", "SummaryWriter", "guarded_writer_class", "WriterSink", "guard", "guarded", "storage_status", "flush", "prefixed", "write_histogram", "write_layout", "write_media", "write_scalars", "write_text"]
+__all__ = ["GuardedFileWriter", "batched_scalars", "SummaryWriter", "guarded_writer_class", "WriterSink", "guard", "guarded", "storage_status", "flush", "prefixed", "write_histogram", "write_layout", "write_media", "write_scalars", "write_text"]
 
 
 def __getattr__(name: str):  # imported on first use: torch.utils.tensorboard is slow to import
