@@ -193,3 +193,24 @@ def test_spearman_of_shared_count_ranks_matches_scipy_of_log_counts(counts, seed
     if seen.any():
         y[int(seen.nonzero()[0, 0])] = float("nan")
         assert math.isnan(spearman_of_ranks(ranks, y, seen).item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_row_norms_and_nonzero_match_float64_and_an_exact_zero_test(dtype):
+    """One fixed-size float64 recomputation covers float32 overflow (1e30 entries), underflow to 0 (1e-30) and
+    lost precision (1e-21): every finite row gets its float64 norm; a norm is 0 only for a zero row."""
+    from headwatch.functional.rows import row_norms_and_nonzero
+
+    m = torch.zeros(8, 5, dtype=torch.float64)
+    m[1] = torch.tensor([3.0, 4.0, 0, 0, 0])
+    m[2, :3] = 1e30
+    m[3, 1] = -1e-30
+    m[4, 2:] = 1e-21
+    m[5, 0] = float("nan")
+    m[6] = torch.linspace(-2, 2, 5)
+    m = m.to(dtype)
+    norms, nonzero = row_norms_and_nonzero(m)
+    want = np.linalg.norm(m.double().numpy(), axis=1)
+    np.testing.assert_allclose(norms.double().numpy(), want, rtol=1e-6)
+    assert nonzero.tolist() == ((m.double() != 0).any(dim=1) | m.isnan().any(dim=1)).tolist()
+    assert (norms[nonzero.logical_not()] == 0).all() and (norms[1:5] > 0).all()

@@ -37,9 +37,8 @@ from headwatch.functional.rows import (
     dense_rows,
     row_cosine,
     row_density,
-    row_nonzero_given_norms,
     row_norms,
-    row_norms_given_nonzero,
+    row_norms_and_nonzero,
     summarize_groups,
 )
 from headwatch.functional.tied import tied_flow_statistics as _tied_flow_statistics
@@ -168,10 +167,7 @@ def gather_by_rows(values: Tensor, rows: Rows, reducer: Reducer) -> Tensor:
 
 def _norms_and_nonzero(rows: Rows, reducer: Reducer) -> tuple[Tensor, Tensor]:
     """``(V,)`` row norms (float32) and non-zero flags (bool) of every row, gathered when sharded."""
-    local = dense_rows(rows.local)
-    norms = row_norms(local)
-    nonzero = row_nonzero_given_norms(local, norms)
-    norms = row_norms_given_nonzero(local, norms, nonzero)  # rows of entries below ~1e-23: not 0
+    norms, nonzero = row_norms_and_nonzero(rows.local)  # rows of entries below ~1e-23: not 0
     if not rows.sharded:
         return norms, nonzero
     both = gather_by_rows(torch.stack([norms.double(), nonzero.double()], dim=1), rows, reducer)

@@ -139,6 +139,26 @@ def row_norms_given_nonzero(matrix: Tensor, norms: Tensor, nonzero: Tensor) -> T
         return _fix_rows_float64(norms, suspect, lambda idx: torch.linalg.vector_norm(m.index_select(0, idx).double(), dim=1))
 
 
+def row_norms_and_nonzero(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`row_norms` and :func:`row_nonzero` of one matrix, ``(V, d_model) -> ((V,), (V,) bool)``, no host sync.
+
+    The same values as :func:`row_norms` followed by :func:`row_nonzero_given_norms` and
+    :func:`row_norms_given_nonzero` (a norm is 0 only for a zero row; any finite row gets its norm), with one
+    fixed-size float64 recomputation of the suspect rows instead of two.
+    """
+    m = dense_rows(matrix)
+    with full_precision(m.device):
+        acc = torch.float64 if m.dtype == torch.float64 else torch.float32
+        norms = torch.linalg.vector_norm(m, dim=1, dtype=acc)
+        nonzero = (norms != 0) | row_nonzero(m)
+        if acc == torch.float64:
+            return norms, nonzero
+        # float32 overflow (inf from finite entries), or a non-zero row whose norm lost precision or underflowed to 0
+        suspect = torch.isinf(norms) | (nonzero & (norms < _LOW))
+        exact = _fix_rows_float64(norms, suspect, lambda idx: torch.linalg.vector_norm(m.index_select(0, idx).double(), dim=1))
+        return exact, nonzero
+
+
 def row_density(nonzero: Tensor, valid: Tensor | None = None) -> Tensor:
     """Fraction of valid rows that are non-zero: ``sum(nonzero & valid) / sum(valid)``, float64 scalar.
 
@@ -298,16 +318,17 @@ def selected_ranks(values: Tensor, selected: Tensor) -> Tensor:
     For :func:`spearman_of_ranks`, when one variable is correlated with several others (its ranks
     computed once). Any strictly increasing transform of ``values`` has the same ranks.
 
-    The selected values are sorted first, ascending (a stable sort by value, then by selection); a tie
-    group starts where the value or the selection changes, and gets the average ``(first + last) / 2 + 1``
+    The selected values are sorted first, ascending (one stable sort, the entries not selected keyed NaN); a
+    tie group starts where the value or the selection changes, and gets the average ``(first + last) / 2 + 1``
     of its 0-based positions (``rankdata``'s ``end - (count - 1) / 2``).
     """
     n = values.numel()
-    by_value, order = torch.sort(values.double(), stable=True)
+    # one sort: the entries not selected keyed NaN, which sorts last, so the selected values come first in
+    # ascending order (selected NaN values too go last: their ranks are unspecified, and spearman's NaN)
+    key = torch.where(selected, values.double(), float("nan"))
+    by_value, order = torch.sort(key, stable=True)
     # index_select, not advanced indexing: the same gather, several times faster on a contended CPU
     chosen = selected.index_select(0, order)
-    first_selected = torch.sort((~chosen).to(torch.uint8), stable=True).indices
-    order, by_value, chosen = (t.index_select(0, first_selected) for t in (order, by_value, chosen))
     start = torch.ones(n, dtype=torch.bool, device=values.device)
     start[1:] = (by_value[1:] != by_value[:-1]) | (chosen[1:] != chosen[:-1])
     group = start.cumsum(0) - 1
