@@ -107,6 +107,13 @@ def test_tensorboard_values_equal_direct_computation(tmp_path):
     # available to other callbacks (EarlyStopping, ModelCheckpoint, alerts)
     assert "headwatch/logits/entropy" in trainer.callback_metrics
     assert "headwatch/val/logits/entropy" in trainer.callback_metrics
+    # headwatch's scalars of a logging step reach the TensorBoardLogger as one event (headwatch.tensorboard.batched_scalars)
+    from tensorboard.backend.event_processing import event_file_loader
+
+    events = [e for path in sorted(Path(trainer.logger.log_dir).glob("events.out.tfevents.*"))
+              for e in event_file_loader.LegacyEventFileLoader(str(path)).Load() if e.HasField("summary")]  # fmt: skip
+    ours = [e for e in events if any(v.tag.startswith("headwatch/logits/") and v.HasField("simple_value") for v in e.summary.value)]
+    assert [e.step for e in ours] == [1, 3] and all(len(e.summary.value) > 10 for e in ours)
 
 
 def test_hook_does_no_work_off_logging_steps(tmp_path, monkeypatch):

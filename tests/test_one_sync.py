@@ -283,7 +283,7 @@ def counting(root: str = HEADWATCH_SRC) -> Iterator[SyncCounter]:
             # (with the Hugging Face door's on_log around the TensorBoardCallback) for its add_scalar and flush: a flush
             # through them is their caller's
             stand_in = name.endswith(os.path.join("tensorboard", "guard.py")) or any(
-                s in frame.f_code.co_qualname for s in ("batched_scalars.<locals>", "batch_scalars_of.<locals>")
+                s in frame.f_code.co_qualname for s in ("_batched.<locals>", "batch_scalars_of.<locals>")
             )
             if inner is None and name.startswith(root) and not stand_in:
                 inner = frame

@@ -71,12 +71,12 @@ def test_batched_scalars_flush_inside_writes_them_and_the_writer_is_its_own_afte
     from headwatch.tensorboard import batched_scalars
 
     writer = SummaryWriter(str(tmp_path))
-    with batched_scalars(writer):
+    with batched_scalars([writer]):
         writer.add_scalar("a", 1.5, 7)
         writer.flush()  # as the Trainer's TensorBoardCallback ends each on_log: what was collected is on disk
         assert [(e.step, e.value) for e in reload(tmp_path).Scalars("a")] == [(7, 1.5)]
     with pytest.raises(RuntimeError, match="boom"):
-        with batched_scalars(writer):
+        with batched_scalars([writer]):
             writer.add_scalar("b", 2.5, 8)
             raise RuntimeError("boom")
     assert "add_scalar" not in vars(writer) and "flush" not in vars(writer)  # the class's methods again

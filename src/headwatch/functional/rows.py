@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -69,6 +70,11 @@ def _fix_rows_float64(values: Tensor, suspect: Tensor, exact: Callable[[Tensor],
     return values.index_copy(0, idx, fixed)
 
 
+def _float64_norms(matrix: Tensor, idx: Tensor) -> Tensor:
+    """``(k,)`` float64 L2 norms of the rows ``idx`` of ``matrix`` (the exact recomputation of suspect rows)."""
+    return torch.linalg.vector_norm(matrix.index_select(0, idx).double(), dim=1)
+
+
 def row_norms(matrix: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
     """L2 norm of every row, ``(V, d_model) -> (V,)`` float32 (float64 inputs stay float64).
 
@@ -88,9 +94,7 @@ def row_norms(matrix: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
         if acc == torch.float64:
             return norms
         suspect = torch.isinf(norms) | ((norms > 0) & (norms < _LOW))
-        return _fix_rows_float64(
-            norms, suspect, lambda idx: torch.linalg.vector_norm(m.index_select(0, idx).double(), dim=1)
-        )
+        return _fix_rows_float64(norms, suspect, partial(_float64_norms, m))
 
 
 def finite_histogram_values(values: Tensor) -> tuple[Tensor, int]:
@@ -136,7 +140,7 @@ def row_norms_given_nonzero(matrix: Tensor, norms: Tensor, nonzero: Tensor) -> T
     m = dense_rows(matrix)
     suspect = nonzero & (norms == 0)
     with full_precision(m.device):
-        return _fix_rows_float64(norms, suspect, lambda idx: torch.linalg.vector_norm(m.index_select(0, idx).double(), dim=1))
+        return _fix_rows_float64(norms, suspect, partial(_float64_norms, m))
 
 
 def row_norms_and_nonzero(matrix: Tensor) -> tuple[Tensor, Tensor]:
@@ -155,7 +159,7 @@ def row_norms_and_nonzero(matrix: Tensor) -> tuple[Tensor, Tensor]:
             return norms, nonzero
         # float32 overflow (inf from finite entries), or a non-zero row whose norm lost precision or underflowed to 0
         suspect = torch.isinf(norms) | (nonzero & (norms < _LOW))
-        exact = _fix_rows_float64(norms, suspect, lambda idx: torch.linalg.vector_norm(m.index_select(0, idx).double(), dim=1))
+        exact = _fix_rows_float64(norms, suspect, partial(_float64_norms, m))
         return exact, nonzero
 
 

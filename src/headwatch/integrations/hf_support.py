@@ -87,7 +87,7 @@ def batch_scalars_of(callback: Any) -> None:
         return
 
     def on_log(*args: Any, **kwargs: Any) -> Any:
-        with tb.batched_scalars(callback.tb_writer):
+        with tb.batched_scalars([callback.tb_writer]):
             return original(*args, **kwargs)
 
     on_log.__headwatch_batched__ = True  # type: ignore[attr-defined]

@@ -77,15 +77,6 @@ class GuardedFileWriter:
         self.warned = False
         self.file_args: tuple[Any, ...] = ()  # the SummaryWriter's max_queue, flush_secs, filename_suffix, for new files
 
-    @staticmethod
-    def writer_class() -> type:
-        """``torch.utils.tensorboard.SummaryWriter``, the writers :func:`guard` guards (``type(None)`` without tensorboard)."""
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # pragma: no cover - tensorboard not installed
-            return type(None)
-        return SummaryWriter
-
     # ---------------------------------------------------------------- FileWriter's interface
     def get_logdir(self) -> str:
         return self.logdir
@@ -273,17 +264,23 @@ def _event_files(logdir: str) -> set[str]:
         return set()
 
 
+def torch_writer_class() -> type:
+    """``torch.utils.tensorboard.SummaryWriter``, the writers headwatch guards and batches (``type(None)`` without
+    tensorboard installed)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # pragma: no cover - tensorboard not installed
+        return type(None)
+    return SummaryWriter
+
+
 def guard(writer: Any, **kwargs: Any) -> Any:
     """Make ``writer`` (a ``torch.utils.tensorboard.SummaryWriter``) survive storage faults; returns it.
 
     Idempotent and cheap (an attribute check once guarded). Other writers are returned unchanged.
     ``kwargs``: :class:`GuardedFileWriter`'s ``max_pending_bytes`` and ``retry_seconds``.
     """
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # pragma: no cover - tensorboard not installed
-        return writer
-    if not isinstance(writer, SummaryWriter):
+    if not isinstance(writer, torch_writer_class()):
         return writer
     current = writer.file_writer
     if isinstance(current, GuardedFileWriter):

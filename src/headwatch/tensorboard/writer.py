@@ -10,14 +10,14 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from torch import Tensor
 
 from headwatch.core.monitor import Media
 from headwatch.functional.rows import finite_histogram_values
-from headwatch.tensorboard.guard import GuardedFileWriter, guard
+from headwatch.tensorboard.guard import guard, torch_writer_class
 
 _layout_written: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
@@ -40,19 +40,25 @@ def write_layout(writers: Iterable[Any], prefix: str = "headwatch", category: st
 
 
 @contextmanager
-def batched_scalars(writer: Any) -> Iterator[None]:
-    """Inside, ``writer.add_scalar`` calls are collected and written as one event per step (one summary value per
-    tag, as ``tf.summary.merge_all`` wrote them; TensorBoard reads each value as ``add_scalar``'s) when the block
-    ends or ``writer.flush()`` is called in it.
+def batched_scalars(writers: Iterable[Any]) -> Iterator[None]:
+    """Inside, the ``add_scalar`` calls on each of ``writers`` are collected and written as one event per writer and
+    step (one summary value per tag, as ``tf.summary.merge_all`` wrote them; TensorBoard reads each value as
+    ``add_scalar``'s) when the block ends or the writer's ``flush()`` is called in it.
 
     For a ``torch.utils.tensorboard.SummaryWriter``: its ``add_scalar`` makes one event per scalar, a hand-over to
     its writing thread each (0.13 ms on a CPU: 20 ms for the 150 scalars of a logging step, against 2 ms for one
-    event). Any other writer (``tensorboardX``, a stand-in) is left as it is. The writer's methods are its own
-    again after the block, whatever happened in it.
+    event). Other writers (``tensorboardX``, stand-ins) and None are left as they are. Each writer's methods are
+    its own again after the block, whatever happened in it.
     """
-    if not isinstance(writer, GuardedFileWriter.writer_class()):
+    with ExitStack() as stack:
+        for writer in guarded(w for w in writers if isinstance(w, torch_writer_class())):
+            stack.enter_context(_batched(writer))
         yield
-        return
+
+
+@contextmanager
+def _batched(writer: Any) -> Iterator[None]:
+    """:func:`batched_scalars` of one ``torch.utils.tensorboard.SummaryWriter``."""
     from tensorboard.compat.proto.summary_pb2 import Summary
     from torch.utils.tensorboard.summary import scalar
 
@@ -87,8 +93,9 @@ def batched_scalars(writer: Any) -> Iterator[None]:
 
 def write_scalars(writers: Iterable[Any], scalars: Mapping[str, float], step: int) -> None:
     """Every scalar of ``scalars`` at ``step``, into each writer (one event per writer: :func:`batched_scalars`)."""
-    for writer in guarded(writers):
-        with batched_scalars(writer):
+    writers = guarded(writers)
+    with batched_scalars(writers):
+        for writer in writers:
             for tag, value in scalars.items():
                 writer.add_scalar(tag, value, global_step=step)
 

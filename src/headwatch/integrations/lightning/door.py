@@ -111,11 +111,12 @@ def publish(trainer: pl.Trainer, scalars: dict[str, Tensor | float], step: int, 
     numbers = to_host(scalars, media) if any(isinstance(v, Tensor) for v in scalars.values()) else dict(scalars)
     if not numbers:
         return {}
-    for logger in trainer.loggers:
-        logger.log_metrics(numbers, step=step)
+    writers = tensorboard_writers(trainer)
+    with tb.batched_scalars(writers):  # a TensorBoardLogger writes one event per scalar: one per writer here
+        for logger in trainer.loggers:
+            logger.log_metrics(numbers, step=step)
     trainer.callback_metrics.update({k: torch.tensor(v) for k, v in numbers.items()})
     published_steps(trainer).update(dict.fromkeys(numbers, step))
-    writers = tensorboard_writers(trainer)
     try:
         for m in media:
             tb.write_media(writers, m, step)
