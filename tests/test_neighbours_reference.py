@@ -25,7 +25,7 @@ from headwatch.functional import (
     synonym_table,
     top_colliding_pairs,
 )
-from headwatch.functional.neighbors import Neighbours
+from headwatch.functional.neighbors import Neighbours, row_max, similarity_chunks
 
 
 def brute_force(matrix: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +56,44 @@ def test_chunk_sizes_fit_the_budget_whenever_one_query_fits(Q, K, d, budget):
     if k < min(K, 8192):  # keys were halved (from 2k or 2k + 1) only because fewer than min(Q, 1024) queries fit
         before = 2 * k + 1
         assert (budget - 8 * before * d) // (4 * (before + d)) < min(Q, 1024)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 200_000), st.integers(1, 200_000), st.integers(1, 8192), st.integers(2**20, 2**28))
+def test_similarity_chunks_keep_a_cpu_block_within_16_mib(Q, K, d, budget):
+    """On the CPU the similarity block is cache-sized (16 MiB) and never larger than the budget's."""
+    q, k = similarity_chunks(Q, K, d, budget, torch.device("cpu"))
+    q_any, k_any = chunk_sizes(Q, K, d, budget)
+    assert 1 <= q <= q_any and 1 <= k <= k_any
+    assert q * k * 4 <= 16 * 2**20 or q == 1
+    if Q >= 2048 and K >= 2048 and q_any >= 2048 and k_any >= 2048:
+        assert (q, k) == (2048, 2048)  # square: both sides of the product large
+
+
+def _max_reference(sims: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row maxima and the first index holding each, read element by element in float64 (NaN wins)."""
+    values, indices = [], []
+    for row in sims.double().tolist():
+        nan = [j for j, x in enumerate(row) if math.isnan(x)]
+        j = nan[0] if nan else max(range(len(row)), key=lambda j: (row[j], -j))
+        values.append(row[j])
+        indices.append(j)
+    return torch.tensor(values, dtype=torch.float64), torch.tensor(indices)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 300), st.integers(0, 2**31 - 1), st.sampled_from(["plain", "ties", "inf", "nan"]))
+def test_row_max_is_the_first_maximum_of_each_row(q, k, seed, kind):
+    g = torch.Generator().manual_seed(seed)
+    sims = torch.randint(-3, 4, (q, k), generator=g).float() if kind == "ties" else torch.randn(q, k, generator=g)
+    if kind in ("inf", "nan"):
+        special = torch.rand(q, k, generator=g) < 0.3
+        sims[special] = float("-inf") if kind == "inf" else float("nan")
+        sims[0] = float("-inf")  # a row with no finite value: index 0
+    value, index = row_max(sims)
+    ref_value, ref_index = _max_reference(sims)
+    assert torch.equal(index, ref_index)
+    torch.testing.assert_close(value.double(), ref_value, equal_nan=True, atol=0, rtol=0)
 
 
 # ---------------------------------------------------------------- exact search

@@ -32,7 +32,7 @@ from headwatch.functional.drift import (
     unit_row_sum_masked,
 )
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.functional.neighbors import Neighbours, chunk_sizes, nearest_neighbours, nearest_neighbours_masked, pair_cosine
+from headwatch.functional.neighbors import Neighbours, nearest_neighbours, nearest_neighbours_masked, pair_cosine, similarity_chunks
 
 
 class CorrectedCollision(NamedTuple):
@@ -328,7 +328,7 @@ def partner_ranks(
     target = pair_cosine(rows, a, b).unsqueeze(1)  # (P, 1)
     tiny = torch.finfo(torch.float32).tiny
     V = rows.shape[0]  # every row a key, those not valid masked: nothing selected by value (no host sync)
-    qc, kc = chunk_sizes(a.numel(), V, rows.shape[1], max_chunk_bytes)
+    qc, kc = similarity_chunks(a.numel(), V, rows.shape[1], max_chunk_bytes, dev)
     above = torch.zeros(a.numel(), dtype=torch.long, device=dev)
     for k0 in range(0, V, kc):
         w = rows.detach()[k0 : k0 + kc].float()
