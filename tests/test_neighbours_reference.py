@@ -322,3 +322,28 @@ def test_synonym_statistics_skip_unpairable_members_and_check_ids():
         synonym_statistics(w, [[2, 12]], pairable)
     assert math.isnan(rate_above(torch.zeros(0), 0.5).item())
     assert rate_above(torch.tensor([0.2, 0.5, 0.9]), 0.5).item() == pytest.approx(2 / 3)
+
+
+def test_partner_ranks_count_an_exact_copy_of_the_partner_as_a_tie_at_any_scale():
+    """Row y + 1 copies the partner y: a tie (in the partner's favour), so the rank equals the rank with the copy
+    masked (the target cosine and the competitors' come from different products and could differ by an ulp:
+    the copy counted as closer in 134 of 360 such pairs before); rows at 1e30 / 1e-30 rank as at scale 1 (a
+    plain norm's squares overflow / underflow float32)."""
+    base = _gen(2049, 7, seed=13)
+    valid = torch.ones(2049, dtype=torch.bool)
+    for x, y in zip(range(0, 24), range(1000, 1048, 2)):
+        w = base.clone()
+        w[y + 1] = w[y]
+        without = valid.clone()
+        without[y + 1] = False
+        a, b = torch.tensor([x]), torch.tensor([y])
+        assert partner_ranks(w, a, b, valid, 2**26).item() == partner_ranks(w, a, b, without, 2**26).item()
+    a, b = torch.arange(0, 24), torch.arange(1000, 1024)
+    got = partner_ranks(base, a, b, valid, 2**26)
+    u = base.double() / base.double().norm(dim=1, keepdim=True)
+    sims = u[a] @ u.T  # float64 reference: 1 + competitors strictly closer (no near-tie in this draw)
+    sims[torch.arange(24), a] = -math.inf
+    sims[torch.arange(24), b] = -math.inf
+    assert torch.equal(got, 1 + (sims > (u[a] * u[b]).sum(dim=1, keepdim=True)).sum(dim=1))
+    for scale in (1e30, 1e-30):
+        assert torch.equal(partner_ranks(base * scale, a, b, valid, 2**26), got)

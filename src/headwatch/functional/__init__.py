@@ -51,8 +51,11 @@ from headwatch.functional.neighbors import (
     nearest_neighbours,
     nearest_neighbours_masked,
     pair_cosine,
+    row_max,
+    similarity_chunks,
     synonym_confusion,
     synonym_table,
+    unit_rows,
 )
 from headwatch.functional.quantiles import nanquantiles, quantiles, sorted_quantiles
 from headwatch.functional.rows import (
@@ -200,6 +203,9 @@ __all__ += [
     "check_rows",
     "rate_above",
     "chunk_sizes",
+    "similarity_chunks",
+    "row_max",
+    "unit_rows",
     "logit_stats_compute",
     "logit_stats_update",
     "partner_ranks",

@@ -14,6 +14,7 @@ sources). This module turns them into the numbers a monitor logs:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -32,7 +33,8 @@ from headwatch.functional.drift import (
     unit_row_sum_masked,
 )
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.functional.neighbors import Neighbours, nearest_neighbours, nearest_neighbours_masked, pair_cosine, similarity_chunks
+from headwatch.functional.precision import full_precision
+from headwatch.functional.neighbors import Neighbours, nearest_neighbours, nearest_neighbours_masked, pair_cosine, similarity_chunks, unit_rows
 
 
 class CorrectedCollision(NamedTuple):
@@ -302,9 +304,12 @@ def partner_ranks(
 ) -> Tensor:
     """Rank of ``b[i]`` among the nearest rows of ``a[i]`` by cosine: 1 means nearest.
 
-    ``rank_i = 1 + |{j valid, j != a_i, j != b_i : cos(W_{a_i}, W_j) > cos(W_{a_i}, W_{b_i})}|``
+    ``rank_i = 1 + |{j valid, j != a_i, j != b_i : cos(W_{a_i}, W_j) > cos(W_{a_i}, W_{b_i}) + t}|``
     (ties in ``b``'s favour). Threshold-free: on a planted run it falls as a synonym pair is
-    learned. Exact, by chunked float32 products; memory one ``(P, keys)`` chunk.
+    learned. By chunked float32 products of scale-safe unit rows (any finite scale); memory one
+    ``(P, keys)`` chunk. ``t = 8 sqrt(d) 2^-24`` (3e-6 at d_model 1024) is float32 rounding: two cosines
+    computed by different products may differ by a few ulps where they are equal (an exact copy of
+    ``b``), and such a competitor counts as a tie.
 
     Args:
         rows: ``(V, d)`` (the corrected rows for the corrected rank).
@@ -325,23 +330,24 @@ def partner_ranks(
     a, b = a.to(dev).long(), b.to(dev).long()
     if a.numel() == 0:  # no pair: no chunk to size
         return torch.zeros(0, dtype=torch.long, device=dev)
-    target = pair_cosine(rows, a, b).unsqueeze(1)  # (P, 1)
-    tiny = torch.finfo(torch.float32).tiny
+    target = pair_cosine(rows, a, b).unsqueeze(1)  # (P, 1), scale-safe
+    # float32 rounding: a competitor's cosine and the partner's, computed by different products, may differ by a
+    # few ulps where they are equal (an exact copy of the partner); up to this much above counts as a tie
+    tie = 8 * math.sqrt(rows.shape[1]) * 2.0**-24
     V = rows.shape[0]  # every row a key, those not valid masked: nothing selected by value (no host sync)
     qc, kc = similarity_chunks(a.numel(), V, rows.shape[1], max_chunk_bytes, dev)
     above = torch.zeros(a.numel(), dtype=torch.long, device=dev)
-    for k0 in range(0, V, kc):
-        w = rows.detach()[k0 : k0 + kc].float()
-        ids = torch.arange(k0, k0 + w.shape[0], device=dev)
-        w = w / torch.linalg.vector_norm(w, dim=1, keepdim=True).clamp(min=tiny)  # (k, d)
-        for q0 in range(0, a.numel(), qc):
-            qa, qb = a[q0 : q0 + qc], b[q0 : q0 + qc]
-            q = rows.detach().index_select(0, qa).float()
-            q = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp(min=tiny)  # (q, d)
-            sims = q @ w.T  # (q, k)
-            mine = (ids.unsqueeze(0) == qa.unsqueeze(1)) | (ids.unsqueeze(0) == qb.unsqueeze(1))
-            sims.masked_fill_(mine | ~valid[k0 : k0 + w.shape[0]].unsqueeze(0), float("-inf"))
-            above[q0 : q0 + qc] += (sims > target[q0 : q0 + qc]).sum(dim=1)
+    with full_precision(dev):
+        for k0 in range(0, V, kc):
+            w = unit_rows(rows[k0 : k0 + kc])  # (k, d), scale-safe (a plain norm overflows at 1e20, underflows at 1e-20)
+            ids = torch.arange(k0, k0 + w.shape[0], device=dev)
+            for q0 in range(0, a.numel(), qc):
+                qa, qb = a[q0 : q0 + qc], b[q0 : q0 + qc]
+                q = unit_rows(rows.index_select(0, qa))  # (q, d)
+                sims = q @ w.T  # (q, k)
+                mine = (ids.unsqueeze(0) == qa.unsqueeze(1)) | (ids.unsqueeze(0) == qb.unsqueeze(1))
+                sims.masked_fill_(mine | ~valid[k0 : k0 + w.shape[0]].unsqueeze(0), float("-inf"))
+                above[q0 : q0 + qc] += (sims > target[q0 : q0 + qc] + tie).sum(dim=1)
     return above + 1
 
 

@@ -119,6 +119,15 @@ def _normalise_rows_(rows: Tensor) -> Tensor:
     return torch.isfinite(norms.squeeze(1)) & torch.isfinite(scale.squeeze(1))
 
 
+def unit_rows(rows: Tensor) -> Tensor:
+    """A float32 copy of ``(n, d_model)`` ``rows``, each divided by its L2 norm, scale-safe: entries from 1e-38 to
+    3e38 keep their direction (each row is first divided by its largest absolute entry, so the squares neither
+    overflow nor underflow). Zero rows stay zero; rows holding NaN or inf become NaN."""
+    out = rows.detach().to(torch.float32, copy=True)
+    _normalise_rows_(out)
+    return out
+
+
 @torch.no_grad()
 def nearest_neighbours(
     matrix: Tensor,
