@@ -338,12 +338,12 @@ def partner_ranks(
     qc, kc = similarity_chunks(a.numel(), V, rows.shape[1], max_chunk_bytes, dev)
     above = torch.zeros(a.numel(), dtype=torch.long, device=dev)
     with full_precision(dev):
-        for k0 in range(0, V, kc):
-            w = unit_rows(rows[k0 : k0 + kc])  # (k, d), scale-safe (a plain norm overflows at 1e20, underflows at 1e-20)
-            ids = torch.arange(k0, k0 + w.shape[0], device=dev)
-            for q0 in range(0, a.numel(), qc):
-                qa, qb = a[q0 : q0 + qc], b[q0 : q0 + qc]
-                q = unit_rows(rows.index_select(0, qa))  # (q, d)
+        for q0 in range(0, a.numel(), qc):  # the pairs usually fit one chunk: every key chunk normalised once
+            qa, qb = a[q0 : q0 + qc], b[q0 : q0 + qc]
+            q = unit_rows(rows.index_select(0, qa))  # (q, d), scale-safe (a plain norm overflows at 1e20, underflows at 1e-20)
+            for k0 in range(0, V, kc):
+                w = unit_rows(rows[k0 : k0 + kc])  # (k, d)
+                ids = torch.arange(k0, k0 + w.shape[0], device=dev)
                 sims = q @ w.T  # (q, k)
                 mine = (ids.unsqueeze(0) == qa.unsqueeze(1)) | (ids.unsqueeze(0) == qb.unsqueeze(1))
                 sims.masked_fill_(mine | ~valid[k0 : k0 + w.shape[0]].unsqueeze(0), float("-inf"))

@@ -282,10 +282,8 @@ def pair_cosine(matrix: Tensor, a: Tensor, b: Tensor) -> Tensor:
     if a.shape != b.shape or a.ndim != 1:
         raise HeadwatchError(f"expected two 1-D id tensors of the same length, got {tuple(a.shape)} and {tuple(b.shape)}")
     with full_precision(matrix.device):
-        wa = matrix.detach().index_select(0, a.to(matrix.device).long()).float()  # (P, d), a copy
-        wb = matrix.detach().index_select(0, b.to(matrix.device).long()).float()
-        _normalise_rows_(wa)
-        _normalise_rows_(wb)
+        wa = unit_rows(matrix.index_select(0, a.to(matrix.device).long()))  # (P, d)
+        wb = unit_rows(matrix.index_select(0, b.to(matrix.device).long()))
         return torch.linalg.vecdot(wa, wb).clamp(-1.0, 1.0)
 
 
