@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint  # noqa: 
 import torch  # noqa: E402
 
 from headwatch import GradientDensityMonitor, LogitStatsMonitor, SynonymCollisionMonitor, TokenFrequency  # noqa: E402
-from headwatch.integrations.lightning import published_steps  # noqa: E402
+from headwatch.integrations.lightning import HeadwatchDriver  # noqa: E402
 from tests.helpers import TinyCausalLM, loader, shutdown_distributed  # noqa: E402
 
 MONITORS = {"logits": "headwatch/logits/", "grad": "headwatch/grad/", "tokens": "headwatch/tokens/", "collision": "headwatch/collision/"}
@@ -50,7 +50,8 @@ class Recorder(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step - 1
         self.steps[step] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("headwatch/")}
-        last = published_steps(trainer)
+        (driver,) = [cb for cb in trainer.callbacks if isinstance(cb, HeadwatchDriver)]
+        last = driver.published
         self.published[step] = sorted({v for k, v in last.items() if k.startswith("headwatch/logits/")})
 
 

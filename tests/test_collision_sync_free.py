@@ -12,7 +12,7 @@ import torch
 
 from headwatch import HeadwatchError
 from headwatch.core.monitor import Media
-from headwatch.core.orchestrator import to_host
+from headwatch.core.publish import to_host
 from headwatch.functional.collision import sample_mask, top_colliding_pairs_fixed
 from headwatch.functional.drift import principal_directions_masked
 from headwatch.functional.drift_pairs import corrected_collision_masked

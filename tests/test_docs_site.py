@@ -142,7 +142,7 @@ def test_the_reference_has_one_row_per_declaration_with_its_fields():
         "all; `val`: Lightning, HF",
     ]
     assert rows["headwatch/rl/temperature"][3:] == ["logging steps of an RL run (GRPO, RLOO)", "HF"]
-    assert rows["headwatch/grad/tying"][4] == "Lightning"
+    assert rows["headwatch/grad/tying"][4] == "all"
     assert rows["headwatch/collision/val/synonym_confusion_rate"][3:] == [
         "each validation epoch or evaluation (`synonym_groups=`)", "Lightning, HF"
     ]
@@ -292,7 +292,7 @@ def test_doors_of_validation_names_and_overrides():
     assert names.doors_of(entropy, "val/logits/entropy") == ("lightning", "hf")  # the plain loop has no validation
     assert names.doors_of(by_pattern["rl/temperature"]) == ("hf",)
     assert names.doors_of(by_pattern["check/entropy_gap"]) == ("hf",)
-    assert names.doors_of(by_pattern["grad/tying"]) == ("lightning",)
+    assert names.doors_of(by_pattern["grad/tying"]) == ("lightning", "hf", "loop")
     assert names.steps_of(by_pattern["collision/synonym_pairs"]) == "collision steps (`synonym_groups=`)"
     assert names.steps_of(by_pattern["collision/nn_similarity_{m}"]) == "collision steps (`figures=`)"
     assert names.steps_of(by_pattern["grad/row_norm_vs_frequency"]) == "figure steps"

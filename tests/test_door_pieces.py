@@ -3,8 +3,8 @@
 - :class:`headwatch.alerts.feed.LoggedFeed`: each published value evaluated once, the dataloader's value read;
 - :mod:`headwatch.alerts.wiring`: rules made an engine, evaluations fed with the trainer's numbers, state;
 - :class:`headwatch.model.hooks.InputsHook`: a positional ``input_ids``, one model at a time;
-- :func:`headwatch.core.orchestrator.loader_rows_kept` against the sampler's own index list;
-- :mod:`headwatch.core.checkpoint`: the state file written, read back, missing, truncated.
+- :func:`headwatch.integrations.lightning.door.loader_rows_kept` against the sampler's own index list;
+- :mod:`headwatch.integrations.hf_checkpoint`: the state file written, read back, missing, truncated.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 from headwatch.alerts import AlertEngine, CollapseRules
 from headwatch.alerts.feed import LoggedFeed
 from headwatch.alerts.wiring import load_alert_state, observe, wire_alert, with_alert_state
-from headwatch.core.checkpoint import STATE_NAME, load_state_file, save_state_file
+from headwatch.integrations.hf_checkpoint import STATE_NAME, load_state_file, save_state_file
 from headwatch.core.monitor import FailurePolicy
-from headwatch.core.orchestrator import loader_rows_kept
+from headwatch.integrations.lightning.door import loader_rows_kept
 from headwatch.model.hooks import InputsHook
 
 E, K = "headwatch/logits/entropy", "headwatch/logits/kl_to_uniform"

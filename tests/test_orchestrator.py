@@ -18,7 +18,9 @@ import headwatch
 from headwatch import HeadwatchError
 from headwatch.core import GradientDensity, LogitStats, SynonymCollision, TokenCounts
 from headwatch.core.monitor import Media, Monitor
-from headwatch.core.orchestrator import MONITOR_NAMES, Driver, Orchestrator, build_monitors, to_host
+from headwatch.core.build import MONITOR_NAMES, build_monitors
+from headwatch.core.orchestrator import Driver, Orchestrator
+from headwatch.core.publish import to_host
 from tests.helpers import TinyCausalLM, loader
 
 

@@ -140,6 +140,11 @@ def test_plain_loop_quickstart(offline, capsys):
     assert 0.0 <= values["headwatch/logits/entropy"] <= math.log(V)
     printed = capsys.readouterr().out
     assert re.search(r"^1 entropy \d\.\d{3} nats$", printed, re.M) and re.search(r"^3 entropy \d\.\d{3} nats$", printed, re.M)
+    # the with block's end is the run's end event: the end-of-training summary, with the last step's figures
+    hw = namespace["hw"]
+    assert "headwatch: training ended at step 3" in printed and hw.summary.text in printed
+    assert hw.summary.figures["target_nll"] == values["headwatch/logits/target_nll"]
+    assert hw.summary.figures["entropy_last"] == values["headwatch/logits/entropy"]
     written = scalars(offline / "runs" / "loop", "headwatch/logits/entropy")  # closed writer: on disk
     assert sorted(written) == [1, 3]
     assert written[3] == pytest.approx(values["headwatch/logits/entropy"], rel=1e-6)

@@ -399,7 +399,8 @@ def test_row_rules_keep_every_real_row_exactly_once(world):
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
-    from headwatch.core.orchestrator import eval_rows_kept, sampler_rows_kept
+    from headwatch.integrations.hf_support import eval_rows_kept
+    from headwatch.integrations.lightning.door import sampler_rows_kept
 
     for n in range(1, 14):
         for bs in (1, 2, 3):

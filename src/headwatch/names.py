@@ -182,7 +182,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("check/mismatch", "", "self-check: 1 when a gap is beyond its tolerance (or NaN while the reference is finite), else 0", _L),
     Metric("check/vanished_gradient", "",
            "self-check: 1 when the head's gradient is all zero (or an untied softmax head's row density is below 1) "
-           "next to a finite, positive loss, else 0", _L),
+           "next to a finite, positive loss, else 0; the head's row densities are then withheld", _L),
+    Metric("check/withheld", "count",
+           "figures of the step withheld on every process, decided from values reduced over processes (a vanished "
+           "gradient's row densities); 0 when none", _L),
     # ---- gradients
     Metric("grad/{flow}_row_density", "fraction", "|{i valid : G_i != 0}| / |valid|", _G),
     Metric("grad/{flow}_row_norm_{stat}", "gradient units", "statistics of ||G_i||_2 over valid rows", _G, readme="headwatch/grad/<flow>_row_norm_{mean,max,p50,p95}"),
@@ -199,7 +202,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("grad/{flow}_row_norm_histogram", "gradient units", "histogram of per-row gradient norms", _G, kind="histogram"),
     Metric("grad/row_norm_vs_frequency", "", "image: row norm vs frequency rank, log-log", _G, kind="image"),
     Metric("grad/tying", "", "text: whether and how the matrices are tied", _G, kind="text",
-           steps="once, when the callback attaches for `fit`", doors=("lightning",)),
+           steps="the first gradient logging step of a run, and again when it changes"),
     # ---- tokens
     Metric("tokens/seen_fraction", "fraction", "valid tokens seen at least once / valid tokens", _T),
     Metric("tokens/total", "count", "tokens counted, all processes", _T),

@@ -25,6 +25,13 @@ runs, so the rule holds for compiled models too, whose forwards are replayed aft
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from headwatch.model.batch import BatchFormat
 from headwatch.model.capture import in_generation
 
 NOT_LOSS_REASONS = {
@@ -65,3 +72,25 @@ def skipped_in_training(training: bool, grad_enabled: bool) -> str | None:
     if training and grad_enabled:
         return None
     return "generation" if in_generation() else "no_grad"
+
+
+def keep_rows(batch: Any, rows: int, batch_format: BatchFormat) -> Any | None:
+    """``batch`` with its rows from ``rows`` on marked as no prediction (``attention_mask`` 0, labels
+    ``ignore_index``), for the monitors only (the model keeps its batch); None when ``batch`` is not a
+    mapping holding ``input_ids`` (it cannot be marked)."""
+    if not isinstance(batch, Mapping) or not isinstance(batch.get(batch_format.ids_key), Tensor):
+        return None
+    ids = batch[batch_format.ids_key]
+    if rows >= ids.shape[0]:
+        return batch
+    out = dict(batch)
+    mask = batch.get(batch_format.mask_key)
+    mask = torch.ones(ids.shape[:2], dtype=torch.long, device=ids.device) if not isinstance(mask, Tensor) else mask.clone()
+    mask[rows:] = 0
+    out[batch_format.mask_key] = mask
+    labels = batch.get(batch_format.labels_key)
+    if isinstance(labels, Tensor):
+        labels = labels.clone()
+        labels[rows:] = batch_format.ignore_index
+        out[batch_format.labels_key] = labels
+    return out

@@ -65,6 +65,8 @@ class GradientDensity(Monitor):
         self.figure_every = figure_every
         self.tied = False
         self.tying_text = ""
+        self.tying_published = ""
+        """The ``grad/tying`` text last put in :attr:`media` (it is published again when it changes)."""
         self._head: nn.Module | None = None
         self._emb: nn.Module | None = None
         self.matrices: Matrices | None = None
@@ -214,6 +216,7 @@ class GradientDensity(Monitor):
         self.media.histograms.clear()
         self.media.figures.clear()
         self.media.host.clear()
+        self.media.texts.clear()
         try:
             scalars = dict(self._pending)
             with self.full_matrices([self._head, self._emb]):  # FSDP1: a collective, entered on every process
@@ -223,6 +226,8 @@ class GradientDensity(Monitor):
                 self.logged_steps += 1
                 if self.log_histogram:
                     self.media.histograms.update(self._histograms)
+                if self.tying_text != self.tying_published and self.reducer.rank == 0:  # the first measurement after attach
+                    self.media.texts[f"{self.prefix}/grad/tying"] = self.tying_published = self.tying_text
                 if self.figure_every > 0 and (step + 1) % self.figure_every == 0 and self.reducer.rank == 0:
                     try:  # rank zero only: a figure that fails loses the figure, not the scalars
                         self._norm_figure()
@@ -234,10 +239,15 @@ class GradientDensity(Monitor):
 
     # ---------------------------------------------------------------- math
     def _matrices(self) -> dict[str, Tensor]:
-        """The distinct effective matrices (float32): ``shared`` when tied, ``embedding`` and ``head`` when not."""
+        """The distinct effective matrices that train (float32): ``shared`` when tied, ``embedding`` and ``head``
+        when not. A matrix frozen at attach (or since: :meth:`_trainability_changed` resolves again) is left out,
+        so nothing is published for it (the key-set rule: decided from the configuration, the same on every rank)."""
+        trains = {role: state.trains for role, state in self.matrices.trains.items()} if self.matrices is not None else {}
         if self.tied:
-            return {"shared": effective_weight(self._head)}  # type: ignore[arg-type]
-        return {"embedding": effective_weight(self._emb), "head": effective_weight(self._head)}  # type: ignore[arg-type]
+            both = trains.get("head", True) or trains.get("embedding", True)
+            return {"shared": effective_weight(self._head)} if both else {}  # type: ignore[arg-type]
+        matrices = {"embedding": self._emb, "head": self._head}
+        return {name: effective_weight(m) for name, m in matrices.items() if trains.get(name, True)}  # type: ignore[arg-type]
 
     def _captured(self, capture: LookupFlowCapture | HeadFlowCapture | None, loss_scale: float | Tensor | None) -> Any:
         """A capture's ``(V, d)`` gradient, unscaled and averaged like ``.grad``; None when absent on any rank."""
@@ -418,7 +428,7 @@ class GradientDensity(Monitor):
     def _matrix_of(self, flow: str) -> Tensor:
         """The matrix whose gradient ``flow`` is (``embedding``: the input embedding's; else the head's)."""
         matrices = self._matrices()
-        return matrices.get(flow, matrices.get("head", next(iter(matrices.values()))))
+        return matrices.get(flow, matrices.get("head", matrices.get("shared", effective_weight(self._head))))  # type: ignore[arg-type]
 
     def _update_stats(self) -> dict[str, Tensor]:
         u = f"{self.prefix}/update"
@@ -491,6 +501,7 @@ class GradientDensity(Monitor):
         """A new run: the counters and the step in progress (its captures and snapshots) emptied."""
         super().reset()
         self._reset_step()
+        self.tying_published = ""  # a new run (a new log) says it again
 
 
 def _compiles_a_member(compiled: list[str], members: list[str]) -> bool:

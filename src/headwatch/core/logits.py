@@ -65,6 +65,8 @@ class LogitStats(Monitor):
         HeadwatchError: an invalid argument (checked here, whatever the front door).
     """
 
+    validation_media = True  # the validation entropy histogram
+
     name = "logits"
 
     def __init__(

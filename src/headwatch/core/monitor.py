@@ -160,6 +160,9 @@ class Monitor(FailurePolicy):
     """Short name used in messages."""
     every_factor = 1
     """Default schedule: this many times the engine's logging interval."""
+    validation_media = False
+    """Whether an evaluation's publication carries this monitor's media (its own validation histograms); else
+    only its values are published at an evaluation (its media are those of its last training measurement)."""
 
     def __init__(self, prefix: str = "headwatch", strict: bool = False, batch_format: BatchFormat | None = None) -> None:
         self.prefix = check_prefix(prefix)
@@ -219,6 +222,12 @@ class Monitor(FailurePolicy):
 
     def published(self, numbers: dict[str, float]) -> None:
         """The front door published these values (as floats, after its one host sync): warnings, totals."""
+
+    def withheld(self, numbers: dict[str, float]) -> dict[str, str]:
+        """Names of this step's figures to withhold, with the cause, decided from ``numbers`` (the step's values on the
+        host, before they are published). Read only values reduced over processes (the same on every rank): every
+        rank then withholds the same figures (the key-set rule). Default: none."""
+        return {}
 
     def train_epoch_end(self, step: int) -> bool:
         """The training epoch ended at step ``step``; True when the monitor wants a :meth:`compute` now."""

@@ -25,22 +25,20 @@ events into calls here. The orchestrator owns:
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from headwatch.core.collision import SynonymCollision
-from headwatch.core.figures import resolve_figure_interval
-from headwatch.core.forwards import not_loss_forward, skipped_in_training
+from headwatch.core.build import build_monitors, set_figures
+from headwatch.core.forwards import keep_rows, not_loss_forward, skipped_in_training
 from headwatch.core.frequency import TokenCounts
-from headwatch.core.gradients import GradientDensity
 from headwatch.core.logits import LogitStats
+from headwatch.core.monitor import FailurePolicy, Monitor, compute_due, whole_matrices
+from headwatch.core.publish import Sink, named_evaluation, to_host
 from headwatch.core.rl import drop_reference, rl_scalars
-from headwatch.core.monitor import FailurePolicy, Media, Monitor, compute_due, whole_matrices
 from headwatch.core.schedule import Schedule
 from headwatch.core.self_check import SelfCheck
 from headwatch.distributed.fsdp1 import unwrapped
@@ -57,182 +55,6 @@ from headwatch.errors import (
     check_sequence,
 )
 from headwatch.model.batch import BatchFormat
-
-MONITOR_NAMES: dict[str, type[Monitor]] = {
-    "logits": LogitStats,
-    "gradients": GradientDensity,
-    "tokens": TokenCounts,
-    "collision": SynonymCollision,
-}
-"""The names a front door accepts in ``monitors=`` (default: all four)."""
-
-
-@runtime_checkable
-class Sink(Protocol):
-    """Where a front door's values go: called once per logging step, on every rank, after the one host transfer.
-
-    ``numbers``: full names -> floats; ``media``: the due monitors' histograms (on the host), texts and
-    figures; ``val``: the values of an evaluation. A sink writes what its rank writes (media on rank
-    zero) and flushes its writers once.
-    """
-
-    def publish(self, numbers: dict[str, float], media: list[Media], step: int, val: bool) -> None: ...
-
-
-def build_monitors(monitors: Sequence[Monitor | str] | None, batch_format: BatchFormat | None, prefix: str) -> list[Monitor]:
-    """Monitors from names (:data:`MONITOR_NAMES`) or core objects; those that need token counts share one.
-
-    Raises:
-        HeadwatchError: an entry that is neither a core monitor nor one of :data:`MONITOR_NAMES`.
-    """
-    if isinstance(monitors, (str, Monitor)):
-        monitors = [monitors]
-    if monitors is None:
-        items: list[Any] = ["tokens", "logits", "gradients", "collision"]
-    else:
-        what = f"core monitors or names among {sorted(MONITOR_NAMES)}"
-        items = check_sequence("monitors", monitors, what, lambda m: isinstance(m, Monitor) or m in MONITOR_NAMES)
-    counts = next((m for m in items if isinstance(m, TokenCounts)), None)
-    needs_counts = ("tokens", "gradients", "collision")
-    if counts is None and any(m in needs_counts or isinstance(m, (GradientDensity, SynonymCollision)) for m in items):
-        counts = TokenCounts(prefix=prefix, batch_format=batch_format)
-    built: list[Monitor] = [counts] if counts is not None else []
-    for m in items:
-        if m == "tokens" or m is counts:
-            continue
-        if isinstance(m, str):
-            cls = MONITOR_NAMES[m]
-            if cls in (GradientDensity, SynonymCollision):
-                m = cls(frequency=counts, prefix=prefix)
-            elif cls is LogitStats:  # counts, when kept, give the calibration's target buckets
-                m = cls(prefix=prefix, batch_format=batch_format, frequency=counts)
-            else:
-                m = cls(prefix=prefix, batch_format=batch_format)
-            if batch_format is not None:
-                m.batch_format = batch_format
-        elif getattr(m, "frequency", counts) is None:
-            m.frequency = counts  # type: ignore[attr-defined]
-        built.append(m)
-    return built
-
-
-def set_figures(monitors: Sequence[Monitor], figure_every_n_steps: int | str | None) -> None:
-    """Set the figure interval of configured monitors (``"auto"``: 10 of each monitor's logging intervals
-    when matplotlib is installed; see :func:`headwatch.core.figures.resolve_figure_interval`).
-
-    ``LogitStats`` and ``GradientDensity`` draw every ``figure_every`` steps; ``SynonymCollision``
-    draws at each of its measurements when the interval is not 0.
-
-    Raises:
-        HeadwatchError: an explicit interval without matplotlib, or a bad value.
-    """
-    for m in monitors:
-        interval = resolve_figure_interval(figure_every_n_steps, m.schedule.every)
-        if isinstance(m, (LogitStats, GradientDensity)):
-            m.figure_every = interval
-        elif isinstance(m, SynonymCollision):
-            m.draw_figures = interval > 0
-
-
-def to_host(scalars: dict[str, Tensor | float], media: Sequence[Media] = ()) -> dict[str, float]:
-    """Scalars as Python floats and every histogram of ``media`` on the host, in ONE device-to-host transfer.
-
-    The scalars are stacked (float64) and concatenated with the flattened histogram values; the
-    one ``.cpu()`` of that buffer is the logging step's host-device sync. Histograms are replaced
-    in place by float64 CPU tensors of their original shape, the ``host`` tensors (read by the
-    monitors' ``published``) by CPU tensors of their original shape and dtype.
-    """
-    hist = [(m.histograms, tag, v, False) for m in media for tag, v in m.histograms.items() if isinstance(v, Tensor)]
-    hist += [(m.host, tag, v, True) for m in media for tag, v in m.host.items() if isinstance(v, Tensor)]
-    on_device = [k for k, v in scalars.items() if isinstance(v, Tensor)]
-    numbers = {k: float(v) for k, v in scalars.items() if not isinstance(v, Tensor)}  # Python numbers: no transfer
-    tensors = [scalars[k] for k in on_device] + [v for _, _, v, _ in hist]
-    if tensors:
-        devices = [t.device for t in tensors if t.device.type != "cpu"]
-        device = devices[0] if devices else torch.device("cpu")
-        parts = [scalars[k].detach().to(device=device, dtype=torch.float64).reshape(1) for k in on_device]
-        parts += [v.detach().to(device=device, dtype=torch.float64).reshape(-1) for _, _, v, _ in hist]
-        flat = torch.cat(parts).cpu()  # the one host transfer
-        numbers.update(zip(on_device, flat[: len(on_device)].tolist()))
-        offset = len(on_device)
-        for where, tag, v, own_dtype in hist:  # histograms float64; `host` tensors their own dtype (ids < 2**53 exact)
-            moved = flat[offset : offset + v.numel()].reshape(v.shape)
-            where[tag] = moved.to(v.dtype) if own_dtype else moved
-            offset += v.numel()
-    numbers = {k: numbers[k] for k in scalars}  # the scalars' order
-    return numbers
-
-
-def eval_rows_kept(rows: int, rank: int, remainder: int) -> int:
-    """How many of this process's ``rows`` rows of an evaluation's LAST batch are real, not repeats.
-
-    A distributed sampler that evens out the last batch (accelerate's ``even_batches``, the Hugging
-    Face Trainer's default) repeats rows of the data set; ``Accelerator.gather_for_metrics`` keeps
-    the first ``remainder`` rows (``len(dataset) % total_batch_size``) of the rank-ordered gathered
-    batch and drops the rest. The same rows are kept here: on rank ``rank``, the first
-    ``clamp(remainder - rank * rows, 0, rows)``. ``remainder <= 0``: every row is real.
-    """
-    if remainder <= 0:
-        return rows
-    return max(0, min(rows, remainder - rank * rows))
-
-
-def sampler_rows_kept(start: int, rows: int, rank: int, world: int, total: int) -> int:
-    """How many of the ``rows`` rows from local position ``start`` of a ``torch.utils.data.DistributedSampler``
-    (``drop_last=False``) are real: the sampler pads its index list to a multiple of ``world`` with repeats
-    and rank ``rank`` takes positions ``rank, rank + world, ...``, so its local position ``j`` is a repeat when
-    ``rank + j * world >= total`` (Lightning's validation sampler under DDP). The repeats are the last ones."""
-    real_here = max(0, (total - rank + world - 1) // world)
-    return max(0, min(rows, real_here - start))
-
-
-def loader_rows_kept(loader: Any, batch: Any, batch_idx: int, ids_key: str = "input_ids") -> int | None:
-    """The real rows of batch ``batch_idx`` of ``loader`` when its sampler is a ``DistributedSampler`` that pads
-    (``drop_last=False``, several replicas; Lightning's validation sampler under DDP): :func:`sampler_rows_kept`
-    for the batch's rows (those of ``batch[ids_key]``, else the loader's ``batch_size``); None (all real) for
-    any other loader or sampler."""
-    from torch.utils.data import DistributedSampler
-
-    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    size = getattr(loader, "batch_size", None)
-    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or not isinstance(size, int) or sampler.num_replicas <= 1:
-        return None
-    ids = batch.get(ids_key) if isinstance(batch, dict) else None
-    rows = int(ids.shape[0]) if isinstance(ids, Tensor) else size
-    return sampler_rows_kept(batch_idx * size, rows, sampler.rank, sampler.num_replicas, len(sampler.dataset))
-
-
-def keep_rows(batch: Any, rows: int, batch_format: BatchFormat) -> Any | None:
-    """``batch`` with its rows from ``rows`` on marked as no prediction (``attention_mask`` 0, labels
-    ``ignore_index``), for the monitors only (the model keeps its batch); None when ``batch`` is not a
-    mapping holding ``input_ids`` (it cannot be marked)."""
-    if not isinstance(batch, Mapping) or not isinstance(batch.get(batch_format.ids_key), Tensor):
-        return None
-    ids = batch[batch_format.ids_key]
-    if rows >= ids.shape[0]:
-        return batch
-    out = dict(batch)
-    mask = batch.get(batch_format.mask_key)
-    mask = torch.ones(ids.shape[:2], dtype=torch.long, device=ids.device) if not isinstance(mask, Tensor) else mask.clone()
-    mask[rows:] = 0
-    out[batch_format.mask_key] = mask
-    labels = batch.get(batch_format.labels_key)
-    if isinstance(labels, Tensor):
-        labels = labels.clone()
-        labels[rows:] = batch_format.ignore_index
-        out[batch_format.labels_key] = labels
-    return out
-
-
-def named_evaluation(numbers: dict[str, float], media: Sequence[Media], name: str | None, prefix: str) -> dict[str, float]:
-    """The values of an evaluation the trainer names ``name`` (None: its default one): every validation name
-    under ``<prefix>/val/`` gets the suffix ``/<name>``, media tags too (in place). Other names are kept."""
-    if name is None:
-        return numbers
-    val = f"{prefix}/val/"
-    for m in media:
-        m.histograms = {(f"{k}/{name}" if k.startswith(val) else k): v for k, v in m.histograms.items()}
-    return {(f"{k}/{name}" if k.startswith(val) else k): v for k, v in numbers.items()}
 
 
 class _RunPolicy(FailurePolicy):
@@ -321,6 +143,12 @@ class Orchestrator:
         """The training step in progress (0-based), None outside one."""
         self.logging: list[Monitor] = []
         """The monitors measuring the step in progress."""
+        self.every = 0
+        """The run's logging interval in steps (:meth:`configure`; 0: no training logging step)."""
+        self.logging_step = False
+        """Whether the step in progress is a logging step of the run (:meth:`is_logging_step`)."""
+        self.ended = False
+        """Whether :meth:`end_run` was called for this run."""
         self._started = False  # the current micro-batch's first training forward was seen
         self._val_started = False  # the current evaluation batch's loss forward was seen
         self._loss_inputs: Any = None  # the inputs of the loss being computed (loss_inputs), labels included
@@ -337,6 +165,7 @@ class Orchestrator:
         """Each monitor measures every ``every_factor * every`` steps (0: never); ``figure_every_n_steps`` for
         the monitors built from names (None: leave them)."""
         check_int("every", every, minimum=0)
+        self.every = every
         if reducer is not None:
             self.reducer = self.check.reducer = reducer
         for m in self.monitors:
@@ -450,6 +279,7 @@ class Orchestrator:
         them (the checkpoint's state is loaded after this). Failures follow the failure policy.
         """
         self.step, self.logging, self._started, self._val_started = None, [], False, False
+        self.logging_step, self.ended = False, False
         if resumed:
             return
         self.latest.clear()
@@ -466,6 +296,8 @@ class Orchestrator:
         try:
             yield
         except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            if getattr(err, "strict", False) is True:  # a strict part of the run raised on purpose
+                raise
             if self.policy.strict or any(m.strict for m in self.all_monitors):
                 raise HeadwatchError(f"headwatch failed while {where}: {type(err).__name__}: {err}") from err
             self.policy.failures += 1
@@ -509,11 +341,18 @@ class Orchestrator:
         """The monitors that measure step ``step``; ``first``: the door also logs step 0 (``logging_first_step``)."""
         return [m for m in self.monitors if m.schedule.is_logging_step(step) or (first and step == 0)]
 
+    def is_logging_step(self, step: int, first: bool = False) -> bool:
+        """Whether step ``step`` is a logging step of the run: ``(step + 1) % every == 0`` for the run's interval
+        (:meth:`configure`), or step 0 with ``first``. Its sinks hear from every logging step (:class:`Sink`), also
+        when no monitor measures it; each monitor measures on its own schedule (:meth:`due`)."""
+        return Schedule(self.every).is_logging_step(step) or (first and step == 0)
+
     def begin_step(self, step: int, first: bool = False) -> None:
         """A training step starts (before its first micro-batch): fixes which monitors measure it."""
         new = step != self.step  # Lightning begins each micro-batch of a step: the check keeps the step's figures
         self.step, self._started = step, False
         self.logging = self.due(step, first)
+        self.logging_step = self.is_logging_step(step, first)
         if new:
             self.begin_check()
 
@@ -599,8 +438,9 @@ class Orchestrator:
     def end_step(self, step: int | None = None) -> dict[str, float]:
         """The training step ended (after the optimizer step): publish the due monitors' values."""
         step = self.step if step is None else step
-        due, self.logging, self.step = self.logging, [], None
-        return self.emit(due, step if step is not None else 0)
+        due, publish = self.logging, self.logging_step or bool(self.logging)
+        self.logging, self.logging_step, self.step = [], False, None
+        return self.emit(due, step if step is not None else 0, always=publish)
 
     def epoch_end(self, step: int, at: int | None = None) -> dict[str, float]:
         """The training epoch ended at step ``step``: publish the monitors that measure at epoch ends (at
@@ -641,7 +481,7 @@ class Orchestrator:
         published names get the suffix ``/<name>`` (:func:`named_evaluation`). Returns the values under
         the monitors' names (without the suffix).
         """
-        return self.emit(list(self.monitors if monitors is None else monitors), step, val=True, name=name)
+        return self.emit(list(self.monitors if monitors is None else monitors), step, val=True, name=name, always=True)
 
     # ---------------------------------------------------------------- publishing
     def compute(self, due: Sequence[Monitor], val: bool = False) -> tuple[dict[str, float], list[Monitor]]:
@@ -662,12 +502,29 @@ class Orchestrator:
         except Exception as err:  # noqa: BLE001
             ok[0].fail(err, "moving the values to the host")
             return {}, []
+        numbers = self.withhold(numbers, ok, val)
         self.each("publishing the values", lambda m: m.published(numbers), ok)
         if not val:
             self.self_check_published(numbers)
             if self.sampling_temperature is not None and self.rl_start is None:
                 self.rl_start = drop_reference(numbers, self.prefix)  # the run's first RL logging step
         return numbers, ok
+
+    def withhold(self, numbers: dict[str, float], ok: Sequence[Monitor], val: bool) -> dict[str, float]:
+        """``numbers`` without the figures withheld on this step (the key-set rule, ``docs/distributed.md``): each
+        published monitor's and, in training, the self-check's ``withheld(numbers)`` name them from values already
+        reduced over processes, so every rank withholds the same ones. With the self-check's values, their count is
+        published as ``check/withheld``."""
+        withheld: dict[str, str] = {}
+        for part in [*ok, *([] if val else [self.check])]:
+            try:
+                withheld.update(part.withheld(numbers))
+            except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+                part.fail(err, "deciding which figures to withhold")
+        kept = {k: v for k, v in numbers.items() if k not in withheld}
+        if not val and f"{self.prefix}/capture/positions" in numbers:
+            kept[f"{self.prefix}/check/withheld"] = float(sum(k in numbers for k in withheld))
+        return kept
 
     def self_check(self, scalars: dict[str, Any], ok: Sequence[Monitor]) -> dict[str, Any]:
         """``scalars`` of a training logging step with the self-check's values added (on the device; a
@@ -684,31 +541,58 @@ class Orchestrator:
         except Exception as err:  # noqa: BLE001
             self.check.fail(err, "warning from the self-check")
 
-    def emit(self, due: Sequence[Monitor], step: int, val: bool = False, name: str | None = None) -> dict[str, float]:
+    def emit(
+        self, due: Sequence[Monitor], step: int, val: bool = False, name: str | None = None, always: bool = False
+    ) -> dict[str, float]:
         """:meth:`compute`, then every sink once (validation names with ``/<name>``, :func:`named_evaluation`);
-        a sink that fails warns once (raises when strict). Returns the values under the monitors' names."""
+        a sink that fails warns once (raises when strict). ``always``: the sinks are called also when nothing was
+        computed (a logging step of the run, an evaluation: :class:`Sink`). Returns the values under the monitors'
+        names."""
         numbers, ok = self.compute(due, val)
-        if not ok:
+        if not ok and not always:
             return {}
-        media = [m.media for m in ok]
+        media = [m.media for m in ok if not val or m.validation_media]
         published = named_evaluation(numbers, media, name, self.prefix)
         self.latest.update(published)
-        for sink in self.sinks:
-            try:
-                sink.publish(published, media, step, val)
-            except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
-                self.sink_failed(sink, err)
+        self.each_sink("publish", lambda sink: sink.publish(published, media, step, val))
         return numbers
 
-    def sink_failed(self, sink: Any, err: Exception) -> None:
-        """A sink could not write: raise when strict, else warn once per sink; the values were computed and
-        are still returned and kept in :attr:`latest`."""
+    def each_sink(self, what: str, call: Callable[[Any], Any], method: str | None = None) -> None:
+        """``call(sink)`` for every sink (those with a method named ``method``, when given); a sink that fails
+        warns once (raises when strict) and the others are still called."""
+        for sink in list(self.sinks):
+            if method is not None and not callable(getattr(sink, method, None)):
+                continue
+            try:
+                call(sink)
+            except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+                self.sink_failed(sink, err, what)
+
+    def end_run(self, step: int) -> None:
+        """Training ended at ``step`` (the door's end event): every sink's ``end(step)`` once (the end-of-training
+        summary, the alert's last deliveries). A second call for the same run does nothing."""
+        if self.ended:
+            return
+        self.ended = True
+        self.each_sink("ending the run", lambda sink: sink.end(step), "end")
+
+    def close(self) -> None:
+        """Release the run's objects: every sink's ``close()``, then every monitor's hooks (their state stays)."""
+        self.each_sink("closing", lambda sink: sink.close(), "close")
+        self.detach()
+
+    def sink_failed(self, sink: Any, err: Exception, what: str = "publish") -> None:
+        """A sink failed (``what``: the call): raise when strict, else warn once per sink; the values were computed
+        and are still returned and kept in :attr:`latest`."""
         where = type(sink).__name__
-        if self.policy.strict or any(m.strict for m in self.monitors):
-            raise HeadwatchError(f"headwatch could not publish through {where}: {type(err).__name__}: {err}") from err
+        verb = "publish through" if what == "publish" else f"finish {what} with"
+        if self.policy.strict or any(m.strict for m in self.monitors) or getattr(sink, "strict", False):
+            error = HeadwatchError(f"headwatch could not {verb} {where}: {type(err).__name__}: {err}")
+            error.strict = True  # type: ignore[attr-defined]  # raised through the door's guard too
+            raise error from err
         self.warn_once(
-            f"sink:{where}",
-            f"headwatch could not publish through {where} ({type(err).__name__}: {err}); training goes on, the values "
+            f"sink:{where}:{what}",
+            f"headwatch could not {verb} {where} ({type(err).__name__}: {err}); training goes on, the values "
             "are still returned and kept in `.latest`. Pass strict=True to raise instead. (warned once)",
         )
 

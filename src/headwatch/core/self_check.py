@@ -354,6 +354,16 @@ class SelfCheck(FailurePolicy):
         return (flag & torch.isfinite(loss) & (loss > 0)).double()
 
     # ---------------------------------------------------------------- after the transfer
+    def withheld(self, numbers: dict[str, float]) -> dict[str, str]:
+        """The figures withheld on a step where the head's gradient vanished (``check/vanished_gradient`` 1, from
+        reduced values): the row densities of the head (or the shared matrix), overall and by bucket, which would
+        read as a measured 0. The flag itself is published."""
+        p = self.prefix
+        if not numbers.get(f"{p}/check/vanished_gradient", 0.0) > 0:
+            return {}
+        cause = "the head's gradient vanished"
+        return {k: cause for k in numbers if k.startswith(f"{p}/grad/") and k.endswith(("head_row_density", "shared_row_density"))}
+
     def published(self, numbers: dict[str, float]) -> None:
         """Warn once per kind (rank zero) from the published floats: a gap beyond tolerance, a vanished gradient."""
         p = self.prefix
@@ -363,15 +373,14 @@ class SelfCheck(FailurePolicy):
             self._warn_mismatch(numbers)
         if get(f"{p}/check/vanished_gradient", 0.0) > 0:
             self.vanished_steps += 1
-            densities = ", ".join(f"{k.rsplit('/', 1)[1]} {numbers[k]:.4g}" for k in (f"{p}/grad/head_row_density", f"{p}/grad/shared_row_density") if k in numbers)
             loss = get(f"{p}/check/reference_nll", get(f"{p}/logits/target_nll", float("nan")))
             self.warn_once(
                 "vanished_gradient",
-                f"headwatch self-check: the output head's gradient VANISHED (row density: {densities}) next to a finite, "
-                f"positive loss ({loss:.4g} nats): a softmax cross-entropy gives every row of the head a gradient. "
-                "Likely causes: a fused loss whose backward returns a zero head gradient, a hook or a `torch.no_grad` "
-                "that cuts the head out of the graph, fp16 underflow without a loss scaler. The densities are what the "
-                f"gradient holds; {p}/check/vanished_gradient is 1 on such steps. (warned once)",
+                f"headwatch self-check: the output head's gradient VANISHED next to a finite, positive loss ({loss:.4g} "
+                "nats): a softmax cross-entropy gives every row of the head a gradient. Likely causes: a fused loss whose "
+                "backward returns a zero head gradient, a hook or a `torch.no_grad` that cuts the head out of the graph, "
+                f"fp16 underflow without a loss scaler. On such steps {p}/check/vanished_gradient is 1 and the head's row "
+                f"densities are withheld (counted in {p}/check/withheld). (warned once)",
             )
 
     def _warn_mismatch(self, numbers: dict[str, float]) -> None:

@@ -11,7 +11,6 @@ from typing import Any
 from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerCallback
 
 from headwatch import tensorboard as tb
-from headwatch.alerts import wiring as alerts
 from headwatch.core.monitor import Media
 from headwatch.errors import HeadwatchError
 
@@ -19,33 +18,18 @@ TB_PREFIX = "train/"
 """What the Trainer's ``TensorBoardCallback`` puts before every logged key (``rewrite_logs``)."""
 
 
-class WritersSink:
-    """The alert's markers and messages in the Trainer's TensorBoard writer, beside its ``train/`` scalars."""
-
-    def __init__(self, callback: Any) -> None:
-        self.callback = callback
-
-    def scalar(self, tag: str, value: float, step: int) -> None:
-        writers = self.callback.writers()
-        tb.write_scalars(writers, {TB_PREFIX + tag: value}, step)
-        tb.flush(writers)
-
-    def text(self, tag: str, text: str, step: int) -> None:
-        writers = self.callback.writers()
-        tb.write_text(writers, TB_PREFIX + tag, text, step)
-        tb.flush(writers)
-
-
 class TrainerSink:
     """The values through ``Trainer.log`` (every ``report_to`` integration, ``log_history``, the console's
-    headline keys), media to the Trainer's TensorBoard writer under ``train/``, then the alert. Media that
-    cannot be written do not keep the values or the alert from the step (their error is raised last)."""
+    headline keys), media to the Trainer's TensorBoard writer under ``train/``. Media that cannot be written do
+    not keep the values from the step (their error is raised last). An empty publication writes nothing."""
 
     def __init__(self, callback: Any) -> None:
         self.callback = callback
 
     def publish(self, numbers: dict[str, float], media: list[Media], step: int, val: bool) -> None:
         cb, trainer = self.callback, self.callback.trainer
+        if not numbers and not media:
+            return
         writers = cb.writers()
         media_error: Exception | None = None
         for m in media:  # before Trainer.log, whose TensorBoardCallback flushes the writer: one flush
@@ -67,7 +51,6 @@ class TrainerSink:
                 "HeadwatchCallback could not find its Trainer; values are only kept in `.latest`. Attach it with "
                 "headwatch.integrations.transformers.attach(trainer, callback). (warned once)",
             )
-        alerts.observe(cb.alert, step, numbers, val, cb._eval_metrics)
         if media_error is not None:  # the orchestrator warns once (raises when strict): only the media were lost
             raise media_error
 

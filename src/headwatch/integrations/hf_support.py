@@ -13,12 +13,11 @@ from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
 from headwatch import tensorboard as tb
-from headwatch.alerts import wiring as alerts
 from headwatch.alerts.actions import JSONL_NAME
-from headwatch.alerts.wiring import load_alert_state, with_alert_state
-from headwatch.core.orchestrator import Driver, eval_rows_kept
-from headwatch.core.trl import understand_trainer
-from headwatch.integrations.hf_publish import TB_PREFIX, WritersSink
+from headwatch.alerts.wiring import load_alert_state, wire_alert as wire_engine, with_alert_state
+from headwatch.core.orchestrator import Driver
+from headwatch.integrations.hf_trl import understand_trainer
+from headwatch.integrations.hf_publish import TB_PREFIX
 from headwatch.model.capture import called_from
 from headwatch.model.hooks import InputsHook
 
@@ -28,6 +27,20 @@ def unwrap(model: nn.Module) -> nn.Module:
     from accelerate.utils import extract_model_from_parallel
 
     return extract_model_from_parallel(model)
+
+
+def eval_rows_kept(rows: int, rank: int, remainder: int) -> int:
+    """How many of this process's ``rows`` rows of an evaluation's LAST batch are real, not repeats.
+
+    A distributed sampler that evens out the last batch (accelerate's ``even_batches``, the Hugging
+    Face Trainer's default) repeats rows of the data set; ``Accelerator.gather_for_metrics`` keeps
+    the first ``remainder`` rows (``len(dataset) % total_batch_size``) of the rank-ordered gathered
+    batch and drops the rest. The same rows are kept here: on rank ``rank``, the first
+    ``clamp(remainder - rank * rows, 0, rows)``. ``remainder <= 0``: every row is real.
+    """
+    if remainder <= 0:
+        return rows
+    return max(0, min(rows, remainder - rank * rows))
 
 
 def find_trainer(callback: TrainerCallback) -> Trainer | None:
@@ -120,9 +133,9 @@ def wire_alert(callback: Any, args: Any) -> None:
     """Build the ``AlertEngine`` of a callback's ``CollapseRules`` (standard actions: console, a marker in the
     Trainer's TensorBoard, ``<output_dir>/headwatch_alerts.jsonl``); decisions through its reducer, rank zero
     runs the main-process actions (:func:`headwatch.alerts.wiring.wire_alert`)."""
-    callback.alert = alerts.wire_alert(
+    callback.alert = wire_engine(
         callback.alert, lambda fired: not callback.reducer.all(not fired), callback.reducer.rank == 0, "HeadwatchCallback alert",
-        sink=WritersSink(callback), prefix=callback.prefix, jsonl_path=Path(args.output_dir) / JSONL_NAME,
+        sink=tb.MarkerSink(callback.writers, TB_PREFIX), prefix=callback.prefix, jsonl_path=Path(args.output_dir) / JSONL_NAME,
         save_checkpoint=callback.save_checkpoint if callback.checkpoint_on_critical else None,
         stop=callback.stop_training if callback.stop_on_critical else None,
     )  # fmt: skip
@@ -183,7 +196,7 @@ class TrainerLink(Driver):
 
     def understand_trainer(self) -> None:
         """TRL's RL trainers: measure the policy's sampling distribution (``docs/rl.md``); TRL trainers the door
-        does not understand: the logit statistics refused with one message (:func:`headwatch.core.trl.understand_trainer`)."""
+        does not understand: the logit statistics refused with one message (:func:`headwatch.integrations.hf_trl.understand_trainer`)."""
         trainer = self.trainer or find_trainer(self)
         if trainer is not None:
             understand_trainer(self.run, trainer)
@@ -209,7 +222,7 @@ class TrainerLink(Driver):
 
     def real_rows(self, batch: dict, training: bool) -> int | None:
         """Evaluation: how many rows of this batch ``gather_for_metrics`` keeps (the last batch of an even
-        distributed split holds repeats; :func:`headwatch.core.orchestrator.eval_rows_kept`); None: all."""
+        distributed split holds repeats; :func:`eval_rows_kept`); None: all."""
         if training or self.run.step is not None:
             return None
         accelerator = getattr(self.trainer, "accelerator", None)

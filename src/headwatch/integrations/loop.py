@@ -9,14 +9,18 @@ from typing import Any
 from torch import Tensor, nn
 
 from headwatch import tensorboard as tb
+from headwatch.alerts.actions import JSONL_NAME
+from headwatch.alerts.wiring import EngineSink, check_alert, is_rules, load_alert_state, wire_alert, with_alert_state
+from headwatch.core.build import set_figures
 from headwatch.core.figures import check_figure_argument
 from headwatch.core.monitor import Monitor
-from headwatch.core.orchestrator import Driver, Orchestrator, set_figures
+from headwatch.core.orchestrator import Driver, Orchestrator
 from headwatch.distributed.reduce import Reducer
-from headwatch.errors import HeadwatchError, check_instance, check_positive_int, check_sequence
+from headwatch.errors import HeadwatchError, check_bool, check_instance, check_positive_int, check_sequence
 from headwatch.model.batch import BatchFormat
+from headwatch.report.summary import SummarySink
 
-__all__ = ["Headwatch", "set_figures"]
+__all__ = ["Headwatch"]
 
 
 class Headwatch(Driver):
@@ -24,19 +28,23 @@ class Headwatch(Driver):
 
     Example::
 
-        hw = Headwatch(model, writer=SummaryWriter("runs/x"), log_every_n_steps=10)
-        for step, batch in enumerate(loader):
-            hw.step_start(batch, step)          # before the forward (each micro-batch)
-            loss = model(**batch).loss
-            loss.backward()
-            hw.before_optimizer_step()          # gradients final (after scaler.unscale_)
-            optimizer.step()
-            hw.after_optimizer_step()
-            optimizer.zero_grad()
-            values = hw.step_end()              # on logging steps: {name: float}, written to the writer
+        with Headwatch(model, writer=SummaryWriter("runs/x"), log_every_n_steps=50) as hw:
+            for step, batch in enumerate(loader):
+                hw.step_start(batch, step)          # before the forward (each micro-batch)
+                loss = model(**batch).loss
+                loss.backward()
+                hw.before_optimizer_step()          # gradients final (after scaler.unscale_)
+                optimizer.step()
+                hw.after_optimizer_step()
+                optimizer.zero_grad()
+                values = hw.step_end()              # on logging steps: {name: float}, written to the writer
+        # leaving the block (or hw.close()) ends the run: the end-of-training summary, the alert's last
+        # deliveries, the hooks removed
 
     or ``with hw.step(batch, step): ...`` around forward, backward and optimizer step
-    (then call :meth:`before_optimizer_step` yourself if you want gradient statistics).
+    (then call :meth:`before_optimizer_step` yourself if you want gradient statistics). Without
+    :meth:`close` (or the ``with`` block) nothing runs at the end of training: no summary, and alerts still
+    in flight to a webhook may not be delivered.
 
     Args:
         model: the model being trained (build it, and ``torch.compile`` it, before or after:
@@ -59,6 +67,14 @@ class Headwatch(Driver):
             ``figure_every`` / ``figures``.
         strict: raise a ``HeadwatchError`` when a monitor fails; default: warn once, skip that
             monitor's values of the step (on every rank alike) and go on training.
+        alert: the collapse alert: a :class:`headwatch.alerts.CollapseRules` (an ``AlertEngine`` is built with
+            the standard actions: console, a marker and the message in the writers, ``headwatch_alerts.jsonl``
+            in the first writer's ``log_dir``, a webhook to ``$HEADWATCH_WEBHOOK_URL`` when set), or any object
+            with ``observe_train(step, metrics)`` / ``observe_val(step, metrics)`` (an ``AlertEngine`` you built:
+            its distributed decision is then taken through the run's reducer). Fed every logging step's values
+            on every rank. A critical alert sets :attr:`should_stop`.
+        summary: print the end-of-training summary at :meth:`close` (rank zero); its text stays in
+            ``hw.summary.text``.
 
     Raises:
         HeadwatchError: a bad argument (``figure_every_n_steps`` > 0 without matplotlib), or the
@@ -76,15 +92,27 @@ class Headwatch(Driver):
         prefix: str = "headwatch",
         figure_every_n_steps: int | str | None = "auto",
         strict: bool = False,
+        alert: Any = None,
+        summary: bool = True,
     ) -> None:
         check_figure_argument(figure_every_n_steps)
         check_instance("model", model, nn.Module)
         check_positive_int("log_every_n_steps", log_every_n_steps)
+        check_alert(alert)
+        check_bool("summary", summary)
         writers = [] if writer is None else list(writer) if isinstance(writer, (list, tuple)) else [writer]
         self.writers = check_sequence("writer", writers, "SummaryWriter objects (with add_scalar)", lambda w: callable(getattr(w, "add_scalar", None)))
         self.run = Orchestrator(monitors, batch_format=batch_format, prefix=prefix, reducer=reducer, strict=strict)
-        self.run.sinks.append(tb.WriterSink(lambda: self.writers if self.run.reducer.rank == 0 else []))
+        self.run.sinks.append(tb.WriterSink(self.rank_writers))
         self.prefix = prefix
+        self.should_stop = False
+        """True once a critical alert fired (every rank alike): stop the loop when you read it."""
+        self._owns_alert = is_rules(alert)
+        self.alert = self._wire_alert(alert)
+        self.run.sinks.append(EngineSink(lambda: self.alert, owned=self._owns_alert))
+        self.summary = SummarySink(prefix, rank=lambda: self.run.reducer.rank, alerts=lambda: getattr(self.alert, "alerts", None))
+        if summary:
+            self.run.sinks.append(self.summary)
         self.run.configure(log_every_n_steps)
         self.run.attach(model)  # FSDP1 / DeepSpeed ZeRO-3: full shapes while resolving (a collective)
         self.figure_every_n_steps = figure_every_n_steps
@@ -96,6 +124,25 @@ class Headwatch(Driver):
                 tb.write_layout(self.writers, prefix)
             except Exception as err:  # noqa: BLE001 - an unwritable log directory never stops training
                 self.run.sink_failed(self.run.sinks[0], err)
+
+    def rank_writers(self) -> list[Any]:
+        """The writers this process writes to (rank zero's; none elsewhere)."""
+        return self.writers if self.run.reducer.rank == 0 else []
+
+    def _wire_alert(self, alert: Any) -> Any:
+        """The engine of ``alert`` (rules: built with the standard actions of this door)."""
+        if alert is None:
+            return None
+        log_dir = next((getattr(w, "log_dir", None) for w in self.writers if isinstance(getattr(w, "log_dir", None), str)), None)
+        return wire_alert(
+            alert, lambda fired: not self.run.reducer.all(not fired), self.run.reducer.rank == 0, "Headwatch alert",
+            sink=tb.MarkerSink(self.rank_writers), prefix=self.prefix,
+            jsonl_path=None if log_dir is None else f"{log_dir}/{JSONL_NAME}", stop=self._stop,
+        )  # fmt: skip
+
+    def _stop(self, alert: Any = None) -> None:
+        """An alert action: a critical alert asks the loop to stop (:attr:`should_stop`)."""
+        self.should_stop = True
 
     # ---------------------------------------------------------------- protocol
     def step_start(self, batch: Any, step: int | None = None) -> None:
@@ -168,8 +215,8 @@ class Headwatch(Driver):
         """A new run with this object (a hyperparameter trial, a second training of the same model): empty
         state, counting from step 0 (:meth:`Orchestrator.start_run`). Called by :meth:`step_start` when
         ``step=0`` comes again after later steps. :meth:`load_state_dict` continues a run instead."""
-        self.run.start_run()
-        self.step_index, self._open = 0, False
+        self.run.start_run(also=[a for a in (self.alert, self.summary) if callable(getattr(a, "reset", None)) and not is_rules(a)])
+        self.step_index, self._open, self.should_stop = 0, False, False
 
     @contextmanager
     def step(self, batch: Any, step: int | None = None) -> Iterator[Headwatch]:
@@ -178,19 +225,35 @@ class Headwatch(Driver):
         yield self
         self.step_end()
 
+    def end(self) -> None:
+        """Training ended: the end-of-training summary (rank zero) and the alert's last deliveries (bounded);
+        the hooks stay. :meth:`close` calls it; a second call does nothing."""
+        with self.run.guard("ending the run"):
+            self.run.end_run(max(self.step_index - 1, 0))
+
     def close(self) -> None:
-        """Remove every hook."""
-        self.run.detach()
+        """End the run (:meth:`end`), release the alert's webhook thread and remove every hook (the state stays)."""
+        self.end()
+        with self.run.guard("closing"):
+            self.run.close()
+
+    def __enter__(self) -> Headwatch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step_index, **self.run.state_dict()}
+        """The step counter, every monitor's state and, with an alert engine, its state under ``"alert"``."""
+        return with_alert_state({"step": self.step_index, **self.run.state_dict()}, self.alert)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the step counter and every monitor, each part checked (an invalid part restarts from empty
-        with one warning; ``strict=True`` raises :class:`~headwatch.errors.StateError`)."""
+        """Restore the step counter, every monitor and the alert, each part checked (an invalid part restarts from
+        empty with one warning; ``strict=True`` raises :class:`~headwatch.errors.StateError`)."""
         step = state.get("step", 0) if isinstance(state, dict) else 0
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             self.run.state_problem(any(m.strict for m in self.run.monitors), f"`step` must be an int >= 0, got {step!r}")
             step = 0
         self.step_index = step
         self.run.load_state_dict(state)
+        load_alert_state(self.alert, state)

@@ -20,11 +20,11 @@ from typing import Any
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from headwatch.alerts.wiring import check_alert
+from headwatch.alerts.wiring import EngineSink, check_alert, is_rules
 from headwatch.core.figures import check_figure_argument
 from headwatch.core.monitor import Monitor
 from headwatch.core.orchestrator import Orchestrator
-from headwatch.core.trl import fused_head_note, trl_marks, trl_step_values
+from headwatch.integrations.hf_trl import fused_head_note, trl_marks, trl_step_values
 from headwatch.distributed.reduce import Reducer
 from headwatch.errors import HeadwatchError, check_bool
 from headwatch.integrations.hf_publish import TrainerSink, console_filter
@@ -39,6 +39,7 @@ from headwatch.integrations.hf_support import (
 )
 from headwatch.model.batch import BatchFormat
 from headwatch.model.hooks import InputsHook
+from headwatch.report.summary import SummarySink
 
 __all__ = ["HeadwatchCallback", "attach"]
 
@@ -73,10 +74,11 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
         reducer: distributed reductions; default ``torch.distributed`` (what accelerate uses).
         alert: the collapse alert: a :class:`headwatch.alerts.CollapseRules` (an ``AlertEngine`` is
             built in ``on_train_begin`` with the standard actions: console, a marker in the Trainer's
-            TensorBoard, ``<output_dir>/headwatch_alerts.jsonl``), or any object with
-            ``observe_train(step, metrics)`` / ``observe_val(step, metrics)`` (an ``AlertEngine`` you
-            built: its distributed decision is then taken through ``reducer``). Called on every rank
-            with the published values; validation also sees the Trainer's ``eval_*`` metrics (use
+            TensorBoard, ``<output_dir>/headwatch_alerts.jsonl``, a webhook to ``$HEADWATCH_WEBHOOK_URL``
+            when set), or any object with ``observe_train(step, metrics)`` / ``observe_val(step, metrics)``
+            (an ``AlertEngine`` you built: its distributed decision is then taken through ``reducer``). Called
+            on every rank at every logging step with the published values (one of the run's sinks,
+            :class:`headwatch.alerts.wiring.EngineSink`); validation also sees the Trainer's ``eval_*`` metrics (use
             ``CollapseRules(val_metric="eval_loss")``).
         stop_on_critical: on a critical alert, set the Trainer's ``control.should_training_stop``.
         checkpoint_on_critical: on a critical alert, set the Trainer's ``control.should_save``
@@ -92,6 +94,7 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
             (``10 * logging_steps`` steps) when matplotlib is installed, else none; an int: every this
             many steps (needs matplotlib); None or 0: none (see :func:`headwatch.core.orchestrator.set_figures`).
             Core monitors passed in keep their own settings.
+        summary: print the end-of-training summary at ``on_train_end`` (rank zero; :mod:`headwatch.report.summary`).
 
     Raises:
         HeadwatchError: a bad argument. No trainer hook raises: a monitor that cannot measure the model
@@ -111,12 +114,20 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
         strict: bool = False,
         console_keys: Sequence[str] | str | None = None,
         figure_every_n_steps: int | str | None = "auto",
+        summary: bool = True,
     ) -> None:
         check_figure_argument(figure_every_n_steps)
         check_alert(alert)
         check_bool("stop_on_critical", stop_on_critical)
         check_bool("checkpoint_on_critical", checkpoint_on_critical)
+        check_bool("summary", summary)
         self.run = Orchestrator(monitors, batch_format=batch_format, prefix=prefix, reducer=reducer, strict=strict, sinks=[TrainerSink(self)])
+        owned = is_rules(alert)
+        self.run.sinks.append(EngineSink(lambda: self.alert, extra=lambda val: self._eval_metrics if val else {}, owned=owned))
+        self.summary = SummarySink(prefix, rank=lambda: self.run.reducer.rank, alerts=lambda: getattr(self.alert, "alerts", None))
+        """The end-of-training summary (printed at ``on_train_end`` on rank zero; its text in ``.summary.text``)."""
+        if summary:
+            self.run.sinks.append(self.summary)
         self.stop_on_critical, self.checkpoint_on_critical = stop_on_critical, checkpoint_on_critical
         self.figure_every_n_steps = figure_every_n_steps
         self.prefix, self.alert = prefix, alert
@@ -148,7 +159,8 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
             raise HeadwatchError("HeadwatchCallback.on_train_begin received no `model`; use it inside a transformers.Trainer")
         if (found := self.trainer or find_trainer(self)) is not None:
             self.set_trainer(found)
-        self.run.start_run(resumed=resume_dir(self, args, state) is not None, also=[self.alert] if hasattr(self.alert, "reset") else [])
+        also = [a for a in (self.alert, self.summary) if callable(getattr(a, "reset", None)) and not is_rules(a)]
+        self.run.start_run(resumed=resume_dir(self, args, state) is not None, also=also)
         every = self.logging_every(args, state)
         if args.logging_strategy == "epoch":
             self.run.warn_once(
@@ -203,6 +215,11 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         with self.run.guard("ending the epoch"):
             self.run.epoch_end(state.global_step - 1, at=state.global_step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Training ended: the end-of-training summary (rank zero) and the alert's last deliveries (bounded)."""
+        with self.run.guard("ending the run"):
+            self.run.end_run(state.global_step)
 
     # ---------------------------------------------------------------- evaluation
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

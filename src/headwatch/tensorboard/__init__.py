@@ -2,6 +2,7 @@
 
 from headwatch.tensorboard.guard import GuardedFileWriter, guard, storage_status
 from headwatch.tensorboard.writer import (
+    MarkerSink,
     WriterSink,
     flush,
     guarded,
@@ -14,7 +15,7 @@ from headwatch.tensorboard.writer import (
     write_text,
 )
 
-__all__ = ["GuardedFileWriter", "batched_scalars", "SummaryWriter", "guarded_writer_class", "WriterSink", "guard", "guarded", "storage_status", "flush", "prefixed", "write_histogram", "write_layout", "write_media", "write_scalars", "write_text"]
+__all__ = ["GuardedFileWriter", "MarkerSink", "batched_scalars", "SummaryWriter", "guarded_writer_class", "WriterSink", "guard", "guarded", "storage_status", "flush", "prefixed", "write_histogram", "write_layout", "write_media", "write_scalars", "write_text"]
 
 
 def __getattr__(name: str):  # imported on first use: torch.utils.tensorboard is slow to import

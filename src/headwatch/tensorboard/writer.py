@@ -166,7 +166,7 @@ def flush(writers: Iterable[Any]) -> None:
 
 
 class WriterSink:
-    """A :class:`~headwatch.core.orchestrator.Sink` over ``SummaryWriter`` objects: scalars and media at
+    """A :class:`~headwatch.core.publish.Sink` over ``SummaryWriter`` objects: scalars and media at
     ``step``, then one flush. ``writers``: a list, or a callable returning the writers of this moment
     (empty on ranks that do not write). ``tag_prefix`` goes before every tag (the Hugging Face Trainer's
     ``train/``)."""
@@ -179,7 +179,7 @@ class WriterSink:
 
     def publish(self, numbers: dict[str, float], media: list[Media], step: int, val: bool) -> None:
         writers = self.current()
-        if not writers:
+        if not writers or not (numbers or media):
             return
         try:
             if self.scalars:
@@ -188,6 +188,28 @@ class WriterSink:
                 write_media(writers, prefixed(m, self.tag_prefix) if self.tag_prefix else m, step)
         finally:
             flush(writers)  # what was written reaches the disk, whatever failed
+
+
+class MarkerSink:
+    """Where an alert writes its marker and message (:class:`headwatch.alerts.AlertSink`): scalars and texts into
+    the writers of this moment (``writers``: a list, or a callable returning them; empty on ranks that do not
+    write), each tag under ``tag_prefix``, flushed at once so the marker shows live."""
+
+    def __init__(self, writers: Any, tag_prefix: str = "") -> None:
+        self.writers, self.tag_prefix = writers, tag_prefix
+
+    def current(self) -> list[Any]:
+        return guarded(self.writers() if callable(self.writers) else self.writers)
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        writers = self.current()
+        write_scalars(writers, {self.tag_prefix + tag: value}, step)
+        flush(writers)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        writers = self.current()
+        write_text(writers, self.tag_prefix + tag, text, step)
+        flush(writers)
 
 
 def prefixed(media: Media, prefix: str) -> Media:

@@ -1,4 +1,5 @@
-"""Lightning front door: the callbacks (one per monitor, as Lightning's own ``SpikeDetection``) and the alert.
+"""Lightning front door: the driver (:class:`HeadwatchDriver`, one per trainer), the callbacks (one per monitor, as
+Lightning's own ``SpikeDetection``) that configure it, and the alert.
 
 The callbacks load Lightning; they are imported on first use of their names.
 """
@@ -8,15 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from headwatch.integrations.lightning.callback import MonitorCallback, lightning_run
-from headwatch.integrations.lightning.door import (
-    LightningReducer,
-    lightning_step,
-    loss_scale,
-    publish,
-    published_steps,
-    tensorboard_writers,
-)
+from headwatch.integrations.lightning.callback import MonitorCallback
+from headwatch.integrations.lightning.door import LightningReducer, LightningSink, lightning_step, loss_scale, tensorboard_writers
+from headwatch.integrations.lightning.driver import HeadwatchDriver
 
 if TYPE_CHECKING:
     from headwatch.integrations.lightning.alert import SharpnessCollapseAlert
@@ -37,18 +32,17 @@ _CALLBACKS = {
 
 __all__ = [
     "GradientDensityMonitor",
+    "HeadwatchDriver",
     "LightningReducer",
+    "LightningSink",
     "LogitStatsMonitor",
     "MonitorCallback",
-    "lightning_run",
     "SharpnessCollapseAlert",
     "SynonymCollisionMonitor",
     "TensorBoardLogger",
     "TokenFrequency",
     "lightning_step",
     "loss_scale",
-    "publish",
-    "published_steps",
     "tensorboard_writers",
 ]
 

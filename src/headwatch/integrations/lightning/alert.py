@@ -1,14 +1,16 @@
 """``SharpnessCollapseAlert``: the Lightning front door of :class:`~headwatch.alerts.engine.AlertEngine`.
 
-It only reads the values Lightning already holds in ``trainer.callback_metrics`` on the
-logging steps and after each validation, and gives the alert (:class:`~headwatch.alerts.collapse.CollapseAlert`,
-trainer-free) Lightning's distributed decision, loggers and checkpointing.
+It registers with the trainer's driver (:class:`~headwatch.integrations.lightning.driver.HeadwatchDriver`) as one
+of the run's sinks: at each of its logging steps it reads the values the driver just published and the metrics
+Lightning holds in ``trainer.callback_metrics``; after each validation it reads them again, once Lightning has
+added the LightningModule's epoch metrics (``val_loss``). The alert
+(:class:`~headwatch.alerts.collapse.CollapseAlert`, trainer-free) gets Lightning's distributed decision, loggers
+and checkpointing.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -17,30 +19,56 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from headwatch import tensorboard as tb
 from headwatch.alerts.collapse import CollapseAlert
+from headwatch.core.monitor import Media
 from headwatch.core.schedule import Schedule
-from headwatch.integrations.lightning.door import (
-    lightning_step,
-    logging_interval,
-    publish,
-    published_steps,
-    tensorboard_writers,
-    write_layout,
-)
+from headwatch.integrations.lightning.door import logging_interval, tensorboard_writers
+from headwatch.integrations.lightning.driver import HeadwatchDriver
 
 
-class _LoggerSink:
-    """Markers through the callback's publishing (every logger, ``callback_metrics``), text to TensorBoard."""
+class _Markers:
+    """Where the alert's markers and messages go: the marker to every logger and ``trainer.callback_metrics``
+    (a scalar Lightning holds like any logged value), the message to the TensorBoard loggers; flushed at once."""
 
-    def __init__(self, callback: SharpnessCollapseAlert, trainer: pl.Trainer) -> None:
-        self.callback, self.trainer = callback, trainer
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
 
     def scalar(self, tag: str, value: float, step: int) -> None:
-        publish(self.trainer, {tag: value}, step)
+        writers = tensorboard_writers(self.trainer)
+        try:
+            for logger in self.trainer.loggers:
+                logger.log_metrics({tag: value}, step=step)
+            self.trainer.callback_metrics[tag] = torch.tensor(value)
+        finally:
+            tb.flush(writers)
 
     def text(self, tag: str, text: str, step: int) -> None:
         writers = tensorboard_writers(self.trainer)
         tb.write_text(writers, tag, text, step)
         tb.flush(writers)
+
+
+class _AlertSink:
+    """The alert as a sink of the driver's run: at each of the alert's logging steps, the values just published
+    and the metrics Lightning holds (every rank: the decision is a collective)."""
+
+    def __init__(self, alert: SharpnessCollapseAlert, driver: HeadwatchDriver) -> None:
+        self.alert, self.driver = alert, driver
+
+    @property
+    def strict(self) -> bool:
+        """A strict alert raises what its actions raise (through the run: :meth:`Orchestrator.sink_failed`)."""
+        return self.alert.strict
+
+    def publish(self, numbers: dict[str, float], media: list[Media], step: int, val: bool) -> None:
+        trainer = self.driver.trainer
+        if val or trainer is None or not self.alert.schedule.is_logging_step(step):
+            return  # a validation is read at on_validation_end, with the module's epoch metrics
+        alert = self.alert
+        read = lambda name: alert._value(trainer, name)  # noqa: E731
+        alert.feed.train(step, alert.schedule.every, read, trainer.callback_metrics, self.driver.published, trainer.current_epoch)
+
+    def end(self, step: int) -> None:
+        self.alert.flush()
 
 
 class SharpnessCollapseAlert(CollapseAlert, Callback):
@@ -69,8 +97,9 @@ class SharpnessCollapseAlert(CollapseAlert, Callback):
     fires when its condition holds at ``for_steps`` consecutive logging steps (validations for
     ``val_stall``), once per episode. Every process takes the same decision
     (``trainer.strategy.reduce_boolean_decision``). Each value published by a headwatch monitor is
-    evaluated once, at the step it was logged; list the alert after the monitors to evaluate it in
-    the same step rather than one logging interval later. With several validation dataloaders,
+    evaluated once, at the step it was published (the alert is one of the run's sinks, wherever it
+    stands in ``trainer.callbacks``); other logged metrics are read at each of its logging steps. With
+    several validation dataloaders,
     validation values are read under Lightning's ``<name>/dataloader_idx_<k>`` names (else the
     plain name, a value logged once for all dataloaders).
 
@@ -137,13 +166,15 @@ class SharpnessCollapseAlert(CollapseAlert, Callback):
             self.new_run()
         self.schedule = Schedule(logging_interval(trainer, self.log_every_n_steps, 1, type(self).__name__))
         self.wire(
-            Path(trainer.log_dir or trainer.default_root_dir), _LoggerSink(self, trainer), trainer.save_checkpoint,
+            Path(trainer.log_dir or trainer.default_root_dir), _Markers(trainer), trainer.save_checkpoint,
             lambda: setattr(trainer, "should_stop", True),
             lambda fired: bool(trainer.strategy.reduce_boolean_decision(fired, all=False)), trainer.is_global_zero, trainer.global_rank,
         )  # fmt: skip
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        write_layout(trainer, self.prefix, self)
+        driver = HeadwatchDriver.of(trainer, pl_module, stage, before=self)
+        sink = getattr(self, "_sink", None)
+        if sink is None or sink.driver is not driver:
+            self._sink = _AlertSink(self, driver)
+        driver.add_sink(self._sink, self.engine, self.schedule.every, self.prefix)
 
     # ---------------------------------------------------------------- observing
     @staticmethod
@@ -153,25 +184,12 @@ class SharpnessCollapseAlert(CollapseAlert, Callback):
             return None
         return float(value.item() if isinstance(value, torch.Tensor) else value)  # logging steps only
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._step_at_start, self._optimizer_steps = lightning_step(trainer), trainer.global_step  # the monitors' step rule
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        step = self._step_at_start
-        if trainer.global_step != self._optimizer_steps and self.schedule.is_logging_step(step):  # every process
-            read = lambda name: self._value(trainer, name)  # noqa: E731
-            self.feed.train(step, self.schedule.every, read, trainer.callback_metrics, published_steps(trainer), trainer.current_epoch)
-
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a validation (Lightning has added the module's epoch metrics, ``val_loss``, by now)."""
         if not trainer.sanity_checking and self.rules.patience is not None:
             read = lambda name: self._value(trainer, name)  # noqa: E731
             self.feed.val(trainer.global_step, read, trainer.callback_metrics, len(trainer.num_val_batches), trainer.current_epoch)
 
     # ---------------------------------------------------------------- end
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.flush()
-
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.close()

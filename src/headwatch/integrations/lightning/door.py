@@ -1,8 +1,9 @@
-"""Lightning front door: the reducer, the step schedule and the driver shared by every callback."""
+"""Lightning front door: what the driver reads of the trainer (reducer, step, loss scale, writers, validation rows)
+and its sink."""
 
 from __future__ import annotations
 
-import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,7 +13,6 @@ from torch import Tensor
 
 from headwatch import tensorboard as tb
 from headwatch.core.monitor import FailurePolicy, Media
-from headwatch.core.orchestrator import to_host
 
 
 class LightningReducer:
@@ -94,44 +94,80 @@ def write_layout(trainer: pl.Trainer, prefix: str, policy: FailurePolicy) -> Non
         policy.fail(err, "writing the TensorBoard dashboard layout")
 
 
-_PUBLISHED: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = weakref.WeakKeyDictionary()
+def sampler_rows_kept(start: int, rows: int, rank: int, world: int, total: int) -> int:
+    """How many of the ``rows`` rows from local position ``start`` of a ``torch.utils.data.DistributedSampler``
+    (``drop_last=False``) are real: the sampler pads its index list to a multiple of ``world`` with repeats
+    and rank ``rank`` takes positions ``rank, rank + world, ...``, so its local position ``j`` is a repeat when
+    ``rank + j * world >= total`` (Lightning's validation sampler under DDP). The repeats are the last ones."""
+    real_here = max(0, (total - rank + world - 1) // world)
+    return max(0, min(rows, real_here - start))
 
 
-def published_steps(trainer: Any) -> dict[str, int]:
-    """Metric name -> the step a headwatch callback last published it at, for this trainer."""
-    steps = _PUBLISHED.get(trainer)
-    if steps is None:
-        steps = _PUBLISHED[trainer] = {}
-    return steps
+def loader_rows_kept(loader: Any, batch: Any, batch_idx: int, ids_key: str = "input_ids") -> int | None:
+    """The real rows of batch ``batch_idx`` of ``loader`` when its sampler is a ``DistributedSampler`` that pads
+    (``drop_last=False``, several replicas; Lightning's validation sampler under DDP): :func:`sampler_rows_kept`
+    for the batch's rows (those of ``batch[ids_key]``, else the loader's ``batch_size``); None (all real) for
+    any other loader or sampler."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    size = getattr(loader, "batch_size", None)
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or not isinstance(size, int) or sampler.num_replicas <= 1:
+        return None
+    ids = batch.get(ids_key) if isinstance(batch, dict) else None
+    rows = int(ids.shape[0]) if isinstance(ids, Tensor) else size
+    return sampler_rows_kept(batch_idx * size, rows, sampler.rank, sampler.num_replicas, len(sampler.dataset))
 
 
-def publish(trainer: pl.Trainer, scalars: dict[str, Tensor | float], step: int, media: list[Media] = ()) -> dict[str, float]:
-    """Scalars to every logger at ``step``, to ``trainer.callback_metrics`` (every rank), media to the
-    TensorBoard loggers (rank zero), then one flush."""
-    numbers = to_host(scalars, media) if any(isinstance(v, Tensor) for v in scalars.values()) else dict(scalars)
-    if not numbers:
-        return {}
-    writers = tensorboard_writers(trainer)
-    with tb.batched_scalars(writers):  # a TensorBoardLogger writes one event per scalar: one per writer here
-        for logger in trainer.loggers:
-            logger.log_metrics(numbers, step=step)
-    trainer.callback_metrics.update({k: torch.tensor(v) for k, v in numbers.items()})
-    published_steps(trainer).update(dict.fromkeys(numbers, step))
-    try:
-        for m in media:
-            tb.write_media(writers, m, step)
-    finally:
-        tb.flush(writers)  # live charts: TensorBoardLogger alone flushes every 120 s
-    return numbers
+def validation_rows(trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_idx: int) -> int | None:
+    """The real rows of a validation batch under a ``DistributedSampler`` that pads (Lightning's under DDP):
+    :func:`loader_rows_kept`; None (all real) for any other sampler."""
+    loaders = trainer.val_dataloaders
+    return loader_rows_kept(loaders[dataloader_idx] if isinstance(loaders, (list, tuple)) else loaders, batch, batch_idx)
+
+
+def hand_logged_loss(trainer: pl.Trainer, run: Any, batch: Any, callbacks: Sequence[Any]) -> None:
+    """On a logging step, the metric named by a callback's ``compare_loss=`` (this batch's value, in
+    ``trainer.callback_metrics``) to the self-check, weighted by the batch's labelled positions."""
+    cb = next((cb for cb in callbacks if getattr(cb, "compare_loss", None)), None)
+    if cb is not None:
+        key = cb.compare_loss
+        run.check.add_logged_loss(
+            key, trainer.callback_metrics, batch, cb._core().batch_format, "the LightningModule", f"self.log({key!r}, loss) in training_step"
+        )
 
 
 class LightningSink:
-    """The orchestrator's sink for one Lightning trainer: :func:`publish` (training values)."""
+    """The run's sink for one Lightning trainer (through its driver, which holds the trainer).
 
-    def __init__(self, trainer: pl.Trainer) -> None:
-        self.trainer = weakref.ref(trainer)
+    Training values go to every logger at ``step`` (one event per TensorBoard writer) and to
+    ``trainer.callback_metrics`` (every rank), media to the TensorBoard loggers (rank zero), then one flush.
+    Validation values go through ``pl_module.log`` (epoch values, in ``callback_metrics`` for
+    ``ModelCheckpoint`` / ``EarlyStopping`` and the alert), media as in training. The step of each name is
+    kept in the driver's ``published``.
+    """
+
+    def __init__(self, driver: Any) -> None:
+        self.driver = driver
 
     def publish(self, numbers: dict[str, float], media: list[Media], step: int, val: bool) -> None:
-        trainer = self.trainer()
-        if trainer is not None:
-            publish(trainer, numbers, step, media)
+        trainer = self.driver.trainer
+        if trainer is None or not (numbers or media):
+            return
+        writers = tensorboard_writers(trainer)
+        try:
+            if val:
+                module = trainer.lightning_module
+                for k, v in numbers.items():
+                    # identical on every rank already; sync_dist averages equal values (and silences Lightning's warning)
+                    module.log(k, v, on_step=False, on_epoch=True, sync_dist=True, add_dataloader_idx=False)
+            elif numbers:
+                with tb.batched_scalars(writers):  # a TensorBoardLogger writes one event per scalar: one per writer here
+                    for logger in trainer.loggers:
+                        logger.log_metrics(numbers, step=step)
+                trainer.callback_metrics.update({k: torch.tensor(v) for k, v in numbers.items()})
+            self.driver.published.update(dict.fromkeys(numbers, step))
+            for m in media:
+                tb.write_media(writers, m, step)
+        finally:
+            tb.flush(writers)  # live charts: TensorBoardLogger alone flushes every 120 s

@@ -6,13 +6,11 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from torch import nn
 
-from headwatch import tensorboard as tb
 from headwatch.errors import check_every
 from headwatch.core.gradients import GradientDensity
 from headwatch.core.figures import check_figure_argument, resolve_figure_interval
 from headwatch.integrations.lightning.frequency import TokenFrequency
 from headwatch.integrations.lightning.callback import MonitorCallback
-from headwatch.integrations.lightning.door import tensorboard_writers
 from headwatch.names import STATS  # noqa: F401  (import path of 0.1)
 
 __all__ = ["GradientDensityMonitor"]
@@ -82,9 +80,3 @@ class GradientDensityMonitor(GradientDensity, MonitorCallback):
         self.frequency = TokenFrequency.of_trainer(trainer, pl_module, self.embedding)
         self.figure_every = resolve_figure_interval(self.figure_every_n_steps, self.schedule.every)
         self._info_once(f"headwatch: {self.tying_text}")
-        final = not getattr(self, "_hw_provisional", False)  # not setup's look before configure_model
-        if final and stage == "fit" and trainer.is_global_zero and self.tying_text != getattr(self, "_tying_written", None):
-            self._tying_written = self.tying_text
-            writers = tensorboard_writers(trainer)
-            tb.write_text(writers, f"{self.prefix}/grad/tying", self.tying_text, trainer.global_step)
-            tb.flush(writers)

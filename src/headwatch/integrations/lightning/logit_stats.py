@@ -154,11 +154,6 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
             return None
 
     # ------------------------------------------------------------------ validation
-    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.val_dataloaders = max(len(trainer.num_val_batches), 1)  # several: names get /dataloader_idx_<k>
-
-    validation_media = True  # the validation entropy histogram
-
     def _measuring_validation(self, trainer: pl.Trainer) -> bool:
         return self.validation and not trainer.sanity_checking and self.model is not None
 

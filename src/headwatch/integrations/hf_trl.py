@@ -1,4 +1,4 @@
-"""What the front doors know of TRL's trainers, read from the trainer object (no import of ``trl``).
+"""What the Hugging Face door knows of TRL's trainers, read from the trainer object (no import of ``trl``).
 
 - which TRL trainers the logit statistics understand (:data:`UNDERSTOOD_TRL`), and the refusal of the others
   (:func:`refuse_unknown_trainer`);

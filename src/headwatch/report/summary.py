@@ -1,0 +1,120 @@
+"""The end-of-training summary: a :class:`~headwatch.core.publish.Sink` that keeps each value's first and last
+published figure and, when training ends, says in a few lines what the run showed, each figure beside its
+reference (log V for the entropy, the vocabulary seen for the row densities, the raw-cosine drift for the
+collision rate, the tolerance for the self-check's gap).
+
+Every door adds one to its run (``summary=False`` leaves it out); its text is printed on rank zero and kept in
+:attr:`SummarySink.text`, its figures in :attr:`SummarySink.figures`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+NLL_TOLERANCE = (1e-3, 1e-2)
+"""``(atol, rtol)`` of the self-check's NLL gap (``headwatch.core.self_check.TOLERANCES["nll"]``): said beside it."""
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+class SummarySink:
+    """Keep the first and last training figure of every published value; at :meth:`end`, one summary.
+
+    Args:
+        prefix: the run's metric prefix.
+        rank: returns this process's rank (the summary is said on rank zero).
+        alerts: returns the alerts raised so far (objects with ``step``, ``rule``, ``severity``), or None.
+        out: how the summary is said (default ``print``).
+    """
+
+    def __init__(self, prefix: str = "headwatch", rank: Callable[[], int] = lambda: 0,
+                 alerts: Callable[[], Sequence[Any] | None] | None = None, out: Callable[[str], Any] | None = None) -> None:  # fmt: skip
+        self.prefix, self.rank, self.alerts, self.out = prefix, rank, alerts, out or print
+        self.first: dict[str, tuple[int, float]] = {}
+        self.last: dict[str, tuple[int, float]] = {}
+        self.val_last: dict[str, tuple[int, float]] = {}
+        self.text: str | None = None
+        """The last summary said (None before :meth:`end`)."""
+        self.figures: dict[str, Any] = {}
+        """The summary's figures by short name (``entropy_first``, ``entropy_last``, ``log_v``, ...)."""
+
+    def reset(self) -> None:
+        """A new run with the same door: forget the figures."""
+        self.first, self.last, self.val_last, self.text, self.figures = {}, {}, {}, None, {}
+
+    def publish(self, numbers: dict[str, float], media: Any, step: int, val: bool) -> None:
+        kept = self.val_last if val else self.last
+        for name, value in numbers.items():
+            if _finite(value):
+                if not val:
+                    self.first.setdefault(name, (step, float(value)))
+                kept[name] = (step, float(value))
+
+    def _get(self, name: str, where: dict[str, tuple[int, float]] | None = None) -> float | None:
+        found = (self.last if where is None else where).get(f"{self.prefix}/{name}")
+        return found[1] if found is not None else None
+
+    def end(self, step: int) -> None:
+        """Training ended at ``step``: build the summary and say it on rank zero."""
+        lines, figures = summary_lines(self, step)
+        self.figures, self.text = figures, "\n".join(lines)
+        if self.rank() == 0 and len(lines) > 1:
+            self.out(self.text)
+
+
+def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]:
+    """The summary's lines and figures (see :class:`SummarySink`)."""
+    g = s._get
+    fig: dict[str, Any] = {}
+    lines = [f"headwatch: training ended at step {step}"]
+    h_first, h_last, kl = s.first.get(f"{s.prefix}/logits/entropy"), g("logits/entropy"), g("logits/kl_to_uniform")
+    if h_first is not None and h_last is not None:
+        log_v = h_last + kl if kl is not None else None
+        fig.update(entropy_first=h_first[1], entropy_last=h_last, log_v=log_v)
+        ref = f" of log V = {log_v:.3g} (0: one token, log V: uniform)" if log_v is not None else ""
+        fall = (h_first[1] - h_last) / h_first[1] if h_first[1] > 0 else float("nan")
+        lines.append(f"  entropy          {h_first[1]:.3g} -> {h_last:.3g} nats{ref}; fell {fall:.0%} since step {h_first[0]}")
+    nll, ref_nll, gap = g("logits/target_nll"), g("check/reference_nll"), g("check/nll_gap")
+    if nll is not None:
+        fig["target_nll"] = nll
+        if ref_nll is not None and gap is not None:
+            tol = NLL_TOLERANCE[0] + NLL_TOLERANCE[1] * abs(ref_nll)
+            verdict = "within" if abs(gap) <= tol else "BEYOND"
+            fig.update(reference_nll=ref_nll, nll_gap=gap)
+            lines.append(f"  target NLL       {nll:.4g} nats; the trainer's loss {ref_nll:.4g} (gap {gap:.2g}, {verdict} "
+                         f"the tolerance {tol:.2g})")
+        else:
+            lines.append(f"  target NLL       {nll:.4g} nats (no trainer loss to compare)")
+    val_nll = g("val/logits/target_nll", s.val_last)
+    if val_nll is not None:
+        fig["val_target_nll"] = val_nll
+        lines.append(f"  validation NLL   {val_nll:.4g} nats")
+    seen = g("tokens/seen_fraction")
+    densities = [(name, g(f"grad/{name}_row_density")) for name in ("embedding", "head", "shared")]
+    densities = [(n, d) for n, d in densities if d is not None]
+    if densities:
+        fig.update({f"{n}_row_density": d for n, d in densities})
+        parts = ", ".join(f"{n} {d:.3g}" for n, d in densities)
+        ref = f" (the run has seen {seen:.3g} of the vocabulary)" if seen is not None else ""
+        lines.append(f"  rows with grad   {parts} of the valid rows{ref}")
+    conflict, cosine = g("grad/tied_flow_conflict_fraction"), g("grad/tied_flow_cosine_mean")
+    if conflict is not None:
+        fig["tied_flow_conflict_fraction"] = conflict
+        extra = f", flow cosine mean {cosine:.3g}" if cosine is not None else ""
+        lines.append(f"  tied flows       {conflict:.3g} of the rows pulled both ways (lookup against scoring){extra}")
+    rate, raw = g("collision/rare_rate_head"), g("collision/drift/raw_rate_head")
+    if rate is not None:
+        fig["collision_rate_head"] = rate
+        ref = f"; raw cosine {raw:.3g}, the rows' common drift" if raw is not None else ""
+        lines.append(f"  collision        {rate:.3g} of rare head rows near-duplicate beyond drift{ref}")
+    alerts = s.alerts() if s.alerts is not None else None
+    if alerts is not None:
+        fig["alerts"] = len(alerts)
+        shown = ", ".join(f"{a.rule} ({a.severity}) at {a.step}" for a in list(alerts)[:4])
+        more = f" and {len(alerts) - 4} more" if len(alerts) > 4 else ""
+        lines.append(f"  alerts           {len(alerts)} fired" + (f": {shown}{more}" if alerts else ""))
+    return lines, fig

@@ -1,0 +1,126 @@
+"""The key-set rule on 2 processes: every rank publishes the same keys on the same steps, decided from the
+configuration and from values already reduced over processes (docs/distributed.md, "The key-set rule").
+
+Cases, each through the plain-loop door with all four monitors (2 gloo processes; each process trains its own
+copy, the gradients are summed over processes by hand as DDP would):
+
+- a matrix frozen at attach (the embedding): nothing is published for it, on any rank;
+- a figure withheld for a step: the head's gradient vanishes on rank 1 only at one logging step (summed over
+  processes it does not vanish: nothing is withheld) and on both at another (its row densities are withheld on
+  every rank, the flag published);
+- labels on one rank only: rank 1's batch has no labelled position at one logging step (the figures that need a
+  label come from rank 0's positions), and no rank has one at another (the split's figures are NaN, "no data",
+  on every rank);
+- a rank whose forward raised: rank 1's forward fails at one logging step (the loop catches it and goes on,
+  as an out-of-memory recovery does), so rank 1 captured nothing for that step.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tests.helpers import run_gloo_workers
+
+WORKER = r'''
+import json, sys
+from pathlib import Path
+
+rank, port, root, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4])
+sys.path.insert(0, root)
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+import headwatch
+from tests.helpers import TinyCausalLM
+
+CASE = "@CASE@"
+STEPS, EVERY, V = 8, 2, 64
+torch.manual_seed(0)
+model = TinyCausalLM(vocab_size=V, d_model=16, tie_weights=False)
+if CASE == "frozen":
+    model.embed_tokens.weight.requires_grad_(False)
+optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+hw = headwatch.Headwatch(model, log_every_n_steps=EVERY, figure_every_n_steps=0, summary=False)
+g = torch.Generator().manual_seed(100 + rank)
+keys = {}
+for step in range(STEPS):
+    ids = torch.randint(0, V, (4, 12), generator=g)
+    labels = ids.clone()
+    if CASE == "unlabelled" and step == 3 and rank == 1:
+        labels[:] = -100  # rank 1: no labelled position at this logging step
+    if CASE == "unlabelled" and step == 5:
+        labels[:] = -100  # no rank: no labelled position
+    hw.step_start({"input_ids": ids, "labels": labels}, step)
+    zero_head = CASE == "vanished" and ((step == 3 and rank == 1) or step == 5)
+    handle = model.lm_head.weight.register_hook(lambda g: g * 0.0) if zero_head else None
+    try:
+        if CASE == "raised" and step == 3 and rank == 1:
+            raise RuntimeError("out of memory (injected)")
+        logits = model(ids)
+        valid = labels[:, 1:] != -100
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=-100)
+        (loss if valid.any() else logits.sum() * 0.0).backward()
+    except RuntimeError:
+        pass  # the step goes on without this rank's forward, as after an out-of-memory recovery
+    if handle is not None:
+        handle.remove()
+    for p in model.parameters():  # the gradients summed over processes, as DDP would
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+    hw.before_optimizer_step()
+    optimizer.step()
+    hw.after_optimizer_step()
+    optimizer.zero_grad()
+    values = hw.step_end()
+    if values:
+        keys[step] = values
+hw.close()
+(out / f"rank{rank}.json").write_text(json.dumps(keys))
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def run(tmp_path, case: str, port: int) -> dict:
+    r0, r1 = run_gloo_workers(WORKER.replace("@CASE@", case), tmp_path, port)
+    assert sorted(r0) == sorted(r1) == ["1", "3", "5", "7"]
+    for step in r0:
+        assert sorted(r0[step]) == sorted(r1[step]), step  # the same keys on every rank
+    return r0
+
+
+def test_a_matrix_frozen_at_attach_publishes_nothing_for_it_on_any_rank(tmp_path):
+    r0 = run(tmp_path, "frozen", 31000)
+    for values in r0.values():
+        grad_or_update = [k for k in values if k.startswith(("headwatch/grad/", "headwatch/update/", "headwatch/freq/"))]
+        assert "headwatch/update/head_row_density" in grad_or_update
+        assert not [k for k in grad_or_update if "embedding" in k], grad_or_update
+
+
+def test_a_figure_withheld_for_a_step_is_withheld_on_every_rank(tmp_path):
+    r0 = run(tmp_path, "vanished", 33000)
+    densities = [k for k in r0["1"] if k.startswith("headwatch/grad/") and k.endswith("head_row_density")]
+    assert "headwatch/grad/head_row_density" in densities and len(densities) > 1
+    assert r0["3"]["headwatch/check/vanished_gradient"] == 0.0  # rank 0's gradient stands: summed, nothing vanished
+    assert set(densities) <= set(r0["3"]) and r0["3"]["headwatch/check/withheld"] == 0.0
+    assert r0["5"]["headwatch/check/vanished_gradient"] == 1.0
+    assert not set(densities) & set(r0["5"]) and r0["5"]["headwatch/check/withheld"] == len(densities)
+    assert "headwatch/grad/embedding_row_density" in r0["5"]  # the embedding's gradient did not vanish
+
+
+def test_labels_on_one_rank_give_the_same_keys_and_values_everywhere(tmp_path):
+    r0 = run(tmp_path, "unlabelled", 35000)
+    assert r0["3"]["headwatch/logits/target_nll"] > 0  # rank 0's positions are enough
+    assert r0["3"]["headwatch/logits/positions"] == 4 * 11  # rank 0's rows only
+    # no rank had one: no position predicts a label, every figure of the split is NaN ("no data") on every rank
+    assert r0["5"]["headwatch/logits/positions"] == 0
+    assert math.isnan(r0["5"]["headwatch/logits/target_nll"]) and math.isnan(r0["5"]["headwatch/logits/entropy"])
+
+
+def test_a_rank_whose_forward_raised_publishes_the_same_keys(tmp_path):
+    r0 = run(tmp_path, "raised", 37000)
+    assert sorted(r0["3"]) == sorted(r0["1"])  # rank 0's capture of step 3 stands for the run
