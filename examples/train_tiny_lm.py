@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             LogitStatsMonitor(compare_loss="train_loss"),
             GradientDensityMonitor(),
             SynonymCollisionMonitor(every_n_steps=args.collision_every, tokenizer=tokenizer),
-            alert,  # after the monitors whose metrics it reads
+            alert,
         ]
     devices: Any = args.devices if args.devices == "auto" or "," in args.devices else int(args.devices)
     trainer = pl.Trainer(
