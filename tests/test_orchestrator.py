@@ -19,7 +19,8 @@ from headwatch import HeadwatchError
 from headwatch.core import GradientDensity, LogitStats, SynonymCollision, TokenCounts
 from headwatch.core.monitor import Media, Monitor
 from headwatch.core.build import MONITOR_NAMES, build_monitors
-from headwatch.core.orchestrator import Driver, Orchestrator
+from headwatch.core.driver import Driver
+from headwatch.core.orchestrator import Orchestrator
 from headwatch.core.publish import to_host
 from tests.helpers import TinyCausalLM, loader
 
@@ -234,7 +235,7 @@ def test_validation_end_publishes_validation_values():
     sink = Recorder()
     run = run_of(Planted(value=1.0), sinks=[sink])
     assert run.validation_end(7) == {"headwatch/val/planted": 2.0}
-    assert sink.calls == [({"headwatch/val/planted": 2.0}, [{}], 7, True)]
+    assert sink.calls == [({"headwatch/val/planted": 2.0}, [], 7, True)]  # its training media are not published again
 
 
 # ---------------------------------------------------------------------------- failure policy

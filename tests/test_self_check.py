@@ -283,9 +283,14 @@ def test_a_zeroed_head_gradient_is_a_vanished_gradient(tie, rows):
     model.lm_head.weight.register_hook(lambda g: g * keep)  # a backward that loses (some of) the head's gradient
     with pytest.warns(UserWarning, match="output head's gradient VANISHED"):
         values = _loop_step(model, hw, batch, 0)
-    # the measured value stays what the gradient holds (tied: the shared matrix's gradient is zero)
-    density = values[f"{P}/grad/shared_row_density" if tie else f"{P}/grad/head_row_density"]
-    assert density == (0.0 if rows == "all" else 0.5)
+    # the head's row densities would read as a measured 0 (or 0.5): withheld on that step, and counted
+    flow = "shared" if tie else "head"
+    assert not [k for k in values if k.startswith(f"{P}/grad/") and k.endswith(f"{flow}_row_density")]
+    # the head flow overall and in its six buckets (top1, top10, top50, tail, unseen, rare); tied, also the shared
+    # matrix overall, in top1 and rare
+    assert values[f"{P}/check/withheld"] == 1 + 6 + (3 if tie else 0)
+    if rows == "all":  # the norms stay: what the gradient holds
+        assert values[f"{P}/grad/{flow}_row_norm_max"] == 0.0
     assert values[f"{P}/check/vanished_gradient"] == 1 and values[f"{P}/check/reference_nll"] > 0
     assert hw.run.check.vanished_steps == 1
 

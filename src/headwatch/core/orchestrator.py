@@ -24,7 +24,6 @@ events into calls here. The orchestrator owns:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -39,6 +38,7 @@ from headwatch.core.logits import LogitStats
 from headwatch.core.monitor import FailurePolicy, Monitor, compute_due, whole_matrices
 from headwatch.core.publish import Sink, named_evaluation, to_host
 from headwatch.core.rl import drop_reference, rl_scalars
+from headwatch.core.run_state import restore_run
 from headwatch.core.schedule import Schedule
 from headwatch.core.self_check import SelfCheck
 from headwatch.distributed.fsdp1 import unwrapped
@@ -66,29 +66,6 @@ class _RunPolicy(FailurePolicy):
     @property
     def rank(self) -> int:
         return self.run.reducer.rank
-
-
-class _OfRun:
-    """A read-only attribute of a front door that is its orchestrator's attribute of the same name."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, door: Any, owner: type | None = None) -> Any:
-        return self if door is None else getattr(door.run, self.name)
-
-
-class Driver:
-    """Base of a front door that holds the run's :class:`Orchestrator` as ``run`` (the plain loop, the HF callback).
-
-    ``monitors`` (``list[Monitor]``), ``reducer`` and ``latest`` (the values of the last measurement, by
-    full name) are the orchestrator's.
-    """
-
-    run: Orchestrator
-    monitors = _OfRun()
-    reducer = _OfRun()
-    latest = _OfRun()
 
 
 class Orchestrator:
@@ -607,34 +584,9 @@ class Orchestrator:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Give each monitor its part of ``state`` (matched by class name; a state without names, by position), each
         checked by the monitor (an invalid part restarts that monitor from empty with one warning). A state that is
-        not a dict of parts, or that lacks a monitor's part, is said once; ``strict`` raises instead."""
-        strict = any(m.strict for m in self.all_monitors)
-        self.check.load_state_dict(state.get("check") if isinstance(state, dict) else None)
-        start = state.get("rl_start") if isinstance(state, dict) else None
-        valid = isinstance(start, dict) and set(start) == {"entropy", "rare"} and all(
-            isinstance(v, float) and math.isfinite(v) for v in start.values()
-        )
-        if start is not None and not valid:
-            self.state_problem(strict, f"`rl_start` must be None or a dict of finite entropy and rare, got {start!r}")
-        self.rl_start = start if valid else None
-        parts = state.get("monitors") if isinstance(state, dict) else None
-        if not isinstance(parts, (list, tuple)):
-            self.state_problem(strict, f"the state must be a dict with a `monitors` list, got {type(state).__name__}")
-            return
-        names = state.get("names")
-        if isinstance(names, (list, tuple)) and len(names) == len(parts) and all(isinstance(n, str) for n in names):
-            unused = list(zip(names, parts))
-            for m in self.all_monitors:  # refused monitors too: their parts stay in the checkpoint
-                found = next((i for i, (name, _) in enumerate(unused) if name == type(m).__name__), None)
-                if found is None:
-                    self.state_problem(strict, f"it holds no {type(m).__name__} state; that monitor starts from empty")
-                    continue
-                m.load_state_dict(unused.pop(found)[1])
-            return
-        if len(parts) != len(self.all_monitors):
-            self.state_problem(strict, f"it holds {len(parts)} monitor states for {len(self.all_monitors)} monitors")
-        for m, part in zip(self.all_monitors, parts):
-            m.load_state_dict(part)
+        not a dict of parts, or that lacks a monitor's part, is said once; ``strict`` raises instead
+        (:func:`headwatch.core.run_state.restore_run`)."""
+        restore_run(self, state)
 
     def state_problem(self, strict: bool, problem: str) -> None:
         """A checkpoint state that cannot be restored as it is: raise :class:`StateError` when ``strict``, else warn once."""

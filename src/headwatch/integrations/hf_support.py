@@ -15,7 +15,7 @@ from transformers.integrations import TensorBoardCallback
 from headwatch import tensorboard as tb
 from headwatch.alerts.actions import JSONL_NAME
 from headwatch.alerts.wiring import load_alert_state, wire_alert as wire_engine, with_alert_state
-from headwatch.core.orchestrator import Driver
+from headwatch.core.driver import Driver
 from headwatch.integrations.hf_trl import understand_trainer
 from headwatch.integrations.hf_publish import TB_PREFIX
 from headwatch.model.capture import called_from

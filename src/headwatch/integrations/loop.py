@@ -14,7 +14,8 @@ from headwatch.alerts.wiring import EngineSink, check_alert, is_rules, load_aler
 from headwatch.core.build import set_figures
 from headwatch.core.figures import check_figure_argument
 from headwatch.core.monitor import Monitor
-from headwatch.core.orchestrator import Driver, Orchestrator
+from headwatch.core.driver import Driver
+from headwatch.core.orchestrator import Orchestrator
 from headwatch.distributed.reduce import Reducer
 from headwatch.errors import HeadwatchError, check_bool, check_instance, check_positive_int, check_sequence
 from headwatch.model.batch import BatchFormat

@@ -23,7 +23,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from headwatch.core.monitor import Monitor, whole_matrices
-from headwatch.core.orchestrator import Driver, Orchestrator
+from headwatch.core.driver import Driver
+from headwatch.core.orchestrator import Orchestrator
 from headwatch.core.publish import Sink
 from headwatch.core.schedule import Schedule
 from headwatch.errors import HeadwatchError, check_bool
