@@ -313,7 +313,8 @@ def render_answer_html(data: Mapping[str, Any], notes: Sequence[str] = ()) -> li
     out += [f'<p class="muted">Note: {esc(n)}</p>' for n in notes]
     out.append('<table class="answer"><thead><tr><th class="tag">headline</th>')
     out += [f"<th>{esc(s)}</th>" for s in sides]
-    out += [f'<th class="run-start">{esc(o)} − {esc(ref)}</th><th>verdict</th>' for o in others]
+    verdicts = not data["one_run_a_side"]
+    out += [f'<th class="run-start">{esc(o)} − {esc(ref)}</th>' + ("<th>verdict</th>" if verdicts else "") for o in others]
     out.append("</tr></thead><tbody>")
     for row in data["headlines"]:
         if all(v is None for side in row["values"].values() for v in side.values()):
@@ -326,10 +327,11 @@ def render_answer_html(data: Mapping[str, Any], notes: Sequence[str] = ()) -> li
         for o in others:
             c = row["comparisons"][o]
             if "cost" in c:
-                cells.append(f'<td class="run-start" colspan="2">{esc(cost_text(c["cost"]))}</td>')
+                span = ' colspan="2"' if verdicts else ""
+                cells.append(f'<td class="run-start"{span}>{esc(cost_text(c["cost"]))}</td>')
                 continue
-            diff = MISSING if c.get("difference") is None else f"{format_number(c['difference'], signed=True)} {_interval(c)}"
-            cells.append(f'<td class="run-start">{esc(diff)}</td><td>{esc(_verdict(c, False))}</td>')
+            diff = c.get("why") or MISSING if c.get("difference") is None else f"{format_number(c['difference'], signed=True)} {_interval(c)}"
+            cells.append(f'<td class="run-start">{esc(diff)}</td>' + (f"<td>{esc(_verdict(c, False))}</td>" if verdicts else ""))
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</tbody></table>")
     out += [f'<p class="muted">{esc(line)}</p>' for line in (_anchor_line(data["headlines"]), *_method_lines(data)) if line]

@@ -49,9 +49,10 @@ others at 95%. One run a side: the difference only, and how to train seeds.
 A run's seed: `seed` in its hparams.yaml (Lightning), else seed<N> in its path (runs/tied/seed3/...).
 Values are read at the last step every run logged (the end of training); collision at the
 end-of-training probe every run has; tied-flow conflict as the mean over the last 10% of the steps.
-Rows the same in every run, or recorded by no run, are folded into one line each.
+A row says (val) or (train) when it reads the validation or the training figure (the first one
+every run has). Rows the same in every run, or recorded by no run, are folded into one line each.
 
-Sides: each LOGDIR run is a side; when every run has a seed and the runs' paths without their
+Sides: each run found under the LOGDIRs is a side; when every run has a seed and the runs' paths without their
 seed<N> and version_<N> parts fall into groups (runs/tied/seed*/..., runs/untied/seed*/...), each
 group is a side (said on the screen). --group NAME=PATTERN ... names the sides itself (patterns are
 expanded here; a run that two patterns match counts once).
