@@ -64,6 +64,11 @@ def cost_text(cost: Mapping[str, Any]) -> str:
             f"{_bytes(b['training_fp32_adamw'])} training (fp32 AdamW)")
 
 
+def short_cost(parameters: int | None) -> str:
+    """The cost in a column of several sides: ``+131,072 parameters``, ``0 (the same tie)`` or ``unknown``."""
+    return "unknown" if parameters is None else "0 (the same tie)" if parameters == 0 else f"{parameters:+,} parameters"
+
+
 def tie_word(mean: float | None) -> str:
     """A side's tie from the mean of its runs' ``grad/tied`` (1 tied, 0 untied)."""
     if mean is None or not math.isfinite(mean):
@@ -105,6 +110,31 @@ def _constant_text(row: Mapping[str, Any]) -> str:
     if row["key"] == "untying_cost":
         return f"{row['question']} 0 (every run {tie_word(value)})"
     return f"{_label(row)} {format_number(value)}"
+
+
+def partition(rows: Sequence[Mapping[str, Any]]) -> tuple[list, list, list]:
+    """The headlines shown as rows, those the same in every run, those recorded by no run."""
+    shown: list = []
+    constant: list = []
+    missing: list = []
+    for row in rows:
+        if all(v is None for side in row["values"].values() for v in side.values()):
+            missing.append(row)
+        elif _constant(row) is not None:
+            constant.append(row)
+        else:
+            shown.append(row)
+    return shown, constant, missing
+
+
+def _folded(constant: Sequence[Mapping[str, Any]], missing: Sequence[Mapping[str, Any]]) -> list[str]:
+    out = []
+    if constant:
+        out.append("The same in every run: " + "; ".join(_constant_text(r) for r in constant) + ".")
+    if missing:
+        out.append("Recorded by no run: " + "; ".join(
+            _label(r) + (f" ({NOT_RECORDED[r['key']]})" if r["key"] in NOT_RECORDED else "") for r in missing) + ".")
+    return out
 
 
 def _fit_row(head: str, tail: str, width: int) -> list[str]:
@@ -163,7 +193,8 @@ def render_answer(data: Mapping[str, Any], *, width: int = 160, notes: Sequence[
         paired = [o for o in others if data["pairing"][o]["paired"]]
         how = ("paired by seed (" + ", ".join(map(str, sorted(data["sides"][ref]["seeds"]))) + ")") if len(paired) == len(others) else (
             "Welch, not paired: " + data["pairing"][others[0]]["why"] if not paired else "paired where the seeds match, else Welch")
-        lines.append(f"headwatch report: {', '.join(printable(o) for o in others)} against {printable(ref)}; {n}, {how}")
+        title = f"headwatch report: {', '.join(printable(o) for o in others)} against {printable(ref)}; {n}, {how}"
+        lines += textwrap.wrap(title, width, break_on_hyphens=False, subsequent_indent="  ")
     for s in sides:
         listed = ", ".join(printable(r) for r in runs[s])
         if len(runs[s]) == 1 and sources and runs[s][0] in sources:
@@ -178,15 +209,7 @@ def render_answer(data: Mapping[str, Any], *, width: int = 160, notes: Sequence[
                   "Train the same seeds for each setting (seed<N> in the run's path, or `seed` in its hparams.yaml,",
                   "pairs them) and compare the groups; the example takes --seed:", *commands]
     rows = data["headlines"]
-    shown, constant, missing = [], [], []
-    for row in rows:
-        comps = row["comparisons"].values()
-        if all(v is None for side in row["values"].values() for v in side.values()):
-            missing.append(row)
-        elif _constant(row) is not None:
-            constant.append(row)
-        elif any(c.get("difference") is not None or c.get("why") or "cost" in c for c in comps):
-            shown.append(row)
+    shown, constant, missing = partition(rows)
     lines.append("")
     if others:
         lines += _table(shown, sides, labels, width, short=len(others) > 1)
@@ -196,12 +219,7 @@ def render_answer(data: Mapping[str, Any], *, width: int = 160, notes: Sequence[
         for row in shown:
             value = tie_word(row["means"].get(ref)) if row["key"] == "untying_cost" else format_number(row["means"].get(ref))
             lines.append(f"{_label(row):<{label_w}}  {value:>{VALUE_W}}")
-    prose = []
-    if constant:
-        prose.append("The same in every run: " + "; ".join(_constant_text(r) for r in constant) + ".")
-    if missing:
-        prose.append("Recorded by no run: " + "; ".join(
-            _label(r) + (f" ({NOT_RECORDED[r['key']]})" if r["key"] in NOT_RECORDED else "") for r in missing) + ".")
+    prose = _folded(constant, missing)
     anchor = _anchor_line(rows)
     if anchor:
         prose.append(anchor[0].upper() + anchor[1:])
@@ -228,7 +246,7 @@ def _table(rows: Sequence[Mapping[str, Any]], sides: Sequence[str], labels: Mapp
         c = row["comparisons"][o]
         if "cost" in c:
             p = c["cost"].get("parameters")
-            return cost_text(c["cost"]) if not short else ("unknown" if p is None else f"{p:+,} parameters")
+            return cost_text(c["cost"]) if not short else short_cost(p)
         if c.get("difference") is None:
             return c.get("why") or MISSING
         diff = f"{format_number(c['difference'], signed=True)} {_interval(c)}".strip()
@@ -316,9 +334,8 @@ def render_answer_html(data: Mapping[str, Any], notes: Sequence[str] = ()) -> li
     verdicts = not data["one_run_a_side"]
     out += [f'<th class="run-start">{esc(o)} − {esc(ref)}</th>' + ("<th>verdict</th>" if verdicts else "") for o in others]
     out.append("</tr></thead><tbody>")
-    for row in data["headlines"]:
-        if all(v is None for side in row["values"].values() for v in side.values()):
-            continue
+    shown, constant, missing = partition(data["headlines"])
+    for row in shown:
         cells = [f'<td class="tag">{esc(_label(row))}</td>']
         for s in sides:
             mean = row["means"].get(s)
@@ -328,12 +345,16 @@ def render_answer_html(data: Mapping[str, Any], notes: Sequence[str] = ()) -> li
             c = row["comparisons"][o]
             if "cost" in c:
                 span = ' colspan="2"' if verdicts else ""
-                cells.append(f'<td class="run-start"{span}>{esc(cost_text(c["cost"]))}</td>')
+                p = c["cost"].get("parameters")
+                text = cost_text(c["cost"]) if len(others) == 1 or p is None else short_cost(p)
+                cells.append(f'<td class="run-start"{span}>{esc(text)}</td>')
                 continue
             diff = c.get("why") or MISSING if c.get("difference") is None else f"{format_number(c['difference'], signed=True)} {_interval(c)}"
             cells.append(f'<td class="run-start">{esc(diff)}</td>' + (f"<td>{esc(_verdict(c, False))}</td>" if verdicts else ""))
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</tbody></table>")
-    out += [f'<p class="muted">{esc(line)}</p>' for line in (_anchor_line(data["headlines"]), *_method_lines(data)) if line]
+    anchor = _anchor_line(data["headlines"])
+    lines = (*_folded(constant, missing), anchor[:1].upper() + anchor[1:], *_method_lines(data, shown))
+    out += [f'<p class="muted">{esc(line)}</p>' for line in lines if line]
     out.append("</section>")
     return out

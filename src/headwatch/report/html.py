@@ -30,7 +30,7 @@ figure { margin: 0; border: 1px solid #e3e3e3; padding: 6px; background: #fff; }
 figcaption { font-family: monospace; font-size: 0.8em; margin-bottom: 4px; }
 .alerts td, .alerts th { text-align: left; white-space: normal; }
 .muted { color: #888; }
-section.answer table td { text-align: left; } section.answer table td:nth-child(n+2) { text-align: right; }
+section.answer td { white-space: normal; max-width: 26em; }
 """
 
 
