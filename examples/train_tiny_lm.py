@@ -1,4 +1,4 @@
-"""Train a tiny GPT on CPU in about 1.5 minutes and watch both ends of it with headwatch.
+"""Train a tiny GPT on CPU (about 3 minutes a run on 2 idle CPU cores) and watch both ends of it with headwatch.
 
 What the example shows: headwatch's callbacks (``TokenFrequency``, ``LogitStatsMonitor``,
 ``GradientDensityMonitor``, ``SynonymCollisionMonitor``, ``SharpnessCollapseAlert``)
@@ -20,14 +20,24 @@ saved next to the TensorBoard logs. Validation uses held-out files: a random sam
 whole files (about ``--val-fraction`` of the corpus bytes), drawn with ``--seed``, that
 neither the tokenizer nor the model trains on; the validation loss is measured before
 training starts and after it ends, and both are printed. ``--seed`` also seeds Python,
-NumPy and torch, so one seed reproduces one run and several seeds show the spread.
+NumPy and torch, so one seed reproduces one run and several seeds show the spread; it is
+written to the run's ``hparams.yaml``, where ``headwatch report`` reads it to pair a tied and
+an untied run of one seed.
 
 Usage::
 
     pip install -e ".[examples]"
-    python examples/train_tiny_lm.py                    # tied, about 1.5 minutes on 2 idle CPU cores
+    python examples/train_tiny_lm.py                    # tied: about 3 minutes a run on 2 idle CPU cores
     python examples/train_tiny_lm.py --no-tie-weights   # untied, for comparison
     tensorboard --logdir runs
+
+Seeds of each setting, compared with verdicts::
+
+    for s in 1 2 3; do
+      python examples/train_tiny_lm.py --seed $s --run-name tied/seed$s
+      python examples/train_tiny_lm.py --seed $s --no-tie-weights --run-name untied/seed$s
+    done
+    headwatch report runs
 
 On Linux, ``MALLOC_MMAP_THRESHOLD_=4000000000 python examples/train_tiny_lm.py`` runs
 about 10% faster on CPU: glibc otherwise maps and unmaps every (B, T, V) logits buffer
@@ -84,6 +94,13 @@ from tiny_lm import (  # noqa: E402
 IMPORT_TIME_S = time.perf_counter() - _T_IMPORT
 """Seconds this module spent importing torch, Lightning, headwatch and tiny_lm."""
 
+RUN_TIME = "about 3 minutes a run on 2 idle CPU cores"
+"""How long one run with the defaults takes, said once: the module docstring, ``--help``, the README and
+``docs/getting-started/lightning.md`` give this text (``tests/test_report_example.py`` keeps them equal).
+From the parts measured on an idle 2-core machine (the table in ``docs/getting-started/lightning.md``):
+600 steps at 0.19 s (114 s), importing torch and Lightning (13-18 s), the tokenizer (about 18 s) and
+seven validations."""
+
 HEADWATCH_KEYS = {
     "entropy": "headwatch/logits/entropy",
     "kl_to_uniform": "headwatch/logits/kl_to_uniform",
@@ -123,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="train_tiny_lm.py",
         description=(
-            "Train a tiny GPT-style causal LM on CPU (about 1.5 minutes with the defaults on 2 idle cores) "
+            f"Train a tiny GPT-style causal LM on CPU ({RUN_TIME} with the defaults) "
             "with every headwatch monitor and the collapse alert attached, then print a summary: validation "
             "loss before and after, logit entropy and sharpness, gradient densities, synonym collision, "
             "alerts. Watch it live with: tensorboard --logdir runs"
@@ -201,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--run-name",
         default=None,
-        help='TensorBoard run name (default: "tied" or "untied"); runs/<name>/version_<n>/ holds the logs',
+        help='TensorBoard run name (default: "tied" or "untied"); runs/<name>/version_<n>/ holds the logs '
+        '(for seeds: tied/seed3, which headwatch report groups and pairs by seed)',
     )
     watch = parser.add_argument_group("headwatch")
     watch.add_argument(
@@ -513,6 +531,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         name=args.run_name or ("tied" if args.tie_weights else "untied"),
         default_hp_metric=False,  # no placeholder "hp_metric" chart
     )
+    # the seed in the run's hparams.yaml (Lightning writes it with the model's own hyperparameters):
+    # `headwatch report` reads it to pair a tied and an untied run of one seed
+    logger.log_hyperparams({"seed": args.seed})
     log_dir = Path(logger.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     tokenizer_path = log_dir / "tokenizer.json"

@@ -200,7 +200,7 @@ def test_discover_and_load(logdir):
             assert np.array_equal([v for _, v in got], values)
     # a run directory given directly is named by its directory name; equal names are told apart
     both = discover_runs([logdir / "tied" / "version_0", logdir / "untied" / "version_0"])
-    assert list(both) == ["version_0", "version_0#2"]
+    assert list(both) == ["tied/version_0", "untied/version_0"]
     assert list(discover_runs([logdir / "tied", logdir / "untied"])) == ["tied/version_0", "untied/version_0"]
 
 
@@ -244,7 +244,7 @@ def _row(text: str, label: str) -> str:
 
 
 def test_text_table_numbers(logdir, capsys):
-    assert main(["report", str(logdir)]) == 0
+    assert main(["report", str(logdir), "--match", "."]) == 0  # the table of the metrics, after the answer
     out = capsys.readouterr().out
     assert "tied/version_0" in out and "untied/version_0" in out
     assert max(len(line) for line in out.splitlines() if not line.startswith("  step")) <= 160
@@ -295,8 +295,8 @@ def test_narrow_width_splits_runs(logdir):
 
 
 def test_json_output(logdir, capsys):
-    assert main(["report", str(logdir), "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+    assert main(["report", str(logdir), "--json", "--match", "."]) == 0
+    data = json.loads(capsys.readouterr().out)["metrics"]
     assert set(data) == {"tied/version_0", "untied/version_0"}
     for name, series in (("tied/version_0", tied_series()), ("untied/version_0", untied_series())):
         for tag in ("headwatch/logits/entropy", "headwatch/grad/embedding_row_density", "train_loss"):
@@ -393,10 +393,10 @@ def test_missing_path_exits_2(tmp_path, capsys):
 
 def test_python_dash_m(logdir, tmp_path):
     env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
-    cmd = [sys.executable, "-m", "headwatch", "report", str(logdir / "tied"), str(logdir / "untied"), "--json"]
+    cmd = [sys.executable, "-m", "headwatch", "report", str(logdir / "tied"), str(logdir / "untied"), "--json", "--all"]
     proc = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
+    data = json.loads(proc.stdout)["metrics"]
     ref = reference(untied_series()["headwatch/logits/entropy"])
     assert data["untied/version_0"]["headwatch/logits/entropy"]["final"] == ref["final"]
     proc = subprocess.run(

@@ -107,7 +107,7 @@ def test_text_sources_empty_selection_and_marker_only_alerts():
 def test_a_terminal_without_utf8_gets_ascii_stand_ins(runs_dir, monkeypatch):
     raw = io.BytesIO()
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))
-    assert main(["report", str(runs_dir / "a")]) == 0
+    assert main(["report", str(runs_dir / "a"), "--match", "."]) == 0
     sys.stdout.flush()
     out = raw.getvalue().decode("ascii")  # would raise on any non-ASCII byte
     row = next(line for line in out.splitlines() if line.startswith("  logits/entropy"))

@@ -80,6 +80,11 @@ def group_args(root, *extra):
     return ["report", "--group", f"tied={root}/tied_*", f"untied={root}/untied_*", *extra]
 
 
+def group_metrics(capsys) -> dict:
+    """The grouped comparison of every metric: the ``metrics`` of ``--json --all``."""
+    return json.loads(capsys.readouterr().out)["metrics"]
+
+
 def expected(anchor) -> dict[str, dict[str, float]]:
     """Group -> run -> (entropy, val entropy) by the hand formulas, at ``anchor(run spec)`` (a step)."""
     out = {}
@@ -170,8 +175,8 @@ def test_compare_groups_validates():
 
 
 def test_groups_json_at_matched_step(root, capsys):
-    assert main(group_args(root, "--json")) == 0
-    data = json.loads(capsys.readouterr().out)
+    assert main(group_args(root, "--json", "--all")) == 0
+    data = group_metrics(capsys)
     assert data["groups"] == {g: [f"{n}/version_0" for n in runs] for g, runs in RUNS.items()}
     assert data["interval"]["method"] == "welch-t" and data["interval"]["level"] == 0.95 and data["reference"] == "tied"
     rows = {r["tag"]: r for r in data["at_step"]}
@@ -188,8 +193,8 @@ def test_groups_json_at_matched_step(root, capsys):
 
 
 def test_groups_at_step_option(root, capsys):
-    assert main(group_args(root, "--json", "--at-step", "350")) == 0
-    rows = {r["tag"]: r for r in json.loads(capsys.readouterr().out)["at_step"]}
+    assert main(group_args(root, "--json", "--all", "--at-step", "350")) == 0
+    rows = {r["tag"]: r for r in group_metrics(capsys)["at_step"]}
     ref = expected(lambda k, last: 350)  # untied_1 (last step 300) is left out: n = 3
     assert rows[ENTROPY]["step"] == 350 and rows[ENTROPY]["groups"]["untied"]["n"] == 3
     tied, untied = [v[0] for v in ref["tied"].values()], [v[0] for v in ref["untied"].values()]
@@ -202,8 +207,8 @@ def test_groups_at_step_option(root, capsys):
 @pytest.mark.parametrize("at_loss", [None, 5.0])
 def test_groups_at_matched_loss(root, capsys, at_loss):
     extra = [] if at_loss is None else ["--at-loss", str(at_loss)]
-    assert main(group_args(root, "--json", *extra)) == 0
-    data = json.loads(capsys.readouterr().out)
+    assert main(group_args(root, "--json", "--all", *extra)) == 0
+    data = group_metrics(capsys)
     lowest = {n: loss(k, last) for runs in RUNS.values() for n, (k, _, _, last) in runs.items()}
     target = max(lowest.values()) if at_loss is None else at_loss  # the lowest loss every run reaches
     assert data["loss_tag"] == "val_loss" and data["loss_target"] == target
@@ -243,8 +248,8 @@ def test_groups_text(root, capsys):
 def test_groups_html(root, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     page = tmp_path / "groups.html"
-    assert main(group_args(root, "--json", "--html", str(page))) == 0
-    data = json.loads(capsys.readouterr().out)
+    assert main(group_args(root, "--json", "--match", ".", "--html", str(page))) == 0
+    data = group_metrics(capsys)
     text = page.read_text(encoding="utf-8")
     assert text.startswith("<!DOCTYPE html>") and "<script" not in text and 'href="http' not in text
     assert text.count("<figure>") == text.count("<svg") == len(data["at_step"]) == 3
@@ -258,7 +263,7 @@ def test_groups_html(root, tmp_path, capsys):
 
 def test_groups_missing_loss_tag_is_a_note(root, capsys):
     assert main(group_args(root, "--json", "--match", "entropy")) == 0  # val_loss is still read for matching
-    assert json.loads(capsys.readouterr().out)["loss_tag"] == "val_loss"
+    assert group_metrics(capsys)["loss_tag"] == "val_loss"
     assert main(group_args(root, "--loss-tag", "no_such_loss")) == 2
     assert "--loss-tag 'no_such_loss': no run logged this tag" in capsys.readouterr().err
     no_loss = compare_groups({"g": {"a": {ENTROPY: [(0, 1.0)]}}, "h": {"b": {ENTROPY: [(0, 2.0)]}}}, [ENTROPY])
@@ -271,7 +276,8 @@ def test_groups_glob_expanded_by_the_tool_and_names(root, capsys):
     args = ["report", "--group", f"a={root}/tied_0", f"a={root}/tied_1", f"b={root}/untied_[01]", "--json"]
     assert main(args) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["groups"] == {"a": ["tied_0/version_0", "tied_1/version_0"], "b": ["untied_0/version_0", "untied_1/version_0"]}
+    assert {s: v["runs"] for s, v in data["sides"].items()} == {
+        "a": ["tied_0/version_0", "tied_1/version_0"], "b": ["untied_0/version_0", "untied_1/version_0"]}
 
 
 @pytest.mark.parametrize(
@@ -303,11 +309,19 @@ def test_parse_group_specs():
         parse_group_specs(["x", "y=z"])
 
 
-def test_group_run_errors(root, tmp_path, capsys):
-    assert main(["report", "--group", f"a={tmp_path}/nothing_*", f"b={root}/untied_*"]) == 2
-    assert "matches no file or directory" in capsys.readouterr().err
-    assert main(["report", "--group", f"a={root}/tied_*", f"b={root}/*_0"]) == 2
-    assert "is in two groups" in capsys.readouterr().err
+def test_group_problems_are_one_line_each_and_the_rest_is_reported(root, tmp_path, capsys):
+    # a pattern that matches nothing: the group is empty, said once; the other group is still reported
+    assert main(["report", "--group", f"a={tmp_path}/nothing_*", f"b={root}/untied_*"]) == 0
+    out = capsys.readouterr().out
+    assert "matches no file or directory" in out and "group 'a' has no run: left out" in out
+    assert "b alone, nothing to compare it with" in out
+    # a run in two groups stays in the first
+    assert main(["report", "--group", f"a={root}/tied_*", f"b={root}/*_0", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert any("is in two groups, 'a' and 'b': kept in 'a'" in n for n in data["notes"])
+    assert data["sides"]["b"]["runs"] == ["untied_0/version_0"]
+    assert main(["report", "--group", f"a={tmp_path}/x_*", f"b={tmp_path}/y_*"]) == 2  # nothing at all
+    assert "no run to report" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- the dispatcher
@@ -315,7 +329,7 @@ def test_group_run_errors(root, tmp_path, capsys):
 
 def test_cli_dispatches_report(root, capsys):
     assert cli_main(group_args(root, "--json", "--match", "^val_loss$")) == 0
-    assert json.loads(capsys.readouterr().out)["at_step"][0]["tag"] == "val_loss"
+    assert group_metrics(capsys)["at_step"][0]["tag"] == "val_loss"
 
 
 def test_cli_cost_is_imported_lazily(monkeypatch, capsys):

@@ -58,8 +58,8 @@ def test_strip_trainer_namespace_only_without_prefix_tags():
 
 
 def test_report_reads_hf_layout_without_prefix(runs, capsys):
-    assert main(["report", str(runs), "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+    assert main(["report", str(runs), "--json", "--match", "."]) == 0
+    data = json.loads(capsys.readouterr().out)["metrics"]
     hf, pl = data["hf"], data["lightning"]
     want = np.float32(entropy(STEPS[-1], 6.0)).item()
     assert hf["headwatch/logits/entropy"]["final"] == want
@@ -72,7 +72,7 @@ def test_report_reads_hf_layout_without_prefix(runs, capsys):
 
 
 def test_report_text_groups_hf_tags(runs, capsys):
-    assert main(["report", str(runs / "hf")]) == 0
+    assert main(["report", str(runs / "hf"), "--match", "."]) == 0
     out = capsys.readouterr().out
     assert "No headwatch metrics matched" not in out
     assert "[logits]" in out and "[loss]" in out and "[alerts]" in out
@@ -84,8 +84,8 @@ def test_groups_default_loss_tag_falls_back_to_eval_loss(tmp_path, capsys):
     slopes = {"a_1": 0.010, "a_2": 0.012, "b_1": 0.020, "b_2": 0.024}
     for name, k in slopes.items():
         write(tmp_path / name, hf_series(6.0 + k, k))
-    assert main(["report", "--group", f"a={tmp_path}/a_*", f"b={tmp_path}/b_*", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+    assert main(["report", "--group", f"a={tmp_path}/a_*", f"b={tmp_path}/b_*", "--json", "--all"]) == 0
+    data = json.loads(capsys.readouterr().out)["metrics"]
     assert data["loss_tag"] == "eval/loss"
     target = max(6.0 - k * 150 for k in slopes.values())  # the lowest eval/loss every run reaches
     assert data["loss_target"] == pytest.approx(target, rel=1e-6)

@@ -56,6 +56,19 @@ def test_a_resumed_run_reads_the_later_file_from_the_restart_step(tmp_path):
     assert read_scalars(tmp_path) == {E: [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)]}
 
 
+def test_event_files_are_read_in_the_order_they_were_written(tmp_path):
+    """A writer's tenth file (``.10``) comes after its ninth (``.9``): numbers in the name by value."""
+    names = []
+    for k, value in enumerate((1.0, 2.0)):
+        write(tmp_path / "tmp", {E: [(5, value)]})
+        (made,) = (tmp_path / "tmp").glob("events.out.tfevents.*")
+        stem = names[0].rsplit(".", 1)[0] if names else made.name.rsplit(".", 1)[0]  # one writer process
+        names.append(f"{stem}.{(9, 10)[k]}")
+        made.rename(tmp_path / names[-1])
+    assert sorted(names)[0].endswith(".10")  # as text, the tenth sorts first
+    assert read_scalars(tmp_path) == {E: [(5, 2.0)]}  # the tenth, written last, wins
+
+
 def tensor_summary(tag: str, array, plugin: str):
     from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
     from tensorboard.util import tensor_util
@@ -107,10 +120,12 @@ def test_names_two_logdirs_share_get_the_logdir_name(two_roots):
     assert runs["beta/seed/version_0"].root == two_roots / "beta"
 
 
-def test_logdirs_with_the_same_name_are_numbered(two_roots):
+def test_logdirs_with_the_same_name_get_the_path_components_that_tell_them_apart(two_roots):
     runs = discover_runs([two_roots / "x" / "runs", two_roots / "y" / "runs"])
-    assert list(runs) == ["runs/seed", "runs/seed#2"]
+    assert list(runs) == ["x/runs/seed", "y/runs/seed"]
     assert [r.path.parent.parent.name for r in runs.values()] == ["x", "y"]
+    # the same LOGDIR twice: one run, listed once
+    assert list(discover_runs([two_roots / "x" / "runs", two_roots / "x" / "runs"])) == ["seed"]
 
 
 def test_an_event_file_names_its_directory(two_roots):

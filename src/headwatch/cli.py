@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 COMMANDS = {
-    "report": "compare the headwatch metrics and alerts of runs, or groups of runs over seeds (headwatch report --help)",
+    "report": "did a setting change anything? runs or seeds compared headline by headline, with verdicts (headwatch report --help)",
     "cost": "what untying the output head costs: parameters and memory (headwatch cost --help)",
 }
 

@@ -67,6 +67,9 @@ class Metric(NamedTuple):
     """When it is published (Markdown), when not what :func:`steps_of` derives from the pattern."""
     doors: tuple[str, ...] = ()
     """The front doors that publish it (keys of :data:`DOORS`); empty: every door (see :func:`doors_of`)."""
+    better: str | None = None
+    """Its good direction when two settings are compared: ``"lower"``, ``"higher"``, or None (no preferred
+    direction: ``headwatch report`` then gives the difference and no verdict word)."""
 
     def regex(self, prefix: str = "headwatch") -> re.Pattern[str]:
         """A regex matching the full names this declaration stands for.
@@ -93,8 +96,9 @@ _TRL_LOGS = "logging steps of a TRL trainer that logs the figure (`SFTTrainer`)"
 
 METRICS: tuple[Metric, ...] = (
     # ---- logits (train: logits/, validation: val/logits/); the README's table is generated from these lines
+    # no preferred direction: a lower entropy is a sharper model or a collapsing one (the loss says which)
     Metric("{split}/entropy", "nats", "mean entropy of the next-token distribution", _L,
-           formula="`H(p) = -sum_v p_v log p_v`, in `[0, log V]`; `0 log 0 = 0`", source="Shannon 1948"),
+           formula="`H(p) = -sum_v p_v log p_v`, in `[0, log V]`; `0 log 0 = 0`", source="Shannon 1948", better=None),
     Metric("{split}/kl_to_uniform", "nats", "sharpness: distance from uniform", _L,
            formula="`KL(p ‖ U) = log V - H(p)`", source="Kullback and Leibler 1951"),
     Metric("{split}/kl_from_uniform", "nats", "the other direction, sensitive to near-zero probabilities", _L,
@@ -109,7 +113,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("{split}/max_prob_p{q}", "probability", "quantiles of per-position top-1 probability", _L,
            readme="headwatch/<s>/max_prob_p05`, `_p50`, `_p95", formula="linear interpolation (NumPy's default)"),
     Metric("{split}/target_nll", "nats", "mean negative log-likelihood of the target (equals the CE loss)", _L,
-           formula="`-log p_target`"),
+           formula="`-log p_target`", better="lower"),
     Metric("{split}/target_argmax_rate", "fraction", "fraction of positions whose target has the largest logit", _L,
            formula="`x_target == max_v x_v`"),
     Metric("{split}/positions", "count", "measured positions", _L),
@@ -122,14 +126,14 @@ METRICS: tuple[Metric, ...] = (
            "that of the full softmax the loss uses", _L),
     Metric("{split}/ece", "probability", "expected calibration error of the top-1 prediction, M equal-width bins `B_m` (default 15, `ece_bins=`; the last bin closed: a confidence of 1.0 is in it)", _L,
            formula="`sum_m abs(sum_{n in B_m} (c_n - a_n)) / N`, `c_n = max_v p_v`, `a_n = [target is the argmax]`",
-           source="Naeini et al. 2015; Guo et al. 2017"),
+           source="Naeini et al. 2015; Guo et al. 2017", better="lower"),
     Metric("{split}/overconfidence", "probability", "over-confidence gap: confidence above accuracy", _L,
            formula="`mean c_n - mean a_n`"),
     Metric("{split}/rare/ece", "probability", "the ECE over positions whose target is rare", _L),
     Metric("{split}/rare/overconfidence", "probability", "the over-confidence gap over positions whose target is rare", _L),
     Metric("{split}/{bucket}/target_nll", "nats",
            "mean target NLL over positions whose **target** is in the frequency bucket (`TokenFrequency`'s buckets, and `rare`)",
-           _L, formula="`-log p_target`"),
+           _L, formula="`-log p_target`", better="lower"),
     Metric("{split}/{bucket}/target_argmax_rate", "fraction", "token accuracy for those targets", _L,
            formula="`x_target == max_v x_v`"),
     Metric("{split}/{bucket}/max_prob", "probability", "mean confidence at those positions", _L, formula="`max_v p_v`"),
@@ -192,9 +196,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("grad/{bucket}/{flow}_row_density", "fraction", "row density within a frequency bucket", _G, headline=False),
     Metric("grad/{bucket}/{flow}_row_norm_{stat}", "gradient units", "row-norm statistics within a bucket", _G, headline=False, readme="headwatch/grad/<bucket>/<flow>_row_density`, `_row_norm_{mean,max,p50,p95}"),
     Metric("grad/{flow}_rare_to_frequent_norm_ratio", "ratio", "mean row norm of rare tokens / of the top1 bucket; NaN when the top1 mean is 0 (no top1 row had a gradient)", _G),
-    Metric("grad/tied", "", "1 when head and embedding are one Parameter, else 0", _G),
+    # what untying costs is a price, not an outcome: no preferred direction
+    Metric("grad/tied", "", "1 when head and embedding are one Parameter, else 0", _G, better=None),
     Metric("grad/tied_flow_cosine_mean", "cosine", "mean cos(E_i, H_i) over rows with both flows", _G),
-    Metric("grad/tied_flow_conflict_fraction", "fraction", "rows with cos(E_i, H_i) < 0 / rows with both flows", _G),
+    # no preferred direction: it describes the tie (how often the two flows disagree), not what the model learned
+    Metric("grad/tied_flow_conflict_fraction", "fraction", "rows with cos(E_i, H_i) < 0 / rows with both flows", _G, better=None),
     Metric("grad/tied_flow_rows", "count", "valid rows that get both flows", _G),
     Metric("update/{matrix}_row_density", "fraction", "valid rows with W_after,i != W_before,i / valid rows", _G),
     Metric("update/{matrix}_row_norm_{stat}", "weight units", "statistics of ||W_after,i - W_before,i||_2", _G, readme="headwatch/update/<matrix>_row_norm_{mean,max,p50,p95}"),
@@ -209,7 +215,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("tokens/rare_count", "count", "rare tokens", _T),
     Metric("tokens/out_of_range", "count", "input ids outside [0, V)", _T),
     # ---- collision
-    Metric("collision/rare_rate_{m}", "fraction", "rare r whose nearest other pairable row has cosine >= tau after removing the mean and the top k principal directions (all-but-the-top) / measured rare tokens", _C, readme="headwatch/collision/rare_rate_head"),
+    Metric("collision/rare_rate_{m}", "fraction", "rare r whose nearest other pairable row has cosine >= tau after removing the mean and the top k principal directions (all-but-the-top) / measured rare tokens", _C, readme="headwatch/collision/rare_rate_head", better="lower"),
     Metric("collision/drift/raw_rate_{m}", "fraction", "drift, not collision: rare r with raw max_j cos(W_r, W_j) >= tau / measured rare tokens", _C),
     Metric("collision/drift/mean_cos_{m}", "cosine", "mean cosine of the measured rare rows to their mean direction (mean resultant length)", _C),
     Metric("collision/drift/removed_variance_{m}", "fraction", "share of the pairable rows' variance held by the removed principal directions", _C),
@@ -231,8 +237,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("collision/top_pairs_{m}", "", "text: most similar colliding pairs", _C, kind="text"),
     Metric("collision/nn_similarity_{m}", "", "image: nearest-neighbour cosine histograms, rare vs frequent", _C, kind="image"),
     # ---- alerts
-    Metric("alerts/{rule}", "", "1 at each critical alert step of the rule", _A),
-    Metric("alerts/{rule}_warning", "", "1 at each warning alert step of the rule", _A),
+    Metric("alerts/{rule}", "", "1 at each critical alert step of the rule", _A, better="lower"),
+    Metric("alerts/{rule}_warning", "", "1 at each warning alert step of the rule", _A, better="lower"),
     Metric("alerts", "", "text: the alert message", _A, kind="text"),
     Metric("alerts/action_failures", "count", "alert actions that failed so far (a webhook POST after its retries, an unwritable record file, an action that raised); written when it changes", "AlertEngine", headline=False),
     # ---- storage (headwatch.tensorboard.guard): written when writing resumes after a storage fault

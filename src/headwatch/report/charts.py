@@ -20,7 +20,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from headwatch.errors import HeadwatchError
-from headwatch.report.runs import Points
+from headwatch.report.events import Points
+from headwatch.report.safe import printable
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22")
 """matplotlib's ``tab10`` colors, one per run, reused by the HTML legend."""
@@ -34,9 +35,37 @@ def have_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
+PALETTE_LIGHT = ("#aec7e8", "#ff9896", "#98df8a", "#ffbb78", "#c5b0d5", "#c49c94", "#f7b6d2", "#9edae5", "#c7c7c7", "#dbdb8d")
+"""The light half of matplotlib's ``tab20``: the 11th to 20th colors."""
+
+
 def color(i: int) -> str:
-    """The color of the ``i``-th run."""
-    return PALETTE[i % len(PALETTE)]
+    """The color of the ``i``-th run (or group); every ``i`` gets its own color.
+
+    ``tab10`` for the first 10, the light ``tab20`` colors for the next 10, then hues spaced by the
+    golden angle at three lightness levels (no two equal: checked against all earlier ones).
+
+    Raises:
+        HeadwatchError: ``i`` is negative.
+    """
+    if i < 0:
+        raise HeadwatchError(f"`i` must be >= 0, got {i!r}")
+    return _colors(i + 1)[i]
+
+
+def _colors(n: int) -> list[str]:
+    import colorsys
+
+    out = list(PALETTE + PALETTE_LIGHT)[:n]
+    k = 0
+    while len(out) < n:
+        hue = (k * 0.618033988749895) % 1.0
+        rgb = colorsys.hls_to_rgb(hue, (0.35, 0.5, 0.65)[k % 3], 0.65)
+        k += 1
+        candidate = "#" + "".join(f"{round(255 * c):02x}" for c in rgb)
+        if candidate not in out:
+            out.append(candidate)
+    return out
 
 
 def _figure(
@@ -58,7 +87,7 @@ def _figure(
         values = [v if math.isfinite(v) else float("nan") for _, v in pts]  # non-finite values break the line
         finite = finite or any(math.isfinite(v) for v in values)
         marker = "o" if len(pts) <= 3 else None  # a run with one point is still visible
-        label = (labels or {}).get(name, name)
+        label = printable((labels or {}).get(name, name))
         legend, shown = ("_nolegend_" if label in shown else label), shown | {label}  # one entry per label
         ax.plot(steps, values, color=colors[name], label=legend, linewidth=1.4, marker=marker, markersize=4)
         for step in (alert_steps or {}).get(name, []):
@@ -106,17 +135,21 @@ def render_chart(
     """
     if fmt not in FORMATS:
         raise HeadwatchError(f"`fmt` must be one of {FORMATS}, got {fmt!r}")
-    fig = _figure(series, colors, alert_steps, labels)
+    try:
+        from matplotlib import rc_context
+    except ImportError as err:
+        raise HeadwatchError(INSTALL_HINT) from err
+    title = printable(title)
     buf = io.BytesIO()
-    if fmt == "png":
-        fig.savefig(buf, format="png")
-        data = base64.b64encode(buf.getvalue()).decode("ascii")
-        return f'<img alt="{html.escape(title)}" src="data:image/png;base64,{data}"/>'
-    from matplotlib import rc_context
-
-    # text as <text> (not glyph paths), ids salted by the title so that several charts inline
+    # labels are run names, shown as written: "$" starts no mathtext ("exp_$USER_$HOST" is a name);
+    # SVG text as <text> (not glyph paths), ids salted by the title so that several charts inline
     # in one page never share an id with different content
-    with rc_context({"svg.fonttype": "none", "svg.hashsalt": title or "headwatch"}):
+    with rc_context({"text.parse_math": False, "svg.fonttype": "none", "svg.hashsalt": title or "headwatch"}):
+        fig = _figure(series, colors, alert_steps, labels)
+        if fmt == "png":
+            fig.savefig(buf, format="png")
+            data = base64.b64encode(buf.getvalue()).decode("ascii")
+            return f'<img alt="{html.escape(title)}" src="data:image/png;base64,{data}"/>'
         fig.savefig(buf, format="svg", metadata={"Creator": None, "Date": None, "Format": None, "Type": None})
     svg = _SVG_START.sub(r"\1", buf.getvalue().decode("utf-8"), count=1)  # drop the XML prolog and DOCTYPE
     head, _, rest = svg.partition(">")

@@ -5,57 +5,76 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from headwatch.errors import HeadwatchError
 from headwatch.report import charts as _charts
+from headwatch.report.answer import SHORT, render_answer, render_answer_html
 from headwatch.report.charts import INSTALL_HINT
 from headwatch.report.compare import compare_groups
+from headwatch.report.events import model_shapes, read_hparams, read_run, run_seed
 from headwatch.report.group_html import render_group_html
 from headwatch.report.group_text import render_comparison
+from headwatch.report.headlines import RunData, headline_table, verdicts
 from headwatch.report.html import render_html
-from headwatch.report.runs import collect_alerts, discover_groups, discover_runs, find_alerts_file, read_alerts_jsonl, read_run
+from headwatch.report.runs import AlertRecord, RunDir, collect_alerts, discover_groups, discover_runs, find_alerts_file, read_alerts_jsonl
+from headwatch.report.safe import printable
 from headwatch.report.stats import select_tags, tag_group
 from headwatch.report.text import render_text, to_json
+from headwatch.report.verdict import BETTER, NO_DIFFERENCE, WORSE
 
-_EPILOG = """\
-The table: one block per run with
-  final     the value at the last logged step,
-  last 10%  the mean of the last 10% of the run's points (at least one),
-  trend/1k  the least-squares slope over the last 50% of the points, per 1000 steps:
-            ↑ / ↓, or → when the fitted change over that span is below 1% of the mean |value|.
-  —         the run did not log this metric.
-Rows are grouped by the monitor that declares the metric in headwatch.names (logits,
-gradients, collision, tokens, alerts; other for undeclared tags); train_loss and val_loss
-(train/loss and eval/loss in Hugging Face Trainer runs) are shown as context when present.
-Trainer runs write train/<prefix>/...: when a run has no <prefix>/ tag, its train/<prefix>/
-tags are read as <prefix>/... (no --prefix needed). By default the names declared as detail are hidden (the
-per-bucket tags /top1/, /top10/, /top50/, /tail/, /unseen/, /rare/ and the _p05 / _max
-variants); --all shows them, --match filters by regex.
+_DIRECTION = {"lower": "lower is better", "higher": "higher is better", None: "no preferred direction: a difference, no verdict"}
 
-Alerts come from the markers <prefix>/alerts/<rule> (value 1 at the alert step) and from
-the nearest headwatch_alerts.jsonl in or above each run directory (up to LOGDIR).
 
-Exit status: 0 on success, 1 when no metric matched, 2 on a usage error or when a LOGDIR
-is missing or holds no TensorBoard event files.
+def _epilog() -> str:
+    rows = "\n".join(f"  {q + (', ' + u if u and u != 'parameters' else ''):<34}{_DIRECTION[b]}" for q, u, b in headline_table())
+    return f"""\
+The first screen answers one question: did the other sides change anything, compared with the first
+(the reference), on what, and how sure is that? One row per headline:
+{rows}
+Columns (two sides): headline, the reference's value, the other side's value (a side's mean over
+its runs), "<side> − <reference> [interval]", verdict. With more sides: one column
+"<side> − <reference>" each (verdicts: {', '.join(SHORT.values())}).
+Verdicts: "{BETTER}", "{WORSE}", "{NO_DIFFERENCE}" (with "could show ±g": the smallest
+gap these runs would have called). Two or more runs a side: a paired t-test over the per-seed
+differences when both sides have the same seeds, else Welch's (named in the output); the headlines
+with a good direction are one family, Holm's step-down at family-wise error 5%; a verdict needs
+the adjusted test to reject and the direction. Intervals of the family at 1 - 5%/m (m tests), the
+others at 95%. One run a side: the difference only, and how to train seeds.
+A run's seed: `seed` in its hparams.yaml (Lightning), else seed<N> in its path (runs/tied/seed3/...).
+Values are read at the last step every run logged (the end of training); collision at the
+end-of-training probe every run has; tied-flow conflict as the mean over the last 10% of the steps.
+A row says (val) or (train) when it reads the validation or the training figure (the first one
+every run has). Rows the same in every run, or recorded by no run, are folded into one line each.
 
-Grouped comparison over seeds (--group NAME=PATTERN ...; patterns are expanded here, so
-quote them or not): per metric, each group's mean, sample sd (n - 1), [min, max] and n
-over its runs, and each group's difference to the first group with a 95% Welch
-t-interval (* when it excludes 0), at a matched step (--at-step N, default the last
-common step) and at matched validation loss (each run read where its --loss-tag curve,
-default val_loss, else eval/loss, first reaches a common value: --at-loss, default the lowest loss every
-run reaches; values between logged points are linearly interpolated). --html writes the
-same tables and one chart per metric with every run in the color of its group.
+Sides: each run found under the LOGDIRs is a side; when every run has a seed and the runs' paths without their
+seed<N> and version_<N> parts fall into groups (runs/tied/seed*/..., runs/untied/seed*/...), each
+group is a side (said on the screen). --group NAME=PATTERN ... names the sides itself (patterns are
+expanded here; a run that two patterns match counts once).
+
+--all adds the table of every metric of every run (final value; the mean over the last 10% of
+the points, "last 10%"; the least-squares slope over the last 50%, per 1000 steps, "trend/1k",
+with ↑ / ↓, or → when the change is below 1% of the mean |value|; "—": not logged), the alerts of
+each run and every note; with --group, each group's mean, sd (n - 1), [min, max] and n per metric
+and the Welch interval of each difference, at a matched step (--at-step N, default the last common
+step) and at matched validation loss (--loss-tag, default val_loss, else eval/loss; --at-loss L).
+--match REGEX adds the same table for the tags it matches (re.search).
+
+Only regular files are read; names and texts are shown printable (control bytes as escapes);
+a damaged file, an empty group or a run listed twice gets one line and the rest is reported.
+Exit status: 0 on success; 1 when --match or --all selects no metric; 2 on a usage error, a
+missing LOGDIR, or no run at all.
 
 Examples:
-  headwatch report runs                        # every run under runs/
+  headwatch report runs                        # every run under runs/ (grouped by seed when it can)
   headwatch report runs/tied runs/untied --html report.html
-  headwatch report runs --match 'entropy|density' --json
-  headwatch report --group tied='runs/tied_*' untied='runs/untied_*' --match 'entropy$|val_loss'
+  headwatch report --group tied='runs/tied/seed*' untied='runs/untied/seed*' --json
+  headwatch report runs --match 'entropy|density'
 """
 
 
@@ -67,10 +86,11 @@ def _add_arguments(report: argparse.ArgumentParser) -> None:
         help="a run directory holding events.out.tfevents.* files, or a folder of runs (searched recursively); "
         "each run is named by its path relative to LOGDIR",
     )
-    report.add_argument("--all", action="store_true", dest="show_all", help="show every tag, including the per-bucket ones")
-    report.add_argument("--match", metavar="REGEX", help="show only tags matching this regular expression (re.search)")
+    report.add_argument("--all", action="store_true", dest="show_all",
+                        help="also show every metric of every run (per-bucket tags included), every alert and every note")
+    report.add_argument("--match", metavar="REGEX", help="also show the metrics whose tag matches this regular expression (re.search)")
     report.add_argument("--prefix", default="headwatch", help="the tag prefix the callbacks used (default: %(default)s)")
-    report.add_argument("--html", metavar="PATH", help="also write a self-contained HTML page with the table and one chart per metric")
+    report.add_argument("--html", metavar="PATH", help="also write a self-contained HTML page: the answer, the tables, one chart per metric")
     report.add_argument(
         "--charts",
         choices=("auto", "svg", "png", "none"),
@@ -81,22 +101,24 @@ def _add_arguments(report: argparse.ArgumentParser) -> None:
     report.add_argument(
         "--json",
         action="store_true",
-        help="print JSON instead of the table: {run: {tag: {final, last10_mean, trend_per_1k, trend, steps, first_step, last_step}}}",
+        help="print the answer as JSON instead (the verdicts of every headline; docs/report.md has the schema); "
+        "with --all or --match also the metrics",
     )
-    report.add_argument("--width", type=int, default=160, help="target width of the text table in characters (default: %(default)s)")
-    grouped = report.add_argument_group("grouped comparison over seeds")
+    report.add_argument("--width", type=int, default=160, help="target width of the text in characters (default: %(default)s)")
+    grouped = report.add_argument_group("sides named by patterns (groups of runs over seeds)")
     grouped.add_argument(
         "--group",
         nargs="+",
         action="extend",
         metavar="NAME=PATTERN",
-        help="groups of runs to compare instead of LOGDIRs (glob patterns expanded here; repeat a NAME to add patterns)",
+        help="a side and its runs, instead of LOGDIRs (glob patterns expanded here; repeat a NAME to add patterns)",
     )
-    grouped.add_argument("--at-step", type=int, metavar="N", help="the matched step (default: each metric's last common step)")
+    grouped.add_argument("--at-step", type=int, metavar="N", help="the tables' matched step (implies the tables of --all; "
+                         "default: each metric's last common step)")
     grouped.add_argument(
-        "--loss-tag", metavar="TAG", help="the loss curve that defines matched loss (default: val_loss, else eval/loss, when logged)"
+        "--loss-tag", metavar="TAG", help="--all's matched-loss curve (default: val_loss, else eval/loss, when logged)"
     )
-    grouped.add_argument("--at-loss", type=float, metavar="L", help="the matched loss (default: the lowest loss every run reaches)")
+    grouped.add_argument("--at-loss", type=float, metavar="L", help="--all's matched loss (default: the lowest loss every run reaches)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,14 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     report = sub.add_parser(
         "report",
-        help="compare the headwatch metrics and alerts of one or more runs, or groups of runs over seeds",
+        help="did a setting change anything? compare runs, or groups of runs over seeds, with verdicts",
         description=(
-            "Read the TensorBoard event files of one or more runs and print a side-by-side table of\n"
-            "the headwatch metrics (final value, mean over the last 10%, trend) and the alerts;\n"
-            "with --html, also write one self-contained HTML page with the comparison charts.\n"
-            "With --group, compare groups of runs (seeds) instead: means, spreads and intervals."
+            "Read the TensorBoard event files of runs and answer, headline by headline (validation loss,\n"
+            "rare-token NLL, calibration, collision, tied-flow conflict, entropy, alerts, what untying costs):\n"
+            "what changed against the first side, with an interval and, given seeds, a verdict.\n"
+            "--all adds every metric of every run; --html writes a page with charts; --json the verdicts."
         ),
-        epilog=_EPILOG,
+        epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_arguments(report)
@@ -161,60 +183,134 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(str(err))
 
 
+_ASCII = str.maketrans({"↑": "^", "↓": "v", "→": "=", "—": "-", "…": "~", "×": "x", "│": "|", "─": "-", "┼": "+", "−": "-", "±": "+-"})
+
+
 def _write(text: str, stream: Any) -> None:
+    """Write ``text`` made printable (control characters escaped, newlines kept); ASCII stand-ins without UTF-8."""
+    text = printable(text, keep_newlines=True)
     try:
         stream.write(text)
     except UnicodeEncodeError:  # a terminal without UTF-8: plain ASCII stand-ins
-        table = str.maketrans({"↑": "^", "↓": "v", "→": "=", "—": "-", "…": "~", "×": "x", "│": "|", "─": "-", "┼": "+", "−": "-"})
-        stream.write(text.translate(table).encode("ascii", "replace").decode("ascii"))
+        stream.write(text.translate(_ASCII).encode("ascii", "replace").decode("ascii"))
 
 
-def _run_report(args: argparse.Namespace) -> int:
-    found = discover_runs(args.logdirs)
-    runs = {name: read_run(run.path, args.prefix) for name, run in found.items()}
-    tags = select_tags({tag for scalars in runs.values() for tag in scalars}, show_all=args.show_all, match=args.match, prefix=args.prefix)
-    alerts = {}
+@dataclass
+class _Run:
+    path: Path
+    scalars: dict[str, Any]
+    alerts: list[AlertRecord]
+    data: RunData
+
+
+def _load(found: Mapping[str, RunDir], prefix: str, notes: list[str]) -> dict[str, _Run]:
+    loaded = {}
     for name, run in found.items():
+        scalars = read_run(run.path, prefix, notes)
         jsonl = find_alerts_file(run.path, run.root)
-        records = read_alerts_jsonl(jsonl) if jsonl is not None else []
-        alerts[name] = collect_alerts(runs[name], records, prefix=args.prefix)
-    sources = {name: str(run.path) for name, run in found.items()}
+        records = read_alerts_jsonl(jsonl, notes) if jsonl is not None else []
+        alerts = collect_alerts(scalars, records, prefix=prefix)
+        hparams = read_hparams(run.path, notes)
+        data = RunData(scalars, alerts=len(alerts), seed=run_seed(run.path, hparams), shapes=model_shapes(hparams))
+        loaded[name] = _Run(run.path, scalars, alerts, data)
+    return loaded
+
+
+_SEED_PART = re.compile(r"seed[_\-=]?\d+|version_\d+", re.IGNORECASE)
+_SEED_SUFFIX = re.compile(r"[_\-.]seed[_\-=]?\d+$", re.IGNORECASE)
+
+
+def side_of(name: str) -> str:
+    """A run's name without its ``seed<N>`` and ``version_<N>`` parts: ``tied/seed3/version_0`` -> ``tied``."""
+    parts = [_SEED_SUFFIX.sub("", p) for p in name.split("/") if not _SEED_PART.fullmatch(p)]
+    return "/".join(p for p in parts if p)
+
+
+def group_by_seed(names: Sequence[str], seeds: Mapping[str, int | None]) -> dict[str, list[str]] | None:
+    """The runs as sides over seeds, when their names say so: every run has a seed, the names without
+    their seed and version parts (:func:`side_of`) give 2 or more sides, each with distinct seeds, one
+    with 2 runs or more. None otherwise (each run is then its own side)."""
+    if any(seeds.get(n) is None for n in names):
+        return None
+    sides: dict[str, list[str]] = {}
+    for n in names:
+        sides.setdefault(side_of(n), []).append(n)
+    if len(sides) < 2 or "" in sides or all(len(v) == 1 for v in sides.values()):
+        return None
+    if any(len({seeds[n] for n in v}) != len(v) for v in sides.values()):
+        return None
+    return sides
+
+
+def _sides(args: argparse.Namespace, notes: list[str]) -> tuple[dict[str, list[str]], dict[str, RunDir], bool]:
+    """Side -> run names, every run, and whether the sides are groups named by --group."""
+    if args.group is not None:
+        groups = discover_groups(args.group, notes)
+        for g, runs in groups.items():
+            if not runs:
+                notes.append(f"group {g!r} has no run: left out")
+        found = {name: run for runs in groups.values() for name, run in runs.items()}
+        return {g: list(runs) for g, runs in groups.items() if runs}, found, True
+    found = discover_runs(args.logdirs, notes)
+    return {name: [name] for name in found}, found, False
+
+
+def _run(args: argparse.Namespace) -> int:
+    notes: list[str] = []
+    sides, found, grouped = _sides(args, notes)
+    if not found:
+        raise HeadwatchError("no run to report: " + "; ".join(notes) if notes else "no run to report")
+    loaded = _load(found, args.prefix, notes)
+    if not grouped:
+        by_seed = group_by_seed(list(found), {n: r.data.seed for n, r in loaded.items()})
+        if by_seed is not None:
+            sides = by_seed
+            notes.insert(0, "sides: the runs grouped by their paths without seed<N> and version_<N> (--group chooses others)")
+    data = verdicts({s: {n: loaded[n].data for n in runs} for s, runs in sides.items()}, prefix=args.prefix)
+    every = {tag for run in loaded.values() for tag in run.scalars}
+    # the matched-step and matched-loss options choose what the tables of every metric show: they ask for them
+    detail = args.show_all or args.match is not None or any(x is not None for x in (args.at_step, args.loss_tag, args.at_loss))
+    tags = select_tags(every, show_all=args.show_all, match=args.match, prefix=args.prefix)
+    groups = {s: {n: loaded[n].scalars for n in runs} for s, runs in sides.items()}
+    comparison = None
+    if grouped and len(groups) >= 2 and (detail or args.html):
+        group_tags = [t for t in tags if tag_group(t, args.prefix) != "alerts"]
+        comparison = compare_groups(groups, group_tags, at_step=args.at_step, loss_tag=args.loss_tag, at_loss=args.at_loss)
+    runs = {n: r.scalars for n, r in loaded.items()}
+    alerts = {n: r.alerts for n, r in loaded.items()}
     if args.json:
-        _write(json.dumps(to_json(runs, tags), indent=2, allow_nan=False) + "\n", sys.stdout)
+        out = dict(data, notes=notes)
+        if detail:
+            out["metrics"] = comparison.to_dict() if comparison is not None else to_json(runs, tags)
+        _write(json.dumps(out, indent=2, allow_nan=False) + "\n", sys.stdout)
     else:
-        _write(render_text(runs, tags, alerts, width=args.width, prefix=args.prefix, sources=sources), sys.stdout)
+        sources = {n: str(r.path) for n, r in loaded.items()}
+        text = render_answer(data, width=args.width, notes=notes if not args.show_all else (), sources=sources)
+        if detail:
+            text += "\n" + (render_comparison(comparison, prefix=args.prefix) if comparison is not None else render_text(
+                runs, tags, alerts, width=args.width, prefix=args.prefix, sources={n: str(r.path) for n, r in loaded.items()}))
+            if args.show_all and notes:
+                text += "\nNotes\n" + "".join(f"  {n}\n" for n in notes)
+        _write(text, sys.stdout)
     if args.html:
-        _write_page(args.html, render_html(runs, tags, alerts, charts=args.charts, prefix=args.prefix, sources=sources))
-    return _no_match(tags)
+        preface = render_answer_html(data, notes)
+        if comparison is not None:
+            page = render_group_html(comparison, groups, charts=args.charts, prefix=args.prefix, preface=preface)
+        else:
+            page = render_html(runs, tags, alerts, charts=args.charts, prefix=args.prefix,
+                               sources={n: str(r.path) for n, r in loaded.items()}, preface=preface)
+        _write_page(args.html, page)
+    if detail and not tags:
+        print("headwatch report: no metric matched", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _write_page(html_path: str, page: str) -> None:
     path = Path(html_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page, encoding="utf-8")
-    print(f"headwatch report: wrote {path}", file=sys.stderr)
-
-
-def _run_groups(args: argparse.Namespace) -> int:
-    found = discover_groups(args.group)
-    groups = {g: {name: read_run(run.path, args.prefix) for name, run in runs.items()} for g, runs in found.items()}
-    every = {tag for runs in groups.values() for scalars in runs.values() for tag in scalars}
-    tags = [t for t in select_tags(every, show_all=args.show_all, match=args.match, prefix=args.prefix) if tag_group(t, args.prefix) != "alerts"]
-    comparison = compare_groups(groups, tags, at_step=args.at_step, loss_tag=args.loss_tag, at_loss=args.at_loss)
-    if args.json:
-        _write(json.dumps(comparison.to_dict(), indent=2, allow_nan=False) + "\n", sys.stdout)
-    else:
-        _write(render_comparison(comparison, prefix=args.prefix), sys.stdout)
-    if args.html:
-        _write_page(args.html, render_group_html(comparison, groups, charts=args.charts, prefix=args.prefix))
-    return _no_match(tags)
-
-
-def _no_match(tags: Sequence[str]) -> int:
-    if not tags:
-        print("headwatch report: no metric matched", file=sys.stderr)
-        return 1
-    return 0
+    _write(f"headwatch report: wrote {path}\n", sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -229,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"headwatch report: error: --charts {args.charts}: {INSTALL_HINT} (or use --charts none)", file=sys.stderr)
         return 2
     try:
-        return _run_groups(args) if args.group is not None else _run_report(args)
+        return _run(args)
     except (HeadwatchError, OSError) as err:
-        print(f"headwatch report: error: {err}", file=sys.stderr)
+        _write(f"headwatch report: error: {err}\n", sys.stderr)
         return 2

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from headwatch.errors import HeadwatchError
-from headwatch.report.runs import Points
+from headwatch.report.events import Points
+from headwatch.report.verdict import betainc, student_t_quantile  # noqa: F401  (their home before; kept importable)
 
 METHOD = "welch-t"
 METHOD_TEXT = (
@@ -39,68 +40,6 @@ SPREAD_TEXT = "sd = sample standard deviation over the runs (denominator n - 1);
 
 
 # --------------------------------------------------------------------------- statistics
-
-
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the incomplete beta function (modified Lentz; Numerical Recipes ``betacf``)."""
-    tiny, eps = 1e-300, 1e-16
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 10_000):
-        m2 = 2 * m
-        for aa in (m * (b - m) * x / ((a - 1.0 + m2) * (a + m2)), -(a + m) * (a + b + m) * x / ((a + m2) * (a + 1.0 + m2))):
-            d = 1.0 + aa * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + aa / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < eps:
-            break
-    return h
-
-
-def betainc(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function ``I_x(a, b)`` (DLMF 8.17.2), for ``a, b > 0``, ``0 <= x <= 1``."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):  # the continued fraction converges fast here (NR 6.4)
-        return math.exp(log_front) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
-
-
-def student_t_quantile(p: float, df: float) -> float:
-    """The ``p``-quantile of Student's t with ``df`` (real, > 0) degrees of freedom.
-
-    Uses ``P(T > t) = I_{df / (df + t^2)}(df / 2, 1 / 2) / 2`` for ``t >= 0`` (DLMF 8.17.22 with
-    the t CDF, e.g. Abramowitz & Stegun 26.7.1) and bisection on ``x = df / (df + t^2)``.
-    Checked against ``scipy.stats.t.ppf`` in the tests.
-
-    Raises:
-        HeadwatchError: ``p`` is not in (0, 1) or ``df`` is not positive.
-    """
-    if not 0.0 < p < 1.0:
-        raise HeadwatchError(f"`p` must be in (0, 1), got {p!r}")
-    if not df > 0.0:
-        raise HeadwatchError(f"`df` must be positive, got {df!r}")
-    if p == 0.5:
-        return 0.0
-    tail = min(p, 1.0 - p)  # P(T > t) for the positive quantile
-    lo, hi = 0.0, 1.0  # tail(x) = I_x(df/2, 1/2) / 2 increases from 0 (x = 0, t = inf) to 1/2 (x = 1, t = 0)
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if 0.5 * betainc(0.5 * df, 0.5, mid) < tail:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-17 * hi:
-            break
-    x = 0.5 * (lo + hi)
-    t = math.sqrt(df * (1.0 - x) / x)
-    return t if p > 0.5 else -t
 
 
 @dataclass(frozen=True)
@@ -342,6 +281,7 @@ def compare_groups(
     crossing = {name: (first_crossing(pts, target) if target is not None else None) for name, pts in curves.items()}
     never = sorted(name for name, s in crossing.items() if s is None)
     if never:
-        notes.append(f"runs whose {tag!r} never reaches {target:.6g}, left out at matched loss: {', '.join(never)}")
+        reach = f"never reaches {target:.6g}" if target is not None else "has no finite value"
+        notes.append(f"runs whose {tag!r} {reach}, left out at matched loss: {', '.join(never)}")
     by_loss = [_compare_at(groups, t, crossing, level, None) for t in tags]
     return Comparison({g: list(r) for g, r in groups.items()}, level, rule, by_step, tag, target, crossing, by_loss, notes)

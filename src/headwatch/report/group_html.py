@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import html
 from collections.abc import Mapping, Sequence
 
 from headwatch.report.charts import INSTALL_HINT, color, render_chart
 from headwatch.report.compare import METHOD_TEXT, SPREAD_TEXT, Comparison, MetricComparison
 from headwatch.report.group_text import SIGNIFICANT
-from headwatch.report.html import CSS, resolve_charts
-from headwatch.report.runs import Points
+from headwatch.report.safe import printable
+from headwatch.report.events import Points
+from headwatch.report.html import CSS, esc, resolve_charts
 from headwatch.report.text import MISSING, format_number
-
-esc = html.escape
 
 
 def _table(rows: Sequence[MetricComparison], groups: Sequence[str], with_step: bool, colors: Mapping[str, str], prefix: str) -> list[str]:
@@ -69,6 +67,7 @@ def render_group_html(
     charts: str = "auto",
     prefix: str = "headwatch",
     title: str = "headwatch report: groups",
+    preface: Sequence[str] = (),
 ) -> str:
     """One self-contained HTML page of a grouped comparison (the tables of the text output, and charts).
 
@@ -78,6 +77,7 @@ def render_group_html(
         charts: ``"svg"``, ``"png"``, ``"none"`` or ``"auto"`` (see :func:`~headwatch.report.render_html`).
         prefix: the headwatch tag prefix.
         title: the page title.
+        preface: HTML elements shown first, under the title (the answer).
 
     Raises:
         HeadwatchError: ``charts`` is not one of the four, or ``"svg"``/``"png"`` without matplotlib.
@@ -88,9 +88,9 @@ def render_group_html(
     colors = {g: color(i) for i, g in enumerate(names)}
     level = f"{100 * c.level:g}%"
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{esc(title)}</title><style>{CSS}</style></head><body>"]
-    out += [f"<h1>{esc(title)}</h1>", '<ul class="runs">']
+    out += [f"<h1>{esc(title)}</h1>", *preface, "<h2>Groups</h2>", '<ul class="runs">']
     for g in names:
-        runs = ", ".join(c.groups[g])
+        runs = ", ".join(map(printable, c.groups[g]))
         out.append(f'<li><span class="swatch" style="background:{colors[g]}"></span><b>{esc(g)}</b> ({len(c.groups[g])}): {esc(runs)}</li>')
     out.append("</ul>")
     out.append(f'<p class="muted">Spread: {esc(SPREAD_TEXT)}. Interval: {level} {esc(METHOD_TEXT)}. {SIGNIFICANT}: the interval excludes 0. '

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from headwatch.report.compare import METHOD_TEXT, SPREAD_TEXT, Comparison, Difference, GroupStats, MetricComparison
+from headwatch.report.safe import printable
 from headwatch.report.text import MISSING, format_number
 
 _SEP = " │ "
@@ -28,7 +29,7 @@ def _diff_cell(d: Difference | None) -> str:
 def _table(rows: Sequence[MetricComparison], groups: Sequence[str], with_step: bool, prefix: str) -> list[str]:
     ref, others = groups[0], groups[1:]
     head = prefix + "/"
-    labels = {r.tag: r.tag[len(head) :] if r.tag.startswith(head) else r.tag for r in rows}
+    labels = {r.tag: printable(r.tag[len(head) :] if r.tag.startswith(head) else r.tag) for r in rows}
     tag_w = max([len("metric"), *(len(v) for v in labels.values())])
     step_w = 9 if with_step else 0
     blank = _stats_cell(None)
@@ -58,7 +59,7 @@ def render_comparison(comparison: Comparison, *, prefix: str = "headwatch") -> s
     width = max(len(g) for g in names)
     for g in names:
         runs = c.groups[g]
-        lines.append(f"  {g:<{width}}  {len(runs)} run{'s' if len(runs) != 1 else ''}: {', '.join(runs)}")
+        lines.append(f"  {printable(g):<{width}}  {len(runs)} run{'s' if len(runs) != 1 else ''}: {', '.join(map(printable, runs))}")
     lines.append(f"Spread: {SPREAD_TEXT}.")
     lines.append(f"Interval: {level} {METHOD_TEXT}.")
     lines.append(f"{SIGNIFICANT}: the {level} interval excludes 0.")

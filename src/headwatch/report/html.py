@@ -8,7 +8,9 @@ from collections.abc import Mapping, Sequence
 from headwatch.errors import HeadwatchError
 from headwatch.report import charts as _charts
 from headwatch.report.charts import INSTALL_HINT, color, render_chart
-from headwatch.report.runs import AlertRecord, Points
+from headwatch.report.events import Points
+from headwatch.report.runs import AlertRecord
+from headwatch.report.safe import printable
 from headwatch.report.stats import Summary, summarize_runs, tag_group
 from headwatch.report.text import MISSING, alert_cell, alerts_by_run, format_number, format_trend
 
@@ -28,6 +30,7 @@ figure { margin: 0; border: 1px solid #e3e3e3; padding: 6px; background: #fff; }
 figcaption { font-family: monospace; font-size: 0.8em; margin-bottom: 4px; }
 .alerts td, .alerts th { text-align: left; white-space: normal; }
 .muted { color: #888; }
+section.answer td { white-space: normal; max-width: 26em; }
 """
 
 
@@ -36,7 +39,12 @@ _LEGEND = (
     "trend/1k: least-squares slope over the last 50% of the points, per 1000 steps "
     "(→ when the change over that span is below 1% of the mean |value|).</p>"
 )
-esc = html.escape
+
+
+def esc(text: object) -> str:
+    """A name or text from a run, for HTML: control characters as escapes (:func:`printable`), then HTML-escaped."""
+    return html.escape(printable(text))
+
 
 
 def resolve_charts(charts: str) -> str:
@@ -63,6 +71,7 @@ def render_html(
     prefix: str = "headwatch",
     sources: Mapping[str, str] | None = None,
     title: str = "headwatch report",
+    preface: Sequence[str] = (),
 ) -> str:
     """One self-contained HTML page: the table of :func:`~headwatch.report.render_text`, the alerts and one chart per tag.
 
@@ -76,6 +85,8 @@ def render_html(
         prefix: the headwatch tag prefix.
         sources: run name -> where it was read from.
         title: the page title.
+        preface: HTML elements shown first, under the title (the answer of
+            :func:`~headwatch.report.answer.render_answer_html`).
 
     Raises:
         HeadwatchError: ``charts`` is not one of the four, or ``"svg"``/``"png"`` without matplotlib.
@@ -89,6 +100,8 @@ def render_html(
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{esc(title)}</title><style>{CSS}</style></head><body>",
         f"<h1>{esc(title)}</h1>",
+        *preface,
+        "<h2>Runs</h2>",
         '<ul class="runs">',
     ]
     for name in names:

@@ -6,7 +6,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from headwatch.report.runs import AlertRecord, Points
+from headwatch.report.events import Points
+from headwatch.report.runs import AlertRecord
+from headwatch.report.safe import column_labels, printable
 from headwatch.report.stats import Summary, summarize_runs, tag_group
 
 MISSING = "—"
@@ -80,25 +82,30 @@ def render_text(
     """
     summaries = summarize_runs(runs, tags)
     names = list(runs)
+    block_w = sum(_COL) + len(_GAP) * 2
+    headers = dict(zip(names, column_labels(names, block_w)))  # distinct, printable; "#i" when names agree cut
+    numbered = any(h.startswith("#") for h in headers.values())
     lines: list[str] = []
-    if sources:
+    if sources or numbered:
         lines.append("Runs:")
-        lines.extend(f"  {name}  ({sources[name]})" for name in names if name in sources)
+        for name in names:
+            key = f"{headers[name]}  " if numbered else ""
+            source = f"  ({printable(sources[name])})" if sources and name in sources else ""
+            lines.append(f"  {key}{printable(name)}{source}")
         lines.append("")
     if not tags:
         lines.append("No headwatch metrics matched (try --all, or check --match and --prefix).")
     else:
         head = prefix + "/"
-        labels = {t: "  " + (t[len(head) :] if t.startswith(head) else t) for t in tags}
+        labels = {t: "  " + printable(t[len(head) :] if t.startswith(head) else t) for t in tags}
         tag_w = min(max(len(v) for v in labels.values()), 46)
         tag_w = max(tag_w, len("metric"))
-        block_w = sum(_COL) + len(_GAP) * 2
         per_table = max(1, (width - tag_w) // (block_w + len(_RUN_SEP)))
         for start in range(0, len(names), per_table):
             chunk = names[start : start + per_table]
             if start:
                 lines.append("")
-            lines.extend(_text_table(chunk, tags, labels, tag_w, block_w, runs, summaries, prefix))
+            lines.extend(_text_table(chunk, tags, labels, tag_w, block_w, runs, summaries, prefix, headers))
     if alerts is not None:
         lines += _alerts_text(names, alerts)
     return "\n".join(lines) + "\n"
@@ -120,14 +127,14 @@ def alerts_by_run(
 def _alerts_text(names: Sequence[str], alerts: Mapping[str, Sequence[AlertRecord]]) -> list[str]:
     lines = ["", "Alerts"]
     for name, records, count in alerts_by_run(names, alerts):
-        lines.append(f"  {name}: {count}")
+        lines.append(f"  {printable(name)}: {count}")
         if not records:
             continue
         step_w = max(len(str(a.step)) for a in records)
-        rule_w = max(len(a.rule) for a in records)
+        rule_w = max(len(printable(a.rule)) for a in records)
         for a in records:
-            message = a.message or "(TensorBoard marker only; no headwatch_alerts.jsonl entry)"
-            lines.append(f"    step {a.step:>{step_w}}  {a.rule:<{rule_w}}  {message}")
+            message = printable(a.message) if a.message else "(TensorBoard marker only; no headwatch_alerts.jsonl entry)"
+            lines.append(f"    step {a.step:>{step_w}}  {printable(a.rule):<{rule_w}}  {message}")
     return lines
 
 
@@ -140,6 +147,7 @@ def _text_table(
     runs: Mapping[str, Mapping[str, Points]],
     summaries: Mapping[str, Mapping[str, Summary]],
     prefix: str,
+    headers: Mapping[str, str],
 ) -> list[str]:
     def row(first: str, cells: Sequence[str]) -> str:
         return (f"{first:<{tag_w}}" + "".join(_RUN_SEP + c for c in cells)).rstrip()
@@ -148,7 +156,7 @@ def _text_table(
         return _GAP.join((f"{a:>{_COL[0]}}", f"{b:>{_COL[1]}}", f"{c:>{_COL[2]}}"))
 
     out = [
-        row("", [f"{_fit(n, block_w):^{block_w}}" for n in names]),
+        row("", [f"{headers[n]:^{block_w}}" for n in names]),
         row("metric", [block("final", "last 10%", "trend/1k") for _ in names]),
         "─" * tag_w + "".join("─┼─" + "─" * block_w for _ in names),
     ]
