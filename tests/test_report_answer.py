@@ -252,3 +252,19 @@ def test_verdicts_is_a_pure_function_of_the_runs():
     assert json.loads(json.dumps(data, allow_nan=False)) == data  # plain JSON, nothing else
     # the headlines these runs recorded with a direction: validation loss, and alerts (no marker: none fired)
     assert data["family"]["size"] == 2
+
+
+def test_the_cost_reads_the_shapes_a_run_published_before_its_hparams(tmp_path, capsys):
+    """A Hugging Face or plain-loop run has no ``hparams.yaml``: the shapes its gradient statistics published
+    (``model/vocab_size``, ``model/hidden_size``) give the cost; they win over an ``hparams.yaml`` that says other."""
+    for side, tied in (("tied", True), ("untied", False)):
+        path = tmp_path / "runs" / side
+        write_run(path, FINAL[side][0], tied, vocab=999)  # an hparams.yaml that disagrees with what the run published
+        writer = SummaryWriter(log_dir=str(path))
+        for step in range(10, 101, 10):
+            writer.add_scalar(P + "model/vocab_size", 32000.0, step)
+            writer.add_scalar(P + "model/hidden_size", 256.0, step)
+        writer.close()
+    status, out = report([str(tmp_path / "runs"), "--json"], capsys)
+    cost = next(r for r in json.loads(out)["headlines"] if r["key"] == "untying_cost")["comparisons"]["untied"]["cost"]
+    assert status == 0 and (cost["vocab_size"], cost["d_model"], cost["parameters"]) == (32000, 256, 32000 * 256)

@@ -37,6 +37,7 @@ PLACEHOLDERS: dict[str, tuple[str, ...]] = {
     "stat": STATS,
     "q": ("05", "50", "95"),
     "rule": ALERT_RULES,
+    "dim": ("vocab_size", "hidden_size"),
 }
 
 
@@ -198,6 +199,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("grad/{flow}_rare_to_frequent_norm_ratio", "ratio", "mean row norm of rare tokens / of the top1 bucket; NaN when the top1 mean is 0 (no top1 row had a gradient)", _G),
     # what untying costs is a price, not an outcome: no preferred direction
     Metric("grad/tied", "", "1 when head and embedding are one Parameter, else 0", _G, better=None),
+    Metric("model/{dim}", "count", "the head's rows (`vocab_size`) and width (`hidden_size`), as its module declares them", _G, headline=False),
     Metric("grad/tied_flow_cosine_mean", "cosine", "mean cos(E_i, H_i) over rows with both flows", _G),
     # no preferred direction: it describes the tie (how often the two flows disagree), not what the model learned
     Metric("grad/tied_flow_conflict_fraction", "fraction", "rows with cos(E_i, H_i) < 0 / rows with both flows", _G, better=None),

@@ -358,7 +358,8 @@ class GradientDensity(Monitor):
         snap = self._snapshot = self.frequency.snapshot()
         g = f"{self.prefix}/grad"
         # made on the device (a fill, not a copy): the orchestrator's one transfer reads it with the rest
-        out: dict[str, Tensor] = {f"{g}/tied": torch.full((), float(self.tied), dtype=torch.float64, device=snap.counts.device)}
+        out: dict[str, Any] = {f"{g}/tied": torch.full((), float(self.tied), dtype=torch.float64, device=snap.counts.device)}
+        out.update(model_shape(self._head, self.prefix))
         self._histograms, self._full_norms = {}, {}
         flows = self._flows(loss_scale)
         elsewhere = self._gradient_elsewhere(flows)
@@ -502,6 +503,19 @@ class GradientDensity(Monitor):
         super().reset()
         self._reset_step()
         self.tying_published = ""  # a new run (a new log) says it again
+
+
+def model_shape(head: nn.Module | None, prefix: str) -> dict[str, float]:
+    """``model/vocab_size`` and ``model/hidden_size`` of the head (what untying costs, ``headwatch report``), from
+    the module's declared sizes (an ``nn.Linear``'s ``out_features`` / ``in_features``, an ``nn.Embedding``'s),
+    the same on every process whatever shards the weight; none for another kind of module. Python numbers: no
+    transfer."""
+    inner = getattr(head, "base_layer", head)  # a PEFT adapter's base
+    for rows, cols in (("out_features", "in_features"), ("num_embeddings", "embedding_dim")):
+        v, d = getattr(inner, rows, None), getattr(inner, cols, None)
+        if isinstance(v, int) and isinstance(d, int):
+            return {f"{prefix}/model/vocab_size": float(v), f"{prefix}/model/hidden_size": float(d)}
+    return {}
 
 
 def _compiles_a_member(compiled: list[str], members: list[str]) -> bool:

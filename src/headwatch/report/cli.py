@@ -17,7 +17,7 @@ from headwatch.report import charts as _charts
 from headwatch.report.answer import SHORT, render_answer, render_answer_html
 from headwatch.report.charts import INSTALL_HINT
 from headwatch.report.compare import compare_groups
-from headwatch.report.events import model_shapes, read_hparams, read_run, run_seed
+from headwatch.report.events import model_shapes, published_shapes, read_hparams, read_run, run_seed
 from headwatch.report.group_html import render_group_html
 from headwatch.report.group_text import render_comparison
 from headwatch.report.headlines import RunData, headline_table, verdicts
@@ -211,7 +211,8 @@ def _load(found: Mapping[str, RunDir], prefix: str, notes: list[str]) -> dict[st
         records = read_alerts_jsonl(jsonl, notes) if jsonl is not None else []
         alerts = collect_alerts(scalars, records, prefix=prefix)
         hparams = read_hparams(run.path, notes)
-        data = RunData(scalars, alerts=len(alerts), seed=run_seed(run.path, hparams), shapes=model_shapes(hparams))
+        shapes = {**model_shapes(hparams), **published_shapes(scalars, prefix)}  # what the run published wins
+        data = RunData(scalars, alerts=len(alerts), seed=run_seed(run.path, hparams), shapes=shapes)
         loaded[name] = _Run(run.path, scalars, alerts, data)
     return loaded
 
