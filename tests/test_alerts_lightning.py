@@ -69,6 +69,16 @@ def test_misnamed_training_metric_warns_with_the_closest_names(tmp_path):
         trainer.fit(TinyCausalLM(), loader(n=192, batch_size=8))
 
 
+def test_one_misspelt_metric_is_offered_every_published_name(tmp_path, recwarn):
+    """Only the entropy's name is wrong (the KL's is published): the suggestion comes from every published name,
+    not only from the watched values (which would offer kl_to_uniform)."""
+    alert = SharpnessCollapseAlert(entropy_floor=1.0, entropy_drop=None, entropy_metric="headwatch/logits/entropyy")
+    trainer = make_trainer(tmp_path, [LogitStatsMonitor(validation=False), alert], max_steps=21, log_every_n_steps=1)
+    trainer.fit(TinyCausalLM(), loader(n=192, batch_size=8))
+    said = [str(w.message) for w in recwarn.list if "entropyy" in str(w.message)]
+    assert len(said) == 1 and "the closest logged names are 'headwatch/logits/entropy'" in said[0], said
+
+
 class TwoValidations(TinyCausalLM):
     """Logs planted validation values per dataloader: ``val_loss`` and ``val_ent`` at validation ``v``."""
 

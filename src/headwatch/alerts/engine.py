@@ -19,7 +19,7 @@ import math
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Any
@@ -177,15 +177,18 @@ class AlertEngine:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ observing
-    def observe_train(self, step: int, metrics: Mapping[str, float | None], epoch: int = 0) -> list[Alert]:
+    def observe_train(self, step: int, metrics: Mapping[str, float | None], epoch: int = 0,
+                      published: Collection[str] = ()) -> list[Alert]:  # fmt: skip
         """One logging step's values (``{metric name: value}``); returns the alerts raised now.
 
         Call it on every process at every logging step, also with an empty dict: the decision is a collective.
+        ``published``: every name the run publishes besides ``metrics`` (a door that hands the engine the watched
+        values only), offered when a watched name is never published (a misspelt ``entropy_metric``).
         """
         observed = any(v is not None for v in metrics.values())
         events = self.rules.observe_train(step, metrics) if observed else []
         if observed:
-            self._check_watched(metrics)
+            self._check_watched(metrics, published)
         self._check_ceiling(metrics)
         r = self.rules
         shown = {name: metrics.get(name) for name in (r.entropy_metric, r.kl_metric)}
@@ -204,7 +207,7 @@ class AlertEngine:
         out = {name: [rule for rule in rules if t.get(rule)] for name, rules in needs.items()}
         return {name: rules for name, rules in out.items() if rules}
 
-    def _check_watched(self, metrics: Mapping[str, float | None]) -> None:
+    def _check_watched(self, metrics: Mapping[str, float | None], names: Collection[str] = ()) -> None:
         """Warn once per watched metric absent from :data:`MISSING_AFTER` logging steps that published values and
         never present (a misspelt ``entropy_metric``: its rules could never fire), with the closest published names."""
         for name, rules in self.watched_train_metrics().items():
@@ -217,7 +220,7 @@ class AlertEngine:
             self._missing[name] = count + 1
             if count + 1 >= MISSING_AFTER:
                 self._missing[name] = -1
-                published = [k for k, v in metrics.items() if v is not None]
+                published = sorted({*names, *(k for k, v in metrics.items() if v is not None)})
                 readers = " and ".join(rules) + (" read" if len(rules) > 1 else " reads")
                 self.warn(f"{self.name}: {name!r}, which {readers}, has not been published in {MISSING_AFTER} "
                           f"logging steps, so {'they' if len(rules) > 1 else 'it'} cannot fire; {closest_names(name, published)}. "

@@ -75,7 +75,7 @@ class LoggedFeed:
         watched = [(rules.entropy_metric, entropy), (rules.kl_metric, kl)]
         if rules.rare_nll_rise is not None:
             watched += [(name, self.fresh(name, read, published)[0]) for name in (rules.rare_nll_metric, rules.nll_metric)]
-        return self.engine.observe_train(observed, {k: v for k, v in watched if v is not None}, epoch=epoch)
+        return self.engine.observe_train(observed, {k: v for k, v in watched if v is not None}, epoch=epoch, published=list(logged))
 
     def val(self, step: int, read: Reader, logged: Collection[str], loaders: int, epoch: int = 0) -> list[Alert]:
         """A validation over ``loaders`` dataloaders ended at ``step``: observe ``val_metric`` and
