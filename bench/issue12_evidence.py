@@ -6,7 +6,7 @@ usage: python bench/issue12_evidence.py RUN/checkpoints/last.ckpt RUN/tokenizer.
 import sys, json
 import torch
 from tokenizers import Tokenizer
-from headwatch.integrations.lightning.frequency import frequency_buckets, rare_tokens, BUCKETS
+from headwatch.functional.frequency import BUCKETS, frequency_buckets, rare_tokens
 from headwatch.functional.drift import pairable_rows, mean_resultant_length
 from headwatch.functional.drift_pairs import corrected_collision, nn_cosine_by_bucket
 

@@ -3,7 +3,7 @@
 usage: python bench/issue12_planted.py RUN/checkpoints/last.ckpt (examples/train_tiny_lm.py --checkpoint, tied)
 """
 import torch, sys
-from headwatch.integrations.lightning.frequency import frequency_buckets, rare_tokens
+from headwatch.functional.frequency import frequency_buckets, rare_tokens
 from headwatch.functional.drift import pairable_rows
 from headwatch.functional.drift_pairs import corrected_collision
 ck = torch.load(sys.argv[1], map_location="cpu", weights_only=False)

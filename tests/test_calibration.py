@@ -15,7 +15,7 @@ import torch
 from torchmetrics.classification import MulticlassCalibrationError
 
 from headwatch import HeadwatchError
-from headwatch.integrations.lightning.frequency import BUCKETS
+from headwatch.functional.frequency import BUCKETS
 from headwatch.functional.calibration import calibration_update
 from headwatch.functional.logits import logit_statistics
 from headwatch.core.metrics_evidence import FrequencyCalibrationMetric

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from headwatch import HeadwatchError, SynonymCollisionMonitor, TokenFrequency
 from headwatch.integrations.lightning.collision import decode_token
-from headwatch.integrations.lightning.frequency import FrequencySnapshot, frequency_buckets, rare_tokens
+from headwatch.functional.frequency import FrequencySnapshot, frequency_buckets, rare_tokens
 from headwatch.functional.neighbors import nearest_neighbours, pair_cosine, synonym_confusion, synonym_table
 from tests.helpers import TinyCausalLM, ids_loader
 from tests.test_monitor import make_trainer
@@ -254,12 +254,12 @@ def test_decoding():
     assert decode_token(tok, 2) == "kitten"
     assert decode_token(lambda i: f"<{i}>", 3) == "<3>"
     assert decode_token(None, 3) == "3"
-    from headwatch.integrations.lightning.collision import _encode_group
+    from headwatch.core.tokens import encode_group
 
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    assert _encode_group(tok, ["cat", "kitten", 3]) == [1, 2, 3]
+    assert encode_group(tok, ["cat", "kitten", 3]) == [1, 2, 3]
     with pytest.raises(HeadwatchError, match="pass tokenizer="):
-        _encode_group(None, ["cat"])
+        encode_group(None, ["cat"])
 
 
 def _collision_run(tmp_path, tie: bool, groups=None, tokenizer=None):
@@ -348,13 +348,13 @@ def test_a_nan_row_is_nobodys_neighbour():
 
 
 def test_synonym_group_entries_are_checked():
-    from headwatch.integrations.lightning.collision import _encode_group
+    from headwatch.core.tokens import encode_group
 
-    assert _encode_group(None, [np.int64(3), 4]) == [3, 4]
+    assert encode_group(None, [np.int64(3), 4]) == [3, 4]
     with pytest.raises(HeadwatchError, match="is a bool"):
-        _encode_group(None, [True, 2])
+        encode_group(None, [True, 2])
     with pytest.raises(HeadwatchError, match="token ids or strings only"):
-        _encode_group(None, [1.7])
+        encode_group(None, [1.7])
     groups = (g for g in [[1, 2], [3, 4]])  # a generator is read once, and kept
     assert SynonymCollisionMonitor(synonym_groups=groups).synonym_groups == [[1, 2], [3, 4]]
 
@@ -362,7 +362,7 @@ def test_synonym_group_entries_are_checked():
         def encode(self, text, add_special_tokens=True):
             return ([1] if add_special_tokens else []) + [{"cat": 5, "kitten": 6}[text]]
 
-    assert _encode_group(BosTokenizer(), ["cat", "kitten"]) == [5, 6]
+    assert encode_group(BosTokenizer(), ["cat", "kitten"]) == [5, 6]
 
 
 class _FixedCounts:

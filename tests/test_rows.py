@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from headwatch import HeadwatchError
-from headwatch.integrations.lightning.frequency import BUCKETS, frequency_buckets, rare_tokens
+from headwatch.functional.frequency import BUCKETS, frequency_buckets, rare_tokens
 from headwatch.functional.rows import (
     lookup_gradient,
     rankdata,

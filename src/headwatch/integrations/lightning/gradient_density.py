@@ -13,7 +13,6 @@ from headwatch.core.figures import check_figure_argument, resolve_figure_interva
 from headwatch.integrations.lightning.frequency import TokenFrequency
 from headwatch.integrations.lightning.callback import MonitorCallback
 from headwatch.integrations.lightning.door import tensorboard_writers
-from headwatch.names import STATS  # noqa: F401  (import path of 0.1)
 
 __all__ = ["GradientDensityMonitor"]
 
