@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository's root."""
 
 
 class TinyCausalLM(pl.LightningModule):
@@ -148,3 +153,12 @@ def run_gloo_workers(source: str, tmp_path, port_base: int, timeout: float = 240
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs
     return [json.loads((Path(tmp_path) / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def positions(batch, alignment: str = "causal", **fmt) -> tuple:
+    """``(mask, targets)`` of ``batch`` as the monitors read them for the model kind ``alignment`` (``"causal"``,
+    ``"seq2seq"``, ``"aligned"``): the one batch reader, ``BatchFormat(**fmt).for_alignment(alignment)``."""
+    from headwatch.model.batch import BatchFormat
+
+    view = BatchFormat(**fmt).for_alignment(alignment).read(batch)
+    return view.mask, view.targets

@@ -1,6 +1,6 @@
-"""The one batch reader (headwatch.model.batch.BatchFormat / BatchView) and the readers built on it
-(model.find.positions_from_batch, model.sources.batch_positions): hand-computed targets and masks for
-mappings, objects, tuples and user functions, lazy reads, and the documented errors."""
+"""The one batch reader (headwatch.model.batch.BatchFormat / BatchView), for each model kind
+(``for_alignment``): hand-computed targets and masks for mappings, objects, tuples and user functions, lazy
+reads, and the documented errors."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from transformers import BatchEncoding
 
 from headwatch import HeadwatchError
 from headwatch.model.batch import BatchFormat, BatchView, field
-from headwatch.model.find import positions_from_batch
-from headwatch.model.sources import batch_positions
+from tests.helpers import positions
 
 IDS = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]])
 LABELS = torch.tensor([[5, 6, 7, 8], [9, 10, -100, -100]])
@@ -170,29 +169,27 @@ def test_for_alignment():
     assert own_mask.shift_labels is False and own_mask.mask_key == "attention_mask"  # the user's mask_fn decides
 
 
-def test_batch_positions_by_alignment_by_hand():
+def test_positions_by_alignment_by_hand():
     decoder = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
     batch = _batch(decoder_attention_mask=decoder)
-    mask, targets = batch_positions(batch, "causal")
+    mask, targets = positions(batch, "causal")
     assert torch.equal(mask, ATTENTION.bool()) and torch.equal(targets, SHIFTED)
-    mask, targets = batch_positions(batch, "aligned", ignore_index=-7)
+    mask, targets = positions(batch, "aligned", ignore_index=-7)
     assert torch.equal(mask, ATTENTION.bool()) and torch.equal(targets, LABELS)
-    mask, targets = batch_positions(batch, "seq2seq")
+    mask, targets = positions(batch, "seq2seq")
     assert torch.equal(mask, decoder.bool()) and torch.equal(targets, LABELS)
-    mask, targets = batch_positions(_batch(), "seq2seq")  # no decoder mask: the encoder's is never used
+    mask, targets = positions(_batch(), "seq2seq")  # no decoder mask: the encoder's is never used
     assert mask is None and torch.equal(targets, LABELS)
-    assert batch_positions((IDS, LABELS), "causal") == (None, None)
-    with pytest.raises(HeadwatchError, match=r"`alignment` must be one of \('causal', 'seq2seq', 'aligned'\), got 'shifted'"):
-        batch_positions(batch, "shifted")
+    assert positions((IDS, LABELS), "causal") == (None, None)
 
 
-def test_positions_from_batch_is_the_causal_reader():
-    mask, targets = positions_from_batch(_batch(), ignore_index=-5)
+def test_the_causal_reader_shifts_with_its_ignore_index():
+    mask, targets = positions(_batch(), ignore_index=-5)
     assert torch.equal(mask, ATTENTION.bool())
     assert torch.equal(targets, torch.tensor([[6, 7, 8, -5], [10, -100, -100, -5]]))
-    mask, targets = positions_from_batch(_batch(), shift_labels=False)
+    mask, targets = positions(_batch(), shift_labels=False)
     assert torch.equal(targets, LABELS)
-    assert positions_from_batch((IDS,)) == (None, None)
+    assert positions((IDS,)) == (None, None)
 
 
 def test_view_keeps_its_format_and_batch():

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from headwatch import HeadwatchError, find_output_head
-from headwatch.model.find import positions_from_batch
+from tests.helpers import positions
 
 
 class Named(nn.Module):
@@ -92,10 +92,10 @@ def test_bad_explicit_head():
 def test_positions_shift_labels():
     labels = torch.tensor([[5, 6, 7, -100], [1, -100, 2, 3]])
     attention = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
-    mask, targets = positions_from_batch({"labels": labels, "attention_mask": attention})
+    mask, targets = positions({"labels": labels, "attention_mask": attention})
     assert targets.tolist() == [[6, 7, -100, -100], [-100, 2, 3, -100]]
     assert mask.tolist() == [[True, True, True, False], [True, True, True, True]]
-    _, aligned = positions_from_batch({"labels": labels}, shift_labels=False)
+    _, aligned = positions({"labels": labels}, shift_labels=False)
     assert aligned.tolist() == labels.tolist()
 
 
@@ -103,5 +103,5 @@ def test_positions_from_object_and_tuple():
     class Batch:
         labels = torch.tensor([[1, 2]])
 
-    assert positions_from_batch(Batch())[1].tolist() == [[2, -100]]
-    assert positions_from_batch((torch.zeros(2, 3), torch.zeros(2, 3))) == (None, None)
+    assert positions(Batch())[1].tolist() == [[2, -100]]
+    assert positions((torch.zeros(2, 3), torch.zeros(2, 3))) == (None, None)

@@ -27,10 +27,14 @@ from headwatch.model.sources import (
     final_logit_transform,
     model_alignment,
     resolve_logits_source,
-    storage_tied,
-    tie_config_mismatch,
 )
-from headwatch.model.weights import config_tie, effective_tie, find_embedding_group, warn_config_tie_once
+from headwatch.model.weights import (
+    config_tie,
+    config_tie_mismatch,
+    effective_tie,
+    find_embedding_group,
+    warn_config_tie_once,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -256,16 +260,23 @@ def test_separate_weights_on_the_meta_device_are_not_tied():
     assert matrix_signature(untied.proj) != matrix_signature(untied.tok)
     assert effective_tie(untied.proj, untied.tok) == (False, False, "separate Parameters: untied")
     assert effective_tie(tied.proj, tied.tok).tied
-    assert not storage_tied(untied.proj.weight, untied.tok.weight)
-    assert storage_tied(tied.proj.weight, tied.tok.weight.detach())
+    assert matrix_signature(holding(tied.tok.weight.detach())) == matrix_signature(tied.tok)
 
 
-def test_storage_tied_compares_memory_not_values():
+def holding(weight: torch.Tensor) -> nn.Module:
+    """A module whose ``weight`` is ``weight`` (its memory, not a copy)."""
+    module = nn.Module()
+    module.weight = nn.Parameter(weight, requires_grad=False)
+    return module
+
+
+def test_the_tie_compares_memory_not_values():
     w = torch.randn(V, D)
-    assert storage_tied(w, w) and storage_tied(w, w.view(V, D)) and storage_tied(w, w.detach())
-    assert not storage_tied(w, w.clone())  # equal values, other memory
-    assert not storage_tied(w[1:], w[:-1])  # same storage, other offset
-    assert not storage_tied(w.view(D, V), w)  # same memory, other shape
+    same = matrix_signature(holding(w))
+    assert same == matrix_signature(holding(w.view(V, D))) == matrix_signature(holding(w.detach()))
+    assert matrix_signature(holding(w.clone())) != same  # equal values, other memory
+    assert matrix_signature(holding(w[1:])) != matrix_signature(holding(w[:-1]))  # same storage, other offset
+    assert matrix_signature(holding(w.view(D, V))) != same  # same memory, other shape
 
 
 def test_config_tie_reads_the_text_config_and_warns_once_per_model():
@@ -286,14 +297,21 @@ def test_config_tie_reads_the_text_config_and_warns_once_per_model():
     mweights._WARNED.discard((id(model), first))
 
 
-def test_tie_config_mismatch_of_the_config_and_the_storage():
+def test_config_tie_mismatch_of_the_config_and_the_storage():
     tied = tiny_llama(True)
     untied = tiny_llama(False)
-    head, emb = tied.lm_head.weight, tied.model.embed_tokens.weight
-    assert tie_config_mismatch(tied, head, emb) is None
-    assert "says tie_word_embeddings=True but the head and the input embedding are two separate" in tie_config_mismatch(tied, head, emb.clone())
-    assert "says tie_word_embeddings=False but the head and the input embedding share one" in tie_config_mismatch(untied, emb, emb)
-    assert tie_config_mismatch(Plain(), head, emb.clone()) is None  # no config: nothing to disagree with
+    head, emb = tied.lm_head, tied.model.embed_tokens
+    assert config_tie_mismatch(tied, effective_tie(head, emb).storage_tied, head) is None
+    tied.lm_head.weight = nn.Parameter(emb.weight.detach().clone())
+    assert "says tie_word_embeddings=True, but the head and the embedding are stored as two separate Parameters" in (
+        config_tie_mismatch(tied, effective_tie(tied.lm_head, emb).storage_tied, tied.lm_head)
+    )
+    untied.lm_head.weight = untied.model.embed_tokens.weight
+    storage = effective_tie(untied.lm_head, untied.model.embed_tokens).storage_tied
+    assert "says tie_word_embeddings=False, but the head and the embedding are stored as one shared Parameter" in (
+        config_tie_mismatch(untied, storage, untied.lm_head)
+    )
+    assert config_tie_mismatch(Plain(), False) is None  # no config: nothing to disagree with
 
 
 # ---------------------------------------------------------------- duck-typed adapters

@@ -14,12 +14,8 @@ transformers = pytest.importorskip("transformers")
 from headwatch.errors import HeadwatchError  # noqa: E402
 from headwatch.model.capture import LogitsCapture  # noqa: E402
 from headwatch.model.captured import captured_statistics  # noqa: E402
-from headwatch.model.sources import (  # noqa: E402
-    batch_positions,
-    final_logit_transform,
-    resolve_logits_source,
-    tie_config_mismatch,
-)
+from headwatch.model.sources import final_logit_transform, resolve_logits_source  # noqa: E402
+from tests.helpers import positions  # noqa: E402
 
 
 def reference(logits: torch.Tensor, targets: torch.Tensor | None, valid: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -34,7 +30,7 @@ def reference(logits: torch.Tensor, targets: torch.Tensor | None, valid: torch.T
 
 def run_captured(model, source, batch, call, path="auto", vocab_size=None):
     """Arm a capture for one forward ``call()``; return (per-forward statistics, report, call's output)."""
-    mask, targets = batch_positions(batch, source.alignment)
+    mask, targets = positions(batch, source.alignment)
     shape = (targets if targets is not None else mask).shape if (targets is not None or mask is not None) else None
     results = []
     capture = LogitsCapture(
@@ -80,7 +76,7 @@ def test_gemma2_softcapped_logits_are_measured():
     assert raw.abs().max() == pytest.approx(110.0, rel=1e-4)
     assert report.measured == 1 and report.path == "logits" and report.problem is None
     stats = results[0][1].statistics
-    _, targets = batch_positions(batch, "causal")
+    _, targets = positions(batch, "causal")
     valid = targets != -100
     assert stats.valid.sum() == 13  # 2 x 7 shifted targets, one of them -100
     ref = reference(out.logits, targets, valid)
@@ -153,20 +149,18 @@ def test_t5_labels_aligned_and_encoder_mask_ignored(encoder_length):
     assert stats.nll[valid].double().mean().item() == pytest.approx(out.loss.item(), abs=1e-5)
 
 
-def test_batch_positions_by_alignment():
+def test_positions_by_alignment():
     labels = torch.tensor([[1, 2, 3, -100]])
     enc = torch.tensor([[1, 1, 1, 1, 0, 0]])
     dec = torch.tensor([[1, 1, 0, 0]])
-    mask, targets = batch_positions({"labels": labels, "attention_mask": enc}, "seq2seq")
+    mask, targets = positions({"labels": labels, "attention_mask": enc}, "seq2seq")
     assert mask is None and torch.equal(targets, labels)
-    mask, _ = batch_positions({"labels": labels, "attention_mask": enc, "decoder_attention_mask": dec}, "seq2seq")
+    mask, _ = positions({"labels": labels, "attention_mask": enc, "decoder_attention_mask": dec}, "seq2seq")
     assert torch.equal(mask, dec.bool())
-    mask, targets = batch_positions({"labels": labels, "attention_mask": dec}, "causal")
+    mask, targets = positions({"labels": labels, "attention_mask": dec}, "causal")
     assert torch.equal(targets, torch.tensor([[2, 3, -100, -100]])) and torch.equal(mask, dec.bool())
-    _, targets = batch_positions({"labels": labels}, "aligned")
+    _, targets = positions({"labels": labels}, "aligned")
     assert torch.equal(targets, labels)
-    assert batch_positions((labels, labels), "causal") == (None, None)
-    with pytest.raises(HeadwatchError, match="`alignment` must be one of .*got 'shifted'"):
-        batch_positions({"labels": labels}, "shifted")
+    assert positions((labels, labels), "causal") == (None, None)
     with pytest.raises(HeadwatchError, match="`alignment` must be None or one of"):
         resolve_logits_source(tiny_t5(), alignment="shifted")

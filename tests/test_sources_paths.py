@@ -11,7 +11,9 @@ transformers = pytest.importorskip("transformers")
 
 from headwatch.errors import HeadwatchError  # noqa: E402
 from headwatch.functional.padding import padded_mass  # noqa: E402
-from headwatch.model.sources import resolve_logits_source, tie_config_mismatch  # noqa: E402
+from headwatch.model.find import resolve_matrices  # noqa: E402
+from headwatch.model.sources import resolve_logits_source  # noqa: E402
+from tests.helpers import positions  # noqa: E402
 from tests.test_sources import run_captured  # noqa: E402
 
 
@@ -44,12 +46,11 @@ def test_logits_to_keep_measures_the_kept_positions_only():
     those positions only (the ones a loss on these logits uses), equal to the full forward's last k."""
     from headwatch.model.capture import LogitsCapture
     from headwatch.model.captured import captured_statistics
-    from headwatch.model.sources import batch_positions
 
     model, batch = tiny_llama(), llama_batch()
     source = resolve_logits_source(model)
     assert source.base is model.model
-    mask, targets = batch_positions(batch, source.alignment)
+    mask, targets = positions(batch, source.alignment)
     with torch.no_grad():
         full, _, _ = run_captured(model, source, batch, lambda: model(**batch))
         got = []
@@ -218,18 +219,23 @@ def test_padded_mass_through_either_path():
     assert torch.allclose(b[0][1].padded_mass.double(), expected, atol=1e-5)
 
 
-def test_tie_config_mismatch_storage_wins():
+def test_config_and_storage_disagreeing_storage_wins():
+    """What ``attach`` warns once (``resolve_matrices(...).config_message``) and measures (``tie``)."""
     tied = tiny_llama(tie=True)
     head, emb = tied.lm_head.weight, tied.model.embed_tokens.weight
-    assert head is emb and tie_config_mismatch(tied, head, emb) is None
+    assert head is emb and resolve_matrices(tied).config_message is None
     tied.lm_head.weight = nn.Parameter(emb.detach().clone())  # storage untied, config still says tied
-    msg = tie_config_mismatch(tied, tied.lm_head.weight, emb)
-    assert msg is not None and "tie_word_embeddings=True" in msg and "measures them as untied" in msg
+    found = resolve_matrices(tied)
+    msg = found.config_message
+    assert not found.tie.tied and msg is not None and "tie_word_embeddings=True" in msg
+    assert "two separate Parameters; headwatch measures the storage (tied=False)" in msg
     untied = tiny_llama(tie=False)
-    assert tie_config_mismatch(untied, untied.lm_head.weight, untied.model.embed_tokens.weight) is None
+    assert resolve_matrices(untied).config_message is None
     untied.lm_head.weight = untied.model.embed_tokens.weight
-    msg = tie_config_mismatch(untied, untied.lm_head.weight, untied.model.embed_tokens.weight)
-    assert msg is not None and "tie_word_embeddings=False" in msg and "measures them as tied" in msg
+    found = resolve_matrices(untied)
+    msg = found.config_message
+    assert found.tie.tied and msg is not None and "tie_word_embeddings=False" in msg
+    assert "one shared Parameter; headwatch measures the storage (tied=True)" in msg
 
 
 def test_resolution_of_named_modules():
@@ -272,9 +278,8 @@ def test_statistics_inside_autocast_stay_float32():
         captured = outside[0][0]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             from headwatch.model.captured import captured_statistics
-            from headwatch.model.sources import batch_positions
 
-            mask, targets = batch_positions(batch, "causal")
+            mask, targets = positions(batch, "causal")
             inside = captured_statistics(captured, mask, targets, vocab_size=50)
     assert_same_statistics(outside[0][1].statistics, inside.statistics, atol=1e-6)
 
@@ -334,11 +339,10 @@ def test_pre_head_transform_is_refused_on_the_hidden_path():
 def test_hooks_attached_before_compile_fullgraph_measure_exactly():
     from headwatch.model.capture import LogitsCapture
     from headwatch.model.captured import captured_statistics
-    from headwatch.model.sources import batch_positions
 
     lm, batch = tiny_llama(), llama_batch()
     source = resolve_logits_source(lm)
-    mask, targets = batch_positions(batch, source.alignment)
+    mask, targets = positions(batch, source.alignment)
     with torch.no_grad():
         eager, _, _ = run_captured(lm, source, batch, lambda: lm(**batch))
         results = []
