@@ -21,7 +21,7 @@ from headwatch import (
     TokenFrequency,
 )
 from headwatch.integrations.lightning import lightning_step
-from tests.helpers import TinyCausalLM, loader
+from tests.helpers import ROOT, TinyCausalLM, loader
 from tests.test_monitor import make_trainer
 
 
@@ -183,7 +183,6 @@ def _emitted(tmp_path, tie: bool) -> set[str]:
 
 def test_every_emitted_name_is_declared_and_documented(tmp_path):
     import re
-    from pathlib import Path
 
     from headwatch import names
     from headwatch.core.logits import SCALAR_KEYS
@@ -205,7 +204,7 @@ def test_every_emitted_name_is_declared_and_documented(tmp_path):
     assert {m.pattern for m in names.METRICS if m.pattern.startswith("rl/")}.isdisjoint(m.pattern for m in lightning)
     never = [m.pattern for m in lightning if m not in hit]
     assert not never, f"declared but never emitted: {never}"
-    reference = (Path(__file__).resolve().parents[1] / names.REFERENCE_PATH).read_text(encoding="utf-8")
+    reference = (ROOT / names.REFERENCE_PATH).read_text(encoding="utf-8")
     undocumented = [m.pattern for m in names.METRICS if "| `headwatch/" + re.sub(r"\{(\w+)\}", r"<\1>", m.pattern) + "` |" not in reference]
     assert not undocumented, undocumented
     # nothing computed is dropped: every value of the metric but the raw entropies is published
@@ -240,14 +239,13 @@ def test_published_logit_scalars_and_their_declarations_agree():
 def test_metric_tables_and_docstring_lists_are_generated_from_the_declarations(tmp_path):
     """The metric reference of the site (docs/reference/metrics.md; regenerate: python -m headwatch.names
     --reference docs/reference/metrics.md) holds one row per declaration, current (also
-    tests/test_docs_site.py); a Markdown file's generated table (update_readme) is rewritten from the
-    declarations; the Lightning monitor's docstring lists every declaration of its metrics."""
+    tests/docs/test_docs_site.py), and ``--check`` finds a stale page; the Lightning monitor's docstring lists
+    every declaration of its metrics."""
     import re
-    from pathlib import Path
 
     from headwatch import names
 
-    reference = Path(__file__).resolve().parents[1] / names.REFERENCE_PATH
+    reference = ROOT / names.REFERENCE_PATH
     assert reference.read_text(encoding="utf-8") == names.reference_page(), "stale: run python -m headwatch.names --reference"
     ours = [m for m in names.METRICS if m.monitor == "LogitStatsMonitor"]
     logits_section = names.reference_page().split("## Logits\n", 1)[1].split("\n## ", 1)[0]
@@ -257,16 +255,13 @@ def test_metric_tables_and_docstring_lists_are_generated_from_the_declarations(t
         "| `headwatch/<split>/entropy` | nats | mean entropy of the next-token distribution; "
         "`H(p) = -sum_v p_v log p_v`, in `[0, log V]`; `0 log 0 = 0` (Shannon 1948) |"
     )
-    table = names.readme_table("LogitStatsMonitor").splitlines()
-    assert len(table) == 2 + len(ours)  # header, rule, one row per declaration
-    assert "| `headwatch/<s>/entropy` | mean entropy of the next-token distribution (Shannon 1948) | nats |" in table[2]
-    marker = "<!-- metrics of LogitStatsMonitor: generated from src/headwatch/names.py by `python -m headwatch.names README.md`; edit the declarations there -->"
-    page = tmp_path / "page.md"
-    page.write_text(f"# t\n\n{marker}\n\n| hand-edited |\n\n<!-- end of generated metrics -->\n", encoding="utf-8")
-    assert names.main([str(page), "--check"]) == 1
-    assert names.main([str(page)]) == 0
-    assert names.update_readme(page.read_text(encoding="utf-8")) == page.read_text(encoding="utf-8")
-    assert "\n".join(table) in page.read_text(encoding="utf-8")  # a hand edit inside the table is overwritten
+    page = tmp_path / "metrics.md"
+    page.write_text("# a hand-edited page\n", encoding="utf-8")
+    assert names.main(["--reference", str(page), "--check"]) == 1
+    assert page.read_text(encoding="utf-8") == "# a hand-edited page\n"  # --check writes nothing
+    assert names.main(["--reference", str(page)]) == 0
+    assert page.read_text(encoding="utf-8") == names.reference_page()
+    assert names.main(["--reference", str(page), "--check"]) == 0
     doc = LogitStatsMonitor.__doc__ or ""
     for m in ours:
         assert "``" + re.sub(r"\{(\w+)\}", r"<\1>", m.pattern) + "``" in doc, m.pattern
