@@ -475,7 +475,7 @@ def reference_page() -> str:
         "# Metric reference",
         "",
         "<!-- generated from src/headwatch/names.py by `python -m headwatch.names --reference docs/reference/metrics.md`;",
-        "     edit the declarations there, not this page (tests/test_docs_site.py fails when it is stale) -->",
+        "     edit the declarations there, not this page (tests/docs/test_docs_site.py fails when it is stale) -->",
         "",
         "Every name headwatch publishes, generated from the one declaration of the metrics in the code",
         "(`headwatch.names.METRICS`). A name is `<prefix>/<key>`, the prefix `headwatch` by default (the Hugging Face",
