@@ -1,6 +1,6 @@
-"""Issue 12 evidence on a trained example: raw vs drift-corrected collision, and NLL/accuracy/ECE by bucket.
+"""On a trained example: raw vs drift-corrected collision, and NLL/accuracy/ECE by frequency bucket.
 
-usage: python bench/issue12_evidence.py RUN/checkpoints/last.ckpt RUN/tokenizer.json
+usage: python bench/drift_by_bucket.py RUN/checkpoints/last.ckpt RUN/tokenizer.json
 (a checkpoint of examples/train_tiny_lm.py --checkpoint with the default corpus, --seed 0).
 """
 import sys, json

@@ -1,4 +1,4 @@
-"""Issue 12 section 3: tied vs untied over seeds, from the example's checkpoints.
+"""Tied vs untied over seeds, from the example's checkpoints.
 
 Each run is ``examples/train_tiny_lm.py --seed S [--no-tie-weights] --checkpoint``. For each, on
 its own held-out validation files (the same random sample of files the run validated on, drawn
@@ -18,7 +18,7 @@ Per metric and group: mean, sample sd, [min, max]; untied - tied with the 95% We
 of ``headwatch report --group`` (:func:`headwatch.report.compare.welch_interval`), and the
 paired per-seed differences (same seed = same held-out files and tokenizer corpus).
 
-usage: PYTHONPATH=src python bench/issue12_seeds.py RUNS_DIR [--out summary.json]
+usage: PYTHONPATH=src python bench/tied_untied_seeds.py RUNS_DIR [--out summary.json]
   (RUNS_DIR holds tied_s<S>/version_0 and untied_s<S>/version_0)
 """
 

@@ -1,4 +1,4 @@
-"""Issue 12 acceptance (b): true synonyms planted in the training text, tied and untied.
+"""True synonyms planted in the training text, tied and untied.
 
 For ``--pairs`` tokens A drawn from three frequency bands of the training stream, a fresh
 token A' (a new id) replaces A in half of its occurrences (a seeded coin per occurrence, in
@@ -17,7 +17,7 @@ weights, per matrix (head; embedding when untied):
 
 and the logged median partner rank over training (``collision/synonym_partner_rank_<m>``).
 
-usage: OMP_NUM_THREADS=1 PYTHONPATH=src python bench/issue12_synonyms.py --no-tie-weights --out out.json
+usage: OMP_NUM_THREADS=1 PYTHONPATH=src python bench/planted_synonyms.py --no-tie-weights --out out.json
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--max-corpus-mb", type=float, default=2.0)
     ap.add_argument("--measure-every", type=int, default=50)
-    ap.add_argument("--logdir", default="runs/issue12_synonyms")
+    ap.add_argument("--logdir", default="runs/planted_synonyms")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     pl.seed_everything(args.seed, verbose=False)

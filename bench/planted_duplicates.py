@@ -1,6 +1,6 @@
-"""Issue 12: rare head rows mixed into other rare rows by a known amount; flagged by the corrected rate?
+"""Rare head rows mixed into other rare rows by a known amount: does the drift-corrected rate flag them?
 
-usage: python bench/issue12_planted.py RUN/checkpoints/last.ckpt (examples/train_tiny_lm.py --checkpoint, tied)
+usage: python bench/planted_duplicates.py RUN/checkpoints/last.ckpt (examples/train_tiny_lm.py --checkpoint, tied)
 """
 import torch, sys
 from headwatch.functional.frequency import frequency_buckets, rare_tokens
