@@ -1,5 +1,5 @@
 """Row-sharded statistics (headwatch.distributed.sharded, .sharded_drift) on W simulated processes in this one
-(threads sharing a :class:`tests.test_reduce.ThreadReducer`): each "process" holds rows
+(threads sharing a :class:`tests.helpers.distributed.ThreadReducer`): each "process" holds rows
 ``[offset, offset + n)`` of a ``(V, d_model)`` matrix as :class:`~headwatch.distributed.sharded.Rows`, and
 every combined result must equal the one-process function on the whole matrix (itself checked against
 float64 references in tests/functional/test_rows_reference.py and tests/functional/test_neighbours_reference.py), on every rank.

@@ -1,7 +1,7 @@
 """The trainer matrix (docs/supported.md): one parametrised test per front door runs each trainer feature on
 tiny models of three families, and compares every published figure with an independent reference.
 
-Families (``V = 128``, ``d_model = 32``, one layer; :func:`tests.test_matrix_contract.tiny`):
+Families (``V = 128``, ``d_model = 32``, one layer; :func:`tests.helpers.matrices.tiny`):
 
 - ``llama_tied``: Llama, tied embedding and head;
 - ``gemma_scaled``: Gemma (``GemmaConfig``), tied, the embedding scales its rows by ``sqrt(d_model)``
@@ -11,13 +11,13 @@ Families (``V = 128``, ``d_model = 32``, one layer; :func:`tests.test_matrix_con
 
 References, each independent of headwatch:
 
-- logits: float64 SciPy statistics (:func:`tests.test_functional.reference`) of the model's own
+- logits: float64 SciPy statistics (:func:`tests.helpers.references.reference`) of the model's own
   ``outputs.logits`` of every forward that fed the loss (recorded by a forward hook: the noisy forward under
   NEFTune, the ``k`` kept positions under ``logits_to_keep``), scored against the step's real labels (the
   collated batch, shifted as the causal loss does); evaluations: float64 statistics of a fresh forward of the
-  evaluation rows (:func:`tests.test_capture_contract.reference`);
+  evaluation rows (:func:`tests.helpers.capture.reference`);
 - gradients: float64 row norms and densities of the real ``.grad`` (untied family), or of the two ``.grad``
-  of an untied twin (:func:`tests.test_matrix_contract.untied_twin`) trained by the same door on the same
+  of an untied twin (:func:`tests.helpers.matrices.untied_twin`) trained by the same door on the same
   batches (tied families: the lookup and scoring flows), and the real tied ``.grad`` for ``shared``;
 - the trainer's own figures: the HF Trainer's logged ``loss`` (where it is the token-mean cross-entropy),
   Lightning's ``self.log("train_loss")`` through ``compare_loss=``, the plain loop's ``step_end(loss=)``.
