@@ -1,4 +1,4 @@
-"""Prepared GPU check (issue 11, section 5): bf16 tiny-Llama training with every headwatch monitor.
+"""Prepared GPU check: bf16 tiny-Llama training with every headwatch monitor.
 
 One script, under 5 minutes on one GPU. It prints:
 
@@ -21,7 +21,7 @@ Model: ``transformers.LlamaConfig`` (``--vocab`` 32000 or 128256, ``--d-model`` 
 ``SharpnessCollapseAlert``, with the public arguments they have today.
 
 Run: ``python bench/gpu_check.py`` on a GPU machine; ``python bench/gpu_check.py --device cpu
---tiny`` is the CPU smoke test of everything but the sync count (tests/test_gpu_check.py).
+--tiny`` is the CPU smoke test of everything but the sync count (tests/examples/test_gpu_check.py).
 """
 
 from __future__ import annotations

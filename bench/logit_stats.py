@@ -31,7 +31,7 @@ the cost of fresh memory), and ``logits.amax(-1)``, a single read of the input w
 ``--contended``: the same timings twice in one process, first as they are, then while
 ``--spinners`` (default 1) other Python processes spin on the CPU (started and stopped
 by the script), printed side by side with each method's ratio to ``torch.logsumexp``
-under the same conditions (issue 11, section 6: a target of 1.5x in both). An extra row,
+under the same conditions (the target: 1.5x in both). An extra row,
 ``headwatch, chunks in one thread``, runs the same row math with every op of every chunk
 multi-threaded (the behaviour before the chunks were split across threads).
 

@@ -1,4 +1,4 @@
-"""What watching costs a training step, on each front door, side by side (issue 18, acceptance point 4).
+"""What watching costs a training step, on each front door, side by side.
 
 One tiny causal LM (a Hugging Face ``LlamaForCausalLM`` built from a config: V 32000, d_model 256, 2 layers,
 untied, batch 8 x 128 tokens, AdamW; see ``--help``) trains on the CPU through each of headwatch's three
@@ -36,7 +36,7 @@ and a distribution-free 95% interval for it; the whole run at the default cadenc
 by the count of each kind in one collision interval (90, 9, 1 per 100 steps); and the measured whole run,
 the watched steps' total time over their paired bare steps'. The bare step paired with a logging step
 includes the Trainers' own loss logging only when it falls on a logging step (a scalar and a flush:
-milliseconds). Targets (issue 18): quiet <= 1.01x, logging <= 1.15x, whole run <= 1.01x, on 2 quiet CPU
+milliseconds). Targets: quiet <= 1.01x, logging <= 1.15x, whole run <= 1.01x, on 2 quiet CPU
 cores. The load average, torch's thread count, and the share of the CPU used by other processes while
 measuring (from ``/proc/stat``) are printed: on a busy machine the timings do not mean much.
 

@@ -13,7 +13,7 @@ What it does, in order:
    (a WebSocket, standard library only) and saves screenshots of the headwatch page (CUSTOM SCALARS),
    of chosen charts of it, of the IMAGES tab and of the report page.
 
-:data:`PICTURES` lists every picture it writes (paths relative to ``docs/``); ``tests/test_pictures.py``
+:data:`PICTURES` lists every picture it writes (paths relative to ``docs/``); ``tests/docs/test_pictures.py``
 checks that the pictures checked in and the pictures the docs reference match this list (it does not
 render anything). ``docs/dashboard.md`` explains the pictures.
 

@@ -4,13 +4,15 @@
   (alerts, report, remedies, tensorboard) <- integrations <- cli; nothing below the doors imports a trainer);
 - no import cycle between modules (grimp's graph, every import statement, lazy ones included);
 - no module imports a private name (``_x``) of another module, or a private module;
-- 0.2's module paths still import, as the same module object as their new home.
+- each layer imported alone, in a fresh interpreter, loads no module of a higher layer (lazy imports and
+  ``importlib`` calls made at import time included), and the layers below the front doors load no trainer.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -76,9 +78,8 @@ def test_no_import_cycle_between_modules():
         m: {t for t in g.find_modules_directly_imported_by(m) if not t.startswith(m + ".")}
         for m in g.modules
     }
-    # the root package is the public facade (lazy names of every layer) and the documented compat name
+    # the root package is the public facade (lazy names of every layer)
     graph.pop("headwatch", None)
-    graph["headwatch.alerts"] -= {"headwatch.integrations.lightning.alert"}
     assert _strongly_connected(graph) == []
 
 
@@ -124,11 +125,107 @@ def test_private_import_check_catches_one(tmp_path):
     assert len(_private_imports(f, "headwatch.m")) == 3
 
 
-@pytest.mark.parametrize("old", sorted(__import__("headwatch").MOVED_MODULES))
-def test_a_moved_module_imports_at_its_old_path(old):
-    import headwatch
+# The layers of the import-linter contract (pyproject.toml), bottom first: the packages or modules of each.
+LAYERS = [
+    ["headwatch.names", "headwatch.errors", "headwatch.lazy"],
+    ["headwatch.functional"],
+    ["headwatch.distributed"],
+    ["headwatch.model"],
+    ["headwatch.core"],
+    ["headwatch.alerts", "headwatch.report", "headwatch.remedies", "headwatch.tensorboard"],
+    ["headwatch.integrations"],
+    ["headwatch.cli"],
+]
+TRAINERS = ("lightning", "pytorch_lightning", "transformers", "trl", "accelerate")
+NO_TRAINER = {"headwatch.functional", "headwatch.distributed", "headwatch.model", "headwatch.core",
+              "headwatch.alerts", "headwatch.report", "headwatch.tensorboard"}  # the second contract's sources
 
-    assert importlib.import_module(old) is importlib.import_module(headwatch.MOVED_MODULES[old])
+LOADED = """
+import builtins, importlib, json, pkgutil, sys
+TRAINERS = %r
+asked = []  # [importing module, trainer module]: every request, also of a module already loaded
+
+
+def is_trainer(name):
+    return name.split(".")[0] in TRAINERS
+
+
+def __import__(name, globals=None, locals=None, fromlist=(), level=0, _import=builtins.__import__):
+    if level == 0 and is_trainer(name):
+        asked.append([(globals or {}).get("__name__", "?"), name])
+    return _import(name, globals, locals, fromlist, level)
+
+
+def import_module(name, package=None, _import_module=importlib.import_module):
+    if is_trainer(name):
+        asked.append([sys._getframe(1).f_globals.get("__name__", "?"), name])
+    return _import_module(name, package)
+
+
+builtins.__import__, importlib.import_module = __import__, import_module
+for name in sys.argv[1:]:
+    module = importlib.import_module(name)
+    for info in pkgutil.walk_packages(getattr(module, "__path__", []) if name.startswith("headwatch") else [], name + "."):
+        importlib.import_module(info.name)
+print(json.dumps({"modules": sorted(sys.modules), "asked": asked}))
+""" % (TRAINERS,)
+
+
+def _loaded(*names: str) -> dict[str, list]:
+    """What a fresh interpreter holds after importing ``names`` (and, for headwatch's, every module below them): ``modules`` (the
+    names in ``sys.modules``) and ``asked`` (``[importer, trainer module]`` for every import of a trainer, by an
+    import statement or ``importlib.import_module``)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", LOADED, *names], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _above(index: int) -> tuple[str, ...]:
+    return tuple(name for layer in LAYERS[index + 1 :] for name in layer)
+
+
+def _within(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+@pytest.fixture(scope="module")
+def dependencies_trainers() -> set[str]:
+    """Trainer packages that headwatch's own dependencies load by themselves (torchmetrics imports transformers
+    when it is installed, for its text metrics): present in ``sys.modules`` through no import of headwatch's."""
+    return {m for m in _loaded("torch", "numpy", "torchmetrics", "tensorboard")["modules"] if _within(m, TRAINERS)}
+
+
+@pytest.mark.parametrize("index", range(len(LAYERS) - 1), ids=[" ".join(layer) for layer in LAYERS[:-1]])
+def test_a_layer_imported_alone_loads_no_higher_layer(index, dependencies_trainers):
+    """Every module of the layer is imported in a fresh interpreter: no module of a layer above it is loaded
+    then, whatever the import statement (a lazy name, an ``importlib`` call); below the doors, headwatch asks
+    for no trainer and none is loaded but what its dependencies load by themselves."""
+    layer = LAYERS[index]
+    got = _loaded(*layer)
+    assert set(layer) <= set(got["modules"])
+    assert [m for m in got["modules"] if _within(m, _above(index))] == []
+    if set(layer) <= NO_TRAINER:
+        assert [pair for pair in got["asked"] if _within(pair[0], ["headwatch"])] == []
+        assert [m for m in got["modules"] if _within(m, TRAINERS) and m not in dependencies_trainers] == []
+
+
+def test_the_layer_check_sees_a_higher_layer_and_a_trainer():
+    """The check itself: importing the Lightning door loads ``headwatch.core`` (above ``headwatch.functional``)
+    and is seen asking for Lightning."""
+    got = _loaded("headwatch.integrations.lightning")
+    assert [m for m in got["modules"] if _within(m, _above(LAYERS.index(["headwatch.functional"])))]
+    assert any(_within(importer, ["headwatch"]) and _within(name, ["lightning"]) for importer, name in got["asked"])
+
+
+def test_the_layers_here_are_the_contracts_layers():
+    tomllib = pytest.importorskip("tomllib", reason="Python < 3.11")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (layers,) = [c["layers"] for c in config["contracts"] if c["type"] == "layers"]
+    assert [sorted(x.strip() for x in layer.split(":")) for layer in reversed(layers)] == [sorted(x) for x in LAYERS]
+    (forbidden,) = [c for c in config["contracts"] if c["type"] == "forbidden"]
+    assert set(forbidden["source_modules"]) == NO_TRAINER and tuple(forbidden["forbidden_modules"]) == TRAINERS
+    assert all("ignore_imports" not in c for c in config["contracts"])  # the contracts have no exception
 
 
 def test_folders_are_the_layers():

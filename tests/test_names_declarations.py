@@ -76,13 +76,6 @@ def test_headline_and_detail():
     assert names.is_headline("headwatch/mine") is None
 
 
-def test_readme_spelling():
-    by_pattern = {m.pattern: m for m in names.METRICS}
-    assert by_pattern["{split}/entropy"].readme_spelling() == "headwatch/<s>/entropy"
-    assert by_pattern["grad/{flow}_row_density"].readme_spelling() == "headwatch/grad/<flow>_row_density"
-    assert by_pattern["{split}/entropy_p{q}"].readme_spelling() == "headwatch/<s>/entropy_p05`, `_p50`, `_p95"  # an explicit spelling wins
-
-
 def test_chart_tags():
     assert names.chart_tag("^train_loss$", "Multiline") == "^train_loss$"  # external tags pass through
     assert names.chart_tag("logits/entropy_p50", "Margin", prefix="hw") == "hw/logits/entropy_p50"  # exact

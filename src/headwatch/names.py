@@ -52,12 +52,10 @@ class Metric(NamedTuple):
     """Name after ``<prefix>/``, with ``{placeholder}`` fields."""
     unit: str
     definition: str
-    """What it means, in words (the README's "meaning" column; Markdown)."""
+    """What it means, in words (Markdown)."""
     monitor: str
     """Class that emits it."""
     kind: str = "scalar"
-    readme: str = ""
-    """How README.md spells it, when not ``headwatch/<pattern with <placeholders>>``."""
     headline: bool = True
     """Shown by ``headwatch report`` by default (False: only with ``--all``; see also :data:`DETAIL`)."""
     formula: str = ""
@@ -86,17 +84,13 @@ class Metric(NamedTuple):
             body += r"(?:/dataloader_idx_\d+)?"
         return re.compile(re.escape(prefix) + "/" + body + "$")
 
-    def readme_spelling(self) -> str:
-        """How the README (before 0.3) spelled the name: :attr:`readme`, else ``headwatch/<pattern>``."""
-        return self.readme or "headwatch/" + re.sub(r"\{(\w+)\}", r"<\1>", self.pattern).replace("<split>", "<s>")
-
 
 _L, _G, _T, _C, _A = "LogitStatsMonitor", "GradientDensityMonitor", "TokenFrequency", "SynonymCollisionMonitor", "SharpnessCollapseAlert"
 _HF = ("hf",)  # the Hugging Face Trainer / TRL front door only
 _TRL_LOGS = "logging steps of a TRL trainer that logs the figure (`SFTTrainer`)"
 
 METRICS: tuple[Metric, ...] = (
-    # ---- logits (train: logits/, validation: val/logits/); the README's table is generated from these lines
+    # ---- logits (train: logits/, validation: val/logits/)
     # no preferred direction: a lower entropy is a sharper model or a collapsing one (the loss says which)
     Metric("{split}/entropy", "nats", "mean entropy of the next-token distribution", _L,
            formula="`H(p) = -sum_v p_v log p_v`, in `[0, log V]`; `0 log 0 = 0`", source="Shannon 1948", better=None),
@@ -109,10 +103,10 @@ METRICS: tuple[Metric, ...] = (
            "from `p` agree; in `[0, H(p)]`, it weighs the large probabilities and barely sees the tail", _L,
            formula="`H_2(p) = -log sum_v p_v^2` (`-inf` logits add 0)", source="Rényi 1961"),
     Metric("{split}/entropy_p{q}", "nats", "quantiles of per-position entropy", _L,
-           readme="headwatch/<s>/entropy_p05`, `_p50`, `_p95", formula="linear interpolation (NumPy's default)"),
+           formula="linear interpolation (NumPy's default)"),
     Metric("{split}/max_prob", "probability", "mean top-1 probability", _L, formula="`max_v p_v`"),
     Metric("{split}/max_prob_p{q}", "probability", "quantiles of per-position top-1 probability", _L,
-           readme="headwatch/<s>/max_prob_p05`, `_p50`, `_p95", formula="linear interpolation (NumPy's default)"),
+           formula="linear interpolation (NumPy's default)"),
     Metric("{split}/target_nll", "nats", "mean negative log-likelihood of the target (equals the CE loss)", _L,
            formula="`-log p_target`", better="lower"),
     Metric("{split}/target_argmax_rate", "fraction", "fraction of positions whose target has the largest logit", _L,
@@ -193,9 +187,9 @@ METRICS: tuple[Metric, ...] = (
            "gradient's row densities); 0 when none", _L),
     # ---- gradients
     Metric("grad/{flow}_row_density", "fraction", "|{i valid : G_i != 0}| / |valid|", _G),
-    Metric("grad/{flow}_row_norm_{stat}", "gradient units", "statistics of ||G_i||_2 over valid rows", _G, readme="headwatch/grad/<flow>_row_norm_{mean,max,p50,p95}"),
+    Metric("grad/{flow}_row_norm_{stat}", "gradient units", "statistics of ||G_i||_2 over valid rows", _G),
     Metric("grad/{bucket}/{flow}_row_density", "fraction", "row density within a frequency bucket", _G, headline=False),
-    Metric("grad/{bucket}/{flow}_row_norm_{stat}", "gradient units", "row-norm statistics within a bucket", _G, headline=False, readme="headwatch/grad/<bucket>/<flow>_row_density`, `_row_norm_{mean,max,p50,p95}"),
+    Metric("grad/{bucket}/{flow}_row_norm_{stat}", "gradient units", "row-norm statistics within a bucket", _G, headline=False),
     Metric("grad/{flow}_rare_to_frequent_norm_ratio", "ratio", "mean row norm of rare tokens / of the top1 bucket; NaN when the top1 mean is 0 (no top1 row had a gradient)", _G),
     # what untying costs is a price, not an outcome: no preferred direction
     Metric("grad/tied", "", "1 when head and embedding are one Parameter, else 0", _G, better=None),
@@ -205,7 +199,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("grad/tied_flow_conflict_fraction", "fraction", "rows with cos(E_i, H_i) < 0 / rows with both flows", _G, better=None),
     Metric("grad/tied_flow_rows", "count", "valid rows that get both flows", _G),
     Metric("update/{matrix}_row_density", "fraction", "valid rows with W_after,i != W_before,i / valid rows", _G),
-    Metric("update/{matrix}_row_norm_{stat}", "weight units", "statistics of ||W_after,i - W_before,i||_2", _G, readme="headwatch/update/<matrix>_row_norm_{mean,max,p50,p95}"),
+    Metric("update/{matrix}_row_norm_{stat}", "weight units", "statistics of ||W_after,i - W_before,i||_2", _G),
     Metric("freq/{matrix}_norm_spearman", "[-1, 1]", "Spearman(log count, ||W_i||_2) over seen tokens", _G),
     Metric("grad/{flow}_row_norm_histogram", "gradient units", "histogram of per-row gradient norms", _G, kind="histogram"),
     Metric("grad/row_norm_vs_frequency", "", "image: row norm vs frequency rank, log-log", _G, kind="image"),
@@ -217,17 +211,17 @@ METRICS: tuple[Metric, ...] = (
     Metric("tokens/rare_count", "count", "rare tokens", _T),
     Metric("tokens/out_of_range", "count", "input ids outside [0, V)", _T),
     # ---- collision
-    Metric("collision/rare_rate_{m}", "fraction", "rare r whose nearest other pairable row has cosine >= tau after removing the mean and the top k principal directions (all-but-the-top) / measured rare tokens", _C, readme="headwatch/collision/rare_rate_head", better="lower"),
+    Metric("collision/rare_rate_{m}", "fraction", "rare r whose nearest other pairable row has cosine >= tau after removing the mean and the top k principal directions (all-but-the-top) / measured rare tokens", _C, better="lower"),
     Metric("collision/drift/raw_rate_{m}", "fraction", "drift, not collision: rare r with raw max_j cos(W_r, W_j) >= tau / measured rare tokens", _C),
     Metric("collision/drift/mean_cos_{m}", "cosine", "mean cosine of the measured rare rows to their mean direction (mean resultant length)", _C),
     Metric("collision/drift/removed_variance_{m}", "fraction", "share of the pairable rows' variance held by the removed principal directions", _C),
     Metric("collision/{bucket}/{m}_nn_cosine_mean", "cosine", "mean nearest-neighbour cosine of a bucket's pairable rows, drift removed", _C, headline=False),
     Metric("collision/rare_count", "count", "rare tokens", _C),
-    Metric("collision/rare_sample_size", "count", "rare tokens measured (sampled above max_rare)", _C, readme="rare_sample_size"),
-    Metric("collision/unseen_count", "count", "valid tokens never seen (not paired unless include_unseen)", _C, readme="unseen_count"),
-    Metric("collision/invalid_count", "count", "rows that cannot occur (padded vocabulary; never paired)", _C, readme="invalid_count"),
+    Metric("collision/rare_sample_size", "count", "rare tokens measured (sampled above max_rare)", _C),
+    Metric("collision/unseen_count", "count", "valid tokens never seen (not paired unless include_unseen)", _C),
+    Metric("collision/invalid_count", "count", "rows that cannot occur (padded vocabulary; never paired)", _C),
     Metric("collision/untrained_count_{m}", "count", "valid rows never trained (all zeros), left out of every collision search", _C),
-    Metric("collision/nonfinite_count_{m}", "count", "valid rows holding NaN or inf (never paired)", _C, readme="nonfinite_count_<m>"),
+    Metric("collision/nonfinite_count_{m}", "count", "valid rows holding NaN or inf (never paired)", _C),
     Metric("collision/synonym_pair_rate_{m}", "fraction", "ordered within-group pairs of pairable rows with cos >= tau, drift removed / such pairs", _C),
     Metric("collision/synonym_partner_rank_{m}", "rank", "median rank of each synonym's partner among its nearest pairable rows, drift removed (1 = nearest)", _C),
     Metric("collision/synonym_pairs", "count", "ordered within-group pairs measured (both rows pairable in the head)", _C),
@@ -452,7 +446,7 @@ def is_headline(name: str, prefix: str = "headwatch") -> bool | None:
     return metric.headline and not any(value in DETAIL.get(field, ()) for field, value in chosen.items())
 
 
-# ---- documentation generated from the declarations: the metric reference, README tables, docstring lists
+# ---- documentation generated from the declarations: the metric reference, docstring lists
 
 REFERENCE_PATH = "docs/reference/metrics.md"
 """Where the metric reference lives, from the repository root (``python -m headwatch.names --reference``)."""
@@ -492,7 +486,7 @@ def reference_page() -> str:
         "# Metric reference",
         "",
         "<!-- generated from src/headwatch/names.py by `python -m headwatch.names --reference docs/reference/metrics.md`;",
-        "     edit the declarations there, not this page (tests/test_docs_site.py fails when it is stale) -->",
+        "     edit the declarations there, not this page (tests/docs/test_docs_site.py fails when it is stale) -->",
         "",
         "Every name headwatch publishes, generated from the one declaration of the metrics in the code",
         "(`headwatch.names.METRICS`). A name is `<prefix>/<key>`, the prefix `headwatch` by default (the Hugging Face",
@@ -533,31 +527,6 @@ def reference_page() -> str:
             out.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(out) + "\n"
 
-_README_TABLE = re.compile(
-    r"(<!-- metrics of (\w+): generated from src/headwatch/names.py by `python -m headwatch.names README.md`; "
-    r"edit the declarations there -->\n\n)(.*?)(\n\n<!-- end of generated metrics -->)",
-    re.S,
-)
-
-
-def readme_table(monitor: str) -> str:
-    """The README's Markdown table of every metric ``monitor`` emits: name, meaning (and source), unit, formula."""
-    rows = ["| name | meaning | unit | formula |", "|---|---|---|---|"]
-    for m in METRICS:
-        if m.monitor == monitor:
-            meaning = f"{m.definition} ({m.source})" if m.source else m.definition
-            cells = (f"`{m.readme_spelling()}`", meaning, m.unit, m.formula)
-            rows.append("|" + "|".join(f" {c} " if c else " " for c in cells) + "|")
-    return "\n".join(rows)
-
-
-def update_readme(text: str) -> str:
-    """``text`` (README.md) with every generated metric table rewritten from :data:`METRICS`.
-
-    A table is the text between ``<!-- metrics of <Monitor>: generated ... -->`` and
-    ``<!-- end of generated metrics -->``."""
-    return _README_TABLE.sub(lambda m: m.group(1) + readme_table(m.group(2)) + m.group(4), text)
-
 
 def logged_metrics(monitor: str, indent: str = "    ") -> str:
     """A reST list of every metric ``monitor`` emits, with units, for its docstring's "Logged metrics"."""
@@ -572,32 +541,24 @@ def logged_metrics(monitor: str, indent: str = "    ") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m headwatch.names --reference docs/reference/metrics.md [--check]``: write (or check) the
-    metric reference; ``python -m headwatch.names README.md [--check]``: the same for a Markdown file's
-    generated tables (:func:`update_readme`).
+    metric reference.
 
     Returns:
-        0, or 1 with ``--check`` when a file is stale (nothing is written then).
+        0, or 1 with ``--check`` when the page is stale (nothing is written then).
     """
     import argparse
     from pathlib import Path
 
     parser = argparse.ArgumentParser(prog="python -m headwatch.names", description=main.__doc__)
-    parser.add_argument("readme", type=Path, nargs="?", help="a Markdown file with generated metric tables")
-    parser.add_argument("--reference", type=Path, help=f"the metric reference page (in the repository: {REFERENCE_PATH})")
-    parser.add_argument("--check", action="store_true", help="exit 1 when a file is stale, write nothing")
+    parser.add_argument("--reference", type=Path, required=True, help=f"the metric reference page (in the repository: {REFERENCE_PATH})")
+    parser.add_argument("--check", action="store_true", help="exit 1 when the page is stale, write nothing")
     args = parser.parse_args(argv)
-    if args.readme is None and args.reference is None:
-        parser.error("give --reference PATH, or a Markdown file")
-    stale = False
-    for path, render in ((args.reference, lambda text: reference_page()), (args.readme, update_readme)):
-        if path is None:
-            continue
-        text = path.read_text(encoding="utf-8") if path.exists() else ""
-        new = render(text)
-        stale |= new != text
-        if not args.check and new != text:
-            path.write_text(new, encoding="utf-8")
-    return int(args.check and stale)
+    path = args.reference
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    new = reference_page()
+    if not args.check and new != text:
+        path.write_text(new, encoding="utf-8")
+    return int(args.check and new != text)
 
 
 if __name__ == "__main__":

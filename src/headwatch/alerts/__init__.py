@@ -1,4 +1,4 @@
-"""Collapse alerts: a trainer-free rule engine and actions, and the Lightning callback.
+"""Collapse alerts: a trainer-free rule engine and its actions.
 
 - :mod:`headwatch.alerts.rules`: :class:`CollapseRules`, the rules as a pure state machine;
 - :mod:`headwatch.alerts.rl`: :func:`rl_collapse_rules`, the preset for RL fine-tuning (``docs/rl.md``);
@@ -8,14 +8,14 @@
 - :mod:`headwatch.alerts.feed`: :class:`~headwatch.alerts.feed.LoggedFeed`, what an alert reads of a trainer's
   logged metrics;
 - :mod:`headwatch.alerts.collapse`: :class:`~headwatch.alerts.collapse.CollapseAlert`, the alert callback's
-  trainer-free part (imports torch, for the failure policy of :mod:`headwatch.core.monitor`);
-- :mod:`headwatch.integrations.lightning.alert`: :class:`SharpnessCollapseAlert` (imports Lightning, loaded
-  on first use of its name; everything else here but ``collapse`` imports neither torch nor Lightning).
+  trainer-free part (imports torch, for the failure policy of :mod:`headwatch.core.monitor`; everything else
+  here imports neither torch nor a trainer).
+
+The Lightning callback, ``SharpnessCollapseAlert``, is a front door's: import it from ``headwatch`` (or
+:mod:`headwatch.integrations.lightning`).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
 
 from headwatch.alerts.actions import (
     AlertSink,
@@ -32,9 +32,6 @@ from headwatch.alerts.rl import RL_DEFAULTS, rl_collapse_rules
 from headwatch.alerts.rules import RULES, CollapseRules
 from headwatch.alerts.webhook import WEBHOOK_ENV, WebhookSender, redact_url
 
-if TYPE_CHECKING:
-    from headwatch.integrations.lightning.alert import SharpnessCollapseAlert
-
 __all__ = [
     "CRITICAL",
     "RL_DEFAULTS",
@@ -50,7 +47,6 @@ __all__ = [
     "ConsoleWarning",
     "JsonlLog",
     "OnCritical",
-    "SharpnessCollapseAlert",
     "SinkMarker",
     "SummaryWriterSink",
     "WebhookSender",
@@ -60,10 +56,3 @@ __all__ = [
     "standard_actions",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "SharpnessCollapseAlert":
-        from headwatch.integrations.lightning.alert import SharpnessCollapseAlert
-
-        return SharpnessCollapseAlert
-    raise AttributeError(f"module 'headwatch.alerts' has no attribute {name!r}")

@@ -93,7 +93,7 @@ class CollapseRules:
       ``val_entropy_metric`` value, else the smoothed training entropy ``S``), fires when
       ``L_{v-P} - min(L_{v-P+1}, ..., L_v) < delta`` and ``(E_{v-P} - E_v) / E_{v-P} >=
       min_entropy_drop``; re-arms when either stops holding. Critical only.
-    - ``rare_nll_rise`` ``t`` nats over ``rare_window`` ``N`` (off by default; issue 12 §2: the
+    - ``rare_nll_rise`` ``t`` nats over ``rare_window`` ``N`` (off by default: the
       rare targets getting worse while the average improves): with ``R_k`` the rare-target NLL
       (``rare_nll_metric``) and ``L_k`` the overall target NLL (``nll_metric``), both smoothed
       like the entropy (``R~_k = alpha R_k + (1 - alpha) R~_{k-1}``, ``R~_0 = R_0``; same for

@@ -1,6 +1,6 @@
 """Which forwards of a step headwatch measures: the ones the loss is computed from, written once for every door.
 
-The rule (issue 19, "the capture contract"), applied by :class:`headwatch.core.LogitStats` and
+The rule (the capture contract, ``docs/capture.md``), applied by :class:`headwatch.core.LogitStats` and
 :class:`headwatch.core.SynonymCollision` to every forward of the watched model, and by
 :meth:`headwatch.core.orchestrator.Orchestrator.forward` to decide which forward starts a micro-batch:
 

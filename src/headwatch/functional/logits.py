@@ -32,7 +32,7 @@ is allocated.
 
 Precision: the math runs in float32 (float64 for float64 logits) with autocast disabled,
 so a call inside ``torch.autocast`` (Lightning's ``precision="bf16-mixed"``) gives the
-same values as outside (issue 11, section 1). Speed on the CPU: chunks are cache-sized
+same values as outside (``tests/functional/test_precision.py``). Speed on the CPU: chunks are cache-sized
 and shared among torch's threads, each running single-threaded ops (see
 ``headwatch.functional.precision``), so a busy machine does not stall every op.
 """

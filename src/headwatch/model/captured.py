@@ -48,8 +48,8 @@ def captured_statistics(
 
     Args:
         captured: from a :class:`~headwatch.model.capture.LogitsCapture`.
-        mask, targets: ``(B, T)`` aligned with the logits (see
-            :func:`headwatch.model.sources.batch_positions`); moved to the tensor's device.
+        mask, targets: ``(B, T)`` aligned with the logits (``BatchFormat.for_alignment(alignment).read(batch)``'s
+            ``mask`` and ``targets``, :class:`headwatch.model.batch.BatchFormat`); moved to the tensor's device.
         ignore_index: target value of positions that are not predictions.
         vocab_size: the tokenizer's vocabulary size, when known; with ``V > vocab_size``
             the padded mass is computed too.

@@ -226,21 +226,6 @@ def logits_from_output(output: Any) -> Tensor | None:
     return logits if isinstance(logits, Tensor) and logits.is_floating_point() else None
 
 
-def positions_from_batch(
-    batch: Any, shift_labels: bool = True, ignore_index: int = -100
-) -> tuple[Tensor | None, Tensor | None]:
-    """``(mask (B, T) bool or None, targets (B, T) long or None)`` of a batch.
-
-    The 0.1 helper, now :meth:`headwatch.core.BatchFormat.read` (the one batch reader):
-    ``attention_mask != 0``, and ``labels`` shifted by one (``ignore_index`` last) when
-    ``shift_labels``, else as they are; tuples give ``(None, None)``.
-    """
-    from headwatch.model.batch import BatchFormat
-
-    view = BatchFormat(shift_labels=shift_labels, ignore_index=ignore_index).read(batch)
-    return view.mask, view.targets
-
-
 MaskFn = Callable[[Any], Tensor]
 TargetsFn = Callable[[Any], Tensor]
 

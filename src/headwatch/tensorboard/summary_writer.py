@@ -1,4 +1,4 @@
-"""A ``SummaryWriter`` whose log directory may be unwritable from the start (issue 21: storage at start).
+"""A ``SummaryWriter`` whose log directory may be unwritable from the start.
 
 torch's ``SummaryWriter`` opens its event file in its constructor and raises there when the log directory
 cannot be written (``OSError`` EROFS on a read-only file system, ENOSPC on a full one, EACCES): the run

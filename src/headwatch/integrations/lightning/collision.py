@@ -8,7 +8,6 @@ import lightning.pytorch as pl
 
 from headwatch.errors import check_choice, check_every
 from headwatch.core.collision import DEFAULT_TAU, SynonymCollision, decode_token
-from headwatch.core.collision import encode_group as _encode_group  # noqa: F401  (import path of 0.1)
 from headwatch.core.figures import check_figure_argument, matplotlib_available
 from headwatch.integrations.lightning.frequency import TokenFrequency
 from headwatch.integrations.lightning.callback import MonitorCallback

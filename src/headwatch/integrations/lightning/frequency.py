@@ -12,16 +12,10 @@ from torch import Tensor, nn
 from headwatch.errors import HeadwatchError, check_every
 from headwatch.model.batch import BatchFormat
 from headwatch.core.frequency import TokenCounts
-from headwatch.functional.frequency import (  # noqa: F401  (import path of 0.1)
-    BUCKETS,
-    FrequencySnapshot,
-    count_order,
-    frequency_buckets,
-    rare_tokens,
-)
+from headwatch.functional.frequency import FrequencySnapshot
 from headwatch.integrations.lightning.callback import MonitorCallback
 
-__all__ = ["BUCKETS", "FrequencySnapshot", "TokenFrequency", "frequency_buckets", "rare_tokens"]
+__all__ = ["TokenFrequency"]
 
 
 class TokenFrequency(TokenCounts, MonitorCallback):

@@ -11,7 +11,6 @@ from headwatch.core.gradients import GradientDensity
 from headwatch.core.figures import check_figure_argument, resolve_figure_interval
 from headwatch.integrations.lightning.frequency import TokenFrequency
 from headwatch.integrations.lightning.callback import MonitorCallback
-from headwatch.names import STATS  # noqa: F401  (import path of 0.1)
 
 __all__ = ["GradientDensityMonitor"]
 

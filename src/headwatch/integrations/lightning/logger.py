@@ -1,4 +1,4 @@
-"""A Lightning ``TensorBoardLogger`` that never stops the run for its storage (issue 21: storage at start).
+"""A Lightning ``TensorBoardLogger`` that never stops the run for its storage, at start or later.
 
 Lightning's ``TensorBoardLogger`` makes its ``SummaryWriter`` (``logger.experiment``) in ``Trainer.fit`` before
 the first callback hook (``_call_setup_hook``): it makes the save directory, then torch's

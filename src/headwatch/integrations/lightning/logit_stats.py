@@ -76,7 +76,7 @@ class LogitStatsMonitor(LogitStats, MonitorCallback):
     (``<bucket>``: ``top1``, ``top10``, ``top50``, ``tail``, ``unseen``, ``rare``) need the shared
     :class:`~headwatch.TokenFrequency`, added with defaults if absent. The list that follows
     (``help(LogitStatsMonitor)``) is appended at import from :data:`headwatch.names.METRICS`,
-    where the formulas are (and in the README's generated table):
+    where the formulas are (and in the metric reference, ``docs/reference/metrics.md``):
     """
 
     def __init__(

@@ -1,0 +1,27 @@
+"""The plain-loop door for the tests: a tiny model and one watched training step (also run by gloo workers)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+V, D = 16, 8
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens, self.lm_head = nn.Embedding(V, D), nn.Linear(D, V, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.embed_tokens(ids))  # (B, T, V)
+
+
+def train_step(hw, model, step):
+    ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(step))
+    hw.step_start({"input_ids": ids, "labels": ids}, step)
+    model(ids).logsumexp(-1).mean().backward()
+    hw.before_optimizer_step()
+    hw.after_optimizer_step()
+    model.zero_grad()
+    return hw.step_end()

@@ -1,0 +1,187 @@
+"""TRL's GRPOTrainer through the Hugging Face door (docs/rl.md).
+
+A tiny Llama (vocab 256, hidden 32, one layer, float32) trained by GRPO on CPU for 4 steps, one micro-batch
+per logging step: headwatch's entropy is that of the policy's sampling distribution softmax(logits / T)
+over the completion tokens of the training forward, equal to TRL's own logged ``entropy`` at every
+logging step, at T = 1 and T = 0.7. References, independent of headwatch: TRL's logged ``entropy``;
+TRL's fused head's ``log_probs`` and ``label_mask`` of the training forward (the sampled tokens' NLL);
+the ``completion_mask`` TRL computes the loss with; forwards counted by a hook of the test's own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from headwatch.integrations.transformers import HeadwatchCallback  # noqa: E402
+
+from examples.grpo_collapse import EOS, PAD, V, word_tokenizer  # noqa: E402, F401 - the example's ids and tokenizer
+from examples.grpo_collapse import tiny_policy as _example_policy  # noqa: E402
+from tests.helpers.rl import by_step, reward_w7, tiny_policy  # noqa: E402
+
+STEPS = 4
+
+
+def prompts(n: int = 16):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(0)
+    rows = [" ".join(f"w{i}" for i in torch.randint(0, V - 2, (3 + k % 3,), generator=g).tolist()) for k in range(n)]
+    return Dataset.from_dict({"prompt": rows})
+
+
+def reward_varied(completions, **kwargs):
+    """Never the same for two completions of a group: the advantages, hence the gradient, are never all zero."""
+    return [float(c.count("w7")) + 0.1 * i for i, c in enumerate(completions)]
+
+
+def grpo(tmp_path, temperature: float, callback: HeadwatchCallback, reward=reward_w7, **kw):
+    from trl import GRPOConfig, GRPOTrainer
+
+    opts = dict(
+        output_dir=str(tmp_path), max_steps=STEPS, logging_steps=1, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=8, temperature=temperature, learning_rate=1e-2, report_to="none", use_cpu=True,
+        save_strategy="no", disable_tqdm=True, bf16=False, use_vllm=False, seed=0,
+    )  # fmt: skip
+    opts.update(kw)
+    return GRPOTrainer(model=tiny_policy(), reward_funcs=reward, args=GRPOConfig(**opts), train_dataset=prompts(),
+                       processing_class=word_tokenizer(), callbacks=[callback])  # fmt: skip
+
+
+class Recorder:
+    """The test's own view of each step: TRL's completion mask, the fused head's output of the training forward,
+    and the model's forwards without gradient (generation) per optimizer step."""
+
+    def __init__(self, trainer):
+        self.masks, self.fused, self.no_grad = [], [], []
+        self.current = 0
+        original = trainer._compute_loss
+
+        def compute_loss(model, inputs):
+            self.masks.append(inputs["completion_mask"].detach().clone())
+            return original(model, inputs)
+
+        trainer._compute_loss = compute_loss
+        trainer.model.register_forward_hook(self.hook, with_kwargs=True)
+        trainer.add_callback(self.callback())
+
+    def hook(self, module, args, kwargs, output):
+        if torch.is_grad_enabled() and kwargs.get("fused_lm_head"):
+            self.fused.append((output.log_probs.detach().clone(), output.label_mask.clone()))
+        elif not torch.is_grad_enabled():
+            self.current += 1
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        recorder = self
+
+        class StepEnd(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                recorder.current = 0
+
+            def on_step_end(self, *a, **k):
+                recorder.no_grad.append(recorder.current)
+
+        return StepEnd()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_grpo_entropy_equals_trls_at_every_logging_step(tmp_path, temperature):
+    """headwatch/logits/entropy == TRL's logged entropy (1e-4 relative) at each of the 4 logging steps; the
+    positions are exactly the completion tokens (padding after the end of sequence left out); the sampled tokens'
+    NLL equals TRL's fused head's; generation forwards are counted, not measured."""
+    cb = HeadwatchCallback(figure_every_n_steps=0)
+    trainer = grpo(tmp_path, temperature, cb)
+    rec = Recorder(trainer)
+    trainer.train()
+    history = trainer.state.log_history
+    trl_entropy, ours = by_step(history, "entropy"), by_step(history, "headwatch/logits/entropy")
+    assert sorted(trl_entropy) == sorted(ours) == list(range(1, STEPS + 1))
+    rel = [abs(ours[s] - trl_entropy[s]) / abs(trl_entropy[s]) for s in trl_entropy]
+    assert max(rel) <= 1e-4, (rel, ours, trl_entropy)
+    assert max(trl_entropy.values()) < math.log(V) - 1.0  # a peaked policy: the temperature changes the figure
+
+    positions = by_step(history, "headwatch/logits/positions")
+    completion = [int(m.sum()) for m in rec.masks]
+    assert [positions[s] for s in sorted(positions)] == completion
+    assert any(int(m.numel()) > int(m.sum()) for m in rec.masks)  # some completions ended early: padding left out
+
+    nll = by_step(history, "headwatch/rl/sampled_nll")
+    want = [float(-lp.double().sum() / mask.sum()) for lp, mask in rec.fused]
+    assert [nll[s] for s in sorted(nll)] == pytest.approx(want, rel=1e-5)
+    assert set(by_step(history, "headwatch/rl/temperature").values()) == {temperature}
+
+    generation = by_step(history, "headwatch/capture/generation_forwards")
+    assert [generation[s] for s in sorted(generation)] == rec.no_grad  # every no-grad forward is generate()'s
+    assert min(rec.no_grad) >= 2  # the prompt pass and decoding steps
+    assert set(by_step(history, "headwatch/capture/forwards").values()) == {1.0}  # only the training forward
+    assert set(by_step(history, "headwatch/capture/no_grad_forwards").values()) == {0.0}
+
+
+def test_the_temperature_is_what_makes_the_figure_equal(tmp_path):
+    """Negative control: the same run at T = 0.7 measured at T = 1 (headwatch without the RL reading) is off
+    TRL's entropy by far more than the tolerance: the equality above is not a coincidence."""
+
+    class WithoutRL(HeadwatchCallback):
+        def understand_trainer(self) -> None:  # the door's RL reading switched off
+            pass
+
+    cb = WithoutRL(monitors=["logits"], figure_every_n_steps=0)
+    trainer = grpo(tmp_path, 0.7, cb, max_steps=1)
+    trainer.train()
+    history = trainer.state.log_history
+    ours, theirs = by_step(history, "headwatch/logits/entropy")[1], by_step(history, "entropy")[1]
+    assert abs(ours - theirs) / theirs > 0.05
+    assert "headwatch/rl/sampled_nll" not in cb.latest
+
+
+def test_rl_steps_publish_what_only_headwatch_shows(tmp_path):
+    """Entropy by the sampled token's frequency bucket and each bucket's share (they add up to the entropy),
+    top-1 probability quantiles, the sampled tokens' NLL, the head/embedding gradient statistics and the tied
+    split under the policy-gradient loss: published and finite."""
+    cb = HeadwatchCallback(figure_every_n_steps=0)
+    trainer = grpo(tmp_path, 0.7, cb, reward=reward_varied, max_steps=2, logging_steps=2, logging_first_step=True)
+    trainer.train()
+    got = cb.latest
+    p = "headwatch"
+    H = got[f"{p}/logits/entropy"]
+    shares = [got[f"{p}/rl/entropy_share/{b}"] for b in ("top1", "top10", "top50", "tail", "unseen")]
+    assert sum(shares) == pytest.approx(H, rel=1e-9)
+    assert any(math.isfinite(got[f"{p}/logits/{b}/entropy"]) for b in ("top1", "top10", "top50", "tail"))
+    q = [got[f"{p}/logits/max_prob_p{k}"] for k in ("05", "50", "95")]
+    assert 0 < q[0] <= q[1] <= q[2] <= 1
+    assert math.isfinite(got[f"{p}/rl/sampled_nll"]) and 0 <= got[f"{p}/rl/sampled_top1_rate"] <= 1
+    grads = {k: v for k, v in got.items() if k.startswith(f"{p}/grad/")}
+    assert grads and all(math.isfinite(v) for v in grads.values()), grads
+    assert any("tied" in k or "shared" in k for k in grads), sorted(grads)
+    # the rare tokens' share of the entropy lost since the run's first RL logging step (step 1 here)
+    history = trainer.state.log_history
+    h, rare = by_step(history, f"{p}/logits/entropy"), by_step(history, f"{p}/rl/entropy_share/rare")
+    share = by_step(history, f"{p}/rl/rare_share_of_entropy_drop")
+    assert sorted(h) == [1, 2] and 1 not in share and 2 in share  # no reference before the first step
+    want = (rare[1] - rare[2]) / (h[1] - h[2]) if h[1] > h[2] else math.nan
+    assert share[2] == pytest.approx(want, rel=1e-9, nan_ok=True)
+
+
+def test_rloo_trainer_shares_the_path(tmp_path):
+    """RLOOTrainer: same fused head, same temperature division, same completion mask: equal to its entropy."""
+    from trl import RLOOConfig, RLOOTrainer
+
+    cb = HeadwatchCallback(monitors=["logits"], figure_every_n_steps=0)
+    args = RLOOConfig(output_dir=str(tmp_path), max_steps=2, logging_steps=1, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=8, temperature=0.7, learning_rate=1e-2, report_to="none",
+                      use_cpu=True, save_strategy="no", disable_tqdm=True, bf16=False, use_vllm=False, seed=0,
+                      beta=0.0)  # fmt: skip  (no reference model: it would be loaded from the Hub)
+    trainer = RLOOTrainer(model=tiny_policy(), reward_funcs=reward_w7, args=args, train_dataset=prompts(),
+                          processing_class=word_tokenizer(), callbacks=[cb])  # fmt: skip
+    trainer.train()
+    history = trainer.state.log_history
+    ours, theirs = by_step(history, "headwatch/logits/entropy"), by_step(history, "entropy")
+    assert sorted(ours) == sorted(theirs) == [1, 2]
+    assert max(abs(ours[s] - theirs[s]) / theirs[s] for s in theirs) <= 1e-4
+    assert cb.latest["headwatch/rl/temperature"] == 0.7
