@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from headwatch.distributed.reduce import NoReducer, Reducer, TorchDistributedReducer
+from headwatch.errors import HeadwatchError
 from tests.helpers.distributed import ThreadReducer, run_ranks
 
 
@@ -67,3 +68,48 @@ def test_thread_reducer_reraises_a_rank_failure_instead_of_hanging():
 
     with pytest.raises(ValueError, match="rank 1 failed"):
         run_ranks(2, body)
+
+
+# ---------------------------------------------------------------- a logging step's sums, reduced together
+def test_reduce_step_sums_by_dtype_and_concatenates_values_in_rank_order():
+    """3 simulated processes: sums of each dtype in one reduction (float64 stays float64, int64 exact), values of
+    every process concatenated in rank order whatever their lengths (one empty), failure flags agreed; 3 exchanges:
+    the int64 block (with the flags and the values' lengths), the float64 block, one gather of the float32 values."""
+    from headwatch.distributed.reduce import Values, reduce_step
+
+    def body(rank: int, reducer: ThreadReducer) -> tuple:
+        parts = [
+            {
+                "a": torch.tensor([1.0, 2.0], dtype=torch.float64) * (rank + 1),
+                "n": torch.tensor(rank + 1),
+                "v": Values(torch.arange(rank + 1, dtype=torch.float32) + 10 * rank),
+            },
+            {
+                "b": torch.full((2, 2), 0.1, dtype=torch.float64) * rank,
+                "w": Values(torch.zeros(0) if rank == 1 else torch.tensor([float(rank)])),
+            },
+        ]
+        before = reducer.world.calls
+        out, failed = reduce_step(parts, reducer, [False, rank == 2])
+        return out, failed, reducer.world.calls - before
+
+    results = run_ranks(3, body)
+    reference = torch.tensor(0.1, dtype=torch.float64) * 1 + torch.tensor(0.1, dtype=torch.float64) * 2  # rank order
+    for out, failed, _ in results:
+        assert out[0]["a"].dtype == torch.float64 and out[0]["a"].tolist() == [6.0, 12.0]
+        assert out[0]["n"].dtype == torch.int64 and out[0]["n"].item() == 6
+        assert out[0]["v"].dtype == torch.float32 and out[0]["v"].tolist() == [0.0, 10.0, 11.0, 20.0, 21.0, 22.0]
+        assert out[1]["b"].shape == (2, 2) and torch.equal(out[1]["b"], torch.full((2, 2), reference.item(), dtype=torch.float64))
+        assert out[1]["w"].tolist() == [0.0, 2.0]
+        assert failed == [False, True]  # part 1 failed on rank 2: every rank knows
+    assert results[0][2] == 3
+
+
+def test_reduce_step_on_one_process_hands_the_entries_back_and_refuses_a_boolean_sum():
+    from headwatch.distributed.reduce import Values, reduce_step
+
+    a, v = torch.tensor([1.5, 2.5], dtype=torch.float64), torch.tensor([3.0])
+    out, failed = reduce_step([{"a": a, "v": Values(v)}], NoReducer(), [True])
+    assert out[0]["a"] is a and out[0]["v"] is v and failed == [True]  # no copy, no collective
+    with pytest.raises(HeadwatchError, match="`flag` must be a numeric tensor"):
+        reduce_step([{"flag": torch.ones(2, dtype=torch.bool)}], NoReducer())

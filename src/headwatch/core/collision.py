@@ -146,6 +146,7 @@ class SynonymCollision(Monitor):
         self._stash: list[Tensor] = []
         self._confusion = torch.zeros(2, 2, dtype=torch.float64)  # [train, val] x [positions, confused]
         self._step: int | None = None
+        self._computing: int | None = None  # the step being measured (between the two phases)
         self._last_step = -1
         self.last_result: dict[str, Any] = {}
         self._measurements = 0
@@ -255,21 +256,40 @@ class SynonymCollision(Monitor):
                 self._count_confusion(logits)
         self._view = None
 
-    def _confusion_scalars(self, split: int, name: str) -> dict[str, Tensor]:
-        """Reduce and reset one split's counts (a collective); ``{}`` without synonym groups."""
+    def empty_sums(self, val: bool = False) -> dict[str, Tensor]:
+        """``confusion``: float64 ``(eligible positions, confused positions)`` of the split, with synonym groups."""
         if self._table is None:
             return {}
-        n, confused = self.reducer.sum(self._confusion[split].clone())
-        self._confusion[split] = 0.0
+        return {"confusion": torch.zeros(2, dtype=torch.float64, device=self._confusion.device)}
+
+    def local_sums(self, val: bool = False) -> dict[str, Tensor]:
+        """This process's synonym confusion counts of the split, handed over (they start again from 0)."""
+        if not val:
+            self._computing = self._step if self._step is not None else self._last_step + 1
+            self._step = None
+        out = self.empty_sums(val)
+        if out:
+            split = _VAL if val else _TRAIN
+            out["confusion"] = self._confusion[split].clone()
+            self._confusion[split] = 0.0
+        return out
+
+    def skip_sums(self, val: bool = False) -> None:
+        """The step's confusion counts are dropped (they start again from 0)."""
+        self._confusion[_VAL if val else _TRAIN] = 0.0
+        if not val:
+            self._computing, self._step = None, None
+
+    def _confusion_scalars(self, total: dict[str, Tensor], name: str) -> dict[str, Tensor]:
+        """The confusion rate from the counts summed over processes; ``{}`` without synonym groups."""
+        if "confusion" not in total:
+            return {}
+        n, confused = total["confusion"]
         c = f"{self.prefix}/collision/{name}"
         return {
             f"{c}synonym_confusion_positions": n,
             f"{c}synonym_confusion_rate": torch.where(n > 0, confused / n.clamp(min=1), torch.nan),
         }
-
-    def validation_epoch_end(self) -> dict[str, Tensor]:
-        """Synonym confusion over the validation epoch's batches (a collective)."""
-        return self._confusion_scalars(_VAL, "val/")
 
     # ---------------------------------------------------------------- schedule
     def train_epoch_end(self, step: int) -> bool:
@@ -278,24 +298,27 @@ class SynonymCollision(Monitor):
             return True
         return False
 
-    def compute(self) -> dict[str, Tensor]:
-        """Measure now (a collective: the counts and the confusion are summed over processes).
+    def from_sums(self, total: dict[str, Tensor], val: bool = False) -> dict[str, Tensor]:
+        """Measure now (training; validation: the synonym confusion of the epoch's batches only), on every process:
+        the confusion counts come summed over processes, the matrices are measured here (the gathers of
+        row-sharded matrices are collectives of their own).
 
         Nothing is read on the host here (one process): the scalars stay on the device and the
         per-row results (sample, cosines, the top pairs' ids and cosines) go to :attr:`media` ``.host``,
         moved in the orchestrator's one transfer; :meth:`published` then builds ``last_result``, the
         top-pairs table and the figures from them, on the host.
         """
-        step = self._step if self._step is not None else self._last_step + 1
-        self._step = None
+        if val:
+            return self._confusion_scalars(total, "val/")
+        step, self._computing = self._computing, None
         if self.frequency is None:
             raise HeadwatchError("SynonymCollision needs a TokenCounts (`frequency`)")
         snap = self.frequency.snapshot()
-        confusion = self._confusion_scalars(_TRAIN, "")
-        self._last_step = step
+        confusion = self._confusion_scalars(total, "")
+        self._last_step = step if step is not None else self._last_step + 1
         self.media.texts, self.media.figures = {}, {}
         with self.full_matrices([self._head, self._emb]):  # FSDP1: the full matrices (a collective)
-            scalars, self.media.host = self._measure_on_device(snap, step)
+            scalars, self.media.host = self._measure_on_device(snap, self._last_step)
         scalars.update(confusion)
         self._measurements += 1
         return scalars

@@ -21,6 +21,7 @@ from headwatch.errors import (
 )
 from headwatch.model.batch import BatchFormat
 from headwatch.core.monitor import Monitor
+from headwatch.distributed.reduce import collective_device
 from headwatch.functional.frequency import FrequencySnapshot, frequency_snapshot, token_scalars
 
 
@@ -159,14 +160,22 @@ class TokenCounts(Monitor):
 
     # ----------------------------------------------------------- reading
     def snapshot(self) -> FrequencySnapshot:
-        """Counts summed over every process, with buckets and rare tokens (a collective: call on all ranks)."""
-        if self._cache is not None and self._cache[0] == self._batches:
-            return self._cache[1]
+        """Counts summed over every process, with buckets and rare tokens (a collective: call on all ranks).
+
+        Kept until the next batch is counted: a second call in between is no collective."""
+        if self._cached():
+            return self._cache[1]  # type: ignore[index]
         device = self._local.device if self._local is not None else torch.device("cpu")
         local = self._local if self._local is not None else torch.zeros(self.num_rows, dtype=torch.long, device=device)
-        total = self.reducer.sum(local)
-        if self._restored.numel():
-            total = total + self._restored.to(device)
+        return self._remember(self.reducer.sum(local))
+
+    def _cached(self) -> bool:
+        """Whether the last snapshot still holds (no batch counted since)."""
+        return self._cache is not None and self._cache[0] == self._batches
+
+    def _remember(self, summed: Tensor) -> FrequencySnapshot:
+        """The snapshot of ``summed`` (this run's counts summed over processes) plus the restored counts, kept."""
+        total = summed + self._restored.to(summed.device) if self._restored.numel() else summed
         snap = frequency_snapshot(total, self.valid_rows(total.device), self.rare_max_count, self.rare_fraction)
         self._cache = (self._batches, snap)
         return snap
@@ -182,12 +191,32 @@ class TokenCounts(Monitor):
         counts = local + self._restored.to(local.device) if self._restored.numel() else local
         return frequency_snapshot(counts, self.valid_rows(counts.device), self.rare_max_count, self.rare_fraction)
 
-    def compute(self) -> dict[str, Tensor]:
-        snap = self.snapshot()
-        local = self._out_of_range if self._out_of_range is not None else torch.zeros((), dtype=torch.long)
+    def empty_sums(self, val: bool = False) -> dict[str, Tensor]:
+        """``out_of_range`` (int64) and, unless a snapshot of the current counts is kept, the ``(V,)`` int64
+        ``counts``: they ride with the step's other sums (no validation values)."""
+        if val:
+            return {}
+        device = self._local.device if self._local is not None else collective_device()
+        out = {"out_of_range": torch.zeros((), dtype=torch.long, device=device)}
+        if not self._cached():
+            out["counts"] = torch.zeros(self.num_rows, dtype=torch.long, device=device)
+        return out
+
+    def local_sums(self, val: bool = False) -> dict[str, Tensor]:
+        out = self.empty_sums(val)
+        if self._out_of_range is not None and "out_of_range" in out:
+            out["out_of_range"] = self._out_of_range.clone()
+        if self._local is not None and "counts" in out:
+            out["counts"] = self._local.clone()  # counting goes on in place
+        return out
+
+    def from_sums(self, total: dict[str, Tensor], val: bool = False) -> dict[str, Tensor]:
+        if val:
+            return {}
+        snap = self._remember(total["counts"]) if "counts" in total else self.snapshot()
         t = f"{self.prefix}/tokens"
         out = {f"{t}/{k}": v for k, v in token_scalars(snap).items()}
-        out[f"{t}/out_of_range"] = (self.reducer.sum(local) + self._restored_out_of_range).double()
+        out[f"{t}/out_of_range"] = (total["out_of_range"] + self._restored_out_of_range).double()
         return out
 
     # ----------------------------------------------------------- checkpoint

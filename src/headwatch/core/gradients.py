@@ -11,9 +11,12 @@ from torch import Tensor, nn
 from headwatch.distributed import fsdp1
 from headwatch.errors import StateReader, check_bool, check_int, check_module_or_name
 from headwatch.core.frequency import TokenCounts, check_token_counts
-from headwatch.core.monitor import Monitor
-from headwatch.distributed.zero import full_gradient
-from headwatch.distributed.sharded import ShardedLookup, is_sharded, local_rows, row_norms_full, row_statistics, tied_flow_statistics
+from headwatch.core.monitor import Monitor, StepFailed
+from headwatch.distributed.reduce import collective_device
+from headwatch.distributed.zero import full_gradient, gradient_ready, zero_held
+from headwatch.distributed.sharded import (
+    ShardedLookup, is_sharded, local_rows, row_norms_full, row_statistics, tied_flow_statistics, tied_flow_sums, tied_flow_values,
+)
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.rows import dense_rows, selected_ranks, spearman_of_ranks
 from headwatch.model.flows import HeadFlowCapture, LookupFlowCapture
@@ -76,6 +79,10 @@ class GradientDensity(Monitor):
         self._active = False
         self._step: int | None = None
         self._measured = False
+        self._failed_here = False  # this step's gradient measurement failed on this process (said then)
+        self._elsewhere: set[str] = set()  # the step's flows without a gradient here that another process has
+        self._tied_sums: Tensor | None = None
+        self._weights: dict[str, Tensor] = {}  # the matrices as the step's gradient statistics read them
         self._before: dict[str, Tensor] = {}
         self._pending: dict[str, Tensor] = {}
         self._snapshot: FrequencySnapshot | None = None
@@ -131,11 +138,13 @@ class GradientDensity(Monitor):
         return buf
 
     def _reset_step(self) -> None:
-        self._active, self._step, self._measured = False, None, False
+        self._active, self._step, self._measured, self._failed_here = False, None, False, False
         for capture in self._captures():
             capture.active = False
             capture.reset()
         self._before, self._pending, self._snapshot, self._histograms, self._full_norms = {}, {}, None, {}, {}
+        self._tied_sums = None  # this process's rows' tied-flow sums, reduced at compute
+        self._weights = {}
 
     # ---------------------------------------------------------------- protocol
     def _parameters_replaced(self) -> bool:
@@ -182,13 +191,13 @@ class GradientDensity(Monitor):
         if not self._active or self._measured:
             return
         self._measured = True  # several optimizers: measure once per step
-        ok = True
         try:
             if fsdp1.uses_orig_params(self._root()):
                 with self.full_matrices([self._head, self._emb], with_grads=True):  # FSDP1: a collective
                     self._pending = self._gradient_stats(loss_scale)
+                    weights, self._weights = self._weights, {}  # read once (ZeRO-3: one gather per matrix)
                     if self.update_density:
-                        local = {name: local_rows(w).local for name, w in self._matrices().items()}  # this process's rows
+                        local = {name: local_rows(w).local for name, w in (weights or self._matrices()).items()}  # this process's rows
                         self._before = {name: self._scratch(f"before:{name}", w).copy_(w) for name, w in local.items()}
             else:
                 self.warn_once(
@@ -200,18 +209,44 @@ class GradientDensity(Monitor):
                 )
         except Exception as err:  # noqa: BLE001
             self.fail(err, "measuring gradients")
-            ok = False
-        if not self.agree(ok, "measuring gradients"):  # every process keeps the same values (a collective)
-            self._pending, self._before = {}, {}
+            # said here; the processes agree at compute, with the step's sums (every process drops the values)
+            self._pending, self._before, self._failed_here = {}, {}, True
         for capture in self._captures():
             capture.reset()
 
     def pending(self) -> bool:
         return self._step is not None
 
-    def compute(self) -> dict[str, Tensor]:
-        """The step's gradient and update statistics (a collective). A failure raises: the front
-        doors' :func:`~headwatch.core.monitor.compute_due` then drops the values on every process alike."""
+    def empty_sums(self, val: bool = False) -> dict[str, Tensor]:
+        """``tied_flow``: the tied flows' row sums (:func:`~headwatch.distributed.sharded.tied_flow_sums`) of a
+        row-sharded tied matrix; nothing else (the gradient statistics are measured whole in :meth:`gradients_ready`,
+        a row-sharded matrix's rows gathered there)."""
+        weight = getattr(self._head, "weight", None) if self.tied else None
+        if val or not is_sharded(weight):
+            return {}
+        return {"tied_flow": torch.zeros(3, dtype=torch.float64, device=local_rows(weight).local.device)}
+
+    def local_sums(self, val: bool = False) -> dict[str, Tensor]:
+        """:meth:`empty_sums` with this step's values. Raises :class:`~headwatch.core.monitor.StepFailed` when the
+        measurement of :meth:`gradients_ready` failed on this process, so that every process drops the step's values."""
+        if not val and self._failed_here:
+            self._failed_here = False
+            self._reset_step()
+            raise StepFailed("measuring gradients")
+        out = self.empty_sums(val)
+        if "tied_flow" in out and self._tied_sums is not None:
+            out["tied_flow"] = self._tied_sums
+        return out
+
+    def skip_sums(self, val: bool = False) -> None:
+        if not val:
+            self._reset_step()
+
+    def from_sums(self, total: dict[str, Tensor], val: bool = False) -> dict[str, Tensor]:
+        """The step's gradient and update statistics (the update's: a collective when the matrices are sharded).
+        A failure raises: :func:`~headwatch.core.monitor.compute_due` then drops the values on every process alike."""
+        if val:
+            return {}
         step = self._step
         self.media.histograms.clear()
         self.media.figures.clear()
@@ -219,6 +254,8 @@ class GradientDensity(Monitor):
         self.media.texts.clear()
         try:
             scalars = dict(self._pending)
+            if self._tied_sums is not None:
+                scalars.update({f"{self.prefix}/grad/{k}": v for k, v in tied_flow_values(total["tied_flow"]).items()})
             with self.full_matrices([self._head, self._emb]):  # FSDP1: a collective, entered on every process
                 if self._before:
                     scalars.update(self._update_stats())
@@ -249,8 +286,47 @@ class GradientDensity(Monitor):
         matrices = {"embedding": self._emb, "head": self._head}
         return {name: effective_weight(m) for name, m in matrices.items() if trains.get(name, True)}  # type: ignore[arg-type]
 
-    def _captured(self, capture: LookupFlowCapture | HeadFlowCapture | None, loss_scale: float | Tensor | None) -> Any:
-        """A capture's ``(V, d)`` gradient, unscaled and averaged like ``.grad``; None when absent on any rank."""
+    @staticmethod
+    def _available(capture: LookupFlowCapture | HeadFlowCapture | None) -> bool:
+        """Whether ``capture`` holds this step's flow on this process (a row-sharded lookup flow: its token ids)."""
+        if capture is None:
+            return False
+        sharded = getattr(capture, "sharded", None)
+        grad = capture.flow() if isinstance(capture, LookupFlowCapture) else capture.gradient
+        return grad is not None or (sharded is not None and bool(sharded.ids))
+
+    def _agree(self, param: dict[str, Tensor | None]) -> dict[str, tuple[bool, bool]]:
+        """Every decision the gradient measurement must take alike on every process, agreed in ONE ``all_reduce``
+        (a collective with several processes; nothing with one): name -> ``(on every process, on some process)``.
+
+        ``lookup_ok``: the tied lookup flow is not refused (:meth:`_lookup_cause`); ``lookup`` / ``head_flow``: the
+        captured flows are there; ``head_compiled``: the head capture ran under ``torch.compile``; ``ready:<role>``:
+        DeepSpeed still holds the gradient (:func:`~headwatch.distributed.zero.gradient_ready`); ``grad:<role>``: the
+        Parameter has a gradient here (a process may have skipped its backward)."""
+        hc = self._head_capture
+        local = {
+            "lookup_ok": self._lookup_cause() is None,
+            "lookup": self._available(self._lookup_capture),
+            "head_flow": self._available(hc),
+            "head_compiled": hc is not None and hc.compiled,
+        }
+        for role, p in param.items():
+            local[f"ready:{role}"] = gradient_ready(p)
+            local[f"grad:{role}"] = p is not None and (p.grad is not None or zero_held(p))
+        W = self.reducer.world_size
+        if W <= 1:
+            return {k: (v, v) for k, v in local.items()}
+        device = next((p.device for p in param.values() if p is not None), None) or collective_device()
+        flags = torch.zeros(len(local), dtype=torch.long, device=device)
+        for i, v in enumerate(local.values()):
+            if v:
+                flags[i] = 1  # a fill, not a copy
+        counts = self.reducer.sum(flags).tolist()  # the decisions on the host: one read
+        return {k: (n == W, n > 0) for k, n in zip(local, counts)}
+
+    def _captured(self, capture: LookupFlowCapture | HeadFlowCapture | None, loss_scale: float | Tensor | None, everywhere: bool) -> Any:
+        """A capture's ``(V, d)`` gradient, unscaled and averaged like ``.grad``; None unless ``everywhere`` (agreed:
+        every process holds it)."""
         if capture is None:
             return None
         if capture.error is not None:
@@ -265,41 +341,54 @@ class GradientDensity(Monitor):
                 "logits statistics still are). They are measured when the head runs outside the compiled "
                 "region, or with the adapter merged. (warned once)",
             )
-        sharded = getattr(capture, "sharded", None)
-        grad = capture.flow() if isinstance(capture, LookupFlowCapture) else capture.gradient
-        if not self.reducer.all(grad is not None or (sharded is not None and bool(sharded.ids))):
+        if not everywhere:
             return None  # every process takes the same path
+        sharded = getattr(capture, "sharded", None)
         if sharded is not None:
             return sharded  # combined on this process's rows in _flows
+        grad = capture.flow() if isinstance(capture, LookupFlowCapture) else capture.gradient
         if loss_scale is not None:
             grad = grad / loss_scale  # captured from the scaled loss; .grad is unscaled already
         return self.reducer.mean(grad)  # as DDP averages .grad
 
     def _flows(self, loss_scale: float | Tensor | None) -> dict[str, Any]:
+        """The step's flows (None: no gradient on this process); :attr:`_elsewhere`: those of them another process has."""
+        self._elsewhere = set()
         trains = self.matrices.trains  # type: ignore[union-attr]
         if self._refused_roles:
             trains = {role: state._replace(trains=False) if role in self._refused_roles else state for role, state in trains.items()}
-        refused = self._lookup_refused()
-        lookup = None if refused else self._captured(self._lookup_capture, loss_scale)
-        head_eff = self._captured(self._head_capture, loss_scale)
-        hc = self._head_capture  # a LoRA head inside torch.compile: refused in _captured, said once there
-        head_refused = self.reducer.all(hc is not None and hc.compiled and head_eff is None) if hc is not None else False
         param = {role: state.gradient_parameter for role, state in trains.items()}
-        head_grad = full_gradient(param["head"], self.reducer, self.info_once) if param["head"] is not None else head_eff  # ZeRO: DeepSpeed holds it
+        agreed = self._agree(param)
+        refused = self._lookup_refused(agreed["lookup_ok"][0])
+        lookup = None if refused else self._captured(self._lookup_capture, loss_scale, agreed["lookup"][0])
+        head_eff = self._captured(self._head_capture, loss_scale, agreed["head_flow"][0])
+        # a LoRA head inside torch.compile: refused in _captured, said once there
+        head_refused = agreed["head_compiled"][0] and head_eff is None
+
+        def gradient(role: str) -> Tensor | None:  # ZeRO: DeepSpeed holds it (a collective), agreed ready or refused alike
+            return full_gradient(param[role], say=self.info_once, ready=agreed[f"ready:{role}"][0])
+
+        def elsewhere(flows: dict[str, Any], role: str) -> set[str]:  # flows without a gradient here that another process has
+            return {f for f, g in flows.items() if g is None and param[role] is not None and agreed[f"grad:{role}"][1]}
+
+        head_grad = gradient("head") if param["head"] is not None else head_eff
         if not self.tied:
-            emb_grad = full_gradient(param["embedding"], self.reducer, self.info_once) if param["embedding"] is not None else lookup
-            flows = {"embedding": emb_grad, "head": head_grad}
+            emb_grad = gradient("embedding") if param["embedding"] is not None else lookup
             # frozen, or a refused lookup flow: said once, with its cause
             skip = {"embedding": refused, "head": head_refused}
-            return {flow: grad for flow, grad in flows.items() if trains[flow].trains and not skip[flow]}
+            flows = {flow: grad for flow, grad in {"embedding": emb_grad, "head": head_grad}.items() if trains[flow].trains and not skip[flow]}
+            self._elsewhere = {f for role in flows for f in elsewhere({role: flows[role]}, role)}
+            return flows
         if not trains["head"].trains:
             return {}
         if param["head"] is not None:
             total = head_grad
         else:  # tied through adapters (ensure_weight_tying): no Parameter holds the sum of the flows
             total = lookup + head_eff if lookup is not None and head_eff is not None else None
-        if total is None:
-            return {} if head_refused else {"embedding": None, "head": None, "shared": None}
+        if total is None:  # the flows another process has, by the same agreed decisions
+            flows = {} if head_refused else {"shared": None} if refused or lookup is None else {"embedding": None, "head": None, "shared": None}
+            self._elsewhere = elsewhere(flows, "head")
+            return flows
         total = dense_rows(total).float()
         if refused:
             return {"shared": total}
@@ -321,11 +410,11 @@ class GradientDensity(Monitor):
         scoring = torch.sub(total, lookup, out=self._scratch("scoring", total, torch.float32))
         return {"embedding": lookup, "head": scoring, "shared": total}
 
-    def _lookup_refused(self) -> bool:
-        """The lookup flow of this step would be wrong or is out of reach: say why once; True then (every process alike)."""
+    def _lookup_cause(self) -> str | None:
+        """Why this step's lookup flow would be wrong or is out of reach on this process; None: it is fine."""
         capture = self._lookup_capture
         if capture is None:
-            return False
+            return None
         cause = capture.refused
         sharded = capture.sharded
         if cause is None and capture.compiled and sharded is not None and not sharded.ids:
@@ -341,10 +430,15 @@ class GradientDensity(Monitor):
                 "next logging step on, the flow is measured exactly through a zero probe added to the embedding's "
                 "output inside the compiled graph"
             )
-        if not self.reducer.all(cause is None):
-            cause = cause or "another process could not measure it"
-        else:
+        return cause
+
+    def _lookup_refused(self, everywhere_ok: bool) -> bool:
+        """The lookup flow of this step would be wrong or is out of reach (``everywhere_ok`` False: on some process,
+        agreed): say why once; True then (every process alike)."""
+        capture = self._lookup_capture
+        if capture is None or everywhere_ok:
             return False
+        cause = self._lookup_cause() or "another process could not measure it"
         group = capture.group
         name = group.modules[0][0] if group.modules else "the embedding"
         what = "only the shared gradient of the tied matrix is reported" if self.tied else "its gradient statistics are skipped"
@@ -362,7 +456,7 @@ class GradientDensity(Monitor):
         out.update(model_shape(self._head, self.prefix))
         self._histograms, self._full_norms = {}, {}
         flows = self._flows(loss_scale)
-        elsewhere = self._gradient_elsewhere(flows)
+        elsewhere = self._elsewhere
         for flow, grad in flows.items():
             if grad is None and flow in elsewhere:
                 # another process has this gradient (this one skipped its backward): the same keys on every rank,
@@ -401,30 +495,21 @@ class GradientDensity(Monitor):
             if flow != "shared":
                 self._full_norms[flow] = norms
         if self.tied and flows.get("embedding") is not None:
-            stats = tied_flow_statistics(
-                flows["embedding"], flows["head"], snap.valid, self.reducer, self._full_norms["embedding"], self._full_norms["head"]
-            )
-            out.update({f"{g}/{k}": v for k, v in stats.items()})
+            args = (flows["embedding"], flows["head"], snap.valid, self._full_norms["embedding"], self._full_norms["head"])
+            if is_sharded(flows["embedding"]):  # sums over the rows: reduced with the step's other sums (compute)
+                self._tied_sums = tied_flow_sums(*args)
+            else:
+                out.update({f"{g}/{k}": v for k, v in tied_flow_statistics(args[0], args[1], args[2], self.reducer, *args[3:]).items()})
         seen = snap.seen
         # Spearman's rho of log(count) and the row norm: ranks of the counts are those of their log (a strictly
         # increasing map), computed once for every matrix; unseen rows (count 0) are not selected
         count_ranks = selected_ranks(snap.counts.double(), seen)
-        for name, weight in self._matrices().items():
+        self._weights = self._matrices()  # kept for the update's "before" copy (gradients_ready)
+        for name, weight in self._weights.items():
             norms = row_norms_full(weight, self.reducer)
             rho = spearman_of_ranks(count_ranks, norms.double().to(count_ranks.device), seen)
             out[f"{self.prefix}/freq/{name}_norm_spearman"] = rho
         return out
-
-    def _gradient_elsewhere(self, flows: dict[str, Any]) -> set[str]:
-        """The flows without a gradient here that another process has (a collective with several processes, one
-        ``all_reduce`` of one flag per flow; nothing with one process)."""
-        if self.reducer.world_size <= 1:
-            return set()
-        names = sorted(flows)
-        here = torch.tensor([float(flows[n] is not None) for n in names], dtype=torch.float64)
-        device = next((local_rows(g).local.device for g in flows.values() if g is not None), torch.device("cpu"))
-        anywhere = self.reducer.sum(here.to(device)).cpu().tolist()  # a sync, with several processes only
-        return {n for n, h, a in zip(names, here.tolist(), anywhere) if h == 0 and a > 0}
 
     def _matrix_of(self, flow: str) -> Tensor:
         """The matrix whose gradient ``flow`` is (``embedding``: the input embedding's; else the head's)."""

@@ -12,21 +12,23 @@ A split is the training logging step, or one validation dataloader's epoch. Each
   of the sampled token), published as ``<bucket>/entropy``;
 - float64 sums of the padded mass (:func:`headwatch.functional.padding.padded_mass`).
 
-Everything is sums and counts on the device, reduced over processes at compute: exact under DDP.
+Everything is sums and counts on the device, and the per-position values the quantiles need; at compute
+:meth:`SplitSums.local_sums` hands them to the step's one reduction (exact under DDP: float64 sums,
+values concatenated) and :meth:`SplitSums.from_sums` makes the values from what every process measured.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor
+from torchmetrics.utilities import dim_zero_cat
 
-from headwatch.distributed.reduce import Reducer
-from headwatch.functional.calibration import ECE_BINS
+from headwatch.distributed.reduce import Reducer, Values, reduce_step
+from headwatch.functional.calibration import ECE_BINS, CalibrationSums, calibration_compute, empty_sums
 from headwatch.functional.frequency import BUCKETS
 from headwatch.functional.logits import LogitStatistics
-from headwatch.core.metrics import ENTROPY_QUANTILES, LogitStatsMetric
+from headwatch.functional.sums import LogitStatSums
+from headwatch.core.metrics import ENTROPY_QUANTILES, LogitStatsMetric, logit_stats_values
 from headwatch.functional.quantiles import nanquantiles
 from headwatch.core.metrics_evidence import FrequencyCalibrationMetric
 
@@ -110,66 +112,78 @@ class SplitSums:
             add[0, nb], add[1, nb] = (h * r).sum(), (w * r).sum()
         self.bucket_entropy = add if self.bucket_entropy is None else self.bucket_entropy + add
 
-    def _max_prob_quantiles(self, reducer: Reducer) -> dict[str, Tensor]:
-        """``max_prob_p05``, ``_p50``, ``_p95``: quantiles of the per-position top-1 probability over the valid
-        positions of every process (a gather; linear interpolation, as the entropy's); NaN without positions."""
-        values = torch.cat(self.max_probs) if self.max_probs else torch.zeros(0, device=self.device)
-        self.max_probs = []
-        if reducer.world_size > 1:
-            values = torch.cat([v.to(values.device) for v in reducer.gather(values)])
-        quantiles = nanquantiles(values, ENTROPY_QUANTILES)
-        return {f"max_prob_p{round(q * 100):02d}": v for q, v in zip(ENTROPY_QUANTILES, quantiles)}
+    def empty_sums(self, by_frequency: bool, padded: bool) -> dict[str, Tensor | Values]:
+        """The layout of :meth:`local_sums` with nothing measured (zeros, no values)."""
+        device = self.device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        out: dict[str, Tensor | Values] = {f"stats/{name}": zero.clone() for name in LogitStatSums._fields}
+        out.update({f"calibration/{k}": v for k, v in empty_sums(len(BUCKETS), self.calibration.n_bins, device)._asdict().items()})
+        if by_frequency:
+            out["bucket_entropy"] = torch.zeros(2, len(BUCKETS) + 1, dtype=torch.float64, device=device)
+        if padded:
+            out["padded"] = torch.zeros(2, dtype=torch.float64, device=device)
+        out["entropies"] = Values(torch.zeros(0, dtype=torch.float32, device=device))
+        out["max_probs"] = Values(torch.zeros(0, dtype=torch.float32, device=device))
+        return out
 
-    def _bucket_entropy(self, reducer: Reducer) -> dict[str, Tensor]:
-        """``<bucket>/entropy`` (buckets and ``rare``): mean entropy over positions whose target is in the bucket,
-        summed over processes (a collective); NaN for an empty bucket."""
-        sums = self.bucket_entropy
-        self.bucket_entropy = None
-        if sums is None:
-            sums = torch.zeros(2, len(BUCKETS) + 1, dtype=torch.float64, device=self.device)
-        sums = reducer.sum(sums) if reducer.world_size > 1 else sums
-        mean = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1), torch.full_like(sums[0], float("nan")))
-        return {f"{name}/entropy": mean[i] for i, name in enumerate((*BUCKETS, "rare"))}
+    def local_sums(self, by_frequency: bool, padded: bool) -> dict[str, Tensor | Values]:
+        """This process's float64 sums and per-position values (entropy, top-1 probability; NaN where not valid),
+        named as :meth:`empty_sums`; empties the split (no collective, no host sync)."""
+        out = self.empty_sums(by_frequency, padded)
+        try:
+            for name in LogitStatSums._fields:
+                out[f"stats/{name}"] = getattr(self.stats, name)
+            for name in CalibrationSums._fields:
+                out[f"calibration/{name}"] = getattr(self.calibration, name)
+            kept = self.stats.entropies
+            if isinstance(kept, Tensor) or len(kept):
+                out["entropies"] = Values(dim_zero_cat(kept))
+            if self.max_probs:
+                out["max_probs"] = Values(torch.cat(self.max_probs))
+            if by_frequency and self.bucket_entropy is not None:
+                out["bucket_entropy"] = self.bucket_entropy
+            if padded:
+                out["padded"] = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in self.padded])
+        finally:
+            self.stats.reset()
+            self.calibration.reset()
+            self.max_probs, self.bucket_entropy, self.padded = [], None, [0.0, 0.0]
+            self.labelled = set()
+        return out
 
-    def compute(self, reducer: Reducer, by_frequency: bool, padded: bool) -> dict[str, Tensor]:
-        """Synchronised values (a collective), names relative to the split's group; resets the sums.
+    def from_sums(self, total: dict[str, Tensor], by_frequency: bool, padded: bool) -> dict[str, Tensor]:
+        """The values (names relative to the split's group) from :meth:`local_sums` summed over processes.
 
         Keys: those of :class:`LogitStatsMetric` (with ``entropy_values``, NaN at the positions
         that are not valid: no host sync), ``max_prob_p05``, ``max_prob_p50``, ``max_prob_p95``, ``ece``,
         ``overconfidence``; with ``by_frequency`` also ``rare/ece``, ``rare/overconfidence`` and
         ``<bucket>/{target_nll,target_argmax_rate,max_prob,positions,entropy}`` for every bucket and
-        ``rare``; with ``padded``, ``padded_mass``.
+        ``rare``; with ``padded``, ``padded_mass``. Max-prob quantiles: linear interpolation over the valid
+        positions of every process, as the entropy's; NaN without positions.
         """
-        for metric in (self.stats, self.calibration):
-            metric.dist_sync_fn = lambda t, group=None: reducer.gather(t)
-            metric.distributed_available_fn = lambda: reducer.world_size > 1
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
-                out = dict(self.stats.compute())
-                cal = self.calibration.compute()
-        finally:
-            self.stats.reset()
-            self.calibration.reset()
-            self.labelled = set()
+        sums = LogitStatSums(**{name: total[f"stats/{name}"] for name in LogitStatSums._fields})
+        out = logit_stats_values(sums, total["entropies"])
+        cal = calibration_compute(CalibrationSums(**{n: total[f"calibration/{n}"] for n in CalibrationSums._fields}), BUCKETS)
         for key in CALIBRATION_KEYS:
             out[key] = cal[key]
-        out.update(self._max_prob_quantiles(reducer))
+        quantiles = nanquantiles(total["max_probs"], ENTROPY_QUANTILES)
+        out.update({f"max_prob_p{round(q * 100):02d}": v for q, v in zip(ENTROPY_QUANTILES, quantiles)})
         if by_frequency:
             for key in CALIBRATION_KEYS:
                 out[f"rare/{key}"] = cal[f"{key}_rare"]
             for bucket in (*BUCKETS, "rare"):
                 for ours, theirs in BUCKET_KEYS.items():
                     out[f"{bucket}/{ours}"] = cal[f"{theirs}_{bucket}"]
-            out.update(self._bucket_entropy(reducer))
+            both = total["bucket_entropy"]
+            mean = torch.where(both[1] > 0, both[0] / both[1].clamp(min=1), torch.full_like(both[0], float("nan")))
+            out.update({f"{name}/entropy": mean[i] for i, name in enumerate((*BUCKETS, "rare"))})
         if padded:
-            out["padded_mass"] = self._padded_mass(reducer)
+            both = total["padded"]
+            out["padded_mass"] = torch.where(both[1] > 0, both[0] / both[1].clamp(min=1), torch.full_like(both[0], float("nan")))
         return out
 
-    def _padded_mass(self, reducer: Reducer) -> Tensor:
-        """Mean padded mass over measured positions, summed over processes."""
-        total, count = (torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in self.padded)
-        self.padded = [0.0, 0.0]
-        both = reducer.sum(torch.stack([total, count]))
-        return torch.where(both[1] > 0, both[0] / both[1].clamp(min=1), torch.full_like(both[0], float("nan")))
-
+    def compute(self, reducer: Reducer, by_frequency: bool, padded: bool) -> dict[str, Tensor]:
+        """:meth:`from_sums` of :meth:`local_sums` reduced over ``reducer``'s processes (a collective:
+        :func:`~headwatch.distributed.reduce.reduce_step`); resets the sums."""
+        part = self.local_sums(by_frequency, padded)
+        return self.from_sums(reduce_step([part], reducer)[0][0], by_frequency, padded)

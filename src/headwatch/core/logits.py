@@ -30,6 +30,7 @@ from headwatch.core.logit_split import SplitSums
 from headwatch.core.metrics import SCALAR_KEYS
 from headwatch.core.monitor import Monitor
 from headwatch.core.self_check import CaptureTally
+from headwatch.distributed.reduce import Values
 from headwatch.functional.calibration import ECE_BINS, MAX_ECE_BINS
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.model.sources import ALIGNMENTS, LogitsSource, resolve_logits_source
@@ -121,6 +122,7 @@ class LogitStats(Monitor):
         self._view: BatchView | None = None
         self._max_chunk_bytes = max_chunk_bytes
         self._step: int | None = None
+        self._computing: int | None = None  # the step whose sums are being reduced
         self._head_module: nn.Module | None = None
         self.head_name = ""
         self.vocab_size = 0
@@ -280,15 +282,50 @@ class LogitStats(Monitor):
     def batch_end(self) -> None:
         self._disarm()
 
-    def compute(self) -> dict[str, Tensor]:
-        step, self._step = self._step, None
+    # ------------------------------------------------------------------ the step's sums (two phases)
+    def _flags(self) -> tuple[bool, bool]:
+        """``(by_frequency, padded)`` of every split: the same on every process (configuration)."""
+        return self.frequency is not None, self._known_vocab_size() is not None
+
+    def empty_sums(self, val: bool = False) -> dict[str, Tensor | Values]:
+        """The training split's sums (``train/``), or each validation dataloader's (``val<k>/``), empty."""
+        splits = {"train": self._train} if not val else {f"val{k}": self._val[k] for k in sorted(self._val)}
+        return {f"{name}/{key}": v for name, split in splits.items() for key, v in split.empty_sums(*self._flags()).items()}
+
+    def local_sums(self, val: bool = False) -> dict[str, Tensor | Values]:
+        """This process's sums of the step (or of the validation epoch), handed over: the splits start empty."""
+        if not val:
+            self._computing, self._step = self._step, None
+            return {f"train/{k}": v for k, v in self._train.local_sums(*self._flags()).items()}
+        self._val_buckets = None
+        return {f"val{k}/{key}": v for k in sorted(self._val) for key, v in self._val[k].local_sums(*self._flags()).items()}
+
+    def skip_sums(self, val: bool = False) -> None:
+        """The step's sums are dropped: the splits start empty."""
+        if not val:
+            self._computing, self._step = None, None
+        splits = [self._train] if not val else list(self._val.values())
+        for split in splits:
+            split.local_sums(*self._flags())
+
+    def from_sums(self, total: dict[str, Tensor], val: bool = False) -> dict[str, Tensor]:
+        """The step's scalars (``<prefix>/logits/``), or every validation dataloader's (``<prefix>/val/logits/``, with
+        ``/dataloader_idx_<k>`` when there are several), from the sums over every process."""
         self.media.histograms.clear()
         self.media.figures.clear()
+        if val:
+            several = self.val_dataloaders > 1 or any(k != 0 for k in self._val)
+            out: dict[str, Tensor] = {}
+            for k in sorted(self._val):
+                values = self._val[k].from_sums(_part(total, f"val{k}/"), *self._flags())
+                out.update(self._scalars_and_media(f"{self.prefix}/val/logits", values, None, f"/dataloader_idx_{k}" if several else ""))
+            return out
+        step, self._computing = self._computing, None
         self.media.host.clear()
         self._figure_top = None
-        values = self._values(self._train)
-        if values is None or step is None:
+        if step is None:
             return {}
+        values = self._train.from_sums(_part(total, "train/"), *self._flags())
         self.logged_steps += 1
         return self._scalars_and_media(f"{self.prefix}/logits", values, step)
 
@@ -307,19 +344,6 @@ class LogitStats(Monitor):
 
     def validation_batch_end(self, dataloader_idx: int = 0) -> None:
         self.batch_end()
-
-    def validation_epoch_end(self) -> dict[str, Tensor]:
-        """Scalars of every validation dataloader (a collective); ``/dataloader_idx_<k>`` with several."""
-        self.media.histograms.clear()
-        self.media.figures.clear()
-        self._val_buckets = None
-        several = self.val_dataloaders > 1 or any(k != 0 for k in self._val)
-        out: dict[str, Tensor] = {}
-        for k in sorted(self._val):
-            values = self._values(self._val[k])
-            if values is not None:
-                out.update(self._scalars_and_media(f"{self.prefix}/val/logits", values, None, f"/dataloader_idx_{k}" if several else ""))
-        return out
 
     def _known_vocab_size(self) -> int | None:
         """The tokenizer's vocabulary size: ``vocab_size=``, else the shared token counts' when set."""
@@ -344,14 +368,6 @@ class LogitStats(Monitor):
             return None
 
     # ------------------------------------------------------------------ values
-    def _values(self, sums: SplitSums) -> dict[str, Tensor] | None:
-        """Synchronised values (a collective: every rank calls it on the same steps)."""
-        try:
-            return sums.compute(self.reducer, self.frequency is not None, self._known_vocab_size() is not None)
-        except Exception as err:  # noqa: BLE001
-            self.fail(err, "computing the statistics")
-            return None
-
     def _scalars_and_media(self, group: str, values: dict[str, Tensor], step: int | None, suffix: str = "") -> dict[str, Tensor]:
         entropies = values.pop("entropy_values", None)  # NaN-padded: the NaNs are dropped on the host (published)
         if self.log_histogram and entropies is not None:
@@ -469,6 +485,7 @@ class LogitStats(Monitor):
         super().reset()
         self._train = SplitSums(self.batch_format.ignore_index, self._max_chunk_bytes, self.ece_bins)
         self._val, self._val_buckets, self._step, self._calls, self._accepted = {}, None, None, 0, 0
+        self._computing = None
         self._sink, self._view, self._buckets, self._capture_problem = None, None, None, False
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -496,3 +513,8 @@ class LogitStats(Monitor):
 
         self.restore(state_dict, read)
         self._history_on_device = 0
+
+
+def _part(total: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """The entries of ``total`` under ``prefix``, without it."""
+    return {k[len(prefix) :]: v for k, v in total.items() if k.startswith(prefix)}

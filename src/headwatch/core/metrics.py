@@ -94,10 +94,20 @@ class LogitStatsMetric(Metric):
 
     def compute(self) -> dict[str, Tensor]:
         sums = LogitStatSums(**{name: getattr(self, name) for name in LogitStatSums._fields})
-        out = logit_stats_compute(sums)
-        if self.keep_entropies:
-            values = dim_zero_cat(self.entropies) if len(self.entropies) else torch.zeros(0, device=sums.positions.device)
-            for q, v in zip(ENTROPY_QUANTILES, nanquantiles(values, ENTROPY_QUANTILES)):  # invalid positions are NaN
-                out[f"entropy_p{round(q * 100):02d}"] = v
-            out["entropy_values"] = values if self.pad_entropies else values[~torch.isnan(values)]
-        return out
+        if not self.keep_entropies:
+            return logit_stats_compute(sums)
+        values = dim_zero_cat(self.entropies) if len(self.entropies) else torch.zeros(0, device=sums.positions.device)
+        return logit_stats_values(sums, values, self.pad_entropies)
+
+
+def logit_stats_values(sums: LogitStatSums, entropies: Tensor, pad_entropies: bool = True) -> dict[str, Tensor]:
+    """:meth:`LogitStatsMetric.compute` from its state: the float64 ``sums`` and the ``(N,)`` float32 per-position
+    ``entropies`` (NaN at the positions that are not valid), of one process or of every process (summed and
+    concatenated): the means and counts of :func:`~headwatch.functional.sums.logit_stats_compute`, ``entropy_p05``,
+    ``entropy_p50``, ``entropy_p95`` and ``entropy_values`` (the NaNs kept with ``pad_entropies``; dropping them
+    is a host sync)."""
+    out = logit_stats_compute(sums)
+    for q, v in zip(ENTROPY_QUANTILES, nanquantiles(entropies, ENTROPY_QUANTILES)):  # invalid positions are NaN
+        out[f"entropy_p{round(q * 100):02d}"] = v
+    out["entropy_values"] = entropies if pad_entropies else entropies[~torch.isnan(entropies)]
+    return out

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from headwatch.errors import HeadwatchError, StateError, StateReader, check_bool, check_instance, check_optional, check_prefix
 from headwatch.model.batch import BatchFormat
-from headwatch.distributed.reduce import NoReducer, Reducer
+from headwatch.distributed.reduce import NoReducer, Part, Reducer, Values, check_part, collective_device, reduce_step
 from headwatch.core.schedule import Schedule
 
 
@@ -23,6 +23,11 @@ FAILED_ELSEWHERE = HeadwatchError(
 )
 """The error a process that succeeded reports when the same measurement failed on another one."""
 FAILED_ELSEWHERE.warn_key = "failed_elsewhere"  # type: ignore[attr-defined]  # said once per monitor, wherever
+
+
+class StepFailed(HeadwatchError):
+    """Raised by :meth:`Monitor.local_sums` when this step's measurement already failed on this process and was said
+    then (``where``: what it was doing): :func:`compute_due` drops the monitor on every process without saying it again."""
 
 
 @dataclass
@@ -148,7 +153,11 @@ class Monitor(FailurePolicy):
     - :meth:`optimizer_stepped` after the optimizer step;
     - :meth:`batch_end` after each (micro-)batch;
     - :meth:`compute` at the end of a logging step, on every rank (a collective); it returns
-      scalars and leaves histograms/texts/figures in :attr:`media`.
+      scalars and leaves histograms/texts/figures in :attr:`media`. A monitor with sums implements it in
+      two phases, so that :func:`compute_due` reduces every monitor's sums of the step together (one
+      ``all_reduce`` per dtype): :meth:`local_sums` (this process's, no collective), then
+      :meth:`from_sums` (the scalars from the sums over every process); :meth:`empty_sums` is the layout
+      a process where :meth:`local_sums` failed contributes instead.
 
     Validation: :meth:`validation_batch_start`, :meth:`validation_batch_end`,
     :meth:`validation_epoch_end` (returns scalars, a collective).
@@ -217,8 +226,45 @@ class Monitor(FailurePolicy):
         """A (micro-)batch ended (forward and backward done)."""
 
     def compute(self) -> dict[str, Tensor]:
-        """Scalars of the logging step just completed, full names; a collective. Resets per-step state."""
+        """Scalars of the logging step just completed, full names; a collective. Resets per-step state.
+
+        By default :meth:`from_sums` of :meth:`local_sums` summed over processes: by :func:`compute_due` with every
+        other monitor's sums of the step (:attr:`reduced_sums`), else here (:func:`reduce_step`).
+        """
+        return self._reduced(False)
+
+    def local_sums(self, val: bool = False) -> dict[str, Tensor | Values]:
+        """Phase one of :meth:`compute` (``val``: of :meth:`validation_epoch_end`): this process's sums of the step
+        (name -> tensor, summed element-wise over processes) and per-position :class:`Values` (concatenated over
+        processes), with no collective and no host sync; every process gives the same names, shapes and dtypes
+        (:meth:`empty_sums` plus what it measured). Hands the step's sums over: the accumulators start again."""
+        return self.empty_sums(val)
+
+    def empty_sums(self, val: bool = False) -> dict[str, Tensor | Values]:
+        """The layout of :meth:`local_sums` with nothing measured (zeros; empty values): what a process where
+        :meth:`local_sums` failed contributes, so that every process runs the same collectives."""
         return {}
+
+    def from_sums(self, total: dict[str, Tensor], val: bool = False) -> dict[str, Tensor]:
+        """Phase two: the scalars (full names) from :meth:`local_sums` summed over every process (``total``: the same
+        names; values concatenated). Runs on every process; the collectives that cannot ride with the sums
+        (gathers of row-sharded matrices, ``docs/distributed.md``) happen here, in the same order everywhere."""
+        return {}
+
+    def skip_sums(self, val: bool = False) -> None:
+        """The step's values are dropped before :meth:`from_sums` (:meth:`local_sums` failed here or on another
+        process): empty what the step accumulated and what :meth:`local_sums` kept, as :meth:`from_sums` would."""
+
+    reduced_sums: dict[str, Tensor] | None = None
+    """Set by :func:`compute_due` while it calls :meth:`compute`: this step's :meth:`local_sums`, already summed over
+    processes with every other monitor's. None: :meth:`compute` takes and reduces them itself."""
+
+    def _reduced(self, val: bool) -> dict[str, Tensor]:
+        total, self.reduced_sums = self.reduced_sums, None
+        if total is None:
+            part = self.local_sums(val)
+            total = reduce_step([part], self.reducer)[0][0] if part else {}
+        return self.from_sums(total, val)
 
     def published(self, numbers: dict[str, float]) -> None:
         """The front door published these values (as floats, after its one host sync): warnings, totals."""
@@ -241,8 +287,8 @@ class Monitor(FailurePolicy):
         """A validation batch ended."""
 
     def validation_epoch_end(self) -> dict[str, Tensor]:
-        """Scalars of the validation epoch (a collective)."""
-        return {}
+        """Scalars of the validation epoch (a collective); two phases as :meth:`compute`."""
+        return self._reduced(True)
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -298,30 +344,104 @@ def whole_matrices(root: nn.Module, model: nn.Module) -> Iterator[None]:
         yield
 
 
-def compute_due(due: list[Monitor], reducer: Reducer, val: bool = False) -> tuple[dict[str, Tensor], list[Monitor]]:
+def compute_due(
+    due: list[Monitor], reducer: Reducer, val: bool = False, also: list[dict[str, Tensor]] | None = None
+) -> tuple[dict[str, Tensor], list[Monitor]]:
     """``compute()`` (or ``validation_epoch_end()`` with ``val``) of every monitor in ``due``, on every rank.
 
-    A monitor that raises warns once (``Monitor.fail``; raises when strict) and its values are dropped;
-    with several processes the failures are agreed (one ``reducer.all`` when none failed), so every rank
-    drops the same monitors and publishes the same keys. Returns ``(scalars, monitors to publish)``
-    (with ``val``, those that returned values).
+    The sums of every monitor of the step travel together (:func:`~headwatch.distributed.reduce.reduce_step`):
+
+    1. each monitor's :meth:`~Monitor.local_sums` (no collective; a failure contributes :meth:`~Monitor.empty_sums`);
+    2. one ``all_reduce`` per dtype of every sum, the local failures with them, then one ``all_gather`` per dtype of
+       the per-position values; a monitor that failed on any process is dropped on every process here
+       (:meth:`~Monitor.skip_sums`);
+    3. each monitor's ``compute()`` (``validation_epoch_end()``), in order: :class:`Monitor`'s own makes its values
+       from the sums of step 2 (:meth:`~Monitor.from_sums`); an override that calls it gets them too (an override
+       that does not makes its own reductions here, and the sums its ``local_sums`` handed over are not used);
+    4. one ``all_reduce`` of a failure flag per monitor: a monitor whose step 3 failed on any process is dropped on
+       every process, so that every rank publishes the same keys.
+
+    A monitor that raises warns once (``Monitor.fail``; raises when strict). ``also``: further sums (name ->
+    tensor, the same layout on every process: the self-check's) reduced with the monitors' in step 2; each dict
+    is replaced in place by its sums over processes. One process: no collective. Returns ``(scalars, monitors to
+    publish)`` (with ``val``, those that returned values).
     """
-    scalars: dict[Monitor, dict[str, Tensor]] = {}
+    parts: list[Part] = []
     failed: list[Monitor] = []
     for m in due:
+        try:
+            part = m.local_sums(val)
+            check_part(part)
+            parts.append(part)
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            if not isinstance(err, StepFailed):  # StepFailed: said when it failed
+                m.fail(err, "computing the statistics")
+            failed.append(m)
+            parts.append(_empty(m, val))
+    extra = list(also or [])
+    totals, anywhere = reduce_step(parts + extra, reducer, [m in failed for m in due] + [False] * len(extra))
+    for given, total in zip(extra, totals[len(due) :]):
+        given.clear()
+        given.update(total)
+    _dropped_elsewhere([m for m, f in zip(due, anywhere) if f], failed)
+    for m in failed:
+        try:
+            m.skip_sums(val)
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            m.fail(err, "dropping the step's values")
+    scalars: dict[Monitor, dict[str, Tensor]] = {}
+    late: list[Monitor] = []
+    for m, total in zip(due, totals):
+        if m in failed:
+            continue
+        m.reduced_sums = total  # for Monitor.compute / validation_epoch_end, called now
         try:
             scalars[m] = m.validation_epoch_end() if val else m.compute()
         except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
             m.fail(err, "computing the statistics")
-            failed.append(m)
-    if reducer.world_size > 1 and due and not reducer.all(not failed):
-        here, failed = failed, [m for m in due if not reducer.all(m not in failed)]
-        for m in failed:
-            if m not in here:
-                m.fail(FAILED_ELSEWHERE, "computing the statistics")
+            late.append(m)
+        finally:
+            m.reduced_sums = None
+    computed = [m for m in due if m not in failed]
+    if reducer.world_size > 1 and computed:
+        flags = torch.zeros(len(computed), dtype=torch.long, device=_device(scalars, totals))
+        for i, m in enumerate(computed):
+            if m in late:
+                flags[i] = 1  # a fill, not a copy
+        _dropped_elsewhere([m for m, n in zip(computed, reducer.sum(flags).tolist()) if n > 0], late)
+    failed += late
     # validation: a monitor without values keeps the media of its last training measurement (not published)
     ok = [m for m in due if m not in failed and (scalars[m] or not val)]
     return {k: v for m in ok for k, v in scalars[m].items()}, ok
+
+
+def _empty(m: Monitor, val: bool) -> Part:
+    """``m.empty_sums(val)``; nothing when even that fails (the same on every process: a layout is configuration)."""
+    try:
+        part = m.empty_sums(val)
+        check_part(part)
+        return part
+    except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+        m.fail(err, "computing the statistics")
+        return {}
+
+
+def _dropped_elsewhere(anywhere: list[Monitor], failed: list[Monitor]) -> None:
+    """Monitors that failed on another process (``anywhere`` minus this process's ``failed``) say so once and are
+    added to ``failed``."""
+    for m in anywhere:
+        if m not in failed:
+            m.fail(FAILED_ELSEWHERE, "computing the statistics")
+            failed.append(m)
+
+
+def _device(scalars: dict[Monitor, dict[str, Tensor]], sums: list[dict[str, Tensor]]) -> torch.device:
+    """The device of the step's tensors (where the failure flags are reduced), else where collectives run."""
+    for values in (*scalars.values(), *sums):
+        for v in values.values():
+            if isinstance(v, Tensor):
+                return v.device
+    return collective_device()
 
 
 def to_floats(scalars: dict[str, Tensor | float]) -> dict[str, float]:

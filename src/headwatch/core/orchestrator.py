@@ -13,7 +13,8 @@ events into calls here. The orchestrator owns:
   is computed with when a trainer takes them out of the model's inputs (:meth:`loss_inputs`);
 - the failure policy (:meth:`each`: a monitor that fails warns once, is skipped and training goes on;
   ``strict`` raises);
-- the reduction (:func:`~headwatch.core.monitor.compute_due`: every rank drops the same failed monitors);
+- the reduction (:func:`~headwatch.core.monitor.compute_due`: every monitor's sums of the step, and the
+  self-check's, in one ``all_reduce`` per dtype; every rank drops the same failed monitors);
 - publishing: one :func:`to_host` transfer per logging step (scalars and histograms together: the
   one host-device sync), then every :class:`Sink` once (one writer flush each);
 - the self-check (:class:`~headwatch.core.self_check.SelfCheck`, :attr:`Orchestrator.check`): what was
@@ -467,11 +468,12 @@ class Orchestrator:
         ``(numbers, monitors published)``."""
         if not due:
             return {}, []
-        scalars, ok = compute_due(list(due), self.reducer, val)
+        check = [self.check.local_sums(due)] if not val and self.reducer.world_size > 1 else None  # rides with the sums
+        scalars, ok = compute_due(list(due), self.reducer, val, also=check)
         if not ok:
             return {}, []
         if not val:
-            scalars = self.self_check(scalars, ok)
+            scalars = self.self_check(scalars, ok, check[0] if check else None)
             if self.sampling_temperature is not None:
                 scalars = rl_scalars(scalars, self.prefix, self.sampling_temperature, self.rl_start)
         try:
@@ -503,11 +505,11 @@ class Orchestrator:
             kept[f"{self.prefix}/check/withheld"] = float(sum(k in numbers for k in withheld))
         return kept
 
-    def self_check(self, scalars: dict[str, Any], ok: Sequence[Monitor]) -> dict[str, Any]:
-        """``scalars`` of a training logging step with the self-check's values added (on the device; a
-        collective under several processes). A failure warns once (raises when strict) and adds nothing."""
+    def self_check(self, scalars: dict[str, Any], ok: Sequence[Monitor], reduced: dict[str, Tensor] | None = None) -> dict[str, Any]:
+        """``scalars`` of a training logging step with the self-check's values added (on the device; ``reduced``: its counts
+        summed with the step's sums, else summed here). A failure warns once (raises when strict) and adds nothing."""
         try:
-            return self.check.extend(scalars, ok)
+            return self.check.extend(scalars, ok, reduced)
         except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
             self.check.fail(err, "computing the self-check")
             return scalars

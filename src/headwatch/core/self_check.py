@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from headwatch.core.monitor import FailurePolicy
-from headwatch.distributed.reduce import NoReducer, Reducer
+from headwatch.distributed.reduce import NoReducer, Reducer, collective_device
 from headwatch.errors import check_prefix
 from headwatch.model.hooks import ModelHook
 
@@ -139,6 +139,7 @@ class SelfCheck(FailurePolicy):
         self.hook = ModelHook(self._on_output)
         """The forward hook on the model whose ``outputs.loss`` is read (:meth:`attach`)."""
         """The module whose ``outputs.loss`` is read (None: not attached)."""
+        self._taken: tuple | None = None  # what local_sums took for extend
         self._reset()
 
     @property
@@ -249,26 +250,35 @@ class SelfCheck(FailurePolicy):
         self._trl = {k: [float(x) for x in v] for k, v in values.items() if v}
 
     # ---------------------------------------------------------------- compute (on the device)
-    def extend(self, scalars: dict[str, Any], monitors: Sequence[Any]) -> dict[str, Any]:
-        """``scalars`` (a training logging step's values, still on the device) with the capture and check
-        values added: device ops only (Python numbers enter as scalar operands or fills, never as copies), and
-        with several processes one sum over them (a collective: every rank calls it on the same steps)."""
-        p = self.prefix
-        out = dict(scalars)
+    def local_sums(self, monitors: Sequence[Any], device: torch.device | None = None) -> dict[str, Tensor]:
+        """Phase one of :meth:`extend` with several processes: this step's counts on this process, taken (the step's
+        records start empty) and kept for :meth:`extend`; ``{"totals": (4 + MAX_PAIRED,) float64}`` (labelled
+        positions, the loss forwards' NLL sum and positions, whether some forward's positions are unknown, each
+        forward's positions), to be summed over processes with the step's other sums. No collective. ``device``:
+        where to build it (default: where this step's tensors are, else where collectives run).
+
+        A failure warns once (raises when strict) and gives zeros of the same layout: no check value this step."""
         tally = next((m.capture_tally for m in monitors if isinstance(getattr(m, "capture_tally", None), CaptureTally)), None)
-        own_nll, positions = scalars.get(f"{p}/logits/target_nll"), scalars.get(f"{p}/logits/positions")
-        tensors = [v for v in scalars.values() if isinstance(v, Tensor)]
-        device = tensors[0].device if tensors else torch.device("cpu")
-        forwards, labelled = tally.take() if tally is not None else (0, None)
-        sums, weights, counted, step_loss, trl = self._sums, self._weights, self._counted, self._step_loss, self._trl
-        skipped = dict(self._skipped)
+        taken = (tally.take() if tally is not None else (0, None), self._sums, self._weights, self._counted, self._step_loss, self._trl, dict(self._skipped))
         self._reset()
         self.active = False  # until the next logging step begins
+        if device is None:
+            own = [x for x in (taken[0][1], *taken[1], *taken[2], taken[4]) if isinstance(x, Tensor)]
+            device = own[0].device if own else collective_device()
+        try:
+            self._taken = (*taken, device)
+            return {"totals": self._local(device)}
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            self._taken = None
+            self.fail(err, "computing the self-check")
+            return {"totals": torch.zeros(4 + MAX_PAIRED, dtype=torch.float64, device=device)}
 
-        def dev(x: Tensor | float) -> Tensor:  # a device tensor, float64 (a Python number: a fill, not a copy)
-            if isinstance(x, Tensor):
-                return x.to(device=device, dtype=torch.float64).reshape(())
-            return torch.full((), float(x), dtype=torch.float64, device=device)
+    def _local(self, device: torch.device) -> Tensor:
+        """The counts of :meth:`local_sums` from what it took."""
+        (_, labelled), sums, weights, counted = self._taken[0], self._taken[1], self._taken[2], self._taken[3]  # type: ignore[index]
+
+        def dev(x: Tensor | float) -> Tensor:
+            return _on(x, device)
 
         zero = dev(0.0)
         w = torch.stack([dev(x) for x in weights]) if weights else None  # (forwards,)
@@ -277,13 +287,38 @@ class SelfCheck(FailurePolicy):
         slots = torch.zeros(MAX_PAIRED, dtype=torch.float64, device=device)
         if w is not None and len(weights) <= MAX_PAIRED:
             slots[: len(weights)] = w
-        local = torch.cat([torch.stack([
+        return torch.cat([torch.stack([
             dev(labelled) if labelled is not None else zero,
             torch.stack([dev(s) for s in sums]).sum() if sums else zero,
             w.sum() if w is not None else zero,
             dev(0.0 if counted else 1.0),
         ]), slots])  # fmt: skip
-        total = self.reducer.sum(local) if self.reducer.world_size > 1 else local
+
+    def extend(self, scalars: dict[str, Any], monitors: Sequence[Any], reduced: Mapping[str, Tensor] | None = None) -> dict[str, Any]:
+        """``scalars`` (a training logging step's values, still on the device) with the capture and check
+        values added: device ops only (Python numbers enter as scalar operands or fills, never as copies).
+        ``reduced``: :meth:`local_sums` summed over processes (the orchestrator reduces it with the step's other
+        sums); None: taken here and, with several processes, summed here (a collective: every rank calls it on
+        the same steps)."""
+        p = self.prefix
+        out = dict(scalars)
+        own_nll, positions = scalars.get(f"{p}/logits/target_nll"), scalars.get(f"{p}/logits/positions")
+        tensors = [v for v in scalars.values() if isinstance(v, Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        if reduced is None:
+            local = self.local_sums(monitors, device)["totals"]
+            total = self.reducer.sum(local) if self.reducer.world_size > 1 else local
+        else:
+            total = reduced["totals"].to(device)
+        taken, self._taken = self._taken, None
+        if taken is None:  # local_sums failed (said there)
+            return out
+        (forwards, labelled), sums, weights, counted, step_loss, trl, skipped, _ = taken
+
+        def dev(x: Tensor | float) -> Tensor:
+            return _on(x, device)
+
+        w = torch.stack([dev(x) for x in weights]) if weights else None  # (forwards,)
         if w is not None and len(weights) <= MAX_PAIRED:  # the global positions of each forward (on one process: w)
             w = total[4 : 4 + len(weights)]
             w = torch.where(total[3] > 0, 1.0, w)  # a process without its counts: unweighted on every process (no sync)
@@ -437,3 +472,10 @@ class SelfCheck(FailurePolicy):
             value = state.get(key, 0)
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
             setattr(self, key, value if ok else 0)
+
+
+def _on(x: Tensor | float, device: torch.device) -> Tensor:
+    """``x`` as a float64 scalar tensor on ``device`` (a Python number: a fill, not a host-to-device copy)."""
+    if isinstance(x, Tensor):
+        return x.to(device=device, dtype=torch.float64).reshape(())
+    return torch.full((), float(x), dtype=torch.float64, device=device)

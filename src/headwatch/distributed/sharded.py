@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from headwatch.errors import HeadwatchError
-from headwatch.distributed.reduce import Reducer
+from headwatch.distributed.reduce import Reducer, stacked
 from headwatch.functional import collision as fcollision
 from headwatch.functional.adapters import zero_rows
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours
@@ -56,6 +56,8 @@ __all__ = [
     "row_statistics",
     "synonym_pair_rate",
     "tied_flow_statistics",
+    "tied_flow_sums",
+    "tied_flow_values",
     "zero_rows_full",
 ]
 
@@ -221,10 +223,21 @@ def tied_flow_statistics(
     a, b = local_rows(lookup), local_rows(scoring)
     if not a.sharded:
         return _tied_flow_statistics(a.local, b.local, valid, lookup_norms, scoring_norms)
+    return tied_flow_values(reducer.sum(tied_flow_sums(a, b, valid, lookup_norms, scoring_norms)))
+
+
+def tied_flow_sums(lookup: Tensor | Rows, scoring: Tensor | Rows, valid: Tensor, lookup_norms: Tensor, scoring_norms: Tensor) -> Tensor:
+    """This process's rows' part of :func:`tied_flow_statistics`: float64 ``(3,)`` (rows where both flows are
+    non-zero, their cosines' sum, the rows with a negative cosine), to be summed over processes (no collective)."""
+    a, b = local_rows(lookup), local_rows(scoring)
     cosine, both = row_cosine(a.local, b.local, a.select(lookup_norms), b.select(scoring_norms))
     rows = both & a.select(valid.to(cosine.device))
-    sums = reducer.sum(torch.stack([rows.sum(dtype=torch.float64), (cosine * rows).sum(dtype=torch.float64),
-                                    ((cosine < 0) & rows).sum(dtype=torch.float64)]))
+    return torch.stack([rows.sum(dtype=torch.float64), (cosine * rows).sum(dtype=torch.float64), ((cosine < 0) & rows).sum(dtype=torch.float64)])
+
+
+def tied_flow_values(sums: Tensor) -> dict[str, Tensor]:
+    """``tied_flow_rows``, ``tied_flow_cosine_mean``, ``tied_flow_conflict_fraction`` from :func:`tied_flow_sums`
+    summed over processes (NaN without rows)."""
     n = sums[0]
     return {
         "tied_flow_rows": n,
@@ -270,7 +283,7 @@ class ShardedLookup:
         sums = torch.zeros(ids.numel(), d, dtype=torch.float32, device=device).index_add_(0, inverse, sums)
         n, offset = like.local.shape[0], like.offset
         local = torch.zeros(n, d, dtype=torch.float32, device=device)
-        ranges = [tuple(int(v) for v in r.tolist()) for r in reducer.gather(torch.tensor([offset, n], device=device))]
+        ranges = [tuple(int(v) for v in r) for r in stacked(reducer, torch.tensor([offset, n], device=device)).tolist()]
         for start, count in ranges:  # the same order on every process
             lo, hi = torch.searchsorted(ids, torch.tensor([start, start + count], device=device)).tolist()
             got_ids, got_sums = reducer.gather(ids[lo:hi]), reducer.gather(sums[lo:hi])
@@ -290,8 +303,10 @@ def gather_rows(matrix: Tensor | Rows, ids: Tensor, reducer: Reducer) -> Tensor:
     mine = ((ids >= rows.offset) & (ids < rows.offset + n)).nonzero().flatten()
     held = rows.local.index_select(0, ids[mine] - rows.offset).float()  # gloo has no bf16
     out = torch.zeros(ids.numel(), rows.local.shape[1], dtype=torch.float32, device=rows.local.device)
-    for where, part in zip(reducer.gather(mine), reducer.gather(held)):
-        out[where.to(out.device)] = part.to(out.device)
+    # one gather: each held row after its position in `ids` (float32 values and positions are exact in float64)
+    for part in reducer.gather(torch.cat([mine.double().unsqueeze(1), held.double()], dim=1)):
+        part = part.to(out.device)
+        out[part[:, 0].long()] = part[:, 1:].float()
     return out.to(rows.local.dtype)
 
 
@@ -318,7 +333,9 @@ def nearest_neighbours_sharded(
     keys = torch.cat([rows.select(valid.to(device)), torch.zeros(foreign.numel(), dtype=torch.bool, device=device)])
     found = nearest_neighbours(work, index, keys, max_chunk_bytes)
     found_ids = torch.where(found.index >= 0, found.index + offset, found.index)
-    cosines, ids = torch.stack(reducer.gather(found.cosine)), torch.stack(reducer.gather(found_ids))  # (W, Q)
+    # one gather: the float32 cosines and the row ids are exact in float64
+    both = stacked(reducer, torch.stack([found.cosine.double(), found_ids.double()]))  # (W, 2, Q)
+    cosines, ids = both[:, 0].to(found.cosine.dtype), both[:, 1].long()  # (W, Q)
     best = cosines.amax(dim=0)  # NaN (a non-finite query) stays NaN
     none = rows.num_rows
     pick = torch.where((cosines == best) & (ids >= 0), ids, torch.full_like(ids, none)).amin(dim=0)

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from headwatch.errors import HeadwatchError
 from headwatch.distributed.reduce import Reducer
 
-__all__ = ["full_gradient", "full_weight", "gathered", "zero_stage"]
+__all__ = ["full_gradient", "full_weight", "gathered", "gradient_ready", "zero_held", "zero_stage"]
 
 
 def zero_stage(param: Tensor | None) -> int:
@@ -69,14 +69,28 @@ def _gradient_ready(param: Tensor) -> bool:
     return True
 
 
-def full_gradient(param: Tensor | None, reducer: Reducer | None = None, say: Callable[[str], None] | None = None) -> Tensor | None:
+def zero_held(param: Tensor | None) -> bool:
+    """Whether DeepSpeed ZeRO holds ``param``'s gradient (``param.grad`` is None): :func:`full_gradient` reads it."""
+    return param is not None and param.grad is None and param.requires_grad and bool(zero_stage(param))
+
+
+def gradient_ready(param: Tensor | None) -> bool:
+    """False when ZeRO holds ``param``'s gradient and no longer has this process's part (``engine.step()`` ran);
+    True otherwise (no collective). What :func:`full_gradient` agrees on before its collective."""
+    return not zero_held(param) or _gradient_ready(param)  # type: ignore[arg-type]
+
+
+def full_gradient(
+    param: Tensor | None, reducer: Reducer | None = None, say: Callable[[str], None] | None = None, ready: bool | None = None
+) -> Tensor | None:
     """``param.grad``, or, for a Parameter whose gradient DeepSpeed ZeRO holds, the full averaged gradient.
 
     Between ``engine.backward`` and ``engine.step``, on the gradient-accumulation boundary, this is
     ``deepspeed.utils.safe_get_full_grad(param)``, shape ``param``'s full shape (``ds_shape`` at stage
     3), averaged over processes like DDP's ``.grad`` (measured equal to one process's ``.grad`` within
     4e-7 relative, fp32). A collective under ZeRO: ``reducer`` (every process) first agrees that the
-    gradient is there. ``say`` (a monitor's ``info_once``) receives one line saying so and what it costs.
+    gradient is there, unless the caller already did (``ready``: :func:`gradient_ready` of every process, agreed
+    with its other decisions). ``say`` (a monitor's ``info_once``) receives one line saying so and what it costs.
 
     Not detectable here: a call on a micro-step that is not the accumulation boundary (stage 1 then
     returns each process's own partial sum). Detected and refused: a call after ``engine.step()``.
@@ -85,12 +99,13 @@ def full_gradient(param: Tensor | None, reducer: Reducer | None = None, say: Cal
         HeadwatchError: DeepSpeed holds the gradient but cannot give it on some process (called
             after ``engine.step``); the message says where to call from.
     """
-    if param is None or param.grad is not None or not param.requires_grad or not zero_stage(param):
+    if not zero_held(param):
         return None if param is None else param.grad
     stage = "3" if zero_stage(param) == 3 else "1 or 2"
-    ready = _gradient_ready(param)
-    if reducer is not None:
-        ready = reducer.all(ready)
+    if ready is None:
+        ready = _gradient_ready(param)  # type: ignore[arg-type]
+        if reducer is not None:
+            ready = reducer.all(ready)
     if not ready:
         raise HeadwatchError(
             f"DeepSpeed ZeRO stage {stage} holds this matrix's gradient (`param.grad` is None) and no longer "

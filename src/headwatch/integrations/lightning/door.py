@@ -45,6 +45,9 @@ class LightningReducer:
     def all(self, flag: bool) -> bool:
         return bool(self.strategy.reduce_boolean_decision(bool(flag), all=True)) if self.world_size > 1 else bool(flag)
 
+    def all_gather(self, tensor: Tensor) -> Tensor:
+        return self.strategy.all_gather(tensor) if self.world_size > 1 else tensor.unsqueeze(0)  # (W, *shape)
+
 
 def lightning_step(trainer: pl.Trainer) -> int:
     """The x axis Lightning logs training metrics at: batches that stepped (one per optimizer step in
