@@ -33,7 +33,7 @@ class Recorder:
     def __init__(self, rules: CollapseRules) -> None:
         self.rules, self.train, self.val = rules, [], []
 
-    def observe_train(self, step, metrics, epoch=0):
+    def observe_train(self, step, metrics, epoch=0, published=()):
         self.train.append((step, dict(metrics)))
         return []
 

@@ -155,7 +155,7 @@ def test_plain_loop_under_fsdp1_equals_one_process(plain1_run):
         for step, (expected, got) in enumerate(zip(run["single"], run["sharded"])):
             missing = set(expected) - set(got)
             assert not set(got) - set(expected), (name, step)
-            gradient_keys = ("headwatch/grad/", "headwatch/update/", "headwatch/freq/", "headwatch/check/vanished_gradient")
+            gradient_keys = ("headwatch/grad/", "headwatch/update/", "headwatch/freq/", "headwatch/model/", "headwatch/check/vanished_gradient")
             assert all(k.startswith(gradient_keys) for k in missing), (name, missing)
             assert bool(missing) == flat, (name, step, len(missing))
             wrong = {k: (expected[k], got[k]) for k in got if not _same(k, expected[k], got[k])}
@@ -242,7 +242,7 @@ def test_plain_loop_under_fsdp1_hostile_uses(plain1_run):
     # the same keys, rank 0 says once per monitor that another process failed, and what is published is exact.
     # Was: rank 0 published the gradient values rank 1 dropped, and said nothing.
     run = result["fail-rank1"]
-    matrices = ("headwatch/grad/", "headwatch/freq/", "headwatch/update/", "headwatch/check/vanished_gradient")  # GradientDensity's values
+    matrices = ("headwatch/grad/", "headwatch/freq/", "headwatch/update/", "headwatch/model/", "headwatch/check/vanished_gradient")  # GradientDensity's
     # LogitStats' values, and the self-check's that derive from them (what was captured, the gaps)
     dropped = {0: ("headwatch/logits/", "headwatch/capture/", "headwatch/check/"), 1: matrices, 2: matrices}
     for step, (expected, got, got1) in enumerate(zip(tied, run["sharded"], rank1["fail-rank1"])):
