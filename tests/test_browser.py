@@ -83,9 +83,10 @@ def test_tensorboard_serves_headwatch_tags_and_layout(tensorboard):
     for tag in ("headwatch/logits/entropy", "headwatch/logits/kl_to_uniform", "headwatch/val/logits/entropy"):
         assert tag in tags[run], tag
     layout = json.loads(_get(f"{tensorboard}/data/plugin/custom_scalars/layout"))
-    (category,) = layout["category"]
-    assert category["title"] == "headwatch"
-    assert "entropy and sharpness, train (nats)" in [chart["title"] for chart in category["chart"]]
+    first = layout["category"][0]
+    assert first["title"] == "headwatch: vital signs" and not first.get("closed")
+    assert first["chart"][0]["title"] == "entropy, train: mean and p05-p95 band (nats)"
+    assert all(c.get("closed") for c in layout["category"][1:])
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium; .ci/run installs it)")
