@@ -221,6 +221,8 @@ def test_verdicts_equal_headwatch_report_json(tensorboard, logdir):
     answer = _route(tensorboard, "verdicts")
     assert answer["available"] is True
     assert answer["verdicts"] == expected
+    runs = [r for side in expected["sides"].values() for r in side["runs"]]
+    assert sorted(runs) == sorted(_runs(tensorboard)) and len(expected["headlines"]) >= 5
 
 
 # ---------------------------------------------------------------- the headwatch tab in a browser

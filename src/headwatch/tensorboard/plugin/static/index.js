@@ -230,7 +230,9 @@ function verdictSection(answer) {
     ...others.map((s) => `${s} − ${v.reference} [interval]`), 'verdict'];
   const rows = (v.headlines || []).map((h) => {
     const comps = others.map((s) => (h.comparisons || {})[s] || {});
-    const cells = comps.map((c) => c.difference === undefined || c.difference === null ? (c.why || '—')
+    const cells = comps.map((c) => c.cost ? (c.cost.parameters !== undefined && c.cost.parameters !== null
+      ? `${fmt(c.cost.parameters)} parameters (${c.cost.vocab_size} x ${c.cost.d_model})` : (c.cost.why || '—'))
+      : c.difference === undefined || c.difference === null ? (c.why || '—')
       : `${fmt(c.difference)}${c.interval ? ` [${fmt(c.interval.low)}, ${fmt(c.interval.high)}]` : ''}`);
     const words = comps.map((c) => c.verdict || c.why || '').filter(Boolean);
     return el('tr', {'data-key': h.key}, el('td', {}, `${h.question}${h.unit ? `, ${h.unit}` : ''}`),
