@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from headwatch.tensorboard.charts import CHARTS
+
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium)")
@@ -126,13 +128,53 @@ def test_tensorboard_serves_headwatch_tags_and_a_layout_of_the_runs_charts(tenso
     layout = json.loads(_get(f"{tensorboard}/data/plugin/custom_scalars/layout"))
     first = layout["category"][0]
     assert first["title"] == "headwatch: vital signs" and not first.get("closed")
-    assert first["chart"][0]["title"] == "entropy, train: mean and p05-p95 band (nats)"
+    from headwatch.tensorboard.layout import drawn_order
+
+    drawn = [c["title"] for c in drawn_order(first["chart"])]
+    # the first run's vital signs in order (charts only the second run has, its alerts, are appended by TensorBoard)
+    assert drawn[-5:] == [c.title for c in CHARTS[:5]]
     assert all(c.get("closed") for c in layout["category"][1:])
     titles = [c["title"] for cat in layout["category"] for c in cat["chart"]]
     # the watched run's alerts and synonyms bring their charts; nothing RL (no run is RL)
     assert "alert warning: entropy_floor (1 at each warning step)" in titles and "alert: entropy_floor (1 at each alert step)" in titles
     assert "synonym partner rank, head (median; 1 = nearest)" in titles
     assert not [t for t in titles if t.startswith("RL:")]
+
+
+def _pictures_module():
+    """``docs/make_pictures.py`` (standard library only at import): its headless Chromium and DevTools client."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_pictures", ROOT / "docs" / "make_pictures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_CARD_TITLES = r"""
+(() => {
+  const deep = (root, f) => { for (const el of root.querySelectorAll('*')) { f(el); if (el.shadowRoot) deep(el.shadowRoot, f); } };
+  const cards = [];
+  deep(document, (el) => { const t = el.tagName.toLowerCase();
+    if (t.startsWith('tf-custom-scalar-') && t.endsWith('-card')) { const r = el.getBoundingClientRect(); cards.push([r.y, r.x, el.title]); } });
+  return cards.sort((a, b) => a[0] - b[0] || a[1] - b[1]).map((c) => c[2]);
+})()
+"""
+
+
+@needs_chromium
+def test_the_custom_scalars_page_draws_the_open_category_in_the_order_layout_drawn_order_says(tensorboard, tmp_path):
+    from headwatch.tensorboard.layout import drawn_order
+
+    pictures = _pictures_module()
+    layout = json.loads(_get(f"{tensorboard}/data/plugin/custom_scalars/layout"))  # merged over the runs by TensorBoard
+    expected = [c["title"] for c in drawn_order(layout["category"][0]["chart"])]
+    with pictures.chromium(CHROMIUM, tmp_path / "profile") as tools:
+        pictures.open_page(tools, f"{tensorboard}/?darkMode=false#custom_scalars")
+        deadline = time.monotonic() + 120
+        while (titles := tools.evaluate(_CARD_TITLES)) != expected and time.monotonic() < deadline:
+            time.sleep(2)
+    assert titles == expected  # only the open category's cards are drawn; margin charts after Multiline, reversed
 
 
 @needs_chromium

@@ -21,7 +21,7 @@ from torch.utils.tensorboard import SummaryWriter
 from headwatch import GradientDensityMonitor, LogitStatsMonitor, names
 from headwatch.tensorboard.charts import CATEGORIES, CHARTS, chart_tag
 from headwatch.tensorboard import flush, write_layout, write_scalars
-from headwatch.tensorboard.layout import build_layout, main
+from headwatch.tensorboard.layout import build_layout, drawn_order, main
 from tests.helpers import TinyCausalLM, loader
 from tests.test_monitor import make_trainer
 
@@ -66,14 +66,25 @@ def test_first_category_is_the_vital_signs_in_order_open_and_the_others_closed()
     titles = [c["title"] for c in layout["category"]]
     assert titles == [f"headwatch: {c.title}" for c in CATEGORIES]
     assert [c.get("closed", False) for c in layout["category"]] == [False] + [True] * (len(CATEGORIES) - 1)
-    vital = layout["category"][0]["chart"]
-    firsts = [c["margin"]["series"][0]["value"] if "margin" in c else c["multiline"]["tag"][0] for c in vital]
-    assert [re.sub(r"^headwatch/|\$$", "", f) for f in firsts[: len(VITAL_ORDER)]] == VITAL_ORDER
-    assert vital[0]["margin"]["series"][0] == {"value": "headwatch/logits/entropy", "lower": "headwatch/logits/entropy_p05",
-                                               "upper": "headwatch/logits/entropy_p95"}
+    vital = drawn_order(layout["category"][0]["chart"])  # as the page draws them
+    # all margin charts (TensorBoard draws a category's margin charts after its Multiline ones: these keep their order)
+    assert all(list(c) == ["title", "margin"] for c in vital)
+    bands = [c["margin"]["series"][0] for c in vital]
+    assert [b["value"].removeprefix("headwatch/") for b in bands[: len(VITAL_ORDER)]] == VITAL_ORDER
+    assert bands[0] == {"value": "headwatch/logits/entropy", "lower": "headwatch/logits/entropy_p05",
+                        "upper": "headwatch/logits/entropy_p95"}
+    assert all(b["value"] == b["lower"] == b["upper"] for b in bands[1:])  # one unsmoothed line each
     # then one chart per alert marker, critical then warning, and nothing else
-    markers = {f"headwatch/alerts/{r}$" for r in names.ALERT_RULES} | {f"headwatch/alerts/{r}_warning$" for r in names.ALERT_RULES}
-    assert set(firsts[len(VITAL_ORDER):]) == markers and len(firsts) == len(VITAL_ORDER) + len(markers)
+    markers = {f"headwatch/alerts/{r}" for r in names.ALERT_RULES} | {f"headwatch/alerts/{r}_warning" for r in names.ALERT_RULES}
+    assert {b["value"] for b in bands[len(VITAL_ORDER):]} == markers and len(bands) == len(VITAL_ORDER) + len(markers)
+
+
+def test_each_category_declares_its_multiline_charts_first():
+    """TensorBoard 2.21 draws a category's margin charts (and Lines) after its Multiline charts, whatever the
+    layout's order: declaring them in that order makes the page show the declared order."""
+    for category in CATEGORIES:
+        kinds = [c.kind == "Multiline" for c in CHARTS if c.category == category.key]
+        assert kinds == sorted(kinds, reverse=True), category.title
 
 
 def test_every_chart_draws_one_series_a_run_or_one_band_of_declared_names():
@@ -81,6 +92,9 @@ def test_every_chart_draws_one_series_a_run_or_one_band_of_declared_names():
     for chart in CHARTS:
         if chart.kind == "Margin":
             assert len(chart.series) == 3 and {f"headwatch/{s}" for s in chart.series} <= CONCRETE, chart.title
+            continue
+        if chart.kind == "Line":
+            assert len(chart.series) == 1 and f"headwatch/{chart.series[0]}" in CONCRETE, chart.title
             continue
         assert chart.kind == "Multiline" and len(chart.series) == 1, chart.title
         (series,) = chart.series
@@ -99,6 +113,7 @@ def test_layout_of_another_prefix_reads_its_tags_on_a_page_of_its_name():
     layout = build_layout("train/headwatch", category="headwatch")
     assert layout["category"][0]["title"] == "headwatch: vital signs"
     tags = [c["multiline"]["tag"][0] for cat in layout["category"] for c in cat["chart"] if "multiline" in c]
+    tags += [v for cat in layout["category"] for c in cat["chart"] if "margin" in c for v in c["margin"]["series"][0].values()]
     assert all(t.startswith(("train/headwatch/", "^")) for t in tags)
 
 
@@ -114,10 +129,10 @@ def test_a_lightning_run_gets_the_charts_of_its_tags_vital_signs_first(tmp_path)
     from google.protobuf import json_format
 
     json_format.ParseDict(build_layout(), full)
-    expected = [(c.title, [ch.title for ch in c.chart if _drawn(ch, tags)]) for c in full.category]
-    assert [(c.title, [ch.title for ch in c.chart]) for c in layout.category] == [e for e in expected if e[1]]
+    expected = [(c.title, [ch.title for ch in drawn_order(list(c.chart)) if _drawn(ch, tags)]) for c in full.category]
+    assert [(c.title, [ch.title for ch in drawn_order(list(c.chart))]) for c in layout.category] == [e for e in expected if e[1]]
     assert [c.closed for c in layout.category] == [False] + [True] * (len(layout.category) - 1)
-    vital = [ch.title for ch in layout.category[0].chart]
+    vital = [ch.title for ch in drawn_order(list(layout.category[0].chart))]  # as the page draws them
     assert vital == [c.title for c in CHARTS if c.category == "vital" and not c.series[0].startswith("alerts/")
                      and c.series[0] != "collision/rare_rate_head"]  # no collision monitor, no alert here
     every = [ch for c in layout.category for ch in c.chart]
@@ -143,7 +158,7 @@ def test_rl_synonym_and_alert_charts_join_when_their_first_tag_is_written(tmp_pa
     writer.close()
     layouts = _layouts(tmp_path)
     assert len(layouts) == 2
-    last = {c.title: [ch.title for ch in c.chart] for c in layouts[-1].category}
+    last = {c.title: [ch.title for ch in drawn_order(list(c.chart))] for c in layouts[-1].category}
     assert last == {
         "headwatch: vital signs": ["entropy, train: mean and p05-p95 band (nats)",
                                    "alert warning: entropy_drop (1 at each warning step)"],
@@ -198,7 +213,7 @@ def test_write_layout_command(tmp_path, capsys):
     assert main(["--write", str(run)]) == 0
     assert "(2 charts)" in capsys.readouterr().out
     (layout,) = _layouts(run)
-    assert [(c.title, [ch.title for ch in c.chart]) for c in layout.category] == [
+    assert [(c.title, [ch.title for ch in drawn_order(list(c.chart))]) for c in layout.category] == [
         ("headwatch: vital signs", ["gradient row density: head, scoring flow (fraction of rows)"]),
         ("headwatch: loss and calibration", ["the trainer's loss, validation (nats)"]),
     ]

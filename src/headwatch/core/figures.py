@@ -126,8 +126,7 @@ def entropy_over_run(steps: list[int], histograms: list[Tensor], max_entropy: fl
     high = float(h.max()) if positive.numel() else 1.0
     if high <= low:  # one value everywhere: a decade around it
         low, high = high / 10, high
-    cmap = colormaps["viridis"].copy()
-    cmap.set_bad("white")
+    cmap = colormaps["viridis"].with_extremes(bad="white")
     x0, x1 = (steps[0], steps[-1] + 1) if len(steps) > 1 else (steps[0] - 0.5, steps[0] + 0.5)
     data = np.ma.masked_less_equal(h.numpy(), 0.0)
     image = ax.imshow(data, origin="lower", aspect="auto", extent=(x0, x1, 0.0, max_entropy), cmap=cmap,

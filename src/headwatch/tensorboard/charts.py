@@ -4,8 +4,13 @@ Two views read these declarations:
 
 - the CUSTOM SCALARS layout (:data:`CATEGORIES`, :data:`CHARTS`; written by :mod:`headwatch.tensorboard.layout`).
   TensorBoard colours a custom-scalars chart by run and tells the tags of one run apart only by small marker
-  shapes, so every chart draws **one series a run** (one Multiline regex that matches one tag a run) or **one
-  margin band** (value, lower, upper). A run's layout holds only the charts whose tags the run wrote
+  shapes, so every chart draws **one series a run** (one Multiline regex that matches one tag a run, or one
+  ``Line``) or **one margin band** (value, lower, upper). A ``Line`` is written as a margin chart whose band has
+  no width (value = lower = upper): TensorBoard draws margin charts unsmoothed, which a sparse series needs (a
+  collision rate measured every 10 logging steps, 1.07e-3 logged, was drawn at 8.7e-4 by the default
+  smoothing), and it draws a category's margin charts after its Multiline charts, whatever the layout's
+  order: the vital signs are all margin charts, so they keep their order, and each category declares its
+  Multiline charts first. A run's layout holds only the charts whose tags the run wrote
   (:func:`headwatch.tensorboard.layout.LayoutTracker`): no RL category outside RL runs, no synonym chart without
   synonym groups, one chart per alert rule that fired. The first category, the vital signs, is open; the others
   start closed.
@@ -55,15 +60,21 @@ class Chart(NamedTuple):
     title: str
     """With the unit in parentheses when there is one."""
     kind: str
-    """``Multiline`` (one regex) or ``Margin`` (exact value, lower, upper)."""
+    """``Multiline`` (one regex, smoothed by the page's slider), ``Line`` (one exact tag, unsmoothed) or
+    ``Margin`` (exact value, lower, upper, unsmoothed)."""
     series: tuple[str, ...]
-    """Multiline: one declared name (or a ``^...`` regex of the trainer's tags); Margin: value, lower, upper."""
+    """Multiline: one declared name (or a ``^...`` regex of the trainer's tags); Line: one declared name;
+    Margin: value, lower, upper."""
     category: str
     """Key of its :class:`Category`."""
 
 
 def _one(category: str, title: str, name: str) -> Chart:
     return Chart(title, "Multiline", (name,), category)
+
+
+def _line(category: str, title: str, name: str) -> Chart:
+    return Chart(title, "Line", (name,), category)
 
 
 def _band(category: str, title: str, value: str, low: str, high: str) -> Chart:
@@ -75,18 +86,18 @@ _SPLITS = (("logits", "train"), ("val/logits", "validation"))
 CHARTS: tuple[Chart, ...] = (
     # ---- the vital signs, in reading order
     _band("vital", "entropy, train: mean and p05-p95 band (nats)", "logits/entropy", "logits/entropy_p05", "logits/entropy_p95"),
-    _one("vital", "target NLL minus the trainer's loss, train (nats; 0: they agree)", "check/nll_gap"),
-    _one("vital", "gradient row density: embedding, lookup flow (fraction of rows)", "grad/embedding_row_density"),
-    _one("vital", "gradient row density: head, scoring flow (fraction of rows)", "grad/head_row_density"),
-    _one("vital", "collision rate beyond drift: head (fraction of rare rows)", "collision/rare_rate_head"),
-    *(_one("vital", f"alert: {rule} (1 at each alert step)", f"alerts/{rule}") for rule in ALERT_RULES),
-    *(_one("vital", f"alert warning: {rule} (1 at each warning step)", f"alerts/{rule}_warning") for rule in ALERT_RULES),
-    # ---- entropy and sharpness
-    _band("entropy", "entropy, validation: mean and p05-p95 band (nats)",
-          "val/logits/entropy", "val/logits/entropy_p05", "val/logits/entropy_p95"),
+    _line("vital", "target NLL minus the trainer's loss, train (nats; 0: they agree)", "check/nll_gap"),
+    _line("vital", "gradient row density: embedding, lookup flow (fraction of rows)", "grad/embedding_row_density"),
+    _line("vital", "gradient row density: head, scoring flow (fraction of rows)", "grad/head_row_density"),
+    _line("vital", "collision rate beyond drift: head (fraction of rare rows)", "collision/rare_rate_head"),
+    *(_line("vital", f"alert: {rule} (1 at each alert step)", f"alerts/{rule}") for rule in ALERT_RULES),
+    *(_line("vital", f"alert warning: {rule} (1 at each warning step)", f"alerts/{rule}_warning") for rule in ALERT_RULES),
+    # ---- entropy and sharpness (Multiline first: TensorBoard draws the bands after them)
     *(_one("entropy", f"Rényi-2 entropy, {where} (nats)", f"{s}/renyi2_entropy") for s, where in _SPLITS),
     *(_one("entropy", f"sharpness KL(p ‖ U) = log V - entropy, {where} (nats)", f"{s}/kl_to_uniform") for s, where in _SPLITS),
     *(_one("entropy", f"KL(U ‖ p), {where} (nats)", f"{s}/kl_from_uniform") for s, where in _SPLITS),
+    _band("entropy", "entropy, validation: mean and p05-p95 band (nats)",
+          "val/logits/entropy", "val/logits/entropy_p05", "val/logits/entropy_p95"),
     *(_band("entropy", f"top-1 probability, {where}: mean and p05-p95 band", f"{s}/max_prob", f"{s}/max_prob_p05",
             f"{s}/max_prob_p95") for s, where in _SPLITS),
     # ---- loss and calibration
@@ -108,23 +119,23 @@ CHARTS: tuple[Chart, ...] = (
     *(_one("gradients", f"frequency gravity: Spearman(log frequency, row norm), {w}", f"freq/{m}_norm_spearman")
       for m, w in _MATRICES),
     # ---- collision
-    _one("collision", "collision rate beyond drift: embedding (fraction of rare rows)", "collision/rare_rate_embedding"),
-    *(_one("collision", f"common drift: raw rate, cosine >= tau before the drift is removed, {m} (fraction)",
+    _line("collision", "collision rate beyond drift: embedding (fraction of rare rows)", "collision/rare_rate_embedding"),
+    *(_line("collision", f"common drift: raw rate, cosine >= tau before the drift is removed, {m} (fraction)",
            f"collision/drift/raw_rate_{m}") for m in ("head", "embedding")),
-    *(_one("collision", f"common drift: mean cosine of rare rows to their mean direction, {m}", f"collision/drift/mean_cos_{m}")
+    *(_line("collision", f"common drift: mean cosine of rare rows to their mean direction, {m}", f"collision/drift/mean_cos_{m}")
       for m in ("head", "embedding")),
-    *(_one("collision", f"nearest-neighbour cosine of rare rows, drift removed, {m}", f"collision/rare/{m}_nn_cosine_mean")
+    *(_line("collision", f"nearest-neighbour cosine of rare rows, drift removed, {m}", f"collision/rare/{m}_nn_cosine_mean")
       for m in ("head", "embedding")),
-    *(_one("collision", f"synonym pair rate, {m} (fraction of pairs)", f"collision/synonym_pair_rate_{m}") for m in ("head", "embedding")),
-    *(_one("collision", f"synonym partner rank, {m} (median; 1 = nearest)", f"collision/synonym_partner_rank_{m}")
+    *(_line("collision", f"synonym pair rate, {m} (fraction of pairs)", f"collision/synonym_pair_rate_{m}") for m in ("head", "embedding")),
+    *(_line("collision", f"synonym partner rank, {m} (median; 1 = nearest)", f"collision/synonym_partner_rank_{m}")
       for m in ("head", "embedding")),
-    _one("collision", "synonym confusion rate, train (fraction of positions)", "collision/synonym_confusion_rate"),
-    _one("collision", "synonym confusion rate, validation (fraction of positions)", "collision/val/synonym_confusion_rate"),
+    _line("collision", "synonym confusion rate, train (fraction of positions)", "collision/synonym_confusion_rate"),
+    _line("collision", "synonym confusion rate, validation (fraction of positions)", "collision/val/synonym_confusion_rate"),
     # ---- the self-check's other figures
-    _one("check", "self-check: mismatch (1: a gap beyond its tolerance)", "check/mismatch"),
-    _one("check", "self-check: vanished head gradient (1: all zero next to a finite loss)", "check/vanished_gradient"),
-    _one("check", "self-check: entropy minus TRL's entropy (nats)", "check/entropy_gap"),
-    _one("check", "self-check: token accuracy minus TRL's mean_token_accuracy", "check/accuracy_gap"),
+    _line("check", "self-check: mismatch (1: a gap beyond its tolerance)", "check/mismatch"),
+    _line("check", "self-check: vanished head gradient (1: all zero next to a finite loss)", "check/vanished_gradient"),
+    _line("check", "self-check: entropy minus TRL's entropy (nats)", "check/entropy_gap"),
+    _line("check", "self-check: token accuracy minus TRL's mean_token_accuracy", "check/accuracy_gap"),
     # ---- RL fine-tuning
     _one("rl", "RL: sampled tokens' NLL at the sampling temperature (nats)", "rl/sampled_nll"),
     _one("rl", "RL: fraction of sampled tokens that were the top-1", "rl/sampled_top1_rate"),
@@ -136,13 +147,13 @@ CHARTS: tuple[Chart, ...] = (
 
 def chart_tag(series: str, kind: str, prefix: str = "headwatch") -> str:
     """A chart entry as TensorBoard wants it: a regex (Multiline, matched from the tag's start) or an exact
-    tag (Margin).
+    tag (Line, Margin).
 
     A validation name (``val/...``) also matches its evaluations' names: Lightning's ``/dataloader_idx_<k>``,
     the HF Trainer's ``/<metric_key_prefix>`` (one line each: one series a dataloader)."""
     if series.startswith("^"):
         return series
-    if kind == "Margin":
+    if kind in ("Margin", "Line"):
         return f"{prefix}/{series}"
     named = r"(/\w+)?" if series.startswith(("val/", "collision/val/")) else ""
     return re.escape(f"{prefix}/") + re.sub(r"\{\w+\}", r"\\w+", series) + named + "$"

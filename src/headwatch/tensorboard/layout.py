@@ -51,14 +51,29 @@ def layout_proto(prefix: str = "headwatch", category: str | None = None, charts:
         if not members:
             continue
         out = layout.category.add(title=category_title(cat.key, page), closed=cat.closed)
-        for chart in members:
+        for chart in drawn_order(members):  # written so that TensorBoard draws them in the declared order
             tags = [chart_tag(s, chart.kind, prefix) for s in chart.series]
-            if chart.kind == "Margin":
-                value, lower, upper = tags
+            if chart.kind in ("Margin", "Line"):
+                value, lower, upper = tags if chart.kind == "Margin" else tags * 3  # a Line: a band of no width
                 out.chart.add(title=chart.title).margin.series.add(value=value, lower=lower, upper=upper)
             else:
                 out.chart.add(title=chart.title).multiline.tag.extend(tags)
     return layout
+
+
+def drawn_order(charts: list[Any]) -> list[Any]:
+    """Charts of one category in the order TensorBoard 2.21's CUSTOM SCALARS page draws them, given their
+    order in the layout: the Multiline charts in order, then the margin charts in reverse order (measured in
+    Chromium: ``tests/test_browser.py`` checks it). Its own inverse: :func:`layout_proto` writes
+    ``drawn_order(declared)``, so the page draws the declared order. ``charts``: :class:`Chart` objects or
+    the layout's charts (``layout_pb2.Chart`` or their JSON)."""
+
+    def multiline(c: Any) -> bool:
+        if isinstance(c, Chart):
+            return c.kind == "Multiline"
+        return c.HasField("multiline") if hasattr(c, "HasField") else "multiline" in c
+
+    return [c for c in charts if multiline(c)] + [c for c in charts if not multiline(c)][::-1]
 
 
 def build_layout(prefix: str = "headwatch", category: str | None = None, charts: Iterable[Chart] | None = None) -> dict[str, Any]:
@@ -99,7 +114,7 @@ class LayoutTracker:
         self._tests: list[tuple[Chart, re.Pattern[str] | str]] = []
         for chart in CHARTS if charts is None else charts:
             first = chart_tag(chart.series[0], chart.kind, prefix)
-            self._tests.append((chart, first if chart.kind == "Margin" else re.compile(first)))
+            self._tests.append((chart, re.compile(first) if chart.kind == "Multiline" else first))
         self.present: list[Chart] = []
         self.changed = False
         """True when a chart joined since :meth:`layout` was last called."""
