@@ -135,6 +135,13 @@ def test_a_lightning_run_gets_the_charts_of_its_tags_vital_signs_first(tmp_path)
     vital = [ch.title for ch in drawn_order(list(layout.category[0].chart))]  # as the page draws them
     assert vital == [c.title for c in CHARTS if c.category == "vital" and not c.series[0].startswith("alerts/")
                      and c.series[0] != "collision/rare_rate_head"]  # no collision monitor, no alert here
+    # the self-check's counters that never move in a healthy run sit under debug/ (off the SCALARS tab's first page)
+    debug = {t for t in tags if t.startswith("headwatch/debug/")}
+    assert debug == {f"headwatch/debug/capture/{n}" for n in ("forwards", "positions", "labelled_positions", "generation_forwards",
+                                                              "no_grad_forwards")} | {
+        f"headwatch/debug/check/reference_{n}" for n in ("nll", "positions", "forwards")}  # fmt: skip
+    assert not [t for t in tags if t.startswith(("headwatch/capture/", "headwatch/check/reference_"))]
+    assert all(names.declaration(t) is not None for t in debug)
     every = [ch for c in layout.category for ch in c.chart]
     assert not [ch.title for ch in every if ch.title.startswith(("RL:", "alert", "synonym"))]
     for chart in every:  # one series of this run a chart (or one band), and every chart has it

@@ -196,7 +196,7 @@ PANELS: tuple[Panel, ...] = (
     ), note="healthy: a fast fall from log V, then slow, the p05-p95 band wide; collapse: mean and band fall to near 0"),
     Panel("nll", "target NLL against the trainer's loss", "nats", (
         Series("target NLL, train (headwatch)", ("logits/target_nll",)),
-        Series("the trainer's loss, train", ("^(train_loss|train/loss)$", "check/reference_nll"), "reference"),
+        Series("the trainer's loss, train", ("^(train_loss|train/loss)$", "debug/check/reference_nll"), "reference"),
         Series("target NLL, validation (headwatch)", ("val/logits/target_nll",), "points"),
         Series("the trainer's loss, validation", ("^(val_loss|eval/loss)$",), "points"),
     ), note="healthy: headwatch's NLL on the trainer's loss (the self-check's gap is float32 rounding)"),
