@@ -7,7 +7,7 @@ const COLORS = ['#1f77b4', '#d62728', '#2ca02c', '#9467bd', '#ff7f0e', '#8c564b'
 const SPARSE = 40; // a series with at most this many points shows each point
 const W = 460, H = 230, M = {l: 58, r: 12, t: 10, b: 30};
 const SVG = 'http://www.w3.org/2000/svg';
-const state = {runs: [], chosen: null, hostRuns: null, verdicts: false, measurement: {}, busy: false};
+const state = {runs: [], chosen: null, hostRuns: null, verdicts: false, measurement: {}, busy: false, filter: null};
 
 // ------------------------------------------------------------------ TensorBoard's plugin messages
 // The frame TensorBoard puts a plugin in answers 'experimental.GetRuns' and sends
@@ -263,7 +263,11 @@ async function refresh(root) {
     state.verdicts = listing.verdicts;
     const known = state.hostRuns ? new Set(state.hostRuns) : null;
     state.runs = listing.runs.filter((r) => !known || known.has(r.run));
-    if (state.chosen === null) state.chosen = new Set(state.runs.map((r) => r.run));
+    if (state.chosen === null) { // at first: every run, or those the `runs` regex of the URL matches
+      let keep = () => true;
+      try { if (state.filter) { const re = new RegExp(state.filter); keep = (name) => re.test(name); } } catch (e) { /* not a regex: every run */ }
+      state.chosen = new Set(state.runs.map((r) => r.run).filter(keep));
+    }
     const runs = state.runs.filter((r) => state.chosen.has(r.run)).map((r) => r.run);
     const q = (route, run) => getJSON(`${route}?run=${encodeURIComponent(run)}`);
     const [vitals, alerts, collisions, verdicts] = await Promise.all([
@@ -294,12 +298,15 @@ export async function render() {
   const root = el('main', {});
   document.body.append(root);
   const host = connectHost();
+  state.filter = new URLSearchParams(window.location.search).get('runs'); // alone: plugin_entry.html?name=headwatch&runs=...
   if (host) {
     host.listen('experimental.RunsChanged', (runs) => { state.hostRuns = runs; refresh(root); });
     host.listen('experimental.DataReloaded', () => refresh(root));
     const runs = await within(host.send('experimental.GetRuns'), 1500);
     if (Array.isArray(runs)) state.hostRuns = runs;
   }
+  document.body.dataset.host = host && state.hostRuns !== null ? 'tensorboard' : 'alone';
+  document.body.dataset.filter = state.filter || '';
   if (!host || state.hostRuns === null) setInterval(() => refresh(root), 30000); // alone: reload every 30 s
   await refresh(root);
 }
