@@ -142,10 +142,10 @@ def test_tensorboard_serves_headwatch_tags_and_a_layout_of_the_runs_charts(tenso
 
 
 def _pictures_module():
-    """``docs/make_pictures.py`` (standard library only at import): its headless Chromium and DevTools client."""
+    """``docs/pictures_browser.py`` (standard library only): the pictures' headless Chromium and DevTools client."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_pictures", ROOT / "docs" / "make_pictures.py")
+    spec = importlib.util.spec_from_file_location("pictures_browser", ROOT / "docs" / "pictures_browser.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -195,6 +195,18 @@ def test_a_writer_without_the_guard_gets_every_chart_once_as_a_dict():
     assert layout["headwatch: vital signs"][CHARTS[0].title] == ["Margin", [f"headwatch/{s}" for s in CHARTS[0].series]]
 
 
+def test_the_chart_table_of_the_docs_covers_every_chart_once():
+    """``docs/dashboard.md``'s table (written by ``docs/make_pictures.py`` from its runs) has a row for every
+    chart a run of the example has and names every other chart once, as declared."""
+    text = (DASHBOARDS.parent / "docs" / "dashboard.md").read_text(encoding="utf-8")
+    start, end = text.index("<!-- chart table: generated"), text.index("<!-- end of chart table -->")
+    table = text[start:end]
+    rows = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines() if line.startswith("| ") and "**" not in line]
+    absent = table.split("Not in these runs (no tag, so no chart): ", 1)[1].strip().rstrip(".").split(" · ")
+    assert rows[0] == "chart" and sorted(rows[1:] + absent) == sorted(c.title for c in CHARTS)
+    assert rows[1:6] == [c.title for c in CHARTS[:5]]  # the vital signs first, in order
+
+
 def test_points_are_on_disk_during_training(tmp_path):
     """A point is readable by TensorBoard while the run goes on (TensorBoardLogger alone waits 120 s)."""
     seen: list[int] = []
