@@ -186,6 +186,16 @@ def _logdir_tags(logdir: str) -> set[str]:
     return {tag for run in multiplexer.Runs().values() for tag in run.get("scalars", [])}
 
 
+def layout_json(layout: dict[str, Any]) -> str:
+    """``layout`` (:func:`build_layout`) as JSON text, one chart a line (``dashboards/headwatch.json``)."""
+    categories = []
+    for category in layout.get("category", []):
+        head = {k: v for k, v in category.items() if k != "chart"}
+        charts = ",\n".join("    " + json.dumps(c, ensure_ascii=False) for c in category.get("chart", []))
+        categories.append("  " + json.dumps(head, ensure_ascii=False)[:-1] + ', "chart": [\n' + charts + "\n  ]}")
+    return '{"category": [\n' + ",\n".join(categories) + "\n]}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m headwatch.tensorboard.layout --json`` or ``--write LOGDIR [--all]``; returns 0."""
     parser = argparse.ArgumentParser(prog="python -m headwatch.tensorboard.layout", description=__doc__.splitlines()[0])
@@ -197,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="with --write: every chart, not only those whose tags LOGDIR holds")
     args = parser.parse_args(argv)
     if args.json:
-        sys.stdout.write(json.dumps(build_layout(args.prefix, args.category), indent=2, ensure_ascii=False) + "\n")
+        sys.stdout.write(layout_json(build_layout(args.prefix, args.category)))
         return 0
     charts = None if args.all else charts_in(_logdir_tags(args.write), args.prefix)
     from torch.utils.tensorboard import SummaryWriter
