@@ -9,9 +9,11 @@ What it does, in order:
 2. runs ``examples/grpo_collapse.py --plot`` (TRL's GRPO on a tiny Llama: the collapse and the
    entropy-bonus remedy) for ``docs/rl_collapse.png``;
 3. writes ``headwatch report --html --charts png`` of the four runs;
-4. starts TensorBoard on the runs and headless Chromium, drives Chromium over the DevTools protocol
-   (a WebSocket, standard library only) and saves screenshots of the headwatch page (CUSTOM SCALARS),
-   of chosen charts of it, of the IMAGES tab and of the report page.
+4. writes the table of ``docs/dashboard.md`` that says, for every chart of the CUSTOM SCALARS pages, what
+   the healthy runs and the collapsing run logged (between its ``<!-- chart table`` markers);
+5. starts TensorBoard on the runs and headless Chromium, drives Chromium over the DevTools protocol
+   (``docs/pictures_browser.py``: a WebSocket, standard library only) and saves screenshots of the CUSTOM
+   SCALARS pages, of chosen charts of them, of the headwatch tab, of the IMAGES tab and of the report page.
 
 :data:`PICTURES` lists every picture it writes (paths relative to ``docs/``); ``tests/docs/test_pictures.py``
 checks that the pictures checked in and the pictures the docs reference match this list (it does not
@@ -27,31 +29,31 @@ Needs: everything of the ``examples`` and ``test`` extras (``tensorboard`` comes
 ``trl``/``transformers``/``datasets`` for the GRPO picture), and Chromium (``/usr/bin/chromium``,
 ``chromium-browser`` or ``google-chrome`` on the PATH, or ``--chromium PATH``). Nothing is downloaded.
 
-Takes about 4 minutes on 2 CPU cores (measured from nothing: 3 min 41 s wall, 170 CPU seconds, on a
-shared 2-core machine: each training run about 15 s when the machine is quiet, the GRPO runs 10 s,
-TensorBoard and the screenshots about a minute); ``--reuse`` skips the training. The runs are
+Takes a few minutes on 2 CPU cores (see ``docs/dashboard.md``, "Making the pictures", for the last
+measured time); ``--reuse`` skips the training. The runs are
 deterministic (seeded), and every number in the pictures is what this code logged in them.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import io
 import json
+import math
 import os
+import re
 import shutil
-import socket
-import struct
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pictures_browser as browser  # noqa: E402 - beside this script
+from pictures_browser import WIDTH, HEIGHT, compose, open_page, save_png, say, wait_for_cards, wait_for_images  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -64,6 +66,7 @@ PICTURES: dict[str, str] = {
     "img/collapse.png": "chosen charts of the headwatch page, collapsing run (--induce-collapse 100 --collapse-weight 2)",
     "img/broken_capture.png": "chosen charts of the headwatch page, run whose capture breaks (self-check)",
     "img/report.png": "the top of `headwatch report --html` of the four runs",
+    "img/headwatch_tab.png": "the headwatch tab of TensorBoard (the plugin), runs tied, untied and collapse",
 }
 """Every picture this script writes, relative to ``docs/``, with what it shows."""
 
@@ -91,44 +94,41 @@ CARDS: dict[str, tuple[str, list[str]]] = {
     "img/healthy.png": (
         "tied",
         [
-            "entropy and sharpness, train (nats)",
-            "entropy and sharpness, validation (nats)",
-            "target NLL vs loss (nats)",
-            "gradient row density: embedding vs head",
-            "self-check: gaps to the trainer's figures, failed checks",
-            "entropy median with p05-p95 band, train (nats)",
+            "entropy, train: mean and p05-p95 band (nats)",
+            "target NLL minus the trainer's loss, train (nats; 0: they agree)",
+            "gradient row density: embedding, lookup flow (fraction of rows)",
+            "gradient row density: head, scoring flow (fraction of rows)",
+            "collision rate beyond drift: head (fraction of rare rows)",
+            "target NLL, validation (nats)",
         ],
     ),
     "img/collapse.png": (
         "collapse",
         [
-            "entropy and sharpness, train (nats)",
-            "entropy median with p05-p95 band, train (nats)",
-            "RL: top-1 probability median with p05-p95 band",
-            "target NLL vs loss (nats)",
-            "self-check: gaps to the trainer's figures, failed checks",
-            "alerts (1 at the alert step)",
+            "entropy, train: mean and p05-p95 band (nats)",
+            "alert: entropy_drop (1 at each alert step)",
+            "alert: entropy_floor (1 at each alert step)",
+            "top-1 probability, train: mean and p05-p95 band",
+            "the trainer's loss, train (nats)",
+            "the trainer's loss, validation (nats)",
         ],
     ),
     "img/broken_capture.png": (
         "broken",
         [
-            "self-check: gaps to the trainer's figures, failed checks",
-            "target NLL vs loss (nats)",
-            "gradient row density: embedding vs head",
-            "entropy and sharpness, train (nats)",
-            "update row density (rows the optimizer moved)",
-            "alerts (1 at the alert step)",
+            "target NLL minus the trainer's loss, train (nats; 0: they agree)",
+            "self-check: mismatch (1: a gap beyond its tolerance)",
+            "self-check: vanished head gradient (1: all zero next to a finite loss)",
+            "gradient row density: head, scoring flow (fraction of rows)",
+            "gradient row density: tied matrix, both flows (fraction of rows)",
+            "update row density: tied matrix (fraction of rows the optimizer moved)",
         ],
     ),
 }
-"""Composite picture -> (run, titles of the headwatch page's charts, in reading order)."""
+"""Composite picture -> (run, titles of charts of the CUSTOM SCALARS pages, in reading order)."""
 
-WIDTH, HEIGHT = 1400, 4200  # the browser's viewport: tall enough that the headwatch page never scrolls
-
-
-def say(message: str) -> None:
-    print(f"[pictures {time.strftime('%H:%M:%S')}] {message}", flush=True)
+TABLE_RUNS = ("tied", "untied", "collapse")
+"""The runs the chart table of ``docs/dashboard.md`` describes: the healthy ones and the collapsing one."""
 
 
 # ----------------------------------------------------------------------------------------------- runs
@@ -213,303 +213,126 @@ def report_page(logdir: Path, out: Path) -> None:
         raise RuntimeError(f"headwatch report exited with {status}")
 
 
-# ---------------------------------------------------------------------------------- browser plumbing
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _cell(points: list[tuple[int, float]], alerts: bool) -> str:
+    """A run's values of one chart: at the first logged step, at step 99 (the last step before the collapse
+    begins) and at the last step; an alert chart: the steps it fired at."""
+    if not points:
+        return "—"
+    if alerts:
+        return "fired at step " + ", ".join(str(s) for s, v in points if v == 1.0)
+
+    def fmt(v: float) -> str:
+        return "NaN" if math.isnan(v) else f"{v:.3g}" if v == 0 or 1e-3 <= abs(v) < 1e4 else f"{v:.2e}"
+
+    picked = [points[0], max((p for p in points if p[0] <= 99), default=points[0]), points[-1]]
+    unique = [p for i, p in enumerate(picked) if p not in picked[:i]]
+    return " → ".join(f"{fmt(v)} ({s})" for s, v in unique)
 
 
-def _get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as response:  # loopback only
-        return response.read()
+def chart_table(logdir: Path) -> str:
+    """The Markdown table of ``docs/dashboard.md``: for every chart of the CUSTOM SCALARS pages, what the runs of
+    :data:`TABLE_RUNS` logged (read back from their event files), then the charts none of them has."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from headwatch.tensorboard.charts import CATEGORIES, CHARTS, chart_tag
 
-@contextlib.contextmanager
-def tensorboard(logdir: Path) -> Iterator[str]:
-    """A TensorBoard serving ``logdir`` on 127.0.0.1; yields its base URL once it serves every run."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port),
-         "--reload_interval", "0", "--samples_per_plugin", "images=100"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if len(json.loads(_get(f"{base}/data/plugin/scalars/tags"))) >= len(RUNS):
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("tensorboard did not serve the runs: " + (proc.stderr.read().decode()[-2000:] if proc.stderr else ""))
-            time.sleep(1)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    scalars: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for name in TABLE_RUNS:
+        acc = EventAccumulator(str(logdir / name / "version_0"), size_guidance={"scalars": 0})
+        acc.Reload()
+        scalars[name] = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
+    def points(chart: Any, run: str) -> list[tuple[int, float]]:
+        tag = chart_tag(chart.series[0], chart.kind)
+        if chart.kind == "Multiline":
+            tag = next((t for t in sorted(scalars[run]) if re.match(tag, t)), "")
+        return scalars[run].get(tag, [])
 
-def find_chromium(path: str | None) -> str:
-    found = path or shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if not found:
-        raise SystemExit("Chromium not found: apt-get install chromium, or pass --chromium PATH")
-    return found
+    def band(chart: Any, run: str) -> str:
+        low, high = (scalars[run].get(f"headwatch/{s}", []) for s in chart.series[1:])
+        return f"; p05-p95 at step {low[-1][0]}: {low[-1][1]:.3g}-{high[-1][1]:.3g}" if low and high else ""
 
-
-class DevTools:
-    """A minimal Chrome DevTools Protocol client: one WebSocket (RFC 6455), text frames, standard library only."""
-
-    def __init__(self, ws_url: str) -> None:
-        hostport, path = ws_url.split("://", 1)[1].split("/", 1)
-        host, port = hostport.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=300)
-        key = base64.b64encode(os.urandom(16)).decode()
-        self.sock.sendall(
-            f"GET /{path} HTTP/1.1\r\nHost: {hostport}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
-        )
-        head = b""
-        while b"\r\n\r\n" not in head:
-            head += self._exact(1)
-        if b" 101 " not in head.split(b"\r\n", 1)[0]:
-            raise ConnectionError(f"DevTools refused the WebSocket: {head[:200]!r}")
-        self.next_id = 0
-
-    def _exact(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("DevTools closed the connection")
-            buf += chunk
-        return bytes(buf)
-
-    def _send(self, text: str) -> None:
-        data, mask = text.encode(), os.urandom(4)
-        n = len(data)
-        length = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + struct.pack(">H", n) if n < 1 << 16 else bytes([0x80 | 127]) + struct.pack(">Q", n)
-        self.sock.sendall(bytes([0x81]) + length + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data)))
-
-    def _receive(self) -> str:
-        parts = []
-        while True:
-            b0, b1 = self._exact(2)
-            n = b1 & 0x7F
-            if n == 126:
-                n = struct.unpack(">H", self._exact(2))[0]
-            elif n == 127:
-                n = struct.unpack(">Q", self._exact(8))[0]
-            payload = self._exact(n)
-            if b0 & 0x0F == 0x8:
-                raise ConnectionError("DevTools closed the WebSocket")
-            if b0 & 0x0F in (0x9, 0xA):
+    lines = ["| chart | " + " | ".join(TABLE_RUNS) + " |", "|---|" + "---|" * len(TABLE_RUNS)]
+    absent = []
+    for category in CATEGORIES:
+        rows = []
+        for chart in (c for c in CHARTS if c.category == category.key):
+            found = {run: points(chart, run) for run in TABLE_RUNS}
+            if not any(found.values()):
+                absent.append(chart.title)
                 continue
-            parts.append(payload)
-            if b0 & 0x80:
-                return b"".join(parts).decode()
-
-    def call(self, method: str, **params: Any) -> dict[str, Any]:
-        self.next_id += 1
-        self._send(json.dumps({"id": self.next_id, "method": method, "params": params}))
-        while True:  # events in between are dropped
-            message = json.loads(self._receive())
-            if message.get("id") == self.next_id:
-                if "error" in message:
-                    raise RuntimeError(f"{method}: {message['error']}")
-                return message.get("result", {})
-
-    def evaluate(self, expression: str) -> Any:
-        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
-        if "exceptionDetails" in result:
-            raise RuntimeError(f"page script failed: {result['exceptionDetails']}")
-        return result["result"].get("value")
-
-    def screenshot(self, x: float, y: float, width: float, height: float) -> bytes:
-        clip = {"x": x, "y": y, "width": width, "height": height, "scale": 1}
-        shot = self.call("Page.captureScreenshot", format="png", clip=clip, captureBeyondViewport=True)
-        return base64.b64decode(shot["data"])
+            cells = [_cell(found[run], chart.series[0].startswith("alerts/")) + (band(chart, run) if chart.kind == "Margin" and found[run] else "")
+                     for run in TABLE_RUNS]  # fmt: skip
+            rows.append(f"| {chart.title} | " + " | ".join(cells) + " |")
+        if rows:
+            lines += [f"| **{category.title}** |" + " |" * len(TABLE_RUNS), *rows]
+    return "\n".join(lines) + "\n\nNot in these runs (no tag, so no chart): " + " · ".join(absent) + "."
 
 
-@contextlib.contextmanager
-def chromium(binary: str, profile: Path) -> Iterator[DevTools]:
-    """Headless Chromium with its DevTools port on 127.0.0.1; yields a client of its first page."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-         f"--user-data-dir={profile}", f"--remote-debugging-port={port}", "--remote-allow-origins=*", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                pages = [t for t in json.loads(_get(f"http://127.0.0.1:{port}/json/list")) if t.get("type") == "page"]
-                if pages:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("Chromium did not open its DevTools port")
-            time.sleep(0.5)
-        tools = DevTools(pages[0]["webSocketDebuggerUrl"])
-        tools.call("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=1, mobile=False)
-        try:
-            yield tools
-        finally:
-            tools.sock.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+TABLE_MARKERS = ("<!-- chart table: generated by docs/make_pictures.py from its runs; do not edit -->",
+                 "<!-- end of chart table -->")  # fmt: skip
 
 
-# The cards of the headwatch page live in shadow DOMs (Polymer): walk every shadow root.
-_CARDS_JS = r"""
-(() => {
-  const deep = (root, f) => { for (const el of root.querySelectorAll('*')) { f(el); if (el.shadowRoot) deep(el.shadowRoot, f); } };
-  const cards = [];
-  deep(document, (el) => {
-    const tag = el.tagName.toLowerCase();
-    if (!(tag.startsWith('tf-custom-scalar-') && tag.endsWith('-card'))) return;
-    let lines = 0;
-    // drawn: a line, or a marker (a series of one point, e.g. an alert, draws a marker and no line)
-    deep(el.shadowRoot || el, (x) => { if (x.tagName.toLowerCase() === 'path' && /\b(line|symbol)\b/.test(x.getAttribute('class') || '')
-                                          && (x.getAttribute('d') || '').length > 4) lines++; });
-    const r = el.getBoundingClientRect();
-    cards.push({title: el.title, lines: lines, series: (el._seriesNames || []).length, x: r.x, y: r.y, w: r.width, h: r.height});
-  });
-  return cards;
-})()
-"""
-
-# Open every card's "Matches" list: the tags of its lines, each with the line's marker.
-_OPEN_MATCHES_JS = r"""
-((titles) => {
-  const deep = (root, f) => { for (const el of root.querySelectorAll('*')) { f(el); if (el.shadowRoot) deep(el.shadowRoot, f); } };
-  let n = 0;
-  deep(document, (el) => { const tag = el.tagName.toLowerCase();
-    if (tag.startsWith('tf-custom-scalar-') && tag.endsWith('-card') && '_matchesListOpened' in el && titles.includes(el.title)) {
-      el._matchesListOpened = true; n++; } });
-  return n;
-})(%s)
-"""
-
-# Untick "Ignore outliers in chart scaling" (the dashboard's `_ignoreYOutliers`, default on): every point is
-# drawn inside the axes, so a jump to 1 or a gap of -0.3 among gaps of 1e-7 stays visible.
-_KEEP_OUTLIERS_JS = r"""
-(() => {
-  const deep = (root, f) => { for (const el of root.querySelectorAll('*')) { f(el); if (el.shadowRoot) deep(el.shadowRoot, f); } };
-  let n = 0;
-  deep(document, (el) => { if ('_ignoreYOutliers' in el && el._ignoreYOutliers === true) { el._ignoreYOutliers = false; n++; } });
-  return n;
-})()
-"""
-
-_IMAGES_JS = r"""
-(() => {
-  const deep = (root, f) => { for (const el of root.querySelectorAll('*')) { f(el); if (el.shadowRoot) deep(el.shadowRoot, f); } };
-  let total = 0, loaded = 0;
-  deep(document, (el) => { if (el.tagName.toLowerCase() === 'img' && el.getBoundingClientRect().width > 100) {
-    total++; if (el.complete && el.naturalWidth > 0) loaded++; } });
-  return [total, loaded];
-})()
-"""
+def write_chart_table(logdir: Path, page: Path) -> None:
+    """Replace the text between :data:`TABLE_MARKERS` of ``page`` (``docs/dashboard.md``) by :func:`chart_table`."""
+    text = page.read_text(encoding="utf-8")
+    start, end = (text.index(m) for m in TABLE_MARKERS)
+    page.write_text(text[: start + len(TABLE_MARKERS[0])] + "\n\n" + chart_table(logdir) + "\n\n" + text[end:], encoding="utf-8")
+    say(f"wrote the chart table of {page.relative_to(ROOT) if page.is_relative_to(ROOT) else page}")
 
 
-def open_page(tools: DevTools, url: str) -> None:
-    """A fresh load of ``url`` (through about:blank: a change of the fragment alone would keep the page and
-    its charts' axes)."""
-    tools.call("Page.navigate", url="about:blank")
-    tools.call("Page.navigate", url=url)
+def _category_titles(titles: Sequence[str]) -> list[str]:
+    from headwatch.tensorboard.charts import CATEGORIES, CHARTS
+
+    keys = {c.category for c in CHARTS if c.title in titles}
+    return [f"headwatch: {c.title}" for c in CATEGORIES if c.key in keys]
 
 
-def wait_for_cards(tools: DevTools, titles: Sequence[str] | None, timeout: float = 240) -> list[dict[str, Any]]:
-    """The headwatch page's cards once ``titles`` (None: every card with data) have drawn lines that stopped changing."""
-    deadline, previous = time.monotonic() + timeout, None
-    while True:
-        time.sleep(3)
-        cards = tools.evaluate(_CARDS_JS) or []
-        by_title = {c["title"]: c for c in cards}
-        wanted = [by_title.get(t) for t in titles] if titles is not None else cards
-        state = [(c["lines"], c["series"], round(c["y"]), round(c["h"])) if c else None for c in wanted]
-        # a card whose tags match nothing in the run ("Matches (0)", e.g. no alert) is ready empty, once others drew
-        ready = any(c and c["lines"] for c in wanted) and all(c and (c["lines"] > 0 or c["series"] == 0) for c in wanted)
-        if ready and state == previous:
-            return cards
-        if time.monotonic() > deadline:
-            missing = [t for t, c in zip(titles or [], wanted) if not c or not c["lines"]]
-            raise RuntimeError(f"the headwatch page did not draw {missing or 'its charts'} in {timeout:.0f} s")
-        previous = state
+def view(logdir: Path, runs: Sequence[str], workdir: Path) -> Path:
+    """A log directory holding only ``runs`` (their files hard-linked): TensorBoard's CUSTOM SCALARS page shows the
+    union of the layouts of every run it serves, whichever runs are ticked, so each picture gets its own."""
+    out = workdir / "views" / "+".join(runs)
+    shutil.rmtree(out, ignore_errors=True)
+    for run in runs:
+        shutil.copytree(logdir / run, out / run, copy_function=os.link)
+    return out
 
 
-def wait_for_images(tools: DevTools, timeout: float = 240) -> None:
-    deadline, previous = time.monotonic() + timeout, None
-    while True:
-        time.sleep(3)
-        total, loaded = tools.evaluate(_IMAGES_JS)
-        if total and total == loaded and previous == (total, loaded):
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the IMAGES tab loaded {loaded} of {total} images in {timeout:.0f} s")
-        previous = (total, loaded)
-
-
-def save_png(data: bytes | Any, path: Path) -> None:
-    """Save a PNG (bytes or a PIL image) with at most 256 colors, which keeps screenshots small."""
-    from PIL import Image
-
-    image = Image.open(io.BytesIO(data)) if isinstance(data, bytes) else data
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(path, optimize=True)
-    say(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} ({path.stat().st_size // 1024} KiB)")
-
-
-def compose(shots: Sequence[bytes], caption: str, columns: int = 3, pad: int = 8) -> Any:
-    """Card screenshots on a white grid, ``caption`` above."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    images = [Image.open(io.BytesIO(s)).convert("RGB") for s in shots]
-    w = max(i.width for i in images)
-    h = max(i.height for i in images)
-    rows = -(-len(images) // columns)
-    top = 34
-    canvas = Image.new("RGB", (columns * (w + pad) + pad, top + rows * (h + pad) + pad), "white")
-    for k, image in enumerate(images):
-        canvas.paste(image, (pad + (k % columns) * (w + pad), top + (k // columns) * (h + pad)))
-    draw = ImageDraw.Draw(canvas)
-    try:
-        font = ImageFont.load_default(size=15)
-    except TypeError:  # Pillow < 10.1
-        font = ImageFont.load_default()
-    draw.text((pad + 6, 9), caption, fill=(33, 33, 33), font=font)
-    return canvas
-
-
-def screenshots(base: str, binary: str, report_html: Path, docs: Path) -> None:
-    with tempfile.TemporaryDirectory(prefix="headwatch_chromium_") as profile, chromium(binary, Path(profile)) as tools:
-        page = f"{base}/?darkMode=false#custom_scalars&_smoothingWeight=0&regexInput="
-        # the whole page, healthy runs tied and untied
-        open_page(tools, page + "%5E(tied%7Cuntied)%2F")
-        wait_for_cards(tools, ["entropy and sharpness, train (nats)", "gradient row density: embedding vs head"])
-        save_png(tools.screenshot(0, 0, WIDTH, 1500), docs / "dashboard.png")
+def screenshots(logdir: Path, workdir: Path, binary: str, report_html: Path, docs: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="headwatch_chromium_", ignore_cleanup_errors=True) as profile, \
+            browser.chromium(binary, Path(profile)) as tools:  # fmt: skip
+        page = "/?darkMode=false#custom_scalars&_smoothingWeight=0"
+        # the whole page, healthy runs tied and untied: the vital signs open, the other categories closed
+        with browser.tensorboard(view(logdir, ["tied", "untied"], workdir), runs=2) as base:
+            open_page(tools, base + page)
+            wait_for_cards(tools, CARDS["img/healthy.png"][1][:5])
+            save_png(tools.screenshot(0, 0, WIDTH, 1500), docs / "dashboard.png")
         # chosen charts of one run
         for picture, (run, titles) in CARDS.items():
-            open_page(tools, page + f"%5E{run}%2F")
-            wait_for_cards(tools, titles)
-            tools.evaluate(_KEEP_OUTLIERS_JS)
-            tools.evaluate(_OPEN_MATCHES_JS % json.dumps(titles))
-            cards = {c["title"]: c for c in wait_for_cards(tools, titles)}
-            shots = [tools.screenshot(cards[t]["x"], cards[t]["y"], cards[t]["w"], cards[t]["h"]) for t in titles]
+            with browser.tensorboard(view(logdir, [run], workdir)) as base:
+                open_page(tools, base + page)
+                wait_for_cards(tools, titles[:1])
+                tools.evaluate(browser.OPEN_CATEGORIES_JS % json.dumps(_category_titles(titles)))
+                wait_for_cards(tools, titles)
+                tools.evaluate(browser.KEEP_OUTLIERS_JS)
+                tools.evaluate(browser.OPEN_MATCHES_JS % json.dumps(titles))
+                cards = {c["title"]: c for c in wait_for_cards(tools, titles)}
+                shots = [tools.screenshot(cards[t]["x"], cards[t]["y"], cards[t]["w"], cards[t]["h"]) for t in titles]
             command = "examples/train_tiny_lm.py " + " ".join(RUNS[run]) if RUNS[run] else "examples/train_tiny_lm.py"
-            save_png(compose(shots, f"run {run}/version_0 ({command}), TensorBoard's headwatch page, smoothing 0, outliers kept"),
+            save_png(compose(shots, f"run {run}/version_0 ({command}), TensorBoard's CUSTOM SCALARS pages, outliers kept"),
                      docs / picture)
+        # the headwatch tab (the plugin) of the healthy runs and the collapsing one, three charts a row
+        with browser.tensorboard(view(logdir, ["collapse", "tied", "untied"], workdir), runs=3) as base:
+            tools.call("Emulation.setDeviceMetricsOverride", width=1540, height=HEIGHT, deviceScaleFactor=1, mobile=False)
+            open_page(tools, f"{base}/?darkMode=false#headwatch")
+            tab = browser.wait_for_headwatch_tab(tools)
+            save_png(tools.screenshot(0, 0, 1540, min(HEIGHT, tab["y"] + tab["height"])), docs / "img" / "headwatch_tab.png")
+            tools.call("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=1, mobile=False)
         # IMAGES tab of the healthy runs
-        open_page(tools, f"{base}/?darkMode=false#images&regexInput=%5E(tied%7Cuntied)%2F")
-        wait_for_images(tools)
-        save_png(tools.screenshot(0, 0, WIDTH, 1300), docs / "images.png")
+        with browser.tensorboard(logdir, runs=len(RUNS)) as base:
+            open_page(tools, f"{base}/?darkMode=false#images&regexInput=%5E(tied%7Cuntied)%2F")
+            wait_for_images(tools)
+            save_png(tools.screenshot(0, 0, WIDTH, 1300), docs / "images.png")
         # the report page
         open_page(tools, report_html.resolve().as_uri())
         time.sleep(3)
@@ -523,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--docs", default=str(DOCS), help="where the pictures go (default: docs/)")
     parser.add_argument("--chromium", default=None, help="the Chromium binary (default: found on the PATH)")
     args = parser.parse_args(argv)
-    binary = find_chromium(args.chromium)
+    binary = browser.find_chromium(args.chromium)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         workdir = Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="headwatch_pictures_")))
@@ -534,9 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         grpo_picture(workdir, docs / "rl_collapse.png", args.reuse)
         report_html = workdir / "report.html"
         report_page(logdir, report_html)
+        write_chart_table(logdir, DOCS / "dashboard.md")
         say("TensorBoard and Chromium: screenshots")
-        with tensorboard(logdir) as base:
-            screenshots(base, binary, report_html, docs)
+        screenshots(logdir, workdir, binary, report_html, docs)
     import resource
 
     cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)

@@ -76,24 +76,6 @@ def test_headline_and_detail():
     assert names.is_headline("headwatch/mine") is None
 
 
-def test_chart_tags():
-    assert names.chart_tag("^train_loss$", "Multiline") == "^train_loss$"  # external tags pass through
-    assert names.chart_tag("logits/entropy_p50", "Margin", prefix="hw") == "hw/logits/entropy_p50"  # exact
-    regex = names.chart_tag("update/{matrix}_row_density", "Multiline")
-    assert regex == r"headwatch/update/\w+_row_density$"
-    assert re.search(regex, "headwatch/update/head_row_density")
-    assert not re.search(regex, "headwatch/update/top1/head_row_density")  # \w does not cross a slash
-
-
-def test_every_chart_series_shows_a_declared_name():
-    concrete = {f"headwatch/{name}" for _, name in ALL}
-    for chart in names.CHARTS:
-        for series in chart.series:
-            if series.startswith("^"):
-                continue
-            tag = names.chart_tag(series, chart.kind)
-            hits = {t for t in concrete if re.search(tag, t)} if chart.kind == "Multiline" else {tag} & concrete
-            assert hits, (chart.title, series)
 
 
 def test_declared_lists_point_at_declared_names():

@@ -2,7 +2,7 @@
 
 A declaration gives the name pattern (after ``<prefix>/``), the unit, the definition and
 the kind (``scalar``, ``histogram``, ``text``, ``image``). Placeholders in braces take the
-values of :data:`PLACEHOLDERS`. The TensorBoard layout (:data:`CHARTS`, written by
+values of :data:`PLACEHOLDERS`. The TensorBoard charts (:mod:`headwatch.tensorboard.charts`, written by
 :mod:`headwatch.tensorboard.layout`), ``headwatch report``'s groups and default selection
 (:data:`GROUPS`, :func:`is_headline`), the alert's default metrics and the metric reference derive
 from or are tested against this module: a new metric is one :class:`Metric` line here. Generated from
@@ -154,23 +154,23 @@ METRICS: tuple[Metric, ...] = (
            "(NaN while the entropy has not fallen; may leave [0, 1] when other buckets gained)", _L,
            formula="`(S_rare(start) - S_rare) / (H(start) - H)`, `S_rare` = `rl/entropy_share/rare`"),
     # ---- the self-check of a training logging step (headwatch.core.self_check; docs/self_check.md)
-    Metric("capture/forwards", "count", "self-check: forwards measured on the logging step, this process", _L),
-    Metric("capture/positions", "count", "self-check: positions measured (`logits/positions`)", _L),
-    Metric("capture/generation_forwards", "count",
+    Metric("debug/capture/forwards", "count", "self-check: forwards measured on the logging step, this process", _L),
+    Metric("debug/capture/positions", "count", "self-check: positions measured (`logits/positions`)", _L),
+    Metric("debug/capture/generation_forwards", "count",
            "self-check: forwards of the logging step made by a `generate()` call (an RL trainer sampling), not measured, "
            "this process", _L),
-    Metric("capture/no_grad_forwards", "count",
+    Metric("debug/capture/no_grad_forwards", "count",
            "self-check: other forwards of the logging step left out (no gradient or eval mode: reference, old "
            "log-probability or metrics passes), this process", _L),
-    Metric("capture/labelled_positions", "count",
+    Metric("debug/capture/labelled_positions", "count",
            "self-check: positions of the measured forwards' labels that predict a label, counted from the labels", _L,
            formula="`sum [target != ignore_index]`"),
-    Metric("check/reference_nll", "nats",
+    Metric("debug/check/reference_nll", "nats",
            "self-check: the trainer's own token-mean cross-entropy of the step's loss forwards (a Hugging Face "
            "model's `outputs.loss`, `step_end(loss=)`, Lightning's `compare_loss=` metric)", _L,
            formula="`sum_f loss_f w_f / sum_f n_f` (`w_f`: `num_items_in_batch`, else `n_f`)"),
-    Metric("check/reference_positions", "count", "self-check: labelled positions of the loss forwards (NaN: unknown)", _L),
-    Metric("check/reference_forwards", "count", "self-check: loss forwards read on the step (NaN: a step-level figure)", _L),
+    Metric("debug/check/reference_positions", "count", "self-check: labelled positions of the loss forwards (NaN: unknown)", _L),
+    Metric("debug/check/reference_forwards", "count", "self-check: loss forwards read on the step (NaN: a step-level figure)", _L),
     Metric("check/nll_gap", "nats", "self-check: headwatch's target NLL minus the trainer's; beyond tolerance: warned once", _L,
            formula="`target_nll - reference_nll`, tolerance `1e-3 + 1e-2 abs(reference_nll)`"),
     Metric("check/entropy_gap", "nats", "self-check: headwatch's entropy minus TRL's logged `entropy` of the step", _L,
@@ -268,7 +268,8 @@ def _expansions(metric: Metric) -> list[tuple[str, dict[str, str]]]:
 _STEPS: tuple[tuple[str, str], ...] = (
     ("{split}/", "logging steps; `val`: each validation epoch or evaluation"),
     ("rl/", "logging steps of an RL run (GRPO, RLOO)"),
-    ("capture/", "logging steps (self-check)"),
+    ("debug/capture/", "logging steps (self-check)"),
+    ("debug/check/", "logging steps (self-check)"),
     ("check/", "logging steps (self-check)"),
     ("collision/val/", "each validation epoch or evaluation"),
     ("collision/", "collision steps"),
@@ -306,64 +307,6 @@ def doors_of(metric: Metric, name: str | None = None) -> tuple[str, ...]:
     doors = metric.doors or (("hf",) if metric.pattern.startswith("rl/") else tuple(DOORS))
     validation = (name if name is not None else metric.pattern).startswith(("val/", "collision/val/"))
     return tuple(d for d in doors if not (validation and d == "loop"))
-
-
-class Chart(NamedTuple):
-    title: str
-    kind: str
-    """``Multiline`` (regexes) or ``Margin`` (exact value, lower, upper)."""
-    series: tuple[str, ...]
-    """Declared concrete names or patterns (placeholders become ``\\w+``); ``^...`` entries are external tags."""
-
-
-CHARTS: tuple[Chart, ...] = (
-    Chart("entropy and sharpness, train (nats)", "Multiline", (
-        "logits/entropy", "logits/renyi2_entropy", "logits/kl_to_uniform", "logits/kl_from_uniform",
-    )),  # fmt: skip
-    Chart("entropy and sharpness, validation (nats)", "Multiline", (
-        "val/logits/entropy", "val/logits/renyi2_entropy", "val/logits/kl_to_uniform", "val/logits/kl_from_uniform",
-    )),  # fmt: skip
-    Chart("entropy median with p05-p95 band, train (nats)", "Margin", ("logits/entropy_p50", "logits/entropy_p05", "logits/entropy_p95")),
-    Chart("target NLL vs loss (nats)", "Multiline", ("logits/target_nll", "val/logits/target_nll", "^(train_loss|train/loss)$", "^(val_loss|eval/loss)$")),
-    Chart("target NLL by target frequency, train (nats)", "Multiline", tuple(f"logits/{b}/target_nll" for b in (*BUCKETS, "rare"))),
-    Chart("target NLL by target frequency, validation (nats)", "Multiline", tuple(f"val/logits/{b}/target_nll" for b in (*BUCKETS, "rare"))),
-    Chart("calibration: ECE and over-confidence, all and rare targets", "Multiline", (
-        "logits/ece", "logits/overconfidence", "logits/rare/ece", "logits/rare/overconfidence",
-        "val/logits/ece", "val/logits/overconfidence", "val/logits/rare/ece", "val/logits/rare/overconfidence",
-    )),  # fmt: skip
-    Chart("gradient row density: embedding vs head", "Multiline", ("grad/embedding_row_density", "grad/head_row_density", "grad/shared_row_density")),
-    Chart("update row density (rows the optimizer moved)", "Multiline", ("update/{matrix}_row_density",)),
-    Chart("tied matrix: cosine of the lookup and scoring flows", "Multiline", ("grad/tied_flow_cosine_mean", "grad/tied_flow_conflict_fraction")),
-    Chart("rare / frequent gradient norm ratio", "Multiline", ("grad/{flow}_rare_to_frequent_norm_ratio",)),
-    Chart("frequency gravity: Spearman(log frequency, row norm)", "Multiline", ("freq/{matrix}_norm_spearman",)),
-    Chart("rare-token collision rate (drift removed)", "Multiline", ("collision/rare_rate_{m}", "collision/synonym_pair_rate_{m}")),
-    Chart("common drift of rare rows", "Multiline", ("collision/drift/raw_rate_{m}", "collision/drift/mean_cos_{m}", "collision/drift/removed_variance_{m}")),
-    Chart("synonym partner rank (median)", "Multiline", ("collision/synonym_partner_rank_{m}",)),
-    Chart("nearest-neighbour cosine by frequency bucket", "Multiline", ("collision/{bucket}/{m}_nn_cosine_mean",)),
-    Chart("self-check: gaps to the trainer's figures, failed checks", "Multiline", (
-        "check/nll_gap", "check/entropy_gap", "check/accuracy_gap", "check/mismatch", "check/vanished_gradient",
-    )),  # fmt: skip
-    Chart("alerts (1 at the alert step)", "Multiline", ("alerts/{rule}", "alerts/{rule}_warning")),
-    Chart("RL: entropy of the sampling distribution and each frequency bucket's share (nats)", "Multiline", (
-        "logits/entropy", "rl/entropy_share/{bucket}",
-    )),  # fmt: skip
-    Chart("RL: sampled tokens' NLL (nats) and top-1 rate", "Multiline", ("rl/sampled_nll", "rl/sampled_top1_rate")),
-    Chart("RL: rare tokens' share of the entropy lost since the start", "Multiline", ("rl/rare_share_of_entropy_drop",)),
-    Chart("RL: top-1 probability median with p05-p95 band", "Margin", ("logits/max_prob_p50", "logits/max_prob_p05", "logits/max_prob_p95")),
-)
-
-
-def chart_tag(series: str, kind: str, prefix: str = "headwatch") -> str:
-    """A chart entry as TensorBoard wants it: a regex (Multiline) or an exact tag (Margin).
-
-    A validation series (``val/...``) also matches its evaluations' names: Lightning's
-    ``/dataloader_idx_<k>``, the HF Trainer's ``/<metric_key_prefix>`` (one line each)."""
-    if series.startswith("^"):
-        return series
-    if kind == "Margin":
-        return f"{prefix}/{series}"
-    named = r"(/\w+)?" if series.startswith("val/") else ""
-    return f"{prefix}/" + re.sub(r"\{\w+\}", r"\\w+", series) + named + "$"
 
 
 DEFAULT_ALERT_METRICS = ("logits/entropy", "logits/kl_to_uniform")

@@ -24,6 +24,42 @@ def test_norm_vs_rank_plots_the_right_points():
     assert fig.axes[0].get_xscale() == "log" and fig.axes[0].get_yscale() == "log"
 
 
+LONG = "gradient row norm vs token frequency, tied: lookup and scoring flows of the one matrix, rare vs frequent tokens"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: figures.norm_vs_frequency_rank(torch.tensor([3, 1]), torch.tensor([True, True]), {"head": torch.ones(2)}, LONG),
+    lambda: figures.nn_similarity_by_bucket({"rare": torch.tensor([0.1, 0.5])}, 0.9, LONG),
+    lambda: figures.entropy_over_run([0, 10], [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 3.0])], 7.62),
+])  # fmt: skip
+def test_a_long_title_fits_inside_the_image(make):
+    fig = make()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    box = fig.axes[0].title.get_window_extent(canvas.get_renderer())
+    width, height = fig.bbox.width, fig.bbox.height
+    assert 0 <= box.x0 and box.x1 <= width and 0 <= box.y0 and box.y1 <= height, (box, width, height)
+    assert fig.axes[0].title.get_text().replace("\n", " ").startswith(("gradient", "distribution"))
+
+
+def test_entropy_heat_map_colours_the_runs_range_on_a_log_scale():
+    from matplotlib.colors import LogNorm
+
+    counts = [torch.tensor([0.0, 0.0, 0.0, 40.0]), torch.tensor([1.0, 30.0, 9.0, 0.0]), torch.tensor([0.0, 2.0, 36.0, 2.0])]
+    fig = figures.entropy_over_run([9, 19, 29], counts, 4.0)
+    (image,) = fig.axes[0].images
+    fractions = np.stack([c.numpy() / c.numpy().sum() for c in counts], axis=1)  # (bins, steps), each column sums to 1
+    assert isinstance(image.norm, LogNorm)
+    assert image.norm.vmin == pytest.approx(fractions[fractions > 0].min())  # 1/40: the rarest bin the run filled
+    assert image.norm.vmax == pytest.approx(fractions.max())  # 1: the first step, every position in one bin
+    shown = image.get_array()
+    np.testing.assert_allclose(shown.filled(0.0), fractions)
+    assert shown.mask.tolist() == (fractions == 0).tolist()  # empty bins: masked, drawn in the "bad" colour
+    assert image.cmap.get_bad().tolist() == [1.0, 1.0, 1.0, 1.0]  # white
+
+
 def test_entropy_histogram_matches_numpy():
     values = torch.tensor([0.0, 0.1, 0.5, 1.2, 2.0, float("nan")])
     got = figures.entropy_histogram(values, 2.0, bins=4)

@@ -113,7 +113,7 @@ def test_validation_with_generate_measures_the_loss_forward_only(mode, order, de
 def test_hf_trainer_evaluate_and_train_with_generate(tmp_path, mode, decisions):
     """``evaluate()`` with a ``prediction_step`` that generates after the loss forward and makes a metric's pass;
     a training step whose ``compute_loss`` samples with ``generate()`` first (an RL trainer): the published
-    ``capture/generation_forwards`` is the number of ``generate()``'s forwards."""
+    ``debug/capture/generation_forwards`` is the number of ``generate()``'s forwards."""
     model, batch = tiny_llama(tie=False), one_batch()
     want = reference(model, batch)
     seen: list[str] = []
@@ -136,8 +136,8 @@ def test_hf_trainer_evaluate_and_train_with_generate(tmp_path, mode, decisions):
                        train_dataset=Rows(batch), eval_dataset=Rows(batch), callbacks=[cb])  # fmt: skip
     trainer.train()
     assert seen.count("g") == NEW and seen[NEW:].count("m") == 1  # generate's forwards, then the loss forward
-    assert cb.latest["headwatch/capture/generation_forwards"] == NEW
-    assert cb.latest["headwatch/capture/no_grad_forwards"] == 0
+    assert cb.latest["headwatch/debug/capture/generation_forwards"] == NEW
+    assert cb.latest["headwatch/debug/capture/no_grad_forwards"] == 0
     assert_published(cb.latest, "headwatch/logits", want)
     decisions.clear()
     metrics = trainer.evaluate()

@@ -1,6 +1,6 @@
 """The self-check of every training logging step (``docs/self_check.md``).
 
-On each door, headwatch publishes what it captured (``capture/*``) and its gaps to an independent figure the
+On each door, headwatch publishes what it captured (``debug/capture/*``) and its gaps to an independent figure the
 trainer already has (``check/*``): the model's own ``outputs.loss`` (Hugging Face Trainer, TRL's SFTTrainer, a
 plain loop over a Hugging Face model), TRL's logged ``entropy`` and ``mean_token_accuracy``, a Lightning
 user's logged loss (``compare_loss=``), a plain-loop user's ``step_end(loss=...)``. The references here are the
@@ -28,7 +28,7 @@ from tests.helpers.hf import B, T, V, Rows, hf_args, one_batch, tiny_llama, unev
 from tests.helpers.lightning_runs import StepLogger, make_trainer
 
 P = "headwatch"
-CHECK_KEYS = ("check/reference_nll", "check/nll_gap", "check/mismatch", "check/vanished_gradient")
+CHECK_KEYS = ("debug/check/reference_nll", "check/nll_gap", "check/mismatch", "check/vanished_gradient")
 
 
 def altered(labels: torch.Tensor) -> torch.Tensor:
@@ -58,8 +58,8 @@ def no_self_check_warning(record) -> bool:
 
 
 def test_every_published_self_check_name_is_declared():
-    for key in (*CHECK_KEYS, "check/entropy_gap", "check/accuracy_gap", "check/reference_positions",
-                "check/reference_forwards", "capture/forwards", "capture/positions", "capture/labelled_positions"):  # fmt: skip
+    for key in (*CHECK_KEYS, "check/entropy_gap", "check/accuracy_gap", "debug/check/reference_positions",
+                "debug/check/reference_forwards", "debug/capture/forwards", "debug/capture/positions", "debug/capture/labelled_positions"):  # fmt: skip
         assert names.declaration(f"{P}/{key}") is not None, key
 
 
@@ -81,11 +81,11 @@ def test_plain_loop_agrees_with_the_models_own_loss_over_two_uneven_micro_batche
         hw.after_optimizer_step()
         values = hw.step_end()
     assert no_self_check_warning(record)
-    assert values[f"{P}/capture/forwards"] == 2
-    assert values[f"{P}/capture/positions"] == values[f"{P}/capture/labelled_positions"] == 22
-    assert values[f"{P}/check/reference_forwards"] == 2 and values[f"{P}/check/reference_positions"] == 22
+    assert values[f"{P}/debug/capture/forwards"] == 2
+    assert values[f"{P}/debug/capture/positions"] == values[f"{P}/debug/capture/labelled_positions"] == 22
+    assert values[f"{P}/debug/check/reference_forwards"] == 2 and values[f"{P}/debug/check/reference_positions"] == 22
     # the two micro-batch means (13 and 9 labels) weighted by their labels: the step's token mean
-    assert values[f"{P}/check/reference_nll"] == pytest.approx(expected, abs=1e-6)
+    assert values[f"{P}/debug/check/reference_nll"] == pytest.approx(expected, abs=1e-6)
     assert abs(values[f"{P}/check/nll_gap"]) < 1e-5
     assert values[f"{P}/check/mismatch"] == 0 and values[f"{P}/check/vanished_gradient"] == 0
 
@@ -99,9 +99,9 @@ def test_plain_loop_step_end_loss_is_the_reference():
     logits = model(input_ids=batch["input_ids"]).logits  # the user's own loss, no labels into the model
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), batch["labels"][:, 1:].reshape(-1))
     values = hw.step_end(loss=loss)
-    assert values[f"{P}/check/reference_nll"] == pytest.approx(expected, abs=1e-6)
+    assert values[f"{P}/debug/check/reference_nll"] == pytest.approx(expected, abs=1e-6)
     assert abs(values[f"{P}/check/nll_gap"]) < 1e-5 and values[f"{P}/check/mismatch"] == 0
-    assert math.isnan(values[f"{P}/check/reference_forwards"])  # a step-level figure
+    assert math.isnan(values[f"{P}/debug/check/reference_forwards"])  # a step-level figure
 
 
 def test_hf_trainer_agrees_with_its_logged_loss_under_gradient_accumulation(tmp_path):
@@ -119,10 +119,10 @@ def test_hf_trainer_agrees_with_its_logged_loss_under_gradient_accumulation(tmp_
     assert no_self_check_warning(record)
     (logged,) = [r for r in trainer.state.log_history if f"{P}/check/nll_gap" in r]
     (trainer_loss,) = [r["loss"] for r in trainer.state.log_history if "loss" in r]
-    assert logged[f"{P}/check/reference_nll"] == pytest.approx(trainer_loss, abs=1e-4)  # the Trainer's record (rounded)
-    assert logged[f"{P}/check/reference_nll"] == pytest.approx(expected, abs=1e-6)
-    assert logged[f"{P}/check/reference_forwards"] == 2 and logged[f"{P}/check/reference_positions"] == 22
-    assert logged[f"{P}/capture/labelled_positions"] == 22
+    assert logged[f"{P}/debug/check/reference_nll"] == pytest.approx(trainer_loss, abs=1e-4)  # the Trainer's record (rounded)
+    assert logged[f"{P}/debug/check/reference_nll"] == pytest.approx(expected, abs=1e-6)
+    assert logged[f"{P}/debug/check/reference_forwards"] == 2 and logged[f"{P}/debug/check/reference_positions"] == 22
+    assert logged[f"{P}/debug/capture/labelled_positions"] == 22
     assert abs(logged[f"{P}/check/nll_gap"]) < 1e-5
     assert logged[f"{P}/check/mismatch"] == 0 and logged[f"{P}/check/vanished_gradient"] == 0
 
@@ -145,8 +145,8 @@ def test_sft_trainer_agrees_with_trls_loss_entropy_and_token_accuracy(tmp_path):
     trl = {r["step"]: r for r in trainer.state.log_history if "entropy" in r}  # TRL's own records
     assert sorted(ours) == sorted(trl) == [1, 2]
     for step, r in ours.items():
-        assert r[f"{P}/capture/forwards"] == 2 and r[f"{P}/check/reference_forwards"] == 2
-        assert r[f"{P}/check/reference_nll"] == pytest.approx(trl[step]["loss"], abs=1e-4)  # TRL's logged loss
+        assert r[f"{P}/debug/capture/forwards"] == 2 and r[f"{P}/debug/check/reference_forwards"] == 2
+        assert r[f"{P}/debug/check/reference_nll"] == pytest.approx(trl[step]["loss"], abs=1e-4)  # TRL's logged loss
         assert abs(r[f"{P}/check/nll_gap"]) < TOLERANCES["nll"].atol
         # TRL's records average the step's two micro-batches (equal label counts here), as the check does
         assert r[f"{P}/logits/entropy"] - r[f"{P}/check/entropy_gap"] == pytest.approx(trl[step]["entropy"], abs=1e-6)
@@ -174,8 +174,8 @@ def test_lightning_compare_loss_agrees_under_gradient_accumulation(tmp_path):
         logits = torch.cat([r[2][:, :-1] for r in recs]).double()
         labels = torch.cat([r[3]["labels"][:, 1:] for r in recs])
         expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100).item()
-        assert values[f"{P}/check/reference_nll"][i] == pytest.approx(expected, abs=1e-6)
-        assert values[f"{P}/check/reference_positions"][i] == values[f"{P}/capture/labelled_positions"][i] == (labels != -100).sum()
+        assert values[f"{P}/debug/check/reference_nll"][i] == pytest.approx(expected, abs=1e-6)
+        assert values[f"{P}/debug/check/reference_positions"][i] == values[f"{P}/debug/capture/labelled_positions"][i] == (labels != -100).sum()
         assert abs(values[f"{P}/check/nll_gap"][i]) < 1e-5
         assert values[f"{P}/check/mismatch"][i] == 0 and values[f"{P}/check/vanished_gradient"][i] == 0
 
@@ -240,7 +240,7 @@ def test_no_labels_seen_names_the_cause():
     model(**batch)
     with pytest.warns(UserWarning, match="headwatch saw no labels"):
         values = hw.step_end()
-    assert values[f"{P}/capture/labelled_positions"] == 0 and values[f"{P}/check/mismatch"] == 1
+    assert values[f"{P}/debug/capture/labelled_positions"] == 0 and values[f"{P}/check/mismatch"] == 1
     assert math.isnan(values[f"{P}/check/nll_gap"])
 
 
@@ -271,7 +271,7 @@ def test_a_zeroed_head_gradient_is_a_vanished_gradient(tie, rows):
     assert values[f"{P}/check/withheld"] == 1 + 6 + (3 if tie else 0)
     if rows == "all":  # the norms stay: what the gradient holds
         assert values[f"{P}/grad/{flow}_row_norm_max"] == 0.0
-    assert values[f"{P}/check/vanished_gradient"] == 1 and values[f"{P}/check/reference_nll"] > 0
+    assert values[f"{P}/check/vanished_gradient"] == 1 and values[f"{P}/debug/check/reference_nll"] > 0
     assert hw.run.check.vanished_steps == 1
 
 
@@ -302,9 +302,9 @@ def test_an_auxiliary_loss_is_not_compared():
         out = model(**batch)
     assert out.aux_loss is not None
     values = hw.step_end()
-    assert f"{P}/check/nll_gap" not in values and f"{P}/check/reference_nll" not in values
+    assert f"{P}/check/nll_gap" not in values and f"{P}/debug/check/reference_nll" not in values
     labelled = (batch["labels"][:, 1:] != -100).sum().item()
-    assert values[f"{P}/capture/labelled_positions"] == values[f"{P}/capture/positions"] == labelled  # still published
+    assert values[f"{P}/debug/capture/labelled_positions"] == values[f"{P}/debug/capture/positions"] == labelled  # still published
 
 
 DDP_WORKER = r'''
@@ -336,8 +336,8 @@ def test_two_processes_compare_the_global_token_mean(tmp_path):
     r0, r1 = run_gloo_workers(DDP_WORKER, tmp_path, 31500)
     expected = float64_nll(tiny_llama(tie=False), uneven_batch())
     for r in (r0, r1):
-        assert r[f"{P}/capture/labelled_positions"] == r[f"{P}/check/reference_positions"] == 22  # 13 + 9
-        assert r[f"{P}/check/reference_nll"] == pytest.approx(expected, abs=1e-6)
+        assert r[f"{P}/debug/capture/labelled_positions"] == r[f"{P}/debug/check/reference_positions"] == 22  # 13 + 9
+        assert r[f"{P}/debug/check/reference_nll"] == pytest.approx(expected, abs=1e-6)
         assert abs(r[f"{P}/check/nll_gap"]) < 1e-5 and r[f"{P}/check/mismatch"] == 0
     assert {k: v for k, v in r0.items() if "check" in k} == {k: v for k, v in r1.items() if "check" in k}
 
@@ -373,10 +373,10 @@ def test_sft_label_smoothing_compares_trls_entropy_and_accuracy_not_the_smoothed
     assert "no trainer loss to compare target_nll with" in caplog.text
     (r,) = [r for r in trainer.state.log_history if f"{P}/check/entropy_gap" in r]
     (trl,) = [r for r in trainer.state.log_history if "entropy" in r]
-    assert f"{P}/check/reference_nll" not in r and f"{P}/check/nll_gap" not in r
+    assert f"{P}/debug/check/reference_nll" not in r and f"{P}/check/nll_gap" not in r
     assert r[f"{P}/logits/entropy"] - r[f"{P}/check/entropy_gap"] == pytest.approx(trl["entropy"], abs=1e-6)
     assert abs(r[f"{P}/check/entropy_gap"]) < 1e-3 and abs(r[f"{P}/check/accuracy_gap"]) < 1e-6
-    assert r[f"{P}/capture/labelled_positions"] == B * (T - 1) and r[f"{P}/check/mismatch"] == 0
+    assert r[f"{P}/debug/capture/labelled_positions"] == B * (T - 1) and r[f"{P}/check/mismatch"] == 0
 
 
 TRL_WEIGHTS_WORKER = r'''

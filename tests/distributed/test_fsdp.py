@@ -222,7 +222,7 @@ def test_plain_loop_under_fsdp1_hostile_uses(plain1_run):
     run = result["before-wrap"]
     for expected, got in zip(tied, run["sharded"]):
         forward = {k for k in expected if k.startswith(("headwatch/logits/", "headwatch/tokens/"))}
-        captured = {k for k in expected if k.startswith(("headwatch/capture/", "headwatch/check/"))}  # the self-check
+        captured = {k for k in expected if k.startswith(("headwatch/debug/", "headwatch/check/"))}  # the self-check
         assert forward <= set(got) <= forward | captured, set(got) ^ forward
         assert all(_same(k, expected[k], got[k]) for k in got), {k: (expected[k], got[k]) for k in got if not _same(k, expected[k], got[k])}
     said = [w for w in run["warnings"] if "wrapped the model after headwatch attached" in w]
@@ -244,7 +244,7 @@ def test_plain_loop_under_fsdp1_hostile_uses(plain1_run):
     run = result["fail-rank1"]
     matrices = ("headwatch/grad/", "headwatch/freq/", "headwatch/update/", "headwatch/model/", "headwatch/check/vanished_gradient")  # GradientDensity's
     # LogitStats' values, and the self-check's that derive from them (what was captured, the gaps)
-    dropped = {0: ("headwatch/logits/", "headwatch/capture/", "headwatch/check/"), 1: matrices, 2: matrices}
+    dropped = {0: ("headwatch/logits/", "headwatch/debug/", "headwatch/check/"), 1: matrices, 2: matrices}
     for step, (expected, got, got1) in enumerate(zip(tied, run["sharded"], rank1["fail-rank1"])):
         assert set(got) == set(got1) == {k for k in expected if not k.startswith(dropped[step])}, step
         assert all(_same(k, expected[k], got[k]) and _same(k, got[k], got1[k]) for k in got), step

@@ -338,8 +338,8 @@ def test_hf_trainer(tmp_path, name, feature):
         batches = seen[step * per_step : (step + 1) * per_step]
         want = logits_reference(logits[step * per_step : (step + 1) * per_step], batches)
         assert_logits(values, want)
-        assert values[f"{H}/capture/forwards"] == per_step
-        assert values[f"{H}/capture/positions"] == want["positions"]
+        assert values[f"{H}/debug/capture/forwards"] == per_step
+        assert values[f"{H}/debug/capture/positions"] == want["positions"]
         counted = seen[: (step + 1) * per_step]  # the run's total so far
         assert values[f"{H}/tokens/total"] == sum(b["attention_mask"].sum().item() for b in counted)
         if feature != "label_smoothing":  # the Trainer's loss is then the smoothed one, not the cross-entropy
@@ -352,8 +352,8 @@ def test_hf_trainer(tmp_path, name, feature):
         ):  # no eager forward returns the loss:
             assert f"{H}/check/nll_gap" not in values  # no self-check of the NLL (said at INFO, docs/self_check.md)
         else:  # the self-check against the model's own outputs.loss
-            assert values[f"{H}/check/reference_nll"] == pytest.approx(losses[step], abs=1e-6)
-            assert values[f"{H}/check/reference_positions"] == values[f"{H}/capture/labelled_positions"] == want["positions"]
+            assert values[f"{H}/debug/check/reference_nll"] == pytest.approx(losses[step], abs=1e-6)
+            assert values[f"{H}/debug/check/reference_positions"] == values[f"{H}/debug/capture/labelled_positions"] == want["positions"]
             assert abs(values[f"{H}/check/nll_gap"]) < 1e-5 and values[f"{H}/check/mismatch"] == 0
         if feature == "torch_compile" and twin is not None and step == 0:  # refused: the split; shared still exact
             assert not any(k.startswith((f"{H}/grad/embedding_row", f"{H}/grad/head_row")) for k in values)
@@ -467,11 +467,11 @@ def test_lightning(tmp_path, name, feature):
         want = logits_reference([recorder.logits[step]], [data[step]])
         got = values[step]
         assert_logits(got, want)
-        assert got[f"{H}/capture/forwards"] == 1 and got[f"{H}/capture/positions"] == want["positions"]
+        assert got[f"{H}/debug/capture/forwards"] == 1 and got[f"{H}/debug/capture/positions"] == want["positions"]
         assert got[f"{H}/tokens/total"] == B * T * (step + 1)
         # the self-check against Lightning's own logged loss (compare_loss="train_loss")
-        assert got[f"{H}/check/reference_nll"] == pytest.approx(logger.values["train_loss"][step], abs=1e-6)
-        assert got[f"{H}/check/reference_nll"] == pytest.approx(want["nll"], abs=ATOL)
+        assert got[f"{H}/debug/check/reference_nll"] == pytest.approx(logger.values["train_loss"][step], abs=1e-6)
+        assert got[f"{H}/debug/check/reference_nll"] == pytest.approx(want["nll"], abs=ATOL)
         assert abs(got[f"{H}/check/nll_gap"]) < 1e-5 and got[f"{H}/check/mismatch"] == 0
         assert_grads(
             got,
@@ -559,12 +559,12 @@ def test_plain_loop(name, feature):
     pad = model.get_input_embeddings().padding_idx
     for step, group in enumerate(micro):
         got, logits = values[step], recorder.logits[step * per_step : (step + 1) * per_step]
-        assert got[f"{H}/capture/forwards"] == per_step
+        assert got[f"{H}/debug/capture/forwards"] == per_step
         assert got[f"{H}/tokens/total"] == B * T * per_step * (step + 1)
         assert_grads(got, grads[step], twin_grads[step] if twin_grads else None, pad)
         if feature == "no_labels":
             ref = float64_stats(logits[0], None, None)  # every attended position: no labels to select them
-            assert got[f"{H}/logits/positions"] == B * T and got[f"{H}/capture/labelled_positions"] == 0
+            assert got[f"{H}/logits/positions"] == B * T and got[f"{H}/debug/capture/labelled_positions"] == 0
             assert got[f"{H}/logits/entropy"] == pytest.approx(ref["entropy"].mean(), abs=ATOL)
             assert got[f"{H}/logits/max_prob"] == pytest.approx(ref["max_prob"].mean(), abs=ATOL)
             assert math.isnan(got[f"{H}/logits/target_nll"]) and math.isnan(got[f"{H}/logits/ece"])
@@ -572,12 +572,12 @@ def test_plain_loop(name, feature):
             continue
         want = logits_reference(logits, group)
         assert_logits(got, want)
-        assert got[f"{H}/capture/positions"] == got[f"{H}/capture/labelled_positions"] == want["positions"]
+        assert got[f"{H}/debug/capture/positions"] == got[f"{H}/debug/capture/labelled_positions"] == want["positions"]
         if feature in ("logits_to_keep", "compile"):  # no loss from an eager forward: nothing compared (INFO)
             assert f"{H}/check/nll_gap" not in got
         else:
             assert abs(got[f"{H}/check/nll_gap"]) < 1e-5 and got[f"{H}/check/mismatch"] == 0
-            assert got[f"{H}/check/reference_nll"] == pytest.approx(want["nll"], abs=ATOL)
+            assert got[f"{H}/debug/check/reference_nll"] == pytest.approx(want["nll"], abs=ATOL)
     if feature == "no_labels":
         assert len(said) == 1 and "no `labels` in a training dict batch" in said[0] and "every attended position" in said[0], said
     elif feature == "logits_to_keep":

@@ -2,8 +2,8 @@
 TensorBoard's own ``EventAccumulator`` (scalars, histograms, text, images, the Custom Scalars layout).
 
 Expected numbers come from the values written (float32 as TensorBoard stores scalars) and from
-NumPy over the finite values; the layout is compared with :data:`headwatch.names.CHARTS` through
-TensorBoard's ``layout_pb2`` proto, not with ``build_layout``'s own output.
+NumPy over the finite values; the layout is read back through TensorBoard's ``layout_pb2`` proto and compared
+with the declarations of :mod:`headwatch.tensorboard.charts`, not with ``build_layout``'s own output.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import pytest
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from headwatch import names
+from headwatch.tensorboard import charts
 from headwatch.core.monitor import Media
 from headwatch.tensorboard import flush, write_histogram, write_layout, write_media, write_scalars, write_text
 from tests.helpers.events import layouts, reload
+from headwatch.tensorboard.layout import drawn_order
 
 
 def test_scalars_go_to_every_writer_and_flush_makes_them_readable(tmp_path):
@@ -146,33 +147,27 @@ def test_text_to_several_writers(tmp_path):
         assert event.tensor_proto.string_val[0] == b"untied"
 
 
-def test_layout_written_once_per_writer_under_its_category(tmp_path):
+def test_layout_holds_the_charts_whose_tags_the_writer_wrote_under_its_category(tmp_path):
     first, second = SummaryWriter(str(tmp_path / "a")), SummaryWriter(str(tmp_path / "b"))
     write_layout([first], prefix="train/headwatch", category="headwatch")
-    write_layout([first, second], prefix="train/headwatch", category="headwatch")  # the first already has it
+    write_layout([first, second], prefix="train/headwatch", category="headwatch")  # the first already tracks it
+    flush([first])
+    assert layouts(tmp_path / "a") == []  # no chart has a tag yet: no layout
+    write_scalars([first, second], {"train/headwatch/logits/entropy": 5.0, "train/headwatch/logits/entropy_p05": 1.0,
+                                    "train/headwatch/logits/entropy_p95": 6.0, "train/headwatch/grad/head_row_density": 1.0,
+                                    "headwatch/grad/embedding_row_density": 0.2}, step=3)  # another prefix: no chart
+    flush([first, second])
     first.close()
     second.close()
-    (layout,) = layouts(tmp_path / "a")
-    assert len(layouts(tmp_path / "b")) == 1
-    (category,) = layout.category
-    assert category.title == "headwatch"
-    assert [c.title for c in category.chart] == [c.title for c in names.CHARTS]
-    for chart, declared in zip(category.chart, names.CHARTS):
-        if declared.kind == "Margin":  # value, lower, upper: exact tags under the prefix
-            assert [(s.value, s.lower, s.upper) for s in chart.margin.series] == [
-                tuple(f"train/headwatch/{s}" for s in declared.series)]
-            continue
-        tags = list(chart.multiline.tag)
-        assert len(tags) == len(declared.series)
-        for tag, series in zip(tags, declared.series):
-            # each regex finds the declared names it stands for, under the prefix, and nothing else
-            concrete = {f"train/headwatch/{n}" for m in names.METRICS for n in names.expand(m)}
-            wanted = {f"train/headwatch/{n}" for m in names.METRICS for n in names.expand(m)
-                      if re.fullmatch(re.sub(r"\\\{\w+\\\}", r"\\w+", re.escape(series)), n)}
-            if series.startswith("^"):
-                assert tag == series
-            else:
-                assert {t for t in concrete if re.search(tag, t)} == wanted != set(), series
+    for path in (tmp_path / "a", tmp_path / "b"):
+        (layout,) = layouts(path)  # written once, at the flush after the first tags
+        titles = [(c.title, c.closed, [ch.title for ch in drawn_order(list(c.chart))]) for c in layout.category]
+        assert titles == [("headwatch: vital signs", False, [charts.CHARTS[0].title, charts.CHARTS[3].title])]
+        band, density = drawn_order(list(layout.category[0].chart))  # as TensorBoard draws them
+        assert [(s.value, s.lower, s.upper) for s in band.margin.series] == [
+            ("train/headwatch/logits/entropy", "train/headwatch/logits/entropy_p05", "train/headwatch/logits/entropy_p95")]
+        (line,) = density.margin.series  # a Line: a band of no width, drawn unsmoothed
+        assert line.value == line.lower == line.upper == "train/headwatch/grad/head_row_density"
 
 
 def test_layout_module_needs_json_or_write(capsys):

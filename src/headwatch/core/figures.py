@@ -52,6 +52,20 @@ def _figure(width: float = 6.4, height: float = 4.2, layout: str | None = "const
     return Figure(figsize=(width, height), dpi=100, layout=layout)
 
 
+def _title(fig: Any, ax: Any, text: str, fontsize: float = 10.0) -> int:
+    """Set ``text`` as the axes' title, wrapped at spaces to fit the figure's width; returns its line count.
+
+    (A constrained layout makes room for a title's height, never for its width: a long title was cut at both
+    edges of the image.) The width in characters is the figure's width over 0.6 em, the mean width of a
+    DejaVu Sans character being about 0.55 em."""
+    import textwrap
+
+    chars = max(20, int(fig.get_figwidth() * 72 * 0.95 / (0.6 * fontsize)))
+    lines = textwrap.wrap(text, chars) or [""]
+    ax.set_title("\n".join(lines), fontsize=fontsize)
+    return len(lines)
+
+
 def norm_vs_frequency_rank(counts: Tensor, valid: Tensor, norms: dict[str, Tensor], title: str) -> Any:
     """Per-row norm against frequency rank (1 = most frequent), log-log, one series per matrix (linear axes and a
     note when no seen row has a positive norm).
@@ -60,8 +74,9 @@ def norm_vs_frequency_rank(counts: Tensor, valid: Tensor, norms: dict[str, Tenso
         counts: ``(V,)`` token counts; valid: ``(V,)`` bool; norms: name -> ``(V,)`` row norms.
     """
     fig = _figure(layout=None)  # fixed margins: the constrained layout of log axes costs more than the plot
-    fig.subplots_adjust(left=0.11, right=0.97, bottom=0.12, top=0.92)
     ax = fig.add_subplot()
+    lines = _title(fig, ax, title)
+    fig.subplots_adjust(left=0.11, right=0.97, bottom=0.12, top=0.96 - 0.045 * lines)
     c = counts.detach().double().cpu()
     ok = valid.detach().cpu() & (c > 0)
     order = torch.argsort(-c.masked_fill(~ok, -1.0), stable=True)
@@ -80,25 +95,46 @@ def norm_vs_frequency_rank(counts: Tensor, valid: Tensor, norms: dict[str, Tenso
         ax.text(0.5, 0.5, "no seen row with a norm above 0 at this step", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("token frequency rank (1 = most frequent; seen tokens)")
     ax.set_ylabel("row L2 norm")
-    ax.set_title(title, fontsize=11)
     ax.legend(loc="best", fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     return fig
 
 
 def entropy_over_run(steps: list[int], histograms: list[Tensor], max_entropy: float) -> Any:
-    """Heat map of the per-position entropy distribution at each logging step (columns sum to 1)."""
+    """Heat map of the per-position entropy distribution at each logging step (each column sums to 1).
+
+    The colour is the fraction of the step's positions in each entropy bin on a logarithmic scale from the
+    smallest non-zero fraction of the run to the largest, so the run's whole range shows (on a linear scale
+    the first steps, every position near ``log V``, took the top colour and the rest of the run was dark);
+    a bin with no position is white.
+
+    Args:
+        steps: the logging steps, increasing; histograms: one ``(bins,)`` count vector per step
+            (:func:`entropy_histogram`); max_entropy: ``log V`` in nats, the top of the entropy axis.
+    """
+    import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.colors import LogNorm
+
     fig = _figure(7.2, 4.2)
     ax = fig.add_subplot()
     h = torch.stack([x.detach().double().cpu() for x in histograms], dim=1)  # (bins, steps)
     h = h / h.sum(dim=0, keepdim=True).clamp(min=1)
     bins = h.shape[0]
+    positive = h[h > 0]
+    low = float(positive.min()) if positive.numel() else 1e-3
+    high = float(h.max()) if positive.numel() else 1.0
+    if high <= low:  # one value everywhere: a decade around it
+        low, high = high / 10, high
+    cmap = colormaps["viridis"].with_extremes(bad="white")
     x0, x1 = (steps[0], steps[-1] + 1) if len(steps) > 1 else (steps[0] - 0.5, steps[0] + 0.5)
-    image = ax.imshow(h.numpy(), origin="lower", aspect="auto", extent=(x0, x1, 0.0, max_entropy), cmap="viridis")
+    data = np.ma.masked_less_equal(h.numpy(), 0.0)
+    image = ax.imshow(data, origin="lower", aspect="auto", extent=(x0, x1, 0.0, max_entropy), cmap=cmap,
+                      norm=LogNorm(vmin=low, vmax=high), interpolation="nearest")  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("entropy (nats)")
-    ax.set_title(f"distribution of per-position entropy over the run ({bins} bins, max log V = {max_entropy:.2f})")
-    fig.colorbar(image, ax=ax, label="fraction of positions")
+    _title(fig, ax, f"distribution of per-position entropy over the run ({bins} bins up to log V = {max_entropy:.2f} nats)")
+    fig.colorbar(image, ax=ax, label="fraction of the step's positions (log scale; white: 0)")
     return fig
 
 
@@ -115,7 +151,7 @@ def nn_similarity_by_bucket(cosines: dict[str, Tensor], tau: float, title: str) 
     ax.axvline(tau, color="red", linestyle="--", label=f"tau = {tau}")
     ax.set_xlabel("cosine with the nearest other row")
     ax.set_ylabel("density")
-    ax.set_title(title)
+    _title(fig, ax, title)
     ax.legend(loc="best", fontsize=8)
     return fig
 

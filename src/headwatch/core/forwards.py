@@ -68,7 +68,7 @@ def skipped_in_training(training: bool, grad_enabled: bool) -> str | None:
     """During a training step: None when a forward can feed the loss (training mode, gradient enabled), else
     ``"generation"`` (part of a ``generate()`` call: an RL trainer sampling completions) or ``"no_grad"`` (a
     reference or old log-probability pass, a metrics pass). Walks the call stack for the first kind: call it
-    on logging steps only (the self-check's ``capture/generation_forwards``, ``capture/no_grad_forwards``)."""
+    on logging steps only (the self-check's ``debug/capture/generation_forwards``, ``debug/capture/no_grad_forwards``)."""
     if training and grad_enabled:
         return None
     return "generation" if in_generation() else "no_grad"

@@ -501,7 +501,7 @@ class Orchestrator:
             except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
                 part.fail(err, "deciding which figures to withhold")
         kept = {k: v for k, v in numbers.items() if k not in withheld}
-        if not val and f"{self.prefix}/capture/positions" in numbers:
+        if not val and f"{self.prefix}/debug/capture/positions" in numbers:
             kept[f"{self.prefix}/check/withheld"] = float(sum(k in numbers for k in withheld))
         return kept
 

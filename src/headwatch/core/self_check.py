@@ -3,12 +3,12 @@
 Owned by the :class:`~headwatch.core.orchestrator.Orchestrator` (one per run, every front door). On each
 training logging step it adds, on the device and before the step's one host transfer:
 
-- ``capture/forwards``, ``capture/positions``, ``capture/labelled_positions``: what
+- ``debug/capture/forwards``, ``debug/capture/positions``, ``debug/capture/labelled_positions``: what
   :class:`~headwatch.core.logits.LogitStats` measured (its :class:`CaptureTally`);
-  ``capture/generation_forwards``, ``capture/no_grad_forwards``: the step's forwards left out (counted by the
+  ``debug/capture/generation_forwards``, ``debug/capture/no_grad_forwards``: the step's forwards left out (counted by the
   orchestrator, :meth:`SelfCheck.skipped_forward`);
-- ``check/reference_nll`` (with ``check/reference_positions``, ``check/reference_forwards``) and
-  ``check/nll_gap = logits/target_nll - check/reference_nll``: the trainer's own token-mean cross-entropy
+- ``debug/check/reference_nll`` (with ``debug/check/reference_positions``, ``debug/check/reference_forwards``) and
+  ``check/nll_gap = logits/target_nll - debug/check/reference_nll``: the trainer's own token-mean cross-entropy
   of the step's loss forwards, when one exists (a Hugging Face model's ``outputs.loss``, read by a forward
   hook; a plain-loop user's ``step_end(loss=...)``; a Lightning user's logged metric);
 - ``check/entropy_gap``, ``check/accuracy_gap``: against TRL's logged ``entropy`` and
@@ -323,11 +323,11 @@ class SelfCheck(FailurePolicy):
             w = total[4 : 4 + len(weights)]
             w = torch.where(total[3] > 0, 1.0, w)  # a process without its counts: unweighted on every process (no sync)
         if isinstance(positions, Tensor):
-            out[f"{p}/capture/forwards"] = float(forwards)
-            out[f"{p}/capture/positions"] = positions
-            out[f"{p}/capture/labelled_positions"] = total[0] if labelled is not None else 0.0
-            out[f"{p}/capture/generation_forwards"] = float(skipped.get("generation", 0))
-            out[f"{p}/capture/no_grad_forwards"] = float(skipped.get("no_grad", 0))
+            out[f"{p}/debug/capture/forwards"] = float(forwards)
+            out[f"{p}/debug/capture/positions"] = positions
+            out[f"{p}/debug/capture/labelled_positions"] = total[0] if labelled is not None else 0.0
+            out[f"{p}/debug/capture/generation_forwards"] = float(skipped.get("generation", 0))
+            out[f"{p}/debug/capture/no_grad_forwards"] = float(skipped.get("no_grad", 0))
         reference: Tensor | None = None
         if step_loss is not None:
             reference = dev(step_loss)
@@ -339,12 +339,12 @@ class SelfCheck(FailurePolicy):
                 "headwatch self-check: no trainer loss to compare target_nll with on this run (no training forward "
                 "returned `outputs.loss`: the trainer computes the loss outside the model, e.g. label smoothing or "
                 "`compute_loss_func`, or the model is compiled); pass step_end(loss=...) (plain loop) or "
-                "compare_loss=<logged key> (Lightning) to compare. The capture/* counts are still published."
+                "compare_loss=<logged key> (Lightning) to compare. The debug/capture/* counts are still published."
             )
         if reference is not None and isinstance(positions, Tensor):  # no logit statistics (refused): nothing to compare
-            out[f"{p}/check/reference_nll"] = reference
-            out[f"{p}/check/reference_forwards"] = float(len(sums)) if step_loss is None else float("nan")
-            out[f"{p}/check/reference_positions"] = total[2] if step_loss is None and counted else float("nan")
+            out[f"{p}/debug/check/reference_nll"] = reference
+            out[f"{p}/debug/check/reference_forwards"] = float(len(sums)) if step_loss is None else float("nan")
+            out[f"{p}/debug/check/reference_positions"] = total[2] if step_loss is None and counted else float("nan")
             own = own_nll.double() if isinstance(own_nll, Tensor) else dev(float("nan"))
             out[f"{p}/check/nll_gap"] = gap = own - reference
             gaps.append(self._beyond(gap, reference, "nll"))
@@ -408,7 +408,7 @@ class SelfCheck(FailurePolicy):
             self._warn_mismatch(numbers)
         if get(f"{p}/check/vanished_gradient", 0.0) > 0:
             self.vanished_steps += 1
-            loss = get(f"{p}/check/reference_nll", get(f"{p}/logits/target_nll", float("nan")))
+            loss = get(f"{p}/debug/check/reference_nll", get(f"{p}/logits/target_nll", float("nan")))
             self.warn_once(
                 "vanished_gradient",
                 f"headwatch self-check: the output head's gradient VANISHED next to a finite, positive loss ({loss:.4g} "
@@ -423,10 +423,10 @@ class SelfCheck(FailurePolicy):
         nan = float("nan")
         parts = []
         nll_gap = get(f"{p}/check/nll_gap")
-        if nll_gap is not None and not abs(nll_gap) <= self.tolerances["nll"].atol + self.tolerances["nll"].rtol * abs(get(f"{p}/check/reference_nll", 0.0)):
-            own, ref = get(f"{p}/logits/target_nll", nan), get(f"{p}/check/reference_nll", nan)
-            fw, ref_fw = get(f"{p}/capture/forwards", nan), get(f"{p}/check/reference_forwards", nan)
-            lab, ref_pos = get(f"{p}/capture/labelled_positions", nan), get(f"{p}/check/reference_positions", nan)
+        if nll_gap is not None and not abs(nll_gap) <= self.tolerances["nll"].atol + self.tolerances["nll"].rtol * abs(get(f"{p}/debug/check/reference_nll", 0.0)):
+            own, ref = get(f"{p}/logits/target_nll", nan), get(f"{p}/debug/check/reference_nll", nan)
+            fw, ref_fw = get(f"{p}/debug/capture/forwards", nan), get(f"{p}/debug/check/reference_forwards", nan)
+            lab, ref_pos = get(f"{p}/debug/capture/labelled_positions", nan), get(f"{p}/debug/check/reference_positions", nan)
             if math.isnan(own) or lab == 0:
                 cause = ("headwatch saw no labels in the forward it measured: the trainer took `labels` out of the model's "
                          "inputs (label smoothing, `compute_loss_func`) or the batch keeps them under another key (`targets_fn=`)")  # fmt: skip

@@ -189,7 +189,7 @@ class Headwatch(Driver):
         Args:
             loss: the step's token-mean cross-entropy over its measured forward(s) (with gradient
                 accumulation: over all its micro-batches), for the self-check (``docs/self_check.md``):
-                published as ``check/reference_nll`` beside ``check/nll_gap``. None: a Hugging Face model's
+                published as ``debug/check/reference_nll`` beside ``check/nll_gap``. None: a Hugging Face model's
                 own ``outputs.loss`` of the step's training forwards, when it returns one. Read on logging
                 steps only (a device tensor is moved with the step's one transfer).
 

@@ -203,16 +203,27 @@ class _Run:
     data: RunData
 
 
+def run_data(scalars: Mapping[str, Any], path: Path | None, root: Path | str | None, prefix: str,
+             notes: list[str]) -> tuple[RunData, list[AlertRecord]]:  # fmt: skip
+    """What the verdicts read of one run, from its ``scalars`` (tag -> points, however they were read: the event
+    files, TensorBoard's data provider) and its folder ``path`` (None: no folder to read): the alerts (markers and
+    ``headwatch_alerts.jsonl``), the seed and the shapes (published ``model/*``, else ``hparams.yaml``)."""
+    records, hparams = [], None
+    if path is not None and Path(path).is_dir():
+        jsonl = find_alerts_file(Path(path), root)
+        records = read_alerts_jsonl(jsonl, notes) if jsonl is not None else []
+        hparams = read_hparams(Path(path), notes)
+    alerts = collect_alerts(scalars, records, prefix=prefix)
+    shapes = {**model_shapes(hparams), **published_shapes(scalars, prefix)}  # what the run published wins
+    seed = run_seed(Path(path), hparams) if path is not None else None
+    return RunData(scalars, alerts=len(alerts), seed=seed, shapes=shapes), alerts
+
+
 def _load(found: Mapping[str, RunDir], prefix: str, notes: list[str]) -> dict[str, _Run]:
     loaded = {}
     for name, run in found.items():
         scalars = read_run(run.path, prefix, notes)
-        jsonl = find_alerts_file(run.path, run.root)
-        records = read_alerts_jsonl(jsonl, notes) if jsonl is not None else []
-        alerts = collect_alerts(scalars, records, prefix=prefix)
-        hparams = read_hparams(run.path, notes)
-        shapes = {**model_shapes(hparams), **published_shapes(scalars, prefix)}  # what the run published wins
-        data = RunData(scalars, alerts=len(alerts), seed=run_seed(run.path, hparams), shapes=shapes)
+        data, alerts = run_data(scalars, run.path, run.root, prefix, notes)
         loaded[name] = _Run(run.path, scalars, alerts, data)
     return loaded
 

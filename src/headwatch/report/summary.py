@@ -78,7 +78,7 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
         ref = f" of log V = {log_v:.3g} (0: one token, log V: uniform)" if log_v is not None else ""
         fall = (h_first[1] - h_last) / h_first[1] if h_first[1] > 0 else float("nan")
         lines.append(f"  entropy          {h_first[1]:.3g} -> {h_last:.3g} nats{ref}; fell {fall:.0%} since step {h_first[0]}")
-    nll, ref_nll, gap = g("logits/target_nll"), g("check/reference_nll"), g("check/nll_gap")
+    nll, ref_nll, gap = g("logits/target_nll"), g("debug/check/reference_nll"), g("check/nll_gap")
     if nll is not None:
         fig["target_nll"] = nll
         if ref_nll is not None and gap is not None:

@@ -1,26 +1,38 @@
-"""TensorBoard output: scalars, media and the Custom Scalars layout (:mod:`headwatch.tensorboard.layout`)."""
+"""TensorBoard output: scalars, media and the CUSTOM SCALARS layout (:mod:`headwatch.tensorboard.layout`),
+and the headwatch tab of TensorBoard (:mod:`headwatch.integrations.tensorboard_plugin`).
 
+Names load on first use: the writers import torch, while the chart declarations
+(:mod:`headwatch.tensorboard.charts`) and the TensorBoard plugin, which runs inside the ``tensorboard``
+process, import neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# imported at once (no torch): the function `guard` must shadow its module's name on the package
 from headwatch.tensorboard.guard import GuardedFileWriter, guard, storage_status
-from headwatch.tensorboard.writer import (
-    MarkerSink,
-    WriterSink,
-    flush,
-    guarded,
-    prefixed,
-    write_histogram,
-    write_layout,
-    write_media,
-    batched_scalars,
-    write_scalars,
-    write_text,
-)
 
-__all__ = ["GuardedFileWriter", "MarkerSink", "batched_scalars", "SummaryWriter", "guarded_writer_class", "WriterSink", "guard", "guarded", "storage_status", "flush", "prefixed", "write_histogram", "write_layout", "write_media", "write_scalars", "write_text"]
+_HOMES = {
+    "GuardedFileWriter": "guard", "guard": "guard", "storage_status": "guard",
+    "MarkerSink": "writer", "WriterSink": "writer", "flush": "writer", "guarded": "writer", "prefixed": "writer", "write_histogram": "writer",
+    "write_layout": "writer", "write_media": "writer", "batched_scalars": "writer", "write_scalars": "writer",
+    "write_text": "writer",
+    "SummaryWriter": "summary_writer", "guarded_writer_class": "summary_writer",
+}  # fmt: skip
+
+__all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str):  # imported on first use: torch.utils.tensorboard is slow to import
-    if name in ("SummaryWriter", "guarded_writer_class"):
-        from headwatch.tensorboard import summary_writer
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
 
-        return getattr(summary_writer, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

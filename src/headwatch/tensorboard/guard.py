@@ -76,6 +76,11 @@ class GuardedFileWriter:
         self.last_step = 0
         self.warned = False
         self.file_args: tuple[Any, ...] = ()  # the SummaryWriter's max_queue, flush_secs, filename_suffix, for new files
+        self.observers: list[Any] = []
+        self.tags: set[str] = set()
+        """Every summary tag added through this writer (an observer added late starts from them)."""
+        """Objects told of every event added (``observe(event)``) and of every flush, before it
+        (``before_flush(self)``, which may add events): :class:`headwatch.tensorboard.layout.LayoutWriter`."""
 
     # ---------------------------------------------------------------- FileWriter's interface
     def get_logdir(self) -> str:
@@ -87,6 +92,10 @@ class GuardedFileWriter:
             event.step = int(step)
             self.last_step = int(step)
         self._keep(event)
+        if event.HasField("summary"):
+            self.tags.update(v.tag for v in event.summary.value)
+        for observer in self.observers:
+            _tell(observer.observe, event)
         if self.broken is None:
             try:
                 self.inner.event_writer.add_event(event)
@@ -105,6 +114,8 @@ class GuardedFileWriter:
         type(self.inner).add_onnx_graph(self, *args, **kwargs)
 
     def flush(self) -> None:
+        for observer in self.observers:
+            _tell(observer.before_flush, self)
         if self.broken is None:
             try:
                 self.inner.flush()
@@ -119,6 +130,8 @@ class GuardedFileWriter:
         self._retry()
 
     def close(self) -> None:
+        for observer in self.observers:
+            _tell(observer.before_flush, self)
         if self.broken is None and self.file_name and not os.path.exists(self.file_name):
             self._fail(FileNotFoundError(f"the event file {self.file_name} was deleted (its directory removed?)"))
         if self.broken is not None:
@@ -237,6 +250,15 @@ class GuardedFileWriter:
             pass
 
 
+def _tell(method: Any, arg: Any) -> None:
+    """Call an observer's method; its failure is warned about (once per message) and never stops the writing."""
+    try:
+        method(arg)
+    except Exception as err:  # noqa: BLE001 - an observer never stops the events
+        warnings.warn(f"headwatch: {method.__qualname__} failed ({type(err).__name__}: {err}); the events are written",
+                      UserWarning, stacklevel=3)  # fmt: skip
+
+
 def _probe(logdir: str, size: int) -> None:
     """Raise ``OSError`` unless ``size`` bytes (at most 1 MiB) can be written and synced in ``logdir`` (made if missing).
 
@@ -299,6 +321,7 @@ def _install(writer: Any, guarded: GuardedFileWriter) -> None:
     if isinstance(previous, GuardedFileWriter):
         guarded.delayed, guarded.lost = previous.delayed, previous.lost
         guarded.max_pending_bytes, guarded.retry_seconds = previous.max_pending_bytes, previous.retry_seconds
+        guarded.observers, guarded.tags = previous.observers, previous.tags
     writer.file_writer, writer.all_writers = guarded, {guarded.get_logdir(): guarded}
     if all(hasattr(writer, a) for a in ("max_queue", "flush_secs", "filename_suffix")):
         guarded.file_args = (writer.max_queue, writer.flush_secs, writer.filename_suffix)

@@ -19,7 +19,8 @@ from headwatch.core.monitor import Media
 from headwatch.functional.rows import finite_histogram_values
 from headwatch.tensorboard.guard import guard, torch_writer_class
 
-_layout_written: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_layout_written: "weakref.WeakKeyDictionary[Any, set[tuple[str, str | None]]]" = weakref.WeakKeyDictionary()
+"""Writers without a guard that were given the whole layout, with the (prefix, category) pairs they got."""
 
 
 def guarded(writers: Iterable[Any]) -> list[Any]:
@@ -28,15 +29,53 @@ def guarded(writers: Iterable[Any]) -> list[Any]:
 
 
 def write_layout(writers: Iterable[Any], prefix: str = "headwatch", category: str | None = None) -> None:
-    """Write the headwatch Custom Scalars layout (:func:`headwatch.tensorboard.layout.build_layout`) into each writer, once per writer."""
-    from headwatch.tensorboard.layout import build_layout
+    """Give each writer the headwatch CUSTOM SCALARS layout of its run (:mod:`headwatch.tensorboard.layout`).
+
+    A ``torch.utils.tensorboard.SummaryWriter`` gets a :class:`~headwatch.tensorboard.layout.LayoutWriter`
+    on its guarded file writer: the layout holds the charts whose tags the writer wrote (since headwatch first
+    wrote to it), and is rewritten at the first flush after a chart gets its first tag (nothing is written
+    before the first such tag). Other
+    writers (``tensorboardX``, stand-ins with ``add_custom_scalars``) get the layout of every chart once, in
+    the dict form their ``add_custom_scalars`` takes (every category open). Idempotent per writer, prefix and
+    category.
+
+    Args:
+        writers: the run's writers.
+        prefix: the prefix of the tags the charts read (``train/headwatch`` for the Hugging Face Trainer).
+        category: the page name (default ``prefix``).
+    """
+    from headwatch.tensorboard.guard import GuardedFileWriter
+    from headwatch.tensorboard.layout import LayoutWriter, build_layout
 
     for writer in guarded(writers):
-        if writer in _layout_written:
+        file_writer = getattr(writer, "file_writer", None)
+        if isinstance(file_writer, GuardedFileWriter):
+            observer = next((o for o in file_writer.observers if isinstance(o, LayoutWriter)), None)
+            if observer is None:
+                observer = LayoutWriter()
+                file_writer.observers.append(observer)
+            observer.track(prefix, category).observe(file_writer.tags)  # the tags written before it was asked for
             continue
-        writer.add_custom_scalars(build_layout(prefix, category))
+        given = _layout_written.setdefault(writer, set())
+        if (prefix, category) in given:
+            continue
+        writer.add_custom_scalars(_dict_layout(build_layout(prefix, category)))
         writer.flush()
-        _layout_written.add(writer)
+        given.add((prefix, category))
+
+
+def _dict_layout(layout: dict[str, Any]) -> dict[str, dict[str, list[Any]]]:
+    """A layout as ``add_custom_scalars(layout)`` takes it: ``{category: {chart: [kind, tags]}}``."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    for category in layout.get("category", []):
+        charts = out.setdefault(category["title"], {})
+        for chart in category.get("chart", []):
+            if "margin" in chart:
+                s = chart["margin"]["series"][0]
+                charts[chart["title"]] = ["Margin", [s["value"], s["lower"], s["upper"]]]
+            else:
+                charts[chart["title"]] = ["Multiline", list(chart["multiline"]["tag"])]
+    return out
 
 
 @contextmanager

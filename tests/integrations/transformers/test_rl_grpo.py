@@ -116,11 +116,11 @@ def test_grpo_entropy_equals_trls_at_every_logging_step(tmp_path, temperature):
     assert [nll[s] for s in sorted(nll)] == pytest.approx(want, rel=1e-5)
     assert set(by_step(history, "headwatch/rl/temperature").values()) == {temperature}
 
-    generation = by_step(history, "headwatch/capture/generation_forwards")
+    generation = by_step(history, "headwatch/debug/capture/generation_forwards")
     assert [generation[s] for s in sorted(generation)] == rec.no_grad  # every no-grad forward is generate()'s
     assert min(rec.no_grad) >= 2  # the prompt pass and decoding steps
-    assert set(by_step(history, "headwatch/capture/forwards").values()) == {1.0}  # only the training forward
-    assert set(by_step(history, "headwatch/capture/no_grad_forwards").values()) == {0.0}
+    assert set(by_step(history, "headwatch/debug/capture/forwards").values()) == {1.0}  # only the training forward
+    assert set(by_step(history, "headwatch/debug/capture/no_grad_forwards").values()) == {0.0}
 
 
 def test_the_temperature_is_what_makes_the_figure_equal(tmp_path):

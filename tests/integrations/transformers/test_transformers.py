@@ -315,14 +315,14 @@ def test_trainer_run_draws_figures_every_10_logging_steps_and_names_the_layout_h
     acc = EventAccumulator(str(logdir), size_guidance={"images": 0, "tensors": 0}).Reload()
     for tag in ("train/headwatch/logits/entropy_over_run", "train/headwatch/grad/row_norm_vs_frequency"):
         assert [e.step for e in acc.Images(tag)] == [10], tag  # the Trainer's 10th logging step, once
-    # the Custom Scalars page is named "headwatch"; its charts read the Trainer's train/headwatch/ tags
-    proto = acc.Tensors("custom_scalars__config__")[0].tensor_proto
+    # the Custom Scalars pages are named "headwatch: ..."; their charts read the Trainer's train/headwatch/ tags
+    proto = acc.Tensors("custom_scalars__config__")[-1].tensor_proto  # TensorBoard reads the last one
     layout = layout_pb2.Layout.FromString(proto.string_val[0])
-    assert [c.title for c in layout.category] == ["headwatch"]
-    tags = [t for chart in layout.category[0].chart for t in chart.multiline.tag]
+    assert [c.title for c in layout.category][:2] == ["headwatch: vital signs", "headwatch: entropy and sharpness"]
+    tags = [t for cat in layout.category for chart in cat.chart for t in chart.multiline.tag]
     external = ("^(train_loss|train/loss)$", "^(val_loss|eval/loss)$")  # the loss as Lightning and the Trainer log it
     assert tags and all(t.startswith("train/headwatch/") or t in external for t in tags), tags[:5]
-    # the "target NLL vs loss" chart finds the Trainer's own loss tag
+    # the "trainer's loss" chart finds the Trainer's own loss tag
     written = acc.Tags()["scalars"]
     assert "train/loss" in written and [t for t in written if re.search(external[0], t)] == ["train/loss"]
     with pytest.raises(HeadwatchError, match="`figure_every_n_steps` must be 'auto', None, or an int >= 0, got 'x'"):
