@@ -19,4 +19,8 @@ def reload(path) -> EventAccumulator:
 
 
 def layouts(path) -> list[layout_pb2.Layout]:
-    return [layout_pb2.Layout.FromString(e.tensor_proto.string_val[0]) for e in reload(path).Tensors(metadata.CONFIG_SUMMARY_TAG)]
+    """Every Custom Scalars layout written under ``path``, in order (none: ``[]``)."""
+    acc = reload(path)
+    if metadata.CONFIG_SUMMARY_TAG not in acc.Tags()["tensors"]:
+        return []
+    return [layout_pb2.Layout.FromString(e.tensor_proto.string_val[0]) for e in acc.Tensors(metadata.CONFIG_SUMMARY_TAG)]

@@ -18,12 +18,12 @@ from headwatch.distributed.sharded import (
     ShardedLookup, is_sharded, local_rows, row_norms_full, row_statistics, tied_flow_statistics, tied_flow_sums, tied_flow_values,
 )
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
-from headwatch.functional.rows import dense_rows, selected_ranks, spearman_of_ranks
+from headwatch.functional.rows import dense_rows, norm_ratio, selected_ranks, spearman_of_ranks
 from headwatch.model.flows import HeadFlowCapture, LookupFlowCapture
 from headwatch.model.adapters import trainable_matrices
 from headwatch.model.find import Matrices, resolve_matrices
 from headwatch.model.sources import compiled_modules
-from headwatch.model.weights import effective_weight
+from headwatch.model.weights import declared_shape, effective_weight, refused_kind
 
 
 class GradientDensity(Monitor):
@@ -453,7 +453,8 @@ class GradientDensity(Monitor):
         g = f"{self.prefix}/grad"
         # made on the device (a fill, not a copy): the orchestrator's one transfer reads it with the rest
         out: dict[str, Any] = {f"{g}/tied": torch.full((), float(self.tied), dtype=torch.float64, device=snap.counts.device)}
-        out.update(model_shape(self._head, self.prefix))
+        shape = declared_shape(self._head)  # what untying costs (headwatch report); Python numbers: no transfer
+        out.update({f"{self.prefix}/model/{k}": float(v) for k, v in zip(("vocab_size", "hidden_size"), shape or ())})
         self._histograms, self._full_norms = {}, {}
         flows = self._flows(loss_scale)
         elsewhere = self._elsewhere
@@ -532,8 +533,6 @@ class GradientDensity(Monitor):
         return out
 
     def _norm_figure(self) -> None:
-        from headwatch.core import figures
-
         snap, norms = self._snapshot, dict(self._full_norms)
         if snap is None or not norms:
             return
@@ -590,34 +589,8 @@ class GradientDensity(Monitor):
         self.tying_published = ""  # a new run (a new log) says it again
 
 
-def model_shape(head: nn.Module | None, prefix: str) -> dict[str, float]:
-    """``model/vocab_size`` and ``model/hidden_size`` of the head (what untying costs, ``headwatch report``), from
-    the module's declared sizes (an ``nn.Linear``'s ``out_features`` / ``in_features``, an ``nn.Embedding``'s),
-    the same on every process whatever shards the weight; none for another kind of module. Python numbers: no
-    transfer."""
-    inner = getattr(head, "base_layer", head)  # a PEFT adapter's base
-    for rows, cols in (("out_features", "in_features"), ("num_embeddings", "embedding_dim")):
-        v, d = getattr(inner, rows, None), getattr(inner, cols, None)
-        if isinstance(v, int) and isinstance(d, int):
-            return {f"{prefix}/model/vocab_size": float(v), f"{prefix}/model/hidden_size": float(d)}
-    return {}
 
 
 def _compiles_a_member(compiled: list[str], members: list[str]) -> bool:
     """Some module compiled with ``torch.compile`` (dotted names, ``<root>``) is or contains a lookup module."""
     return any(c == "<root>" or m == c or m.startswith(c + ".") for c in compiled for m in members)
-
-
-def refused_kind(state: Any) -> bool:
-    """A matrix that trains through PEFT trainable tokens (no Parameter holds its ``(V, d)`` gradient)."""
-    return bool(state.trains and state.kind == "trainable_tokens" and state.gradient_parameter is None)
-
-
-def norm_ratio(rare: Tensor, frequent: Tensor) -> Tensor:
-    """``rare / frequent`` (the rare-to-frequent row-norm ratio), NaN where ``frequent == 0``.
-
-    A frequent (``top1``) bucket with no gradient on the step (no lookup of its tokens) has
-    mean row norm 0: the ratio is then undefined and reported as NaN, not ``+inf``. Computed
-    on the device with ``torch.where`` (no host sync).
-    """
-    return torch.where(frequent == 0, torch.full_like(rare, float("nan")), rare / frequent)

@@ -384,3 +384,13 @@ def spearman_of_ranks(x_ranks: Tensor, y: Tensor, select: Tensor, x_nan: Tensor 
     denom = torch.sqrt((rx * rx).sum() * (ry * ry).sum())
     undefined = (n < 2) | (torch.isnan(y) & chosen).any() | x_nan | ~(denom > 0)  # as SciPy: NaN in, NaN out
     return torch.where(undefined, float("nan"), (rx * ry).sum() / denom)
+
+
+def norm_ratio(rare: Tensor, frequent: Tensor) -> Tensor:
+    """``rare / frequent`` (the rare-to-frequent row-norm ratio), NaN where ``frequent == 0``.
+
+    A frequent (``top1``) bucket with no gradient on the step (no lookup of its tokens) has
+    mean row norm 0: the ratio is then undefined and reported as NaN, not ``+inf``. Computed
+    on the device with ``torch.where`` (no host sync).
+    """
+    return torch.where(frequent == 0, torch.full_like(rare, float("nan")), rare / frequent)

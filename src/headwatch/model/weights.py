@@ -20,7 +20,7 @@ headwatch does not import it. Layouts are those of PEFT 0.21.
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
@@ -263,3 +263,20 @@ def warn_config_tie_once(model: nn.Module, storage_tied: bool, head: nn.Module |
         _WARNED.add((id(model), message))
         warnings.warn(message, UserWarning, stacklevel=2)
     return message
+
+
+def declared_shape(module: nn.Module | None) -> tuple[int, int] | None:
+    """``(vocab_size, hidden_size)`` as ``module`` declares them (an ``nn.Linear``'s ``out_features`` /
+    ``in_features``, an ``nn.Embedding``'s ``num_embeddings`` / ``embedding_dim``, a PEFT adapter's base layer's),
+    the same on every process whatever shards the weight; None for another kind of module."""
+    inner = getattr(module, "base_layer", module)
+    for rows, cols in (("out_features", "in_features"), ("num_embeddings", "embedding_dim")):
+        v, d = getattr(inner, rows, None), getattr(inner, cols, None)
+        if isinstance(v, int) and isinstance(d, int):
+            return v, d
+    return None
+
+
+def refused_kind(state: Any) -> bool:
+    """A matrix that trains through PEFT trainable tokens (no Parameter holds its ``(V, d)`` gradient)."""
+    return bool(state.trains and state.kind == "trainable_tokens" and state.gradient_parameter is None)

@@ -374,7 +374,7 @@ def test_resume_after_the_vocabulary_grew(tmp_path):
 
 
 def test_rare_to_frequent_ratio_is_nan_when_the_frequent_bucket_has_no_gradient():
-    from headwatch.core.gradients import norm_ratio
+    from headwatch.functional.rows import norm_ratio
 
     rare = torch.tensor([0.3, 0.0, 0.25, 0.0], dtype=torch.float32)
     frequent = torch.tensor([0.0, 0.0, 0.5, 2.0], dtype=torch.float32)
