@@ -162,3 +162,15 @@ def test_liger_through_its_transformers_patch():
 def test_the_families_transform_table(config, x, want):
     """The scale each family's forward applies to its head's output (TRL's fused head uses the same table)."""
     assert final_logit_transform(config)(torch.tensor([x])).item() == pytest.approx(want)
+
+
+def test_a_copied_model_gets_the_loss_function_not_the_wrapper():
+    """A reference model deep-copied from the policy holds the loss it had, never a reader of the policy's capture
+    (whose loss calls would otherwise be heard as the policy's)."""
+    import copy
+
+    model = tiny_llama(tie=True)
+    before = model.loss_function
+    hw = Headwatch(model, monitors=["logits"], log_every_n_steps=1, figure_every_n_steps=0)
+    assert copy.deepcopy(model).loss_function is before
+    hw.close()

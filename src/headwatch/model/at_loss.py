@@ -332,6 +332,41 @@ class LossCalls:
         cls._replaced.clear()
 
 
+class _WatchedLoss:
+    """The instance's ``loss_function`` headwatch put in place (:func:`watch_loss_function`): reads each call made while
+    its capture listens, then calls the loss it replaced. A copy of the model (``copy.deepcopy``: a reference model)
+    or a pickle gets the loss it replaced, never a capture's reader."""
+
+    __headwatch_loss__ = True
+
+    def __init__(self, original: Callable[..., Any], heard: Callable[[LossCall], None], listening: Callable[[], bool]) -> None:
+        self.__wrapped__ = original
+        self.heard, self.listening = heard, listening
+        self.__doc__ = getattr(original, "__doc__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling() and self.listening():  # off logging steps: one check
+            try:
+                call = logits_loss_call(kwargs, args)
+            except Exception:  # noqa: BLE001 - an odd call: the forward hooks measure it
+                call = None
+            if call is not None:
+                self.heard(call)
+        return self.__wrapped__(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        import copy
+
+        return copy.deepcopy(self.__wrapped__, memo)
+
+    def __reduce__(self) -> tuple[Callable[[Any], Any], tuple[Any]]:
+        return _identity, (self.__wrapped__,)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
 def watch_loss_function(owner: nn.Module, heard: Callable[[LossCall], None], listening: Callable[[], bool]) -> Callable[[], None] | None:
     """Wrap ``owner.loss_function`` (a Hugging Face ``PreTrainedModel``'s settable property) so that each call made
     while ``listening()`` is read (:func:`logits_loss_call`) and handed to ``heard`` before the loss runs.
@@ -343,30 +378,15 @@ def watch_loss_function(owner: nn.Module, heard: Callable[[LossCall], None], lis
     if not isinstance(prop, property) or prop.fset is None or prop.fget is None:
         return None
     own = owner.__dict__.get("_loss_function")
-    if getattr(own, "__headwatch_loss__", False):
-        own = own.__wrapped__  # wrapped by an earlier attach: wrap the original once
-        del owner.__dict__["_loss_function"]
     try:
         original = own if own is not None else prop.fget(owner)
     except Exception:  # noqa: BLE001 - a model whose loss cannot be resolved: the forward hooks measure it
         return None
-
-    def loss_function(*args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling() and listening():  # off logging steps: one check
-            try:
-                call = logits_loss_call(kwargs, args)
-            except Exception:  # noqa: BLE001 - an odd call: the forward hooks measure it
-                call = None
-            if call is not None:
-                heard(call)
-        return original(*args, **kwargs)
-
-    loss_function.__headwatch_loss__ = True  # type: ignore[attr-defined]
-    loss_function.__wrapped__ = original  # type: ignore[attr-defined]
-    prop.fset(owner, loss_function)
+    wrapper = _WatchedLoss(original, heard, listening)
+    prop.fset(owner, wrapper)
 
     def undo() -> None:
-        if owner.__dict__.get("_loss_function") is loss_function:
+        if owner.__dict__.get("_loss_function") is wrapper:
             if own is None:
                 del owner.__dict__["_loss_function"]
             else:
