@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
 from headwatch import GradientDensityMonitor, LogitStatsMonitor, names
+from headwatch.core.logits import LogitStats
 from headwatch.core.self_check import TOLERANCES
 from headwatch.integrations.loop import Headwatch
 from headwatch.integrations.transformers import HeadwatchCallback
@@ -182,10 +183,11 @@ def test_lightning_compare_loss_agrees_under_gradient_accumulation(tmp_path):
 
 # ---------------------------------------------------------------- broken captures
 def test_labels_changed_after_headwatch_read_them_warn_once_with_a_gap():
-    """The model's loss uses other labels than the batch headwatch measured, at the same positions."""
+    """The model's loss uses other labels than the batch headwatch measured, at the same positions (forced onto the
+    hidden-state path, headwatch reads no loss call: it sees the batch's labels only)."""
     model = peaked_llama()
     batch = one_batch()
-    hw = Headwatch(model, monitors=["logits"], log_every_n_steps=1, figure_every_n_steps=None)
+    hw = Headwatch(model, monitors=[LogitStats(path="hidden")], log_every_n_steps=1, figure_every_n_steps=None)
     for step in range(2):
         hw.step_start(batch, step)
         model(input_ids=batch["input_ids"], labels=altered(batch["labels"]))
@@ -223,7 +225,8 @@ class AlterLabels(TrainerCallback):
 
 
 def test_hf_trainer_broken_capture_is_on_the_dashboard(tmp_path):
-    cb = HeadwatchCallback(monitors=["logits"], figure_every_n_steps=None)
+    """Forced onto the hidden-state path (no loss call read), headwatch measures the labels the forward's pre-hook saw."""
+    cb = HeadwatchCallback(monitors=[LogitStats(path="hidden")], figure_every_n_steps=None)
     trainer = Trainer(model=peaked_llama(), args=hf_args(tmp_path), train_dataset=Rows(one_batch()), callbacks=[cb, AlterLabels()])
     with pytest.warns(UserWarning, match=r"self-check FAILED"):
         trainer.train()
@@ -232,10 +235,11 @@ def test_hf_trainer_broken_capture_is_on_the_dashboard(tmp_path):
 
 
 def test_no_labels_seen_names_the_cause():
-    """headwatch reads the batch given to step_start; the model gets labels the batch does not hold."""
+    """headwatch reads the batch given to step_start; the model gets labels the batch does not hold (forced onto the
+    hidden-state path: no loss call read)."""
     model = tiny_llama(tie=False)
     batch = one_batch()
-    hw = Headwatch(model, monitors=["logits"], log_every_n_steps=1, figure_every_n_steps=None)
+    hw = Headwatch(model, monitors=[LogitStats(path="hidden")], log_every_n_steps=1, figure_every_n_steps=None)
     hw.step_start({"input_ids": batch["input_ids"]}, 0)
     model(**batch)
     with pytest.warns(UserWarning, match="headwatch saw no labels"):

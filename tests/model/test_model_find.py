@@ -437,10 +437,10 @@ def test_final_logit_transform_composes_the_declared_steps_in_order():
         def get_text_config(self):
             raise RuntimeError("an odd config")  # read the top level instead
 
-    transform = final_logit_transform(Broken())
+    transform = final_logit_transform(Broken())  # the scale first (the first one declared), then the softcap
     x = torch.linspace(-40, 40, 9, dtype=torch.float64)
-    torch.testing.assert_close(transform(x), 10.0 * torch.tanh(x / 10.0) * 2.0 / 4.0)
-    assert transform.description == "10.0 * tanh(x / 10.0) (final_logit_softcapping) then x * 2.0 (logit_scale) then x / 4.0 (logits_scaling)"
+    torch.testing.assert_close(transform(x), 10.0 * torch.tanh(x * 2.0 / 10.0))
+    assert transform.description == "x * 2.0 (logit_scale) then 10.0 * tanh(x / 10.0) (final_logit_softcapping)"
 
     class Neutral:
         final_logit_softcapping = True  # a bool is no cap

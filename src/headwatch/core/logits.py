@@ -21,8 +21,9 @@ from headwatch.errors import (
     check_optional,
     check_positive_int,
 )
+from headwatch.model.at_loss import SOURCES
 from headwatch.model.capture import PATHS, Captured, LogitsCapture
-from headwatch.model.captured import captured_statistics
+from headwatch.model.captured import REPRODUCTION_RTOL, captured_statistics
 from headwatch.model.batch import BatchFormat, BatchView
 from headwatch.core.forwards import NOT_LOSS_REASONS, not_loss_forward
 from headwatch.core.frequency import TokenCounts
@@ -130,9 +131,13 @@ class LogitStats(Monitor):
         self._accepted = 0
         self.entropy_history: list[tuple[int, Tensor]] = []
         self._history_on_device = 0  # the last entries of entropy_history, still on the device
+        self._gaps: dict[int, list[Tensor]] = {}  # per split (id of its sums): each forward's reproduction gap
         self.logged_steps = 0
         self.totals = {"positions": 0.0, "nonfinite_positions": 0.0, "invalid_target_positions": 0.0}
         self.skipped_forwards = 0
+        self.fused_head_in_float32 = False
+        """TRL's fused LM head projects in float32 outside autocast (``cast_lm_head_to_fp32``): the reproduction of
+        what its values lack follows it (the Hugging Face door sets it from the trainer's arguments)."""
         self.capture_tally = CaptureTally()
         """The forwards and labelled positions measured on the current training logging step (the self-check's)."""
 
@@ -173,6 +178,7 @@ class LogitStats(Monitor):
         except Exception as err:  # noqa: BLE001
             self.fail(err, "reading the batch's labels/attention_mask")
             ref = None
+        self._capturer.fused_head_in_float32 = self.fused_head_in_float32
         self._capturer.begin(ref.shape if ref is not None else None)
 
     def _accept_forward(self, grad_enabled: bool, generating: bool | None = None) -> bool:
@@ -194,6 +200,10 @@ class LogitStats(Monitor):
         if sink is None or view is None:
             return
         mask, targets = view.mask, view.targets
+        if captured.targets is not None:  # taken at the loss: its own labels and positions (docs/sources.md)
+            mask, targets = None, captured.targets
+            if captured.ignore_index != self.batch_format.ignore_index:
+                targets = torch.where(targets == captured.ignore_index, self.batch_format.ignore_index, targets)
         if targets is None:
             split = "training" if sink is self._train else "evaluation"
             self.warn_once(
@@ -231,6 +241,8 @@ class LogitStats(Monitor):
         out = captured_statistics(
             captured, mask, targets, self.batch_format.ignore_index, padded_v, self._max_chunk_bytes, self.temperature
         )
+        if out.reproduction_gap is not None:  # no reproduction (NaN) counts as beyond the tolerance
+            self._gaps.setdefault(id(sink), []).append(torch.nan_to_num(out.reproduction_gap.float(), nan=float("inf")))
         padded = out.padded_mass if padded_v is not None else None
         if known is not None and padded is None:  # no column beyond the vocabulary: exactly 0
             padded = torch.zeros_like(out.statistics.max_prob)
@@ -250,8 +262,8 @@ class LogitStats(Monitor):
             self.warn_once(
                 "twice",
                 "LogitStatsMonitor: the model ran more than once with gradient in one training batch; every such "
-                "forward feeds the loss and is measured against the batch's labels and pooled (an auxiliary pass "
-                "would need its own targets_fn). (warned once)",
+                "forward feeds the loss and is measured against its own labels (those of its loss call, else of "
+                "its inputs, else of the batch) and pooled. (warned once)",
             )
 
     def _disarm(self) -> None:
@@ -261,9 +273,25 @@ class LogitStats(Monitor):
                 self.skipped_forwards += 1
                 self._capture_problem = True  # the cause is said: no "every position masked" warning
                 self.warn_once(f"capture:{report.problem}", f"{report.message} (warned once)")
-            elif report.note is not None:
+            elif report.note is not None and "forward" in report.sources:
                 self.note_once(f"path:{report.reason}", f"{report.note} (said once)")
+            for source in report.sources:
+                if source != "forward":
+                    self.info_once(f"headwatch: LogitStats measures at the loss: {SOURCES.get(source, source)}.")
         self._sink, self._view = None, None
+
+    def forward_batch(self, batch: Any) -> None:
+        """A later forward with gradient of the armed training micro-batch, with its own inputs (``labels`` of its
+        own, or those of the loss's inputs): it is measured against those (:meth:`Orchestrator.forward`)."""
+        if self._sink is self._train and self._capturer is not None:
+            self._view = self._format.read(batch)
+
+    def _gap_to_host(self, sink: SplitSums) -> None:
+        """The largest reproduction gap of the split's forwards (:mod:`headwatch.model.captured`), moved with the
+        step's one transfer and read in :meth:`published`."""
+        gaps = self._gaps.pop(id(sink), None)
+        if gaps:
+            self.media.host["reproduction_gap"] = torch.stack([g.to(gaps[0].device) for g in gaps]).max()
 
     # ------------------------------------------------------------------ training
     def step_start(self, batch: Any, step: int, logging: bool) -> None:
@@ -317,12 +345,14 @@ class LogitStats(Monitor):
             several = self.val_dataloaders > 1 or any(k != 0 for k in self._val)
             out: dict[str, Tensor] = {}
             for k in sorted(self._val):
+                self._gap_to_host(self._val[k])
                 values = self._val[k].from_sums(_part(total, f"val{k}/"), *self._flags())
                 out.update(self._scalars_and_media(f"{self.prefix}/val/logits", values, None, f"/dataloader_idx_{k}" if several else ""))
             return out
         step, self._computing = self._computing, None
         self.media.host.clear()
         self._figure_top = None
+        self._gap_to_host(self._train)
         if step is None:
             return {}
         values = self._train.from_sums(_part(total, "train/"), *self._flags())
@@ -430,6 +460,19 @@ class LogitStats(Monitor):
         histograms (on the host now) lose their NaNs, the positions that were not valid; the entropy figure
         of a figure step is drawn (from the histories moved with the values)."""
         self._draw_entropy_figure()
+        gap = self.media.host.pop("reproduction_gap", None)
+        if gap is not None and not float(gap) <= REPRODUCTION_RTOL:  # on the host now: no sync
+            why = ("the final hidden states of the loss's positions were not found" if math.isinf(float(gap)) else
+                   f"a reproduction from the final hidden states at the loss's precision differs from the loss's own "
+                   f"NLL by {float(gap):.2g} (relative; at most {REPRODUCTION_RTOL:g} is the loss's tensor): another "
+                   "transform, precision or temperature than the loss's")  # fmt: skip
+            self.warn_once(
+                "reproduction",
+                f"headwatch: the loss (TRL's fused LM head) gave its own per-token NLL, entropy and top-1 flag, used as "
+                f"they are, but not the top-1 probability: max_prob and its quantiles, the calibration (ece, "
+                f"overconfidence, confidence by bucket), renyi2_entropy, kl_from_uniform and padded_mass are "
+                f"published as NaN because {why}. (warned once)",
+            )
         for tag, values in self.media.histograms.items():
             if values.device.type == "cpu":
                 self.media.histograms[tag] = values[~torch.isnan(values)]

@@ -351,11 +351,10 @@ class Orchestrator:
         self.each("starting a batch", lambda m: m.step_start(batch, s, m in self.logging))
 
     def forward(self, batch: Any, training: bool, real_rows: int | None = None) -> None:
-        """A model forward with ``batch`` (the door's forward pre-hook, called inside the forward): decides what it is.
-
-        The contract of :mod:`headwatch.core.forwards`: in a training step, the first forward run with
-        gradient starts the micro-batch (forwards under ``no_grad`` feed no loss: never measured; a second
-        forward with gradient is measured too, against the same labels); outside a training step, the
+        """A model forward with ``batch`` (the door's forward pre-hook, called inside the forward): decides what it is:
+        the contract of :mod:`headwatch.core.forwards`: in a training step, the first forward run with
+        gradient starts the micro-batch (forwards under ``no_grad`` feed no loss: never measured; a later
+        forward with gradient is measured too, against its own labels: :meth:`LogitStats.forward_batch`); outside a training step, the
         first evaluation forward that is not part of ``generate()`` starts a validation batch, later ones
         of the same batch are not measured. While :meth:`loss_inputs` is open, the fields the forward
         lacks (the ``labels`` a trainer took out) come from the loss's inputs. ``real_rows`` (evaluation): only
@@ -367,7 +366,11 @@ class Orchestrator:
             if why is not None:
                 self.check.skipped_forward(why)
         if training and self.step is not None:
-            if self._started or not_loss_forward(True, torch.is_grad_enabled(), True) is not None:
+            if not_loss_forward(True, torch.is_grad_enabled(), True) is not None:
+                return
+            if self._started:  # a later forward of the micro-batch (a second batch of a mix, R-Drop): its own labels
+                own, later = self.with_loss_inputs(batch), [m for m in self.logging if isinstance(m, LogitStats)]
+                self.each("reading a later forward's batch", lambda m: m.forward_batch(own), later)
                 return
             self._started = True
             self.step_start(self.with_loss_inputs(batch))
@@ -391,14 +394,15 @@ class Orchestrator:
 
     def with_loss_inputs(self, batch: Any) -> Any:
         """``batch`` (a forward's keyword inputs) completed with the fields of the open :meth:`loss_inputs` it lacks,
-        when both are mappings over the same token ids (same shape); else ``batch`` unchanged."""
+        when both are mappings over the same token ids (the same tensor's memory and shape, no comparison of values:
+        no host sync); else ``batch`` unchanged (another batch, e.g. a second batch of a mix: its own fields only)."""
         loss = self._loss_inputs
         if not isinstance(loss, Mapping) or not isinstance(batch, Mapping):
             return batch
         key = self.monitors[0].batch_format.ids_key if self.monitors else "input_ids"
         ids, theirs = batch.get(key), loss.get(key)
-        if isinstance(ids, Tensor) and isinstance(theirs, Tensor) and ids.shape != theirs.shape:
-            return batch  # another batch (a second model's inputs): its own fields only
+        if isinstance(ids, Tensor) and isinstance(theirs, Tensor) and (ids.shape != theirs.shape or ids.data_ptr() != theirs.data_ptr()):
+            return batch
         return {**{k: v for k, v in loss.items() if k not in batch}, **batch}
 
     def gradients_ready(self, loss_scale: float | Tensor | None = None) -> None:

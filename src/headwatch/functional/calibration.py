@@ -72,7 +72,8 @@ def ece_bin_index(confidence: Tensor, n_bins: int = ECE_BINS) -> Tensor:
 
     Returns:
         ``(N,)`` int64 in ``[0, M - 1]``: ``floor(M c)`` in exact arithmetic, ``M - 1`` for
-        ``c = 1`` (no extra bin; torchmetrics#3510), ``0`` for ``c <= 0``.
+        ``c = 1`` (no extra bin; torchmetrics#3510), ``0`` for ``c <= 0`` and for a NaN ``c`` (a
+        confidence that could not be known: its NaN then reaches the bin's sums, never an index).
 
     Exactness: ``c`` is split as ``hi + lo`` with ``hi`` its float32 rounding; ``hi * M`` and
     ``lo * M`` are exact in float64 (at most 24 + 23 and 30 + 23 significant bits), and the floor of their
@@ -88,7 +89,7 @@ def ece_bin_index(confidence: Tensor, n_bins: int = ECE_BINS) -> Tensor:
     k = torch.floor(hm + lm)  # off by at most one where c * M is within half an ulp of an integer
     k = torch.where((hm - k) + lm < 0, k - 1, k)  # c < k / M
     k = torch.where((hm - (k + 1)) + lm >= 0, k + 1, k)  # c >= (k + 1) / M
-    return k.clamp(0, n_bins - 1).long()
+    return k.nan_to_num(0.0).clamp(0, n_bins - 1).long()
 
 
 def _check(stats: LogitStatistics, targets: Tensor, bucket: Tensor, rare: Tensor | None, n_bins: int) -> None:

@@ -71,6 +71,13 @@ def understand_trainer(run: Any, trainer: Any) -> None:
     an RL trainer's policy is measured at its sampling temperature (:meth:`Orchestrator.sample_at`). Any other
     trainer: nothing."""
     refuse_unknown_trainer(run, trainer)
+    if trl_trainer(trainer) in UNDERSTOOD_TRL:  # its fused head projects in float32 when asked to (GRPO, RLOO)
+        from headwatch.core.logits import LogitStats
+
+        fp32 = bool(getattr(getattr(trainer, "args", None), "cast_lm_head_to_fp32", False))
+        for m in run.all_monitors:
+            if isinstance(m, LogitStats):
+                m.fused_head_in_float32 = fp32
     temperature = sampling_temperature(trainer)
     if temperature is not None:
         run.sample_at(temperature, f"{type(trainer).__name__}.temperature, from its args.temperature")

@@ -1,21 +1,16 @@
 """Capture the measured tensor on logging steps, and say what is wrong when it cannot.
 
-:class:`LogitsCapture` registers forward hooks from a :class:`~headwatch.model.sources.LogitsSource`
-and, on the forwards of a step it was armed for (:meth:`LogitsCapture.begin`), hands one
-:class:`Captured` per forward to a ``consume`` callback, from inside the forward (no
-``(B, T, V)`` tensor outlives it):
+:class:`LogitsCapture` hands one :class:`Captured` per forward of an armed step (:meth:`LogitsCapture.begin`)
+to a ``consume`` callback, from inside the forward (no ``(B, T, V)`` tensor outlives it): taken at the loss
+where the loss is code headwatch knows (:mod:`headwatch.model.at_loss`), else by forward hooks from a
+:class:`~headwatch.model.sources.LogitsSource`: the owner's logits when they cover every position of the batch
+(the logits path), else the final hidden states ``(B, T, d_model)`` and the head's weight with the family's
+final transform (the hidden-state path: a fused loss never calls the head; ``logits_to_keep``; or forced).
 
-- the logits path: the owner's logits, when they cover every position of the batch;
-- the hidden-state path: the final hidden states ``(B, T, d_model)`` and the head's weight
-  (with the family's final transform), when the head never ran (a fused linear
-  cross-entropy) or ran on fewer positions than the batch labels (``logits_to_keep``), or
-  when the user forces it.
-
-:meth:`LogitsCapture.end` closes the step and returns a :class:`CaptureReport`: which path
-was measured and why, or the cause of measuring nothing (hooks skipped by code compiled
-before they were registered, a head that never runs, logits of too few positions, a
-post-head transform the hidden path cannot reproduce) with its fix. Between logging steps
-each hook does one attribute check: no host-device sync, no tensor kept.
+:meth:`LogitsCapture.end` closes the step and returns a :class:`CaptureReport`: where and by which path it
+measured, or the cause of measuring nothing (hooks skipped by code compiled before they were registered, a
+head that never runs, logits of too few positions, a post-head transform the hidden path cannot reproduce)
+with its fix. Between logging steps each hook does one attribute check: no host-device sync, no tensor kept.
 """
 
 from __future__ import annotations
@@ -30,6 +25,7 @@ from torch import Tensor, nn
 
 from headwatch.distributed.sharded import fully_sharded, is_sharded
 from headwatch.model import generation
+from headwatch.model.at_loss import LossCall, LossCalls, LossValues, autocast_dtype, fused_head_values, watch_loss_function
 from headwatch.model.find import logits_from_output
 from headwatch.errors import HeadwatchError
 from headwatch.model.sources import FinalTransform, LogitsSource, compiled_modules
@@ -88,6 +84,17 @@ class Captured:
     kept: int | None = None
     """The tensor covers only the last ``kept`` positions of each row (an int ``logits_to_keep``): the batch's
     ``(B, T)`` mask and targets are to be sliced ``[:, -kept:]``; None: every position."""
+    source: str = "forward"
+    """Where it was taken (a key of :data:`headwatch.model.at_loss.SOURCES`): at the loss, or the forward hooks."""
+    targets: Tensor | None = None
+    """``(...)`` the targets the loss scored, aligned with the tensor (taken at the loss): they replace the batch's
+    labels and mask, the positions being ``targets != ignore_index``; None: the batch's."""
+    ignore_index: int = -100
+    """The loss's ``ignore_index`` (with ``targets``)."""
+    given: LossValues | None = None
+    """Per-position values the loss computed itself (TRL's fused LM head), used as they are."""
+    precision: tuple[torch.dtype, torch.dtype] | None = None
+    """Hidden path: ``(inputs, product)`` dtypes of the loss's projection, reproduced (None: float32 throughout)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,8 @@ class CaptureReport:
     """A stable key for ``note``: ``forced``, ``head_not_called``, ``few_positions`` or ``kept_positions``."""
     skipped: int = 0
     """Forwards seen during the step that ``accept`` refused (not the loss's forward): not measured, not a problem."""
+    sources: tuple[str, ...] = ()
+    """Where the measured forwards were taken (keys of :data:`headwatch.model.at_loss.SOURCES`), in order, once each."""
 
 
 class LogitsCapture:
@@ -152,6 +161,9 @@ class LogitsCapture:
         self.source, self.consume, self.path, self.model, self.strict = source, consume, path, model, strict
         self.accept = accept
         self._handles: list[Any] = []
+        self._undo: list[Callable[[], None]] = []  # the loss wrappers' removals
+        self.fused_head_in_float32 = False
+        """TRL's fused head projects in float32 outside autocast (``cast_lm_head_to_fp32``; the HF door sets it)."""
         self._unwatch: Callable[[], None] | None = None
         self._armed = False
         self._copy_weight = False
@@ -165,7 +177,11 @@ class LogitsCapture:
         self.detach()
         s = self.source
         self._unwatch = generation.watch_generate(self.model if self.model is not None else s.owner)
-        self._handles.append(s.owner.register_forward_hook(self._on_owner))
+        self._handles.append(s.owner.register_forward_hook(self._on_owner, with_kwargs=True))
+        if s.kind == "model_logits":  # measured at the loss where the loss is code headwatch knows (docs/sources.md)
+            undo = watch_loss_function(s.owner, self.heard, lambda: self.listening)
+            self._undo.extend([undo] if undo is not None else [])
+            self._undo.append(LossCalls.listen(self))
         self._handles.append(s.head.register_forward_pre_hook(self._on_head_input))
         if s.owner is not s.head:
             self._handles.append(s.head.register_forward_hook(self._on_head_output))
@@ -180,6 +196,9 @@ class LogitsCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
         if self._unwatch is not None:
             self._unwatch()
             self._unwatch = None
@@ -191,6 +210,8 @@ class LogitsCapture:
         # FSDP2 frees the unsharded head weight after the forward: the hidden path keeps a copy read during it
         self._copy_weight = self.model is not None and fully_sharded(self.model)
         self._armed = True
+        LossCalls.wrap_loaded()  # a fused loss's patch imported since attach
+        LossCalls.rearm()
 
     def end(self) -> CaptureReport:
         """Measure what compiled code stashed, fall back to the hidden states if the owner never ran, report."""
@@ -206,10 +227,12 @@ class LogitsCapture:
                 else:
                     self._set_problem("head_not_called", self._head_message(None))
             return CaptureReport(
-                self._measured, self._path, self._problem, self._message, self._note, self._reason, self._skipped
+                self._measured, self._path, self._problem, self._message, self._note, self._reason, self._skipped,
+                tuple(self._sources),
             )
         finally:
             self._armed = False
+            LossCalls.rearm()
             self._reset_step()
 
     def _reset_step(self) -> None:
@@ -222,6 +245,7 @@ class LogitsCapture:
         self._note: str | None = None
         self._reason: str | None = None
         self._fired: set[str] = set()
+        self._sources: list[str] = []
         self._clear_forward()
 
     def _clear_forward(self) -> None:
@@ -233,6 +257,8 @@ class LogitsCapture:
         self._weight_seen: Tensor | None = None
         self._hidden_grad = True  # the grad mode of the last hidden states seen (the owner-less fallback)
         self._hidden_gen = False  # whether they were seen inside a wrapped generate()
+        self._autocast: torch.dtype | None = None  # autocast's dtype while the base model ran
+        self._at_loss = False  # a loss call of this forward was taken (measured or refused): the hooks do not measure it
 
     # Each hook only appends (kind, tensor) when armed: traced by torch.compile (hooks registered
     # before compiling) that is a list mutation, no graph break, so fullgraph=True works; the
@@ -268,19 +294,44 @@ class LogitsCapture:
             h = getattr(output, "last_hidden_state", None)
             if h is None and isinstance(output, (tuple, list)) and output:
                 h = output[0]
-            self._events.append(("base", (h, torch.is_grad_enabled(), generation.active)))
+            device = h.device if isinstance(h, Tensor) else torch.device("cpu")
+            self._events.append(("base", (h, torch.is_grad_enabled(), generation.active, autocast_dtype(device))))
 
     def _on_hidden_module(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if self._armed:
             self._head_weight_now(copy=True)
             h = args[0] if args else next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
-            self._events.append(("hidden_module", (h, torch.is_grad_enabled(), generation.active)))
+            self._events.append(("hidden_module", (h, torch.is_grad_enabled(), generation.active, None)))
 
-    def _on_owner(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _on_owner(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         if self._armed:  # the only work on steps that do not log: one attribute check
-            self._events.append(("owner", (logits_from_output(output), torch.is_grad_enabled(), generation.active)))
+            fused = fused_head_values(output, kwargs)  # TRL's fused LM head: the loss's own per-token values
+            self._events.append(("owner", (logits_from_output(output), torch.is_grad_enabled(), generation.active, fused)))
             if not torch.compiler.is_compiling():
                 self._replay(live=True)
+
+    # ------------------------------------------------------------------ at the loss
+    @property
+    def listening(self) -> bool:
+        """Whether a loss call is read now (an armed step, in eager code)."""
+        return self._armed
+
+    def heard(self, call: LossCall) -> None:
+        """A loss call inside a forward of an armed step (:mod:`headwatch.model.at_loss`): measured from what it
+        received when the forward is one the contract measures; the hooks then leave that forward alone."""
+        path = "logits" if call.logits is not None else "hidden"
+        if (call.weight is not None and not self._same_head(call.weight)) or self._at_loss or self.path not in ("auto", path):
+            return  # another model's loss, a second loss call in one forward (the first was measured), a forced path
+        self._at_loss = True
+        if self._accepted(torch.is_grad_enabled(), None):
+            self._guarded(self._emit, Captured(
+                path, logits=call.logits, hidden=call.hidden, weight=call.weight, bias=call.bias, transform=call.transform,
+                source=call.source, targets=call.targets, ignore_index=call.ignore_index, precision=call.precision,
+            ))  # fmt: skip
+
+    def _same_head(self, weight: Tensor) -> bool:
+        mine = getattr(self.source.head, "weight", None)
+        return isinstance(mine, Tensor) and weight.shape == mine.shape and weight.data_ptr() == mine.data_ptr()
 
     @torch.compiler.disable
     def _replay(self, live: bool = False) -> None:
@@ -300,7 +351,8 @@ class LogitsCapture:
                 rows, self._raw_lead = value
                 self._raw_rows = rows.detach() if isinstance(rows, Tensor) else None
             elif kind in ("base", "hidden_module"):
-                value, self._hidden_grad, self._hidden_gen = value
+                value, self._hidden_grad, self._hidden_gen, cast = value
+                self._autocast = cast if kind == "base" else self._autocast
                 if not (isinstance(value, Tensor) and value.is_floating_point()):
                     continue
                 if kind == "base":
@@ -308,12 +360,14 @@ class LogitsCapture:
                 else:
                     self._hidden.insert(0, (f"the first input of `{s.hidden_name}`", value))  # named by the user: first
             elif kind == "owner":
-                logits, grad, gen = value
+                logits, grad, gen, fused = value
                 if s.owner is s.head:
                     self._head_calls += 1
                 try:
+                    if self._at_loss:  # measured (or refused) inside its loss call
+                        continue
                     if self._accepted(grad, True if gen else None if live else False):
-                        self._guarded(self._decide, logits)
+                        self._guarded(self._decide if fused is None else self._measure_fused, fused if fused is not None else logits)
                 finally:
                     self._clear_forward()
 
@@ -381,6 +435,24 @@ class LogitsCapture:
         self.consume(captured)
         self._measured += 1
         self._path = captured.path
+        if captured.source not in self._sources:
+            self._sources.append(captured.source)
+
+    def _measure_fused(self, fused: tuple[LossValues, Tensor, bool]) -> None:
+        """TRL's fused LM head: its per-token values as they are, and the hidden states (those positions) with the
+        head's weight, to reproduce at the loss's precision what the values lack (:mod:`headwatch.model.captured`)."""
+        values, targets, shifted = fused
+        cut = [h[:, :-1] if shifted and h.ndim == 3 else h for _, h in self._hidden]
+        hidden = next((h.detach() for h in cut if tuple(h.shape[:-1]) == tuple(values.nll.shape)), None)
+        seen, bias = self._weight_seen, getattr(self.source.head, "bias", None)
+        weight = seen if isinstance(seen, Tensor) and seen.ndim == 2 else getattr(self.source.head, "weight", None)
+        ok = hidden is not None and isinstance(weight, Tensor) and weight.ndim == 2 and not is_sharded(weight)
+        cast = torch.float32 if self.fused_head_in_float32 else self._autocast or (hidden.dtype if ok else None)  # type: ignore[union-attr]
+        self._emit(Captured(
+            "hidden", hidden=hidden if ok else None, weight=weight.detach() if isinstance(weight, Tensor) else None,
+            bias=bias.detach() if ok and isinstance(bias, Tensor) else None, transform=self.source.transform,
+            source="trl_fused_head", targets=targets, given=values, precision=(cast, cast) if ok and cast else None,
+        ))  # fmt: skip
 
     def _pick_hidden(self) -> tuple[str, Tensor] | None:
         d = self.source.head.weight.shape[1] if isinstance(getattr(self.source.head, "weight", None), Tensor) else None

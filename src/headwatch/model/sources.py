@@ -2,8 +2,8 @@
 
 The distribution that matters is the one the loss uses and the model samples from. Several
 families transform the head's output before the loss (Gemma 2/3 ``final_logit_softcapping``:
-``cap * tanh(x / cap)``; Cohere ``logit_scale``; Granite ``logits_scaling``), so the head's
-raw output is not it. The rule, in order:
+``cap * tanh(x / cap)``; Cohere ``logit_scale``; Falcon-H1 ``lm_head_multiplier``; Granite
+``logits_scaling``), so the head's raw output is not it. The rule, in order:
 
 1. ``logits_module=`` if the user names one: its output (a tensor, ``.logits`` or ``[0]``);
 2. a Hugging Face model: the ``logits`` returned by the module that owns the head (the
@@ -59,15 +59,21 @@ def _text_config(config: Any) -> Any:
         return config
 
 
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def final_logit_transform(config: Any) -> FinalTransform | None:
     """The post-head transform a Hugging Face config declares, for the hidden-state path.
 
-    Known keys (found in ``transformers``' modeling code, applied in this order):
-    ``final_logit_softcapping`` (Gemma 2/3/4: ``cap * tanh(x / cap)``), ``logit_scale``
-    (Cohere: ``x * s``), ``logits_scaling`` (Granite: ``x / s``). On the logits path none of
-    this matters (the model's own ``outputs.logits`` are measured); on the hidden-state path
-    :class:`~headwatch.model.capture.LogitsCapture` also checks the transform against the
-    model's logits whenever the head runs on some positions.
+    The families' own forwards (``transformers``' modeling code), in the order they apply them, the table TRL's
+    fused LM head uses too: first a scale, the first of ``logit_scale`` (Cohere), ``output_multiplier`` (Muse
+    Glimmer), ``lm_head_multiplier`` (Falcon-H1), which multiply, else ``logits_scaling``, which Granite and
+    MiniCPM3 divide by and HyperCLOVA X (``model_type="hyperclovax"``) multiplies by; then
+    ``final_logit_softcapping`` (Gemma 2/3/4: ``cap * tanh(x / cap)``). On the logits path none of this matters
+    (the model's own ``outputs.logits`` are measured); on the hidden-state path
+    :class:`~headwatch.model.capture.LogitsCapture` also checks the transform against the model's logits whenever
+    the head runs on some positions.
 
     Returns:
         the transform, or None when the config declares none (or is None).
@@ -76,18 +82,19 @@ def final_logit_transform(config: Any) -> FinalTransform | None:
         return None
     text = _text_config(config)
     steps: list[tuple[str, Callable[[Tensor], Tensor]]] = []
-    cap = getattr(text, "final_logit_softcapping", None)
-    if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0:
-        c = float(cap)
-        steps.append((f"{c} * tanh(x / {c}) (final_logit_softcapping)", lambda x, c=c: torch.tanh(x / c) * c))
-    scale = getattr(text, "logit_scale", None)
-    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale != 1:
-        s = float(scale)
-        steps.append((f"x * {s} (logit_scale)", lambda x, s=s: x * s))
-    div = getattr(text, "logits_scaling", None)
-    if isinstance(div, (int, float)) and not isinstance(div, bool) and div not in (0, 1):
-        d = float(div)
-        steps.append((f"x / {d} (logits_scaling)", lambda x, d=d: x / d))
+    key = next((k for k in ("logit_scale", "output_multiplier", "lm_head_multiplier") if _number(getattr(text, k, None)) is not None), None)
+    scale, div = (_number(getattr(text, key, None)), None) if key else (None, _number(getattr(text, "logits_scaling", None)))
+    if div is not None and div not in (0.0, 1.0):
+        key = "logits_scaling"
+        if getattr(text, "model_type", None) == "hyperclovax":  # the one family that multiplies by it
+            scale, div = div, None
+        else:
+            steps.append((f"x / {div} (logits_scaling)", lambda x, d=div: x / d))
+    if scale is not None and scale != 1.0:
+        steps.append((f"x * {scale} ({key})", lambda x, s=scale: x * s))
+    cap = _number(getattr(text, "final_logit_softcapping", None))
+    if cap is not None and cap > 0:
+        steps.append((f"{cap} * tanh(x / {cap}) (final_logit_softcapping)", lambda x, c=cap: torch.tanh(x / c) * c))
     if not steps:
         return None
 

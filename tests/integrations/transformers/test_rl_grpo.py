@@ -21,73 +21,12 @@ from headwatch.integrations.transformers import HeadwatchCallback  # noqa: E402
 
 from examples.grpo_collapse import EOS, PAD, V, word_tokenizer  # noqa: E402, F401 - the example's ids and tokenizer
 from examples.grpo_collapse import tiny_policy as _example_policy  # noqa: E402
-from tests.helpers.rl import by_step, reward_w7, tiny_policy  # noqa: E402
-
-STEPS = 4
-
-
-def prompts(n: int = 16):
-    from datasets import Dataset
-
-    g = torch.Generator().manual_seed(0)
-    rows = [" ".join(f"w{i}" for i in torch.randint(0, V - 2, (3 + k % 3,), generator=g).tolist()) for k in range(n)]
-    return Dataset.from_dict({"prompt": rows})
+from tests.helpers.rl import STEPS, Recorder, by_step, grpo, prompts, reward_w7, tiny_policy  # noqa: E402
 
 
 def reward_varied(completions, **kwargs):
     """Never the same for two completions of a group: the advantages, hence the gradient, are never all zero."""
     return [float(c.count("w7")) + 0.1 * i for i, c in enumerate(completions)]
-
-
-def grpo(tmp_path, temperature: float, callback: HeadwatchCallback, reward=reward_w7, **kw):
-    from trl import GRPOConfig, GRPOTrainer
-
-    opts = dict(
-        output_dir=str(tmp_path), max_steps=STEPS, logging_steps=1, per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=8, temperature=temperature, learning_rate=1e-2, report_to="none", use_cpu=True,
-        save_strategy="no", disable_tqdm=True, bf16=False, use_vllm=False, seed=0,
-    )  # fmt: skip
-    opts.update(kw)
-    return GRPOTrainer(model=tiny_policy(), reward_funcs=reward, args=GRPOConfig(**opts), train_dataset=prompts(),
-                       processing_class=word_tokenizer(), callbacks=[callback])  # fmt: skip
-
-
-class Recorder:
-    """The test's own view of each step: TRL's completion mask, the fused head's output of the training forward,
-    and the model's forwards without gradient (generation) per optimizer step."""
-
-    def __init__(self, trainer):
-        self.masks, self.fused, self.no_grad = [], [], []
-        self.current = 0
-        original = trainer._compute_loss
-
-        def compute_loss(model, inputs):
-            self.masks.append(inputs["completion_mask"].detach().clone())
-            return original(model, inputs)
-
-        trainer._compute_loss = compute_loss
-        trainer.model.register_forward_hook(self.hook, with_kwargs=True)
-        trainer.add_callback(self.callback())
-
-    def hook(self, module, args, kwargs, output):
-        if torch.is_grad_enabled() and kwargs.get("fused_lm_head"):
-            self.fused.append((output.log_probs.detach().clone(), output.label_mask.clone()))
-        elif not torch.is_grad_enabled():
-            self.current += 1
-
-    def callback(self):
-        from transformers import TrainerCallback
-
-        recorder = self
-
-        class StepEnd(TrainerCallback):
-            def on_step_begin(self, *a, **k):
-                recorder.current = 0
-
-            def on_step_end(self, *a, **k):
-                recorder.no_grad.append(recorder.current)
-
-        return StepEnd()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -124,8 +63,10 @@ def test_grpo_entropy_equals_trls_at_every_logging_step(tmp_path, temperature):
 
 
 def test_the_temperature_is_what_makes_the_figure_equal(tmp_path):
-    """Negative control: the same run at T = 0.7 measured at T = 1 (headwatch without the RL reading) is off
-    TRL's entropy by far more than the tolerance: the equality above is not a coincidence."""
+    """Negative control: the same run at T = 0.7 measured at T = 1 (headwatch without the RL reading). The entropy
+    and the NLL are TRL's own values (still equal), but the figures reproduced from the hidden states (the top-1
+    probability, the calibration) would be those of another distribution: they are refused (NaN) with a warning
+    naming the cause, never published wrong."""
 
     class WithoutRL(HeadwatchCallback):
         def understand_trainer(self) -> None:  # the door's RL reading switched off
@@ -133,10 +74,12 @@ def test_the_temperature_is_what_makes_the_figure_equal(tmp_path):
 
     cb = WithoutRL(monitors=["logits"], figure_every_n_steps=0)
     trainer = grpo(tmp_path, 0.7, cb, max_steps=1)
-    trainer.train()
+    with pytest.warns(UserWarning, match=r"published as NaN because a reproduction .* differs from the loss's own NLL by .*temperature"):
+        trainer.train()
     history = trainer.state.log_history
     ours, theirs = by_step(history, "headwatch/logits/entropy")[1], by_step(history, "entropy")[1]
-    assert abs(ours - theirs) / theirs > 0.05
+    assert abs(ours - theirs) / theirs <= 1e-6
+    assert math.isnan(cb.latest["headwatch/logits/max_prob"]) and math.isnan(cb.latest["headwatch/logits/ece"])
     assert "headwatch/rl/sampled_nll" not in cb.latest
 
 
