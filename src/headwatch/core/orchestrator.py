@@ -11,12 +11,10 @@ events into calls here. The orchestrator owns:
   the first forward with gradient of a training micro-batch starts it, the first evaluation forward
   that is not ``generate()``'s starts a validation batch; the labels come from the inputs the loss
   is computed with when a trainer takes them out of the model's inputs (:meth:`loss_inputs`);
-- the failure policy (:meth:`each`: a monitor that fails warns once, is skipped and training goes on;
-  ``strict`` raises);
-- the reduction (:func:`~headwatch.core.monitor.compute_due`: every monitor's sums of the step, and the
-  self-check's, in one ``all_reduce`` per dtype; every rank drops the same failed monitors);
-- publishing: one :func:`to_host` transfer per logging step (scalars and histograms together: the
-  one host-device sync), then every :class:`Sink` once (one writer flush each);
+- the failure policy (:meth:`each`: a monitor that fails warns once and is skipped; ``strict`` raises);
+- the reduction (:func:`~headwatch.core.monitor.compute_due`: every monitor's sums and the self-check's in one
+  ``all_reduce`` per dtype; every rank drops the same failed monitors);
+- publishing: one :func:`to_host` transfer per logging step (the one host-device sync), then every :class:`Sink`;
 - the self-check (:class:`~headwatch.core.self_check.SelfCheck`, :attr:`Orchestrator.check`): what was
   captured on each training logging step and its gaps to the trainer's own figures, added before the
   one transfer, warned about after it;
