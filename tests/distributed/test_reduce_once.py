@@ -125,7 +125,7 @@ def test_a_monitor_failing_on_one_process_runs_the_same_collectives_and_is_dropp
         assert ops == [(c["op"], c["dtype"], c["numel"]) for c in b["collectives"]], step
         assert len(ops) == len(plain[step]["collectives"]), step  # the same collectives as without the failures
         assert a["values"].keys() == b["values"].keys(), step
-    dropped = {1: ("headwatch/logits/", "headwatch/capture/", "headwatch/check/"), 3: ("headwatch/grad/", "headwatch/update/", "headwatch/freq/", "headwatch/model/",
+    dropped = {1: ("headwatch/logits/", "headwatch/debug/capture/", "headwatch/debug/check/", "headwatch/check/"), 3: ("headwatch/grad/", "headwatch/update/", "headwatch/freq/", "headwatch/model/",
                                                                                       "headwatch/check/vanished")}
     for step, prefixes in dropped.items():
         got, full = failing[step]["values"], plain[step]["values"]

@@ -50,6 +50,7 @@ def cce_forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs
 def cce_patch(monkeypatch):
     """``cce_patch(model)``: the model's forward replaced as Cut Cross-Entropy's transformers patch replaces it."""
     pytest.importorskip("cut_cross_entropy")
+    LossCalls.restore()  # an earlier test's model may still listen: the patch binds the real function, unwrapped
     module = types.ModuleType("cut_cross_entropy.transformers.llama")
     monkeypatch.setitem(sys.modules, module.__name__, module)
     exec(compile(PATCH, "<cut_cross_entropy.transformers.llama>", "exec"), module.__dict__)  # noqa: S102 - the test's patch
@@ -97,7 +98,10 @@ def test_the_loss_function_wrapper_is_put_back_at_detach():
     assert model.loss_function is own
 
 
-def test_fused_loss_wrappers_are_restored_when_the_last_capture_leaves(cce_patch):
+def test_fused_loss_wrappers_are_restored_when_the_last_capture_leaves(cce_patch, monkeypatch):
+    # the process-wide registry, as if this capture were the process's only one (an earlier test's model may live on)
+    monkeypatch.setattr(LossCalls, "_listeners", [])
+    monkeypatch.setattr(LossCalls, "_replaced", {})
     module = sys.modules["cut_cross_entropy.transformers.llama"]
     original = module.linear_cross_entropy
     model = tiny_llama(tie=True)

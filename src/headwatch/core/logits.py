@@ -201,9 +201,14 @@ class LogitStats(Monitor):
             return
         mask, targets = view.mask, view.targets
         if captured.targets is not None:  # taken at the loss: its own labels and positions (docs/sources.md)
-            mask, targets = None, captured.targets
+            given, targets = mask, captured.targets
+            mask = None
             if captured.ignore_index != self.batch_format.ignore_index:
                 targets = torch.where(targets == captured.ignore_index, self.batch_format.ignore_index, targets)
+            if given is not None and given.dim() >= 2 and targets.dim() >= 2 and given.shape[0] == targets.shape[0]:
+                # rows the door marked as no prediction (the repeats of an even distributed split, keep_rows)
+                dead = ~given.bool().flatten(1).any(-1)
+                targets = targets.masked_fill(dead.view(-1, *([1] * (targets.dim() - 1))), self.batch_format.ignore_index)
         if targets is None:
             split = "training" if sink is self._train else "evaluation"
             self.warn_once(
