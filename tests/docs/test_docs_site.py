@@ -56,6 +56,10 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
     assert "headwatch/&lt;split&gt;/renyi2_entropy" in reference
     assert "\\|" not in reference  # an escaped pipe shows as such inside code: no `|` in a declaration's code span
     assert "|{i valid : G_i != 0}| / |valid|" in reference  # outside code it is a pipe
+    # a metric's name never breaks mid-name: the page loads the rule that keeps the first column's code whole
+    assert 'href="../../stylesheets/headwatch.css"' in reference
+    rule = (site / "stylesheets" / "headwatch.css").read_text(encoding="utf-8")
+    assert "td:first-child code" in rule and "white-space: nowrap" in rule and "word-break: keep-all" in rule
     changelog = (site / "changelog" / "index.html").read_text(encoding="utf-8")
     assert f"[{headwatch.__version__}]" in changelog and "Keep a Changelog" in changelog
 

@@ -163,3 +163,15 @@ def test_hugging_face_door_posts_to_the_webhook_of_the_environment(tmp_path, rec
     assert [(r["rule"], r["step"]) for r in receiver] == [(a.rule, a.step) for a in cb.alert.alerts] == [("entropy_floor", 1)]
     assert cb.summary.text is not None and "1 fired" in cb.summary.text
     assert math.isclose(cb.summary.figures["entropy_last"], cb.latest["headwatch/logits/entropy"])
+
+
+def test_lightning_values_are_in_callback_metrics_the_training_ones_not_in_logged_metrics(tmp_path):
+    """What the Lightning guide says ("The values in your code")."""
+    trainer = make_trainer(tmp_path, [LogitStatsMonitor(figure_every_n_steps=0)], max_steps=4, log_every_n_steps=2,
+                           val_check_interval=4)  # fmt: skip
+    trainer.fit(TinyCausalLM(), loader(n=64, batch_size=8, pad=False), loader(n=16, batch_size=8, pad=False))
+    (driver,) = drivers(trainer)
+    held, logged = trainer.callback_metrics, trainer.logged_metrics
+    assert float(held["headwatch/logits/entropy"]) == pytest.approx(driver.run.latest["headwatch/logits/entropy"], rel=1e-6)
+    assert "headwatch/logits/entropy" not in logged  # written to the loggers by headwatch itself
+    assert "headwatch/val/logits/entropy" in held and "headwatch/val/logits/entropy" in logged  # through self.log
