@@ -394,36 +394,12 @@ def format_summary(s: dict[str, Any]) -> str:
         f"train loss      {_fmt(s['final_train_loss'])} (last logged step)",
     ]
     if s["headwatch"]:
-        lines += [
-            f"logit entropy   train {_fmt(s['entropy'])}, val {_fmt(s['val_entropy'])} (max log V)",
-            f"kl_to_uniform   train {_fmt(s['kl_to_uniform'])}, val {_fmt(s['val_kl_to_uniform'])} "
-            "(KL(p || U) = log V - entropy)",
-            f"grad density    embedding {_fmt(s['embedding_row_density'], 'of rows')}, head "
-            f"{_fmt(s['head_row_density'], 'of rows')} (rows with a non-zero gradient, last logged step)",
-            "update density  "
-            + (
-                f"shared matrix {_fmt(s['update_shared_row_density'], 'of rows')}"
-                if s["tie_weights"]
-                else f"embedding {_fmt(s['update_embedding_row_density'], 'of rows')}, head "
-                f"{_fmt(s['update_head_row_density'], 'of rows')}"
-            )
-            + " (rows the AdamW step moved)",
-        ]
-        if s["tie_weights"]:
-            lines.append(
-                f"tied flows      cosine(lookup, scoring) mean {_fmt(s['tied_flow_cosine_mean'], '')}, "
-                f"conflicting rows {_fmt(s['tied_flow_conflict_fraction'], '')}"
-            )
-        lines.append(
-            f"collision       rare tokens colliding (nn cosine >= 0.9, common drift removed): head {_fmt(s['rare_rate_head'], '')}"
-            + ("" if s["tie_weights"] else f", embedding {_fmt(s['rare_rate_embedding'], '')}")
-            + f" of {int(s['rare_count'] or 0)} rare tokens (raw cosine, i.e. drift: head {_fmt(s['drift_raw_rate_head'], '')})"
-        )
+        # headwatch's own end-of-training summary (printed above, when fit ends) gives its figures beside
+        # their references; this one only says where to find them
         alerts = s.get("alerts") or []
         lines.append(
-            f"alerts          {len(alerts)}"
-            + "".join(f"\n                step {a['step']}: {a['message']}" for a in alerts[:3])
-            + (f"\n                log: {s['alerts_file']}" if alerts else "")
+            "headwatch       its end-of-training summary is printed above; alerts "
+            + f"{len(alerts)}" + (f" (log: {s['alerts_file']})" if alerts else "")
         )
     else:
         lines.append("headwatch       off (--no-headwatch)")
