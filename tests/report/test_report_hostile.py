@@ -163,6 +163,17 @@ def test_an_all_nan_group_is_reported(tmp_path, capsys):
     assert "has no finite value" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("damaged", [float("inf"), 1e300, 2.5, -3.0])
+def test_a_damaged_published_vocab_size_is_left_out_and_the_report_goes_on(tmp_path, capsys, damaged):
+    vocab = "headwatch/model/vocab_size"
+    for side in ("tied", "untied"):
+        write(tmp_path / side, {E: [(0, 5.0), (10, 4.0)], vocab: [(0, 512.0), (10, damaged)],
+                                "headwatch/model/hidden_size": [(0, 32.0), (10, 32.0)]})
+    assert main(["report", str(tmp_path / "tied"), str(tmp_path / "untied")]) == 0
+    out = capsys.readouterr().out
+    assert "Traceback" not in out and "entropy" in out
+
+
 def test_a_sweep_of_12_runs_gets_12_colours_and_12_headers(tmp_path, capsys):
     root = tmp_path / "sweep"
     names = [f"lr_0.00{i % 3}_wd_0.1_warmup_long_name_seed{i}" for i in range(12)]

@@ -299,11 +299,12 @@ def model_shapes(hparams: Mapping[str, Any] | None) -> dict[str, Any]:
 def published_shapes(scalars: Mapping[str, Any], prefix: str = "headwatch") -> dict[str, Any]:
     """``{"vocab_size": V, "d_model": d}`` from the run's own ``<prefix>/model/vocab_size`` and
     ``<prefix>/model/hidden_size`` (published by the gradient statistics on every logging step); keys left out
-    when absent."""
+    when absent, and a value that is not a whole count below 2**53 (NaN, inf, 1e300, 2.5: a damaged file) is
+    left out."""
     out: dict[str, Any] = {}
     for key, name in (("vocab_size", "vocab_size"), ("d_model", "hidden_size")):
         points = scalars.get(f"{prefix}/model/{name}") or ()
-        values = [v for _, v in points if isinstance(v, (int, float)) and v == v and v > 0]
+        values = [v for _, v in points if isinstance(v, (int, float)) and 0 < v < 2**53 and float(v).is_integer()]
         if values:
             out[key] = int(values[-1])
     return out
