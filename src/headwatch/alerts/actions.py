@@ -8,6 +8,7 @@ read by :class:`~headwatch.alerts.engine.AlertEngine`: ``name`` (for failure mes
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Callable
@@ -109,6 +110,15 @@ class JsonlLog:
             self.lost += 1
         self.delayed += max(self._write() - 1, 0)  # all but this alert's record were late
 
+    def mark_undelivered(self, alerts: list[Alert], channel: str) -> None:
+        """Append each alert's record again with ``"undelivered": channel`` (a reader counts the alert once: the
+        record without that key). Kept back like any record when the file cannot be written."""
+        for alert in alerts:
+            record = json.loads(alert.to_json())
+            record["undelivered"] = channel
+            self.pending.append(json.dumps(record, sort_keys=True, allow_nan=False) + "\n")
+        self.delayed += max(self._write() - len(alerts), 0)
+
     def flush(self, timeout: float | None = None, strict: bool = False) -> None:
         """Write the kept records (in order). Raises ``OSError`` while the file cannot be written."""
         self.delayed += self._write()
@@ -145,6 +155,45 @@ class OnCritical:
 
     def __call__(self, alert: Alert) -> None:
         self.fn(alert)
+
+
+KEEP_CHECKPOINTS = 3
+"""Checkpoints written by the alert's checkpoint action kept on disk by default (the latest ones)."""
+
+
+class CheckpointOnCritical:
+    """``save(alert)`` on critical alerts, on every process (a collective), at most once per step, and only the
+    latest ``keep`` of the files it wrote kept.
+
+    Each alert is one firing episode of one rule (an episode fires once, until its value re-arms past the
+    margin), so this writes one checkpoint per episode; rules firing at one step (an entropy floor and a KL
+    ceiling move together) share one. ``save`` returns the path it wrote (it is then removed once ``keep`` newer
+    ones exist) or None (a trainer that rotates its own checkpoints: nothing removed). 0.3 wrote one full
+    checkpoint per firing and kept them all: 11 in 60 steps for a value hovering at the floor.
+    """
+
+    name = "checkpoint"
+    main_process_only = False
+    severities = (CRITICAL,)
+
+    def __init__(self, save: Callable[[Alert], Any], keep: int = KEEP_CHECKPOINTS) -> None:
+        self.save = save
+        self.keep = keep
+        self.written: list[Path] = []  # the files kept, oldest first
+        self.saved = 0
+        self._last_step: int | None = None
+
+    def __call__(self, alert: Alert) -> None:
+        if alert.step == self._last_step:
+            return
+        self._last_step = alert.step
+        path = self.save(alert)
+        self.saved += 1
+        if path is None:
+            return
+        self.written = [p for p in self.written if p != Path(path)] + [Path(path)]
+        while len(self.written) > self.keep:
+            Path(self.written.pop(0)).unlink(missing_ok=True)  # missing: another process shares the folder
 
 
 def action_name(action: Any) -> str:
