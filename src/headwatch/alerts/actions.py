@@ -16,6 +16,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from headwatch.alerts.events import CRITICAL, SEVERITIES, Alert
+from headwatch.errors import (
+    check_callable,
+    check_instance,
+    check_int,
+    check_optional,
+    check_prefix,
+    check_protocol,
+    check_str,
+)
 
 JSONL_NAME = "headwatch_alerts.jsonl"
 
@@ -33,7 +42,7 @@ class SummaryWriterSink:
     ``add_scalar`` / ``add_text`` / ``flush``); flushed at once so that the marker shows live."""
 
     def __init__(self, writer: Any) -> None:
-        self.writer = writer
+        self.writer = check_protocol("writer", writer, ["add_scalar", "add_text", "flush"], "a SummaryWriter (add_scalar, add_text, flush)")
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         self.writer.add_scalar(tag, value, global_step=step)
@@ -62,8 +71,8 @@ class SinkMarker:
     main_process_only = False  # the sink decides (Lightning's loggers write on rank zero)
 
     def __init__(self, sink: AlertSink, prefix: str = "headwatch") -> None:
-        self.sink = sink
-        self.prefix = prefix
+        self.sink = check_protocol("sink", sink, ["scalar", "text"], "an AlertSink (scalar and text methods)")
+        self.prefix = check_prefix(prefix)
 
     def __call__(self, alert: Alert) -> None:
         self.sink.scalar(marker_tag(self.prefix, alert), 1.0, alert.step)
@@ -77,6 +86,7 @@ class ConsoleWarning:
     main_process_only = True
 
     def __init__(self, warn: Callable[[str], Any] | None = None) -> None:
+        check_optional(check_callable, "warn", warn, "a callable taking a message")
         self.warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
 
     def __call__(self, alert: Alert) -> None:
@@ -97,6 +107,8 @@ class JsonlLog:
     main_process_only = True
 
     def __init__(self, path: str | os.PathLike[str], max_pending: int = 10_000) -> None:
+        check_instance("path", path, (str, os.PathLike), "a path (str or os.PathLike)")
+        check_int("max_pending", max_pending, minimum=1)
         self.path = Path(path)
         self.max_pending = max_pending
         self.pending: list[str] = []
@@ -150,8 +162,8 @@ class OnCritical:
     severities = (CRITICAL,)
 
     def __init__(self, name: str, fn: Callable[[Alert], Any]) -> None:
-        self.name = name
-        self.fn = fn
+        self.name = check_str("name", name)
+        self.fn = check_callable("fn", fn, "a callable taking an Alert")
 
     def __call__(self, alert: Alert) -> None:
         self.fn(alert)
@@ -177,8 +189,8 @@ class CheckpointOnCritical:
     severities = (CRITICAL,)
 
     def __init__(self, save: Callable[[Alert], Any], keep: int = KEEP_CHECKPOINTS) -> None:
-        self.save = save
-        self.keep = keep
+        self.save = check_callable("save", save, "a callable taking an Alert")
+        self.keep = check_int("keep", keep, minimum=1)
         self.written: list[Path] = []  # the files kept, oldest first
         self.saved = 0
         self._last_step: int | None = None
