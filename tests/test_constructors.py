@@ -68,8 +68,8 @@ REQUIRED = {
     "HeadWarmupCore": lambda: {"warmup_steps": 2},
     "TiedOutputProjection": lambda: {"weight": torch.nn.Parameter(torch.randn(16, 8))},
     "GuardedFileWriter": lambda: {"inner": _writer().file_writer},
-    "MarkerSink": lambda: {"writers": lambda: []},
-    "WriterSink": lambda: {"writers": lambda: []},
+    "MarkerSink": lambda: {"writers": list},
+    "WriterSink": lambda: {"writers": list},
     "SummaryWriter": lambda: {"log_dir": os.path.join(_DIR, "s")},
     "TensorBoardLogger": lambda: {"save_dir": _DIR},
 }

@@ -15,10 +15,10 @@ from typing import Any
 from torch.utils.tensorboard import SummaryWriter as TorchSummaryWriter
 
 from headwatch.tensorboard.guard import (
-    check_guard_options,
     DEFAULT_MAX_PENDING_BYTES,
     DEFAULT_RETRY_SECONDS,
     GuardedFileWriter,
+    check_guard_options,
     open_guarded,
 )
 
