@@ -59,6 +59,7 @@ REQUIRED = {
     "AlertEngine": lambda: {"rules": _rules()},
     "JsonlLog": lambda: {"path": os.path.join(_DIR, "a.jsonl")},
     "OnCritical": lambda: {"name": "n", "fn": print},
+    "CheckpointOnCritical": lambda: {"save": print},
     "SinkMarker": lambda: {"sink": _Sink()},
     "SummaryWriterSink": lambda: {"writer": _writer()},
     "WebhookSender": lambda: {"url": "http://127.0.0.1:9/hook"},
@@ -78,7 +79,7 @@ BUILT = [
     "SynonymCollisionMonitor", "TensorBoardLogger", "TokenFrequency", "AlertEngine", "CollapseRules", "JsonlLog",
     "OnCritical", "SinkMarker", "SummaryWriterSink", "WebhookSender", "GradientDensity", "LogitStats", "Schedule",
     "SynonymCollision", "TokenCounts", "TorchDistributedReducer", "HeadWarmup", "HeadWarmupCore", "TiedOutputProjection",
-    "GuardedFileWriter", "MarkerSink", "SummaryWriter", "WriterSink", "ConsoleWarning",
+    "GuardedFileWriter", "MarkerSink", "SummaryWriter", "WriterSink", "ConsoleWarning", "CheckpointOnCritical",
 ]  # fmt: skip
 RECORDS = {
     "Alert", "AlertEvent", "AlertSink", "BatchView", "Media", "Monitor", "NoReducer", "Reducer", "FrequencySnapshot",
