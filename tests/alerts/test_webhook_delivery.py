@@ -188,3 +188,10 @@ def test_basic_auth_from_the_url_and_the_password_in_no_log_and_no_host_name(hoo
         assert not any(secret in m for m in records), (secret, records)
         assert not any(secret in h for h in looked_up), looked_up
     assert "127.0.0.1" in looked_up
+
+
+def test_a_redirect_loop_ends_after_three_hops_and_is_not_retried(hook_factory):
+    hook = hook_factory({"/hooks/SECRET": (307, {"Location": "/hooks/SECRET"})})
+    sender, failures = deliver(hook.url())
+    assert sender.sent == 0 and sender.failures == 1 and "more than 3 redirects" in failures[0], failures
+    assert len(hook.requests) == 4  # the first POST and three followed; the retries not spent on it

@@ -279,12 +279,13 @@ class WebhookSender:
                     self._lock.notify_all()
 
     def _attempt(self, body: bytes) -> None:
-        """One POST, following 307/308 to the same host; raises on any failure (:class:`_Refused`: final)."""
+        """One POST within ``timeout`` in all, following 307/308 to the same host; raises on any failure
+        (:class:`_Refused`: final, not retried)."""
         url = self._url
-        for _ in range(MAX_REDIRECTS + 1):
-            headers = {"Content-Type": "application/json", **self._headers}
-            request = urllib.request.Request(url, data=body, method="POST", headers=headers)
-            with _Deadline(self.timeout) as deadline:
+        with _Deadline(self.timeout) as deadline:
+            for _ in range(MAX_REDIRECTS + 1):
+                headers = {"Content-Type": "application/json", **self._headers}
+                request = urllib.request.Request(url, data=body, method="POST", headers=headers)
                 try:
                     with _opener(deadline).open(request, timeout=self.timeout) as response:
                         if 200 <= response.status < 300:
@@ -293,12 +294,13 @@ class WebhookSender:
                 except urllib.error.HTTPError as err:
                     if err.code not in (301, 302, 303, 307, 308):
                         raise
-                    location = urllib.parse.urljoin(url, err.headers.get("Location", "") or "")
-                    shown = redact_url(location) if err.headers.get("Location") else "no Location"
+                    given = err.headers.get("Location") or ""
+                    location = split_credentials(urllib.parse.urljoin(url, given))[0]  # never a password in a host name
+                    shown = redact_url(location) if given else "no Location"
                     if err.code in (301, 302, 303):
                         raise _Refused(f"HTTP {err.code} redirect to {shown} not followed: it would turn the POST "
                                        "into an empty GET; set the webhook URL to the final address") from None
-                    if not _same_origin(location, url):
+                    if not given or not _same_origin(location, url):
                         raise _Refused(f"HTTP {err.code} redirect to {shown}, another host than "
                                        f"{self.redacted}, not followed; set the webhook URL to the final address") from None
                     url = location
