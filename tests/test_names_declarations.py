@@ -111,10 +111,10 @@ def test_the_dispatcher_reads_sys_argv(monkeypatch, capsys):
 def test_cost_errors_are_usage_errors(capsys):
     for argv, message in (
         (["cost"], "give --config PATH, or --vocab-size V and --d-model D"),
-        (["cost", "--vocab-size", "0", "--d-model", "4"], "`vocab_size` must be an int >= 1, got 0"),
+        (["cost", "--vocab-size", "0", "--d-model", "4"], r"`vocab_size` must be an int in \[1, 2147483647\], got 0"),
         (["cost", "--vocab-size", "10", "--d-model", "4", "--params", "30"], r"`params`=30 is too small for a 10 x 4"),
         (["cost", "--vocab-size", "10", "--d-model", "4", "--params", "70", "--no-tied"], "plus an untied head"),
-        (["cost", "--world-size", "0", "--vocab-size", "10", "--d-model", "4"], "`world_size` must be an int >= 1"),
+        (["cost", "--world-size", "0", "--vocab-size", "10", "--d-model", "4"], r"`world_size` must be an int in \[1, 1048576\]"),
     ):
         with pytest.raises(SystemExit) as exc:
             cli_main(argv)

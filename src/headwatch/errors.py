@@ -220,6 +220,10 @@ class StateError(HeadwatchError):
     value of the wrong type, shape or sign, or not finite. The message names the part and the key."""
 
 
+MAX_TOTAL = 2**62
+"""The largest count or total a state may hold: room to keep adding in int64 (0.3 took ``2**63 - 1`` and wrapped)."""
+
+
 class StateReader:
     """Read one part of a checkpoint state (a ``state_dict``), checking each value against the current run.
 
@@ -253,8 +257,8 @@ class StateReader:
     def count(self, key: str, default: int = 0) -> int:
         """An int >= 0 (a count, a step)."""
         value = self.state.get(key, default)
-        if not _is_int(value) or value < 0:
-            raise self.fail(key, "an int >= 0", value)
+        if not _is_int(value) or not 0 <= value <= MAX_TOTAL:
+            raise self.fail(key, "an int >= 0 (at most 2**62)", value)
         return int(value)
 
     def step(self, key: str, default: int = -1) -> int:
@@ -268,9 +272,10 @@ class StateReader:
         """A finite number (>= ``minimum`` unless None)."""
         value = self.state.get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-            minimum is not None and value < minimum
+            minimum is not None and not minimum <= value <= MAX_TOTAL
         ):
-            raise self.fail(key, f"a finite number{'' if minimum is None else f' >= {minimum:g}'}", value)
+            bound = "" if minimum is None else f" >= {minimum:g} (at most 2**62)"
+            raise self.fail(key, f"a finite number{bound}", value)
         return float(value)
 
     def optional_number(self, key: str) -> float | None:
@@ -315,7 +320,11 @@ class StateReader:
         ):
             size = f"{length} " if length is not None else ""
             raise self.fail(key, f"a 1-D integer tensor of {size}counts", value)
+        if value.is_meta or value.layout != torch.strided:  # no values to restore (meta), or not a plain array
+            raise self.fail(key, "a dense tensor holding its values (not meta, not sparse)", f"a {value.layout} tensor on {value.device}")
         if value.numel() and bool((value < 0).any()):
             raise self.fail(key, "counts >= 0", f"{int((value < 0).sum())} negative entries")
+        if value.numel() and float(value.double().sum()) > MAX_TOTAL:
+            raise self.fail(key, "counts whose total is at most 2**62", f"a total of {float(value.double().sum()):.4g}")
         return value.detach().long().cpu().clone()
 

@@ -180,7 +180,7 @@ def test_standard_actions_order_and_where_each_runs():
     actions = standard_actions(warn=print, sink=Sink(), prefix="hw", jsonl_path="x.jsonl", callables=[print],
                                webhook=WebhookSender("http://127.0.0.1:9/x"), save_checkpoint=print, stop=print)
     assert [type(a).__name__ for a in actions] == ["ConsoleWarning", "SinkMarker", "JsonlLog", "builtin_function_or_method",
-                                                  "WebhookSender", "OnCritical", "OnCritical"]
+                                                  "WebhookSender", "CheckpointOnCritical", "OnCritical"]
     assert [action_name(a) for a in actions[-2:]] == ["checkpoint", "stop"] and action_name(print) == "action print"
     warning, critical = alert("warning"), alert("critical")
     # (runs for a warning on rank 0, for a critical on rank 0, for a critical on another rank)

@@ -69,6 +69,13 @@ CORRUPTIONS = [
     (GradientDensity, "failures", lambda v: None, "int >= 0"),
     (SynonymCollision, "last_step", lambda v: -7, "int >= -1"),
     (SynonymCollision, "version", lambda v: 99, "`version`"),
+    # crafted states: values that are not there (meta), a sparse layout, totals at the int64 limit
+    (TokenCounts, "counts", lambda c: torch.empty_like(c, device="meta"), "not meta"),
+    (TokenCounts, "counts", lambda c: c.to_sparse(), "not sparse"),
+    (TokenCounts, "counts", lambda c: torch.full_like(c, 2**63 - 1), "total is at most 2**62"),
+    (TokenCounts, "out_of_range", lambda v: 2**63 - 1, "at most 2**62"),
+    (LogitStats, "total_positions", lambda v: float(2**63 - 1), "at most 2**62"),
+    (LogitStats, "logged_steps", lambda v: 2**63 - 1, "at most 2**62"),
 ]
 
 
@@ -96,7 +103,7 @@ def test_an_invalid_part_restarts_that_monitor_from_empty_with_one_warning(cls, 
                 assert torch.equal(have[k], v) if isinstance(v, torch.Tensor) else have[k] == v, (other.__name__, k)
 
 
-@pytest.mark.parametrize(("cls", "key", "corrupt", "words"), CORRUPTIONS[:3] + CORRUPTIONS[7:8])
+@pytest.mark.parametrize(("cls", "key", "corrupt", "words"), CORRUPTIONS[:3] + CORRUPTIONS[7:8] + CORRUPTIONS[16:])
 def test_strict_raises_a_state_error_naming_the_part(cls, key, corrupt, words):
     state = trained().state_dict()
     damaged = part(state, cls)

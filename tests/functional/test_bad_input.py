@@ -44,6 +44,14 @@ def test_token_ids_must_be_integers(ids):
         F.calibration_update(logits, ids, torch.zeros(2, 3, dtype=torch.long), 5)
 
 
+@pytest.mark.parametrize("ignore_index", [-100.0, True, "x", None, 2**70 + 0.5])
+def test_the_functions_refuse_an_ignore_index_that_is_not_an_int(ignore_index):
+    logits, targets = torch.randn(2, 3, 8), torch.randint(0, 8, (2, 3))
+    with pytest.raises(HeadwatchError, match="`ignore_index` must be an int"):
+        F.logit_statistics(logits, targets=targets, ignore_index=ignore_index)
+    F.logit_statistics(logits, targets=targets, ignore_index=-1)  # an int is taken
+
+
 def test_a_string_ignore_index_and_an_empty_metric_name_are_refused():
     from headwatch.alerts import CollapseRules
     from headwatch.model.batch import BatchFormat

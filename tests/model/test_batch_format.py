@@ -154,7 +154,8 @@ def test_user_functions_returning_no_tensor_are_refused_on_access():
         view.mask
     with pytest.raises(HeadwatchError, match=r"targets_fn must return a \(B, T\) tensor, got tuple"):
         view.targets
-    assert BatchFormat(ids_fn=lambda b: IDS.float()).read(_batch()).ids is None  # float ids are not token ids
+    with pytest.raises(HeadwatchError, match="what `ids_fn` returns must be an integer tensor of token ids"):
+        _ = BatchFormat(ids_fn=lambda b: IDS.float()).read(_batch()).ids  # float ids are not token ids: said, not skipped
 
 
 # ---------------------------------------------------------------- alignments
@@ -196,3 +197,40 @@ def test_view_keeps_its_format_and_batch():
     fmt, batch = BatchFormat(), _batch()
     view = fmt.read(batch)
     assert isinstance(view, BatchView) and view.format is fmt and view.batch is batch
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.complex64])
+def test_input_ids_must_be_an_integer_tensor(dtype):
+    ids = torch.ones(2, 3).to(dtype)
+    with pytest.raises(HeadwatchError, match=r"the batch's `input_ids` must be an integer tensor of token ids"):
+        _ = BatchView(BatchFormat(), {"input_ids": ids}).ids
+    with pytest.raises(HeadwatchError, match=r"what `ids_fn` returns must be an integer tensor"):
+        _ = BatchView(BatchFormat(ids_fn=lambda b: b["x"]), {"x": ids}).ids
+    assert BatchView(BatchFormat(), {"input_ids": torch.ones(2, 3, dtype=torch.int32)}).ids.dtype == torch.int32
+
+
+def test_a_tuple_batchs_float_first_tensor_is_not_ids_but_a_bool_one_is_refused():
+    assert BatchView(BatchFormat(), (torch.ones(2, 3), torch.ones(2))).ids is None  # features, not ids
+    with pytest.raises(HeadwatchError, match="integer tensor of token ids"):
+        _ = BatchView(BatchFormat(), (torch.ones(2, 3, dtype=torch.bool),)).ids
+
+
+def test_bool_input_ids_raise_under_strict_and_warn_once_otherwise():
+    import warnings
+
+    from headwatch import Headwatch
+    from tests.helpers import TinyCausalLM
+
+    ids = torch.randint(0, 64, (2, 8))
+    for strict in (True, False):
+        model = TinyCausalLM(vocab_size=64, d_model=16)
+        hw = Headwatch(model, log_every_n_steps=1, figure_every_n_steps=0, strict=strict)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if strict:
+                with pytest.raises(HeadwatchError, match="`input_ids` must be an integer tensor"):
+                    hw.step_start({"input_ids": ids.bool(), "labels": ids}, 0)
+                continue
+            hw.step_start({"input_ids": ids.bool(), "labels": ids}, 0)
+        said = [str(w.message) for w in caught if "input_ids" in str(w.message)]
+        assert len(said) == 1 and "not bool or float" in said[0], said

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
 from headwatch import HeadwatchError
-from headwatch.remedies.cost import KNOWN_CONFIGS, count_parameters, main, readme_table, shape_from_config, untie_cost
+from headwatch.remedies.cost import (
+    KNOWN_CONFIGS,
+    MAX_CONFIG_BYTES,
+    count_parameters,
+    main,
+    readme_table,
+    shape_from_config,
+    untie_cost,
+)
 from tests.helpers.paths import ROOT
 
 REMEDIES = ROOT / "docs" / "remedies.md"
@@ -63,7 +73,7 @@ def test_multimodal_text_config():
 
 
 def test_errors(tmp_path, capsys):
-    with pytest.raises(HeadwatchError, match="`vocab_size` must be an int >= 1, got 0"):
+    with pytest.raises(HeadwatchError, match=r"`vocab_size` must be an int in \[1, 2147483647\], got 0"):
         untie_cost(0, 8)
     with pytest.raises(HeadwatchError, match="`tied` must be True or False"):
         untie_cost(8, 8, params=1000)
@@ -110,3 +120,66 @@ def test_a_config_that_is_not_a_config_object_is_a_clear_error(tmp_path, capsys,
         main(["--config", str(path)])
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def refused(capsys, argv: list[str]) -> str:
+    """The one line ``headwatch cost`` prints when it refuses ``argv`` (exit status 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("headwatch cost: error: "), err
+    return err
+
+
+def test_a_fifo_or_a_folder_is_refused_with_one_line_without_reading(tmp_path, capsys):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # reading it would block forever: refused before any open
+    assert "not a regular file" in refused(capsys, ["--config", str(fifo)])
+    folder = tmp_path / "model"
+    (folder / "config.json").mkdir(parents=True)
+    assert "not a regular file" in refused(capsys, ["--config", str(folder)])
+    assert "cannot read a JSON config" in refused(capsys, ["--config", str(tmp_path)])  # no config.json in it
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--vocab-size", "-5", "--d-model", "8"], "`vocab_size` must be an int in [1, 2147483647], got -5"),
+        (["--vocab-size", str(10**30), "--d-model", "8"], "`vocab_size` must be an int in [1, 2147483647]"),
+        (["--vocab-size", "8", "--d-model", "0"], "`d_model` must be an int in [1, 1048576], got 0"),
+        (["--vocab-size", "8", "--d-model", str(2**40)], "`d_model` must be an int in [1, 1048576]"),
+        (["--vocab-size", "8", "--d-model", "8", "--world-size", "0"], "`world_size` must be an int in [1, 1048576]"),
+        (["--vocab-size", "8", "--d-model", "8", "--world-size", str(10**12)], "`world_size`"),
+        (["--vocab-size", "8", "--d-model", "8", "--params", "-1", "--tied"], "`params` must be None or an int in"),
+        (["--vocab-size", "8", "--d-model", "8", "--params", str(10**20), "--tied"], "`params` must be None or an int in"),
+    ],
+)
+def test_absurd_sizes_are_refused_with_one_line(capsys, argv, words):
+    assert words in refused(capsys, argv)
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('{"model_type": "llama", "vocab_size": 1000000000000, "hidden_size": 64}', "`vocab_size` must be an int in"),
+        ('{"model_type": "llama", "vocab_size": -3, "hidden_size": 64}', "`vocab_size` must be an int in [1, 2147483647], got -3"),
+        ('{"model_type": "llama", "vocab_size": 64, "hidden_size": 99999999999}', "`d_model` must be an int in"),
+        ('{"vocab_size": ' + "9" * 5000 + ', "hidden_size": 4}', "cannot read a JSON config"),
+        ("[" * 100_000, "cannot read a JSON config: nested too deep"),
+        (b"\xff\xfe{}", "cannot read a JSON config"),
+    ],
+)
+def test_absurd_configs_are_refused_with_one_line_before_any_model_is_built(tmp_path, capsys, text, words):
+    path = tmp_path / "config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    start = time.monotonic()
+    assert words in refused(capsys, ["--config", str(path)])
+    assert time.monotonic() - start < 5
+
+
+def test_a_config_larger_than_any_config_is_refused(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    with open(path, "wb") as f:
+        f.truncate(MAX_CONFIG_BYTES + 1)  # sparse: no disk used
+    assert "more than a config.json holds" in refused(capsys, ["--config", str(path)])

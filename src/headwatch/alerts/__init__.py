@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from headwatch.alerts.actions import (
     AlertSink,
+    CheckpointOnCritical,
     ConsoleWarning,
     JsonlLog,
     OnCritical,
@@ -43,6 +44,7 @@ __all__ = [
     "AlertEngine",
     "AlertEvent",
     "AlertSink",
+    "CheckpointOnCritical",
     "CollapseRules",
     "ConsoleWarning",
     "JsonlLog",

@@ -8,6 +8,7 @@ read by :class:`~headwatch.alerts.engine.AlertEngine`: ``name`` (for failure mes
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Callable
@@ -15,6 +16,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from headwatch.alerts.events import CRITICAL, SEVERITIES, Alert
+from headwatch.errors import (
+    check_callable,
+    check_instance,
+    check_int,
+    check_optional,
+    check_prefix,
+    check_protocol,
+    check_str,
+)
 
 JSONL_NAME = "headwatch_alerts.jsonl"
 
@@ -32,7 +42,7 @@ class SummaryWriterSink:
     ``add_scalar`` / ``add_text`` / ``flush``); flushed at once so that the marker shows live."""
 
     def __init__(self, writer: Any) -> None:
-        self.writer = writer
+        self.writer = check_protocol("writer", writer, ["add_scalar", "add_text", "flush"], "a SummaryWriter (add_scalar, add_text, flush)")
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         self.writer.add_scalar(tag, value, global_step=step)
@@ -61,8 +71,8 @@ class SinkMarker:
     main_process_only = False  # the sink decides (Lightning's loggers write on rank zero)
 
     def __init__(self, sink: AlertSink, prefix: str = "headwatch") -> None:
-        self.sink = sink
-        self.prefix = prefix
+        self.sink = check_protocol("sink", sink, ["scalar", "text"], "an AlertSink (scalar and text methods)")
+        self.prefix = check_prefix(prefix)
 
     def __call__(self, alert: Alert) -> None:
         self.sink.scalar(marker_tag(self.prefix, alert), 1.0, alert.step)
@@ -76,6 +86,7 @@ class ConsoleWarning:
     main_process_only = True
 
     def __init__(self, warn: Callable[[str], Any] | None = None) -> None:
+        check_optional(check_callable, "warn", warn, "a callable taking a message")
         self.warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
 
     def __call__(self, alert: Alert) -> None:
@@ -96,6 +107,8 @@ class JsonlLog:
     main_process_only = True
 
     def __init__(self, path: str | os.PathLike[str], max_pending: int = 10_000) -> None:
+        check_instance("path", path, (str, os.PathLike), "a path (str or os.PathLike)")
+        check_int("max_pending", max_pending, minimum=1)
         self.path = Path(path)
         self.max_pending = max_pending
         self.pending: list[str] = []
@@ -108,6 +121,15 @@ class JsonlLog:
             del self.pending[0]
             self.lost += 1
         self.delayed += max(self._write() - 1, 0)  # all but this alert's record were late
+
+    def mark_undelivered(self, alerts: list[Alert], channel: str) -> None:
+        """Append each alert's record again with ``"undelivered": channel`` (a reader counts the alert once: the
+        record without that key). Kept back like any record when the file cannot be written."""
+        for alert in alerts:
+            record = json.loads(alert.to_json())
+            record["undelivered"] = channel
+            self.pending.append(json.dumps(record, sort_keys=True, allow_nan=False) + "\n")
+        self.delayed += max(self._write() - len(alerts), 0)
 
     def flush(self, timeout: float | None = None, strict: bool = False) -> None:
         """Write the kept records (in order). Raises ``OSError`` while the file cannot be written."""
@@ -140,11 +162,50 @@ class OnCritical:
     severities = (CRITICAL,)
 
     def __init__(self, name: str, fn: Callable[[Alert], Any]) -> None:
-        self.name = name
-        self.fn = fn
+        self.name = check_str("name", name)
+        self.fn = check_callable("fn", fn, "a callable taking an Alert")
 
     def __call__(self, alert: Alert) -> None:
         self.fn(alert)
+
+
+KEEP_CHECKPOINTS = 3
+"""Checkpoints written by the alert's checkpoint action kept on disk by default (the latest ones)."""
+
+
+class CheckpointOnCritical:
+    """``save(alert)`` on critical alerts, on every process (a collective), at most once per step, and only the
+    latest ``keep`` of the files it wrote kept.
+
+    Each alert is one firing episode of one rule (an episode fires once, until its value re-arms past the
+    margin), so this writes one checkpoint per episode; rules firing at one step (an entropy floor and a KL
+    ceiling move together) share one. ``save`` returns the path it wrote (it is then removed once ``keep`` newer
+    ones exist) or None (a trainer that rotates its own checkpoints: nothing removed). 0.3 wrote one full
+    checkpoint per firing and kept them all: 11 in 60 steps for a value hovering at the floor.
+    """
+
+    name = "checkpoint"
+    main_process_only = False
+    severities = (CRITICAL,)
+
+    def __init__(self, save: Callable[[Alert], Any], keep: int = KEEP_CHECKPOINTS) -> None:
+        self.save = check_callable("save", save, "a callable taking an Alert")
+        self.keep = check_int("keep", keep, minimum=1)
+        self.written: list[Path] = []  # the files kept, oldest first
+        self.saved = 0
+        self._last_step: int | None = None
+
+    def __call__(self, alert: Alert) -> None:
+        if alert.step == self._last_step:
+            return
+        self._last_step = alert.step
+        path = self.save(alert)
+        self.saved += 1
+        if path is None:
+            return
+        self.written = [p for p in self.written if p != Path(path)] + [Path(path)]
+        while len(self.written) > self.keep:
+            Path(self.written.pop(0)).unlink(missing_ok=True)  # missing: another process shares the folder
 
 
 def action_name(action: Any) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from headwatch.alerts.actions import JSONL_NAME, AlertSink
+from headwatch.alerts.actions import JSONL_NAME, KEEP_CHECKPOINTS, AlertSink
 from headwatch.alerts.engine import AlertEngine, check_alert_args, standard_actions
 from headwatch.alerts.events import Alert
 from headwatch.alerts.feed import LoggedFeed
@@ -21,7 +21,7 @@ from headwatch.alerts.webhook import WebhookSender, check_webhook_options, redac
 from headwatch.alerts.wiring import wire_alert
 from headwatch.core.monitor import FailurePolicy
 from headwatch.core.schedule import Schedule
-from headwatch.errors import check_bool, check_every, check_prefix
+from headwatch.errors import check_bool, check_every, check_int, check_prefix
 
 
 class CollapseAlert(FailurePolicy):
@@ -77,6 +77,7 @@ class CollapseAlert(FailurePolicy):
         rare_window: int = 10,
         rare_nll_metric: str = "headwatch/logits/rare/target_nll",
         nll_metric: str = "headwatch/logits/target_nll",
+        keep_checkpoints: int = KEEP_CHECKPOINTS,
     ) -> None:
         self.log_every_n_steps = check_every("log_every_n_steps", log_every_n_steps)
         self.prefix = check_prefix(prefix)
@@ -93,6 +94,7 @@ class CollapseAlert(FailurePolicy):
         for name, value in (("jsonl", jsonl), ("save_checkpoint", save_checkpoint), ("stop_training", stop_training)):
             check_bool(name, value)
         check_alert_args(rules, actions, save_checkpoint or stop_training)
+        self.keep_checkpoints = check_int("keep_checkpoints", keep_checkpoints, minimum=1)
         check_webhook_options(webhook_timeout, webhook_retries)
         self._webhook_url = resolve_webhook_url(webhook_url)
         self.entropy_metric, self.kl_metric = entropy_metric, kl_metric
@@ -146,7 +148,8 @@ class CollapseAlert(FailurePolicy):
     ) -> None:  # fmt: skip
         """The run's actions (:func:`~headwatch.alerts.engine.standard_actions`): markers and texts through ``sink``,
         ``<log_dir>/headwatch_alerts.jsonl``, the user's callables, the webhook (its sender started here, once), and
-        on critical alerts ``checkpoint(<log_dir>/headwatch_alert_step<step>.ckpt)`` then ``stop()`` (every process,
+        on critical alerts ``checkpoint(<log_dir>/headwatch_alert_step<step>.ckpt)`` (once per step, the latest
+        ``keep_checkpoints`` kept) then ``stop()`` (every process,
         when asked for); the distributed decision ``reduce_bool`` and whether this process (rank ``rank``) is the
         main one."""
         self.process_rank = rank
@@ -155,8 +158,10 @@ class CollapseAlert(FailurePolicy):
             self._webhook = WebhookSender(self._webhook_url, self.webhook_timeout, self.webhook_retries, self.engine.action_failed)
             self.engine.info(f"headwatch: alerts will be posted to {redact_url(self._webhook_url)}")
 
-        def save(alert: Alert) -> None:
-            checkpoint(log_dir / f"headwatch_alert_step{alert.step}.ckpt")  # every process: a collective
+        def save(alert: Alert) -> Path:
+            path = log_dir / f"headwatch_alert_step{alert.step}.ckpt"
+            checkpoint(path)  # every process: a collective
+            return path
 
         def halt(alert: Alert) -> None:
             stop()  # the decision was reduced over processes, so all stop
@@ -165,6 +170,7 @@ class CollapseAlert(FailurePolicy):
             warn=self.engine.warn, sink=sink, prefix=self.prefix,
             jsonl_path=self._jsonl_path if self.jsonl else None, callables=self.actions, webhook=self._webhook,
             save_checkpoint=save if self.save_checkpoint else None, stop=halt if self.stop_training else None,
+            keep_checkpoints=self.keep_checkpoints,
         )
         wire_alert(self.engine, reduce_bool, main_process, self.engine.name)
 

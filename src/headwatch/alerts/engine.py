@@ -18,6 +18,7 @@ import difflib
 import math
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict
@@ -31,16 +32,27 @@ from headwatch.errors import (
     check_bool,
     check_callable,
     check_instance,
+    check_int,
     check_optional,
     check_prefix,
     check_protocol,
     check_sequence,
     check_str,
 )
-from headwatch.alerts.actions import AlertSink, ConsoleWarning, JsonlLog, OnCritical, SinkMarker, action_name, runs_for
+from headwatch.alerts.actions import (
+    KEEP_CHECKPOINTS,
+    AlertSink,
+    CheckpointOnCritical,
+    ConsoleWarning,
+    JsonlLog,
+    OnCritical,
+    SinkMarker,
+    action_name,
+    runs_for,
+)
 from headwatch.alerts.events import CRITICAL, FIRED, RESOLVED, Alert, AlertEvent, finite_or_none
-from headwatch.alerts.rules import CollapseRules
-from headwatch.alerts.webhook import WebhookSender
+from headwatch.alerts.rules import CollapseRules, check_values
+from headwatch.alerts.webhook import CLOSE_TIMEOUT, WebhookSender
 
 
 def describe_error(err: BaseException) -> str:
@@ -66,9 +78,12 @@ def standard_actions(
     webhook: WebhookSender | None = None,
     save_checkpoint: Callable[[Alert], Any] | None = None,
     stop: Callable[[Alert], Any] | None = None,
+    keep_checkpoints: int = KEEP_CHECKPOINTS,
 ) -> list[Any]:
     """The actions in their usual order: console, marker + text, JSON Lines, ``callables``, webhook,
-    checkpoint (critical only), stop (critical only). None leaves an action out (the console is always on).
+    checkpoint (critical only, once per step; :class:`~headwatch.alerts.actions.CheckpointOnCritical` keeps the
+    latest ``keep_checkpoints`` files ``save_checkpoint`` returns), stop (critical only). None leaves an action
+    out (the console is always on).
 
     Raises:
         HeadwatchError: an invalid argument (a ``prefix`` ending in ``/``, a non-callable, ...).
@@ -77,6 +92,7 @@ def standard_actions(
         check_optional(check_callable, name, fn)
     check_optional(check_protocol, "sink", sink, ["scalar", "text"], "an AlertSink (scalar and text methods)")
     check_prefix(prefix)
+    check_int("keep_checkpoints", keep_checkpoints, minimum=1)
     check_optional(check_instance, "jsonl_path", jsonl_path, (str, os.PathLike), "a path (str or os.PathLike)")
     callables = check_actions(callables, "callables")
     actions: list[Any] = [ConsoleWarning(warn)]
@@ -88,7 +104,7 @@ def standard_actions(
     if webhook is not None:
         actions.append(webhook)
     if save_checkpoint is not None:
-        actions.append(OnCritical("checkpoint", save_checkpoint))
+        actions.append(CheckpointOnCritical(save_checkpoint, keep_checkpoints))
     if stop is not None:
         actions.append(OnCritical("stop", stop))
     return actions
@@ -144,7 +160,8 @@ class AlertEngine:
 
     Raises:
         HeadwatchError: an invalid argument (``rules`` not a CollapseRules, ``actions`` not callables,
-            ...); with ``strict``, a failed action.
+            ...); a logged value that is not a real number or None (NaN is taken: it never fires); with ``strict``, a
+            failed action.
     """
 
     def __init__(
@@ -182,9 +199,11 @@ class AlertEngine:
         """One logging step's values (``{metric name: value}``); returns the alerts raised now.
 
         Call it on every process at every logging step, also with an empty dict: the decision is a collective.
+        A value may be None or NaN (not measured at this step: skipped, it neither fires nor restarts a count).
         ``published``: every name the run publishes besides ``metrics`` (a door that hands the engine the watched
         values only), offered when a watched name is never published (a misspelt ``entropy_metric``).
         """
+        check_values(metrics, f"{self.name}.observe_train")
         observed = any(v is not None for v in metrics.values())
         events = self.rules.observe_train(step, metrics) if observed else []
         if observed:
@@ -240,6 +259,7 @@ class AlertEngine:
 
     def observe_val(self, step: int, metrics: Mapping[str, float | None], dataloader_idx: int = 0, epoch: int = 0) -> list[Alert]:
         """One validation's values for dataloader ``dataloader_idx`` (names without the ``/dataloader_idx_k`` suffix)."""
+        check_values(metrics, f"{self.name}.observe_val")
         observed = any(v is not None for v in metrics.values())
         events = self.rules.observe_val(step, metrics, dataloader_idx) if observed else []
         r = self.rules
@@ -292,8 +312,8 @@ class AlertEngine:
         self.alerts.append(alert)  # the record first: no action can lose it
         interrupt: BaseException | None = None
         for action in self.actions:
-            if isinstance(action, WebhookSender) and action.on_failure is None:
-                action.on_failure = self.action_failed  # whatever the wiring, a failed delivery is counted and warned
+            if isinstance(action, WebhookSender):
+                self._wire_webhook(action)
             if runs_for(action, alert, self.main_process):
                 try:
                     self._run(action_name(action), lambda a=action: a(alert))
@@ -325,6 +345,31 @@ class AlertEngine:
                 "counted in `action_failures`; pass strict=True to raise instead. (warned once)"
             )
 
+    def _wire_webhook(self, sender: WebhookSender) -> None:
+        """Whatever the wiring, a failed delivery is counted and warned, an undelivered one recorded."""
+        if sender.on_failure is None:
+            sender.on_failure = self.action_failed
+        if sender.on_undelivered is None:
+            sender.on_undelivered = lambda alerts, seconds: self.undelivered(sender, alerts, seconds)
+
+    def undelivered(self, sender: WebhookSender, alerts: list[Alert], seconds: float) -> None:
+        """Alerts ``sender`` gave up at close: counted in ``action_failures``, each written to the JSON Lines log
+        as its record plus ``"undelivered": "webhook <scheme://host>"``, and one warning (``strict``: raised)."""
+        with self._lock:
+            self.action_failures += len(alerts)
+        where = []
+        for action in self.actions:
+            if isinstance(action, JsonlLog) and self.main_process:
+                self._run(action_name(action), lambda a=action: a.mark_undelivered(alerts, f"webhook {sender.redacted}"))
+                where.append(str(action.path))
+        steps = ", ".join(str(a.step) for a in alerts[:5]) + (", ..." if len(alerts) > 5 else "")
+        marked = f"marked undelivered in {' and '.join(where)}" if where else "not recorded (no JSON Lines log)"
+        message = (f"{self.name}: {len(alerts)} alert(s) (steps {steps}) not delivered to {sender.redacted} within "
+                   f"{seconds:g} s at close; {marked}. Check the server, or give close(timeout=...) more time.")
+        if self.strict:
+            raise HeadwatchError(message)
+        self.warn(message)
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait (bounded) for actions still in flight (the webhook); write the alert records a full or read-only
         disk kept back (:class:`~headwatch.alerts.actions.JsonlLog`; a failure is counted and warned once)."""
@@ -334,14 +379,20 @@ class AlertEngine:
             elif isinstance(action, JsonlLog):
                 self._run(action_name(action), action.flush)
 
-    def close(self) -> None:
-        """Flush and release the webhook thread; write the alert records kept back."""
+    def close(self, timeout: float | None = None) -> None:
+        """Release the webhook thread and write the alert records kept back; returns within ``timeout`` seconds in
+        all (default :data:`~headwatch.alerts.webhook.CLOSE_TIMEOUT`, 2 s) plus the time to write them. An alert the
+        webhook has not delivered by then is counted, marked ``"undelivered"`` in the JSON Lines log and warned about
+        once (:meth:`undelivered`)."""
+        end = time.monotonic() + (CLOSE_TIMEOUT if timeout is None else timeout)
+        for action in self.actions:
+            if isinstance(action, WebhookSender):
+                self._wire_webhook(action)
+                action.close(max(end - time.monotonic(), 0.0))
+                action.flush(0.0, strict=self.strict)  # a strict failure policy's error, raised here
         for action in self.actions:
             if isinstance(action, JsonlLog):
                 self._run(action_name(action), action.flush)
-            if isinstance(action, WebhookSender):
-                action.flush(strict=self.strict)
-                action.close()
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ observation. ``state_dict`` / ``load_state_dict`` round-trip through JSON.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,6 +35,17 @@ class _Episode:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_values(metrics: Any, where: str) -> None:
+    """``metrics`` a mapping of names to real numbers or None (NaN and infinities are numbers: the rules skip them),
+    else HeadwatchError naming the metric and ``where`` (a string or a tensor handed by mistake)."""
+    if not isinstance(metrics, Mapping):
+        raise HeadwatchError(f"{where}: `metrics` must be a dict of metric name -> number, got {type(metrics).__name__}")
+    for name, value in metrics.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise HeadwatchError(f"{where}: the value of {name!r} must be a real number or None (NaN is taken and "
+                                 f"skipped), got a {type(value).__name__}; pass float(value)")
 
 
 def _push(history: deque, value: Any, keep: int) -> bool:
@@ -245,7 +257,12 @@ class CollapseRules:
         return None if value is None or not math.isfinite(value) else float(value)
 
     def observe_train(self, step: int, metrics: Mapping[str, float | None]) -> list[AlertEvent]:
-        """Feed one logging step's values (``{metric name: value}``); returns the events of this step."""
+        """Feed one logging step's values (``{metric name: value}``); returns the events of this step.
+
+        Raises:
+            HeadwatchError: a value that is not a real number or None (NaN is taken and skipped).
+        """
+        check_values(metrics, "CollapseRules.observe_train")
         if step < self.warmup_steps:
             return []
         events: list[AlertEvent] = []
@@ -289,7 +306,9 @@ class CollapseRules:
         return events
 
     def observe_val(self, step: int, metrics: Mapping[str, float | None], dataloader_idx: int = 0) -> list[AlertEvent]:
-        """Feed one validation's values of one dataloader; only ``val_dataloader_idx`` is watched."""
+        """Feed one validation's values of one dataloader; only ``val_dataloader_idx`` is watched (values: as in
+        :meth:`observe_train`)."""
+        check_values(metrics, "CollapseRules.observe_val")
         loss = self._read(metrics, self.val_metric)
         if self.patience is None or dataloader_idx != self.val_dataloader_idx or step < self.warmup_steps or loss is None:
             return []

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from headwatch.errors import argument_error
+from headwatch.errors import argument_error, check_int
 
 from headwatch.functional.adapters import add_low_rank_, head_weight_gradient, zero_rows
 from headwatch.functional.collision import (
@@ -234,8 +234,8 @@ __all__ += [
 def _checked(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` whose tensor arguments are checked first: each parameter annotated as a ``Tensor`` must be a
     ``torch.Tensor`` (None where the annotation allows it), and token ids (:data:`_ID_NAMES`) an integer, not a
-    bool, tensor; otherwise a :class:`~headwatch.errors.HeadwatchError` names the argument, what it must be and
-    what it got. The function's own checks (dtypes, shapes, ranges) follow."""
+    bool, tensor; ``ignore_index`` an int (not a bool); otherwise a :class:`~headwatch.errors.HeadwatchError` names
+    the argument, what it must be and what it got. The function's own checks (dtypes, shapes, ranges) follow."""
     signature = inspect.signature(fn)
     tensors = {
         name: "None" in str(p.annotation)
@@ -261,6 +261,8 @@ def _checked(fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise argument_error(name, "a torch.Tensor" + (" or None" if optional else ""), value)
             if name in _ID_NAMES and (value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex):
                 raise argument_error(name, "an integer tensor of token ids", value)
+        if "ignore_index" in bound:  # a float -100.0 or True would compare with the targets and pass unnoticed
+            check_int("ignore_index", bound["ignore_index"])
         return fn(*args, **kwargs)
 
     return wrapper

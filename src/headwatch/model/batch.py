@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headwatch.errors import HeadwatchError, check_bool, check_callable, check_int, check_optional, check_str
+from headwatch.errors import HeadwatchError, argument_error, check_bool, check_callable, check_int, check_optional, check_str
 
 
 def field(batch: Any, key: str | None) -> Any:
@@ -101,13 +101,20 @@ class BatchView:
     def ids(self) -> Tensor | None:
         """``(B, T)`` integer token ids, or None."""
         f, batch = self.format, self.batch
+        named = True
         if f.ids_fn is not None:
             ids = f.ids_fn(batch)
         elif isinstance(batch, (tuple, list)):
-            ids = batch[0] if batch else None
+            ids, named = (batch[0] if batch else None), False
         else:
             ids = field(batch, f.ids_key)
-        return ids if isinstance(ids, Tensor) and not ids.is_floating_point() else None
+        if not isinstance(ids, Tensor):
+            return None
+        integer = not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
+        if not integer and (named or ids.dtype == torch.bool):  # a tuple's first float tensor is not ids
+            where = "what `ids_fn` returns" if f.ids_fn is not None else f"the batch's `{f.ids_key}`"
+            raise argument_error(where, "an integer tensor of token ids (int64, int32, ...; not bool or float)", ids)
+        return ids if integer else None
 
     @cached_property
     def ids_mask(self) -> Tensor | None:

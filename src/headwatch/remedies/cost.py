@@ -31,11 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headwatch.errors import HeadwatchError, check_bool, check_instance, check_optional, check_positive_int, check_str
+from headwatch.errors import HeadwatchError, check_bool, check_instance, check_int, check_optional, check_positive_int, check_str
 
 TRAINING_BYTES_PER_PARAM = {
     "fp32 (weights, grads, AdamW m+v)": 4 + 4 + 8,
@@ -105,6 +106,28 @@ class UntieCost:
         return math.ceil(self.params_added / self.world_size) * bytes_per_param
 
 
+MAX_VOCAB = 2**31 - 1
+"""The largest ``vocab_size`` taken: token ids must fit an int32 (the largest vocabularies shipped hold ~262k rows)."""
+MAX_D_MODEL = 2**20
+"""The largest ``d_model`` taken (shipped models stay below 2**15)."""
+MAX_WORLD_SIZE = 2**20
+"""The largest ``world_size`` taken."""
+MAX_PARAMS = 2**50
+"""The largest ``params`` taken (about 10**15: a thousand times the largest models)."""
+MAX_CONFIG_BYTES = 16 * 2**20
+"""The largest config file read (a Hugging Face ``config.json`` holds a few kB)."""
+
+
+def check_sizes(vocab_size: Any, d_model: Any, world_size: Any = 1) -> tuple[int, int, int]:
+    """``(vocab_size, d_model, world_size)``, each an int in ``[1, MAX_*]``, else HeadwatchError naming it: an
+    absurd size is a typo, and building it on the meta device would take minutes."""
+    return (
+        check_int("vocab_size", vocab_size, minimum=1, maximum=MAX_VOCAB),
+        check_int("d_model", d_model, minimum=1, maximum=MAX_D_MODEL),
+        check_int("world_size", world_size, minimum=1, maximum=MAX_WORLD_SIZE),
+    )
+
+
 def untie_cost(
     vocab_size: int, d_model: int, params: int | None = None, tied: bool | None = None, world_size: int = 1
 ) -> UntieCost:
@@ -119,12 +142,12 @@ def untie_cost(
         world_size: GPUs over which FSDP shards the parameters.
 
     Raises:
-        HeadwatchError: a size that is not an int >= 1; ``tied`` not None or a bool; ``params``
-            without ``tied``; ``params`` smaller than what the untied matrices alone need.
+        HeadwatchError: a size that is not an int >= 1 or is above its bound (:func:`check_sizes`, ``params`` at
+            most 2**50); ``tied`` not None or a bool; ``params`` without ``tied``; ``params`` smaller than what the
+            untied matrices alone need.
     """
-    V, d = check_positive_int("vocab_size", vocab_size), check_positive_int("d_model", d_model)
-    W = check_positive_int("world_size", world_size)
-    check_optional(check_positive_int, "params", params)
+    V, d, W = check_sizes(vocab_size, d_model, world_size)
+    check_optional(check_int, "params", params, minimum=1, maximum=MAX_PARAMS)
     check_optional(check_bool, "tied", tied)
     P = V * d
     n_tied = n_untied = None
@@ -194,15 +217,23 @@ def read_config(path: str | Path) -> dict[str, Any]:
     """A Hugging Face ``config.json`` (or the folder holding it) as a dict.
 
     Raises:
-        HeadwatchError: missing file or invalid JSON.
+        HeadwatchError: a missing file, one that is not a regular file (a FIFO would block the read forever, a
+            device never end), one above 16 MiB, invalid JSON (or nested too deep to parse).
     """
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise HeadwatchError(f"--config {str(path)!r}: cannot read a JSON config: {err}") from err
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise HeadwatchError(f"--config {str(path)!r}: not a regular file (a FIFO, a device or a folder); give a config.json")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise HeadwatchError(f"--config {str(path)!r}: {info.st_size:,} bytes, more than a config.json holds "
+                                 f"(at most {MAX_CONFIG_BYTES:,} read)")
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON, bad UTF-8, an int too long
+        reason = "nested too deep" if isinstance(err, RecursionError) else str(err).splitlines()[0][:200]
+        raise HeadwatchError(f"--config {str(path)!r}: cannot read a JSON config: {reason}") from None
 
 
 def _gb(n: int) -> str:
@@ -285,7 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``headwatch cost``; returns the exit status (0, or 2 for bad arguments)."""
+    """Run ``headwatch cost``; returns the exit status 0. A bad argument or config exits with status 2: argparse's
+    own usage errors as argparse prints them, the rest (a size out of range, a file that is not a regular one, bad
+    JSON) as one line ``headwatch cost: error: ...``."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -296,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.config:
             config = read_config(args.config)
             V, d, config_tied = shape_from_config(config)
+            check_sizes(V, d)  # before the model is built on the meta device
             tied = config_tied if tied is None else tied
             name = Path(args.config).name
             if params is None:
@@ -308,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("give --config PATH, or --vocab-size V and --d-model D")
         print(format_cost(untie_cost(V, d, params, tied, 1 if args.world_size is None else args.world_size), name))
     except HeadwatchError as err:
-        parser.error(str(err))
+        parser.exit(2, f"headwatch cost: error: {' '.join(str(err).split())}\n")  # one line, exit status 2
     return 0
 
 

@@ -17,6 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from headwatch.model.find import find_head_and_embedding
 from headwatch.errors import (
     HeadwatchError,
+    argument_error,
     check_choice,
     check_instance,
     check_module_or_name,
@@ -170,6 +171,33 @@ def _optimizers(optimizer: Any) -> list[Optimizer]:
     return check_sequence("optimizer", items, "torch.optim.Optimizer objects", lambda o: isinstance(o, Optimizer), empty=False)
 
 
+def _unwrap(optimizer: Optimizer) -> Optimizer:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (the Hugging Face Trainer's), else itself."""
+    inner = getattr(optimizer, "optimizer", None)
+    return _unwrap(inner) if isinstance(inner, Optimizer) and inner is not optimizer else optimizer
+
+
+def _trainer_optimizers(trainer: Any, model: nn.Module) -> tuple[list[Optimizer], str | None]:
+    """The optimizers a trainer has built (none yet: an empty list) and what the trainer is, from ``trainer``, else
+    from a LightningModule attached to one (``model.trainer``): a Lightning ``Trainer`` (``trainer.optimizers``) or
+    a Hugging Face ``Trainer`` (``trainer.optimizer``, None until training starts)."""
+    if trainer is None:
+        try:  # a LightningModule attached to a trainer; raises (RuntimeError) when not attached
+            trainer = getattr(model, "trainer", None) if hasattr(type(model), "configure_optimizers") else None
+        except RuntimeError:
+            trainer = None
+        if trainer is None:
+            return [], None
+    if isinstance(getattr(trainer, "optimizers", None), (list, tuple)):  # Lightning
+        found, kind = list(trainer.optimizers), "the Lightning Trainer"
+    elif hasattr(trainer, "optimizer") and hasattr(trainer, "create_optimizer"):  # Hugging Face
+        found, kind = [trainer.optimizer] if trainer.optimizer is not None else [], "the Hugging Face Trainer"
+    else:
+        raise argument_error("trainer", "a Lightning Trainer (with .optimizers) or a Hugging Face Trainer (with "
+                                        ".optimizer)", trainer)  # fmt: skip
+    return [_unwrap(o) for o in _optimizers(found or None)], kind
+
+
 def _groups_holding(optimizers: Sequence[Optimizer], weight: Tensor) -> list[tuple[Optimizer, dict[str, Any]]]:
     return [(o, g) for o in optimizers for g in o.param_groups if any(p is weight for p in g["params"])]
 
@@ -248,6 +276,7 @@ def untie_output_head(
     embedding: str | nn.Module | None = None,
     optimizer: Optimizer | Sequence[Optimizer] | None = None,
     optimizer_state: str | None = None,
+    trainer: Any = None,
 ) -> UntieReport:
     """Give the output head its own weight matrix, in place.
 
@@ -281,9 +310,14 @@ def untie_output_head(
       the head's first step, as for any new Parameter. A freshly drawn head has nothing in
       common with the old moments.
 
-    The embedding keeps the old Parameter and its own state unchanged. Without ``optimizer=``,
-    the first step of an optimizer that holds the old matrix but not the new head warns once
-    ("the head will never move").
+    The embedding keeps the old Parameter and its own state unchanged. A late untie (training
+    under way) finds the optimizers itself where headwatch knows them: ``trainer=`` a Hugging Face
+    ``Trainer`` (its ``optimizer``, once built) or a Lightning ``Trainer`` (its ``optimizers``), or a
+    LightningModule attached to its trainer. Where it knows none and the tied matrix already holds a
+    gradient (training has started), it raises, naming the fix, instead of leaving the new head out
+    of every optimizer. Otherwise (no gradient yet: a loop that sets gradients to None after each
+    step looks the same), the first step of an optimizer that holds the old matrix but not the new
+    head warns once ("the head will never move").
 
     Args:
         model: a tied model (``head.weight is embedding.weight``).
@@ -293,7 +327,9 @@ def untie_output_head(
         embedding: explicit module or dotted name, as for the monitors.
         optimizer: an optimizer (or several) that already holds the tied matrix.
         optimizer_state: ``"copy"`` or ``"reset"`` (see above); None: ``"copy"`` for
-            ``init="copy"``, ``"reset"`` for ``init="normal"``. Only with ``optimizer``.
+            ``init="copy"``, ``"reset"`` for ``init="normal"``. Only with an optimizer.
+        trainer: a Hugging Face ``Trainer`` or a Lightning ``Trainer`` whose optimizers (already
+            built, if any) receive the new head; None: ``model.trainer`` for an attached LightningModule.
 
     Returns:
         An :class:`UntieReport` (also logged once, on rank zero).
@@ -302,18 +338,22 @@ def untie_output_head(
         HeadwatchError: bad ``init``/``std``; the head and embedding are not tied; the head
             weight is sharded (DTensor, FSDP flat parameter) or quantised; a Hugging Face model
             ties more than its head; ``init="normal"`` without a known std; ``optimizer`` not
-            optimizers, or none of them holds the tied matrix; ``optimizer_state`` without
-            ``optimizer``. The model is left tied whenever it raises.
+            optimizers, or none of them (nor of ``trainer``'s) holds the tied matrix; ``trainer``
+            not a trainer; ``optimizer_state`` without an optimizer; a late untie (the tied matrix has
+            a gradient) with no optimizer known. The model is left tied whenever it raises.
     """
     check_instance("model", model, nn.Module, "an nn.Module")
     check_choice("init", init, INITS)
     check_optional(check_range, "std", std, 0, low_open=True)
     check_module_or_name("head", head)
     check_module_or_name("embedding", embedding)
-    optimizers = _optimizers(optimizer)
+    optimizers = [_unwrap(o) for o in _optimizers(optimizer)]
+    from_trainer, trainer_kind = _trainer_optimizers(trainer, model)
+    optimizers += [o for o in from_trainer if all(o is not known for known in optimizers)]
     check_optional(check_choice, "optimizer_state", optimizer_state, OPTIMIZER_STATES)
     if optimizer_state is not None and not optimizers:
-        raise HeadwatchError("`optimizer_state` needs `optimizer`: the optimizer whose state it sets")
+        raise HeadwatchError("`optimizer_state` needs `optimizer` (or `trainer=` once it has built its optimizer): the "
+                             "optimizer whose state it sets")
     found = find_head_and_embedding(model, head, embedding)
     weight = found.head.weight
     if not found.tied:
@@ -326,9 +366,17 @@ def untie_output_head(
     sigma = _init_std(model, found.head, std) if init == "normal" else None
     holding = _groups_holding(optimizers, weight)
     if optimizers and not holding:
+        given = f"{trainer_kind}'s" if trainer_kind and not optimizer else "given"
         raise HeadwatchError(
-            f"none of the {len(optimizers)} optimizer(s) given holds the tied matrix `{found.head_name}.weight`; "
+            f"none of the {len(optimizers)} optimizer(s) {given} holds the tied matrix `{found.head_name}.weight`; "
             "pass the optimizer that trains it (or build the optimizer after untying, without optimizer=)"
+        )
+    if not optimizers and weight.grad is not None:
+        raise HeadwatchError(
+            f"untie_output_head during training (`{found.head_name}.weight` already has a gradient) with no optimizer "
+            "known: the optimizer built before holds the old tied matrix, which stays the embedding's, and would never "
+            "train the new head. Pass optimizer=<the optimizer that trains the model> or trainer=<the Hugging Face or "
+            "Lightning Trainer>, or untie before the optimizer is built (Lightning: in configure_model)"
         )
     state = optimizer_state or ("copy" if init == "copy" else "reset")
     with torch.no_grad():

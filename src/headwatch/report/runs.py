@@ -246,7 +246,8 @@ def _step(value: Any) -> int | None:
 def read_alerts_jsonl(path: str | os.PathLike[str], notes: list[str] | None = None) -> list[dict[str, Any]]:
     """Parse a ``headwatch_alerts.jsonl`` file (keys ``time, step, epoch, rule, metrics, message``).
 
-    Kept: JSON objects with a ``rule`` and a usable ``step`` (an integer, or absent). Blank lines are
+    Kept: JSON objects with a ``rule`` and a usable ``step`` (an integer, or absent); a record marked
+    ``"undelivered"`` (the webhook gave it up at close) repeats an alert kept already and is passed over. Blank lines are
     skipped; other lines (a line cut short by a crash, bytes that are not UTF-8, a record whose step is
     not a number) are skipped and counted in one note. A file that is not a regular file (a FIFO) is
     not read; at most :data:`MAX_ALERT_LINES` lines are read.
@@ -277,6 +278,8 @@ def read_alerts_jsonl(path: str | os.PathLike[str], notes: list[str] | None = No
                 except ValueError:  # JSONDecodeError, and a number too long for int()
                     bad += 1
                     continue
+                if isinstance(obj, dict) and "undelivered" in obj:
+                    continue  # an alert recorded above, not delivered to one channel: the same alert once
                 if isinstance(obj, dict) and "rule" in obj and _step(obj.get("step")) is not None:
                     records.append(obj)
                 else:

@@ -47,11 +47,27 @@ import warnings
 from collections import deque
 from typing import Any
 
+from headwatch.errors import check_int, check_optional, check_protocol, check_range
+
 DEFAULT_MAX_PENDING_BYTES = 64 * 2**20
 """Serialized events kept in memory while the log directory cannot be written."""
 DEFAULT_RETRY_SECONDS = 30.0
 """Shortest time between two attempts to open a new event file."""
 STORAGE_TAGS = ("headwatch/storage/delayed_events", "headwatch/storage/lost_events")
+
+MAX_PENDING_LIMIT = 2**40
+"""The largest ``max_pending_bytes`` taken (1 TiB: beyond it the memory runs out first)."""
+MAX_RETRY_SECONDS = 86_400.0
+"""The largest ``retry_seconds`` taken (a day)."""
+
+
+def check_guard_options(max_pending_bytes: Any, retry_seconds: Any) -> tuple[int | None, float | None]:
+    """``max_pending_bytes`` None or an int in ``[0, 2**40]`` and ``retry_seconds`` None or a number in ``[0, 86400]``,
+    else HeadwatchError naming the argument (0.3 passed them to ``int()``/``float()``: a bare ValueError, or NaN)."""
+    return (
+        check_optional(check_int, "max_pending_bytes", max_pending_bytes, minimum=0, maximum=MAX_PENDING_LIMIT),
+        check_optional(check_range, "retry_seconds", retry_seconds, 0, MAX_RETRY_SECONDS),
+    )
 
 
 class GuardedFileWriter:
@@ -59,15 +75,21 @@ class GuardedFileWriter:
 
     Args:
         inner: the writer's current ``FileWriter`` (its event file and settings are kept).
-        max_pending_bytes: serialized events kept while writing fails.
-        retry_seconds: shortest time between two attempts to open a new event file.
+        max_pending_bytes: serialized events kept while writing fails (None: the default, 64 MiB).
+        retry_seconds: shortest time between two attempts to open a new event file (None: the default, 30 s).
+
+    Raises:
+        HeadwatchError: ``inner`` not a FileWriter, an option out of range (:func:`check_guard_options`).
     """
 
     def __init__(self, inner: Any, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
                  retry_seconds: float = DEFAULT_RETRY_SECONDS) -> None:  # fmt: skip
+        check_protocol("inner", inner, ["get_logdir"], "a torch FileWriter (get_logdir, add_event, flush)")
+        check_guard_options(max_pending_bytes, retry_seconds)
         self.inner = inner
         self.logdir = str(inner.get_logdir())
-        self.max_pending_bytes, self.retry_seconds = max_pending_bytes, retry_seconds
+        self.max_pending_bytes = DEFAULT_MAX_PENDING_BYTES if max_pending_bytes is None else int(max_pending_bytes)
+        self.retry_seconds = DEFAULT_RETRY_SECONDS if retry_seconds is None else float(retry_seconds)
         self.pending: deque[Any] = deque()  # events since the last good flush, or since the fault
         self.pending_bytes = 0
         self.broken: BaseException | None = None

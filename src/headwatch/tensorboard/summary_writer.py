@@ -18,6 +18,7 @@ from headwatch.tensorboard.guard import (
     DEFAULT_MAX_PENDING_BYTES,
     DEFAULT_RETRY_SECONDS,
     GuardedFileWriter,
+    check_guard_options,
     open_guarded,
 )
 
@@ -44,11 +45,13 @@ class SummaryWriter(TorchSummaryWriter):
             ``DEFAULT_RETRY_SECONDS``, 30 s).
 
     Raises:
-        Nothing for the storage; torch's errors for its arguments.
+        Nothing for the storage; HeadwatchError for ``max_pending_bytes`` or ``retry_seconds`` out of range
+        (:func:`~headwatch.tensorboard.guard.check_guard_options`); torch's errors for its other arguments.
     """
 
     def __init__(self, *args: Any, max_pending_bytes: int | None = None, retry_seconds: float | None = None,
                  **kwargs: Any) -> None:  # fmt: skip
+        check_guard_options(max_pending_bytes, retry_seconds)
         self.headwatch_guard_kwargs = {
             "max_pending_bytes": DEFAULT_MAX_PENDING_BYTES if max_pending_bytes is None else int(max_pending_bytes),
             "retry_seconds": DEFAULT_RETRY_SECONDS if retry_seconds is None else float(retry_seconds),

@@ -136,7 +136,8 @@ class SharpnessCollapseAlert(CollapseAlert, Callback):
         webhook_url: URL for a JSON POST of each alert; None reads ``HEADWATCH_WEBHOOK_URL``.
         webhook_timeout: seconds per attempt, at most 2.
         webhook_retries: extra attempts after a failure (at most 5).
-        save_checkpoint: save ``<log_dir>/headwatch_alert_step<step>.ckpt`` at a critical alert.
+        save_checkpoint: save ``<log_dir>/headwatch_alert_step<step>.ckpt`` at a critical alert (once per firing
+            episode; rules firing at one step share one).
         stop_training: stop training (on all processes) at a critical alert.
         prefix: first component of every metric name the alert writes (``<prefix>/alerts/...``).
         strict: raise instead of warning when an action fails.
@@ -146,6 +147,7 @@ class SharpnessCollapseAlert(CollapseAlert, Callback):
         rare_window: see :class:`~headwatch.alerts.rules.CollapseRules`.
         rare_nll_metric: logged metric watched as the rare targets' NLL (nats).
         nll_metric: logged metric watched as the target NLL (nats).
+        keep_checkpoints: the alert checkpoints kept on disk, the latest (default 3; an int >= 1).
 
     Raises:
         HeadwatchError: invalid arguments (every rule off, a bad threshold, a timeout above 2 s,

@@ -42,7 +42,8 @@ class TensorBoardLogger(LightningTensorBoardLogger):
     the values still reach the other loggers and ``trainer.callback_metrics``; one warning says what is not
     written and why; the events (and ``hparams.yaml``) are written once the fault clears.
 
-    It raises nothing for its storage; errors for its arguments are Lightning's and torch's.
+    It raises nothing for its storage; HeadwatchError for ``max_pending_bytes`` or ``retry_seconds`` out of range;
+    errors for its other arguments are Lightning's and torch's.
 
     Args:
         *args: those of ``lightning.pytorch.loggers.TensorBoardLogger`` (``save_dir``, ``name``, ``version``...).
@@ -58,6 +59,9 @@ class TensorBoardLogger(LightningTensorBoardLogger):
 
     def __init__(self, *args: Any, max_pending_bytes: int | None = None, retry_seconds: float | None = None,
                  **kwargs: Any) -> None:  # fmt: skip
+        from headwatch.tensorboard.guard import check_guard_options
+
+        check_guard_options(max_pending_bytes, retry_seconds)  # now: a SummaryWriter is made at the first log only
         super().__init__(*args, **kwargs)
         self.headwatch_guard_kwargs = {"max_pending_bytes": max_pending_bytes, "retry_seconds": retry_seconds}
         self.hparams_error: BaseException | None = None  # the last failure to write hparams.yaml, None once written
