@@ -79,10 +79,17 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""The bounds of every int argument: a value torch cannot hold in an int64 tensor (an ``ignore_index`` or a
+seed of ``10**30``) would fail later, far from its cause."""
+
+
 def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
-    """An ``int`` (not a bool, not a float) in ``[minimum, maximum]`` (a bound of None: none)."""
+    """An ``int`` (not a bool, not a float) in ``[minimum, maximum]`` (a bound of None: the int64 bound)."""
     if not _is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise argument_error(name, "an int" + _interval(minimum, maximum), value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise argument_error(name, "an int" + _interval(minimum, maximum) + " that fits in an int64", value)
     return value
 
 

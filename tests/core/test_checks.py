@@ -58,7 +58,8 @@ def bad_int(minimum: int | None = None, maximum: int | None = None, optional: bo
 
 
 def good_int(minimum: int | None = None, maximum: int | None = None, optional: bool = False) -> st.SearchStrategy:
-    ints = st.integers(min_value=minimum, max_value=maximum)
+    # an int argument is an int64 (errors.check_int): torch holds nothing wider
+    ints = st.integers(min_value=-(2**63) if minimum is None else minimum, max_value=2**63 - 1 if maximum is None else maximum)
     return st.one_of(ints, st.none()) if optional else ints
 
 
@@ -245,7 +246,7 @@ VALID = {
     "SynonymCollision": (SynonymCollision, {
         "frequency": st.one_of(st.none(), st.builds(TokenCounts)), "tau": st.one_of(good_number(-1, 1), st.integers(-1, 1)),
         "max_rare": good_int(1), "max_per_bucket": good_int(1), "top_pairs": good_int(1), "synonym_groups": GOOD_GROUPS,
-        "head": GOOD_MODULE, "embedding": GOOD_MODULE, "seed": st.integers(), "max_chunk_bytes": good_int(1),
+        "head": GOOD_MODULE, "embedding": GOOD_MODULE, "seed": good_int(), "max_chunk_bytes": good_int(1),
         "figures": st.booleans(), "on_epoch_end": st.booleans(), "prefix": GOOD_PREFIX, "strict": st.booleans(),
         "k": good_int(1, optional=True), "include_unseen": st.booleans(),
     }),
@@ -256,7 +257,7 @@ VALID = {
     }),
     "BatchFormat": (BatchFormat, {
         "ids_key": GOOD_STR, "labels_key": GOOD_STR, "mask_key": GOOD_STR, "shift_labels": st.booleans(),
-        "ignore_index": st.integers(), "ids_fn": GOOD_CALLABLE, "mask_fn": GOOD_CALLABLE, "targets_fn": GOOD_CALLABLE,
+        "ignore_index": good_int(), "ids_fn": GOOD_CALLABLE, "mask_fn": GOOD_CALLABLE, "targets_fn": GOOD_CALLABLE,
     }),
     "Schedule": (lambda **kw: Schedule(**{"every": 1, **kw}), {"every": good_int(0)}),
     "CollapseRules": (CollapseRules, {
@@ -277,7 +278,7 @@ VALID = {
         "timeout": good_number(0, 2, low_open=True), "retries": good_int(0, 5), "on_failure": GOOD_CALLABLE,
     }),
     "HeadWarmupCore": (lambda **kw: HeadWarmupCore(**{"warmup_steps": 1, **kw}), {"warmup_steps": good_int(0), "head_lr": good_number(0, low_open=True, optional=True)}),
-    "LogitStatsMetric": (LogitStatsMetric, {"ignore_index": st.integers(), "max_chunk_bytes": good_int(1),
+    "LogitStatsMetric": (LogitStatsMetric, {"ignore_index": good_int(), "max_chunk_bytes": good_int(1),
                                             "keep_entropies": st.booleans()}),
 }
 

@@ -120,6 +120,7 @@ class Headwatch(Driver):
         set_figures(self.run.named, figure_every_n_steps)
         self.step_index = 0
         self._open = False  # a step_start since the last step_end
+        self._closed = False  # close() removed the hooks: a later step is refused
         if self.run.reducer.rank == 0:
             try:
                 tb.write_layout(self.writers, prefix)
@@ -150,8 +151,10 @@ class Headwatch(Driver):
         """Before the forward of each (micro-)batch of step ``step`` (default: an internal counter).
 
         Raises:
-            HeadwatchError: ``step`` is not a non-negative int.
+            HeadwatchError: ``step`` is not a non-negative int; called after :meth:`close`.
         """
+        if self._closed:
+            raise HeadwatchError("step_start() after close(): its hooks are removed; build a new Headwatch for a new run")
         if step is not None:
             if isinstance(step, bool) or not hasattr(step, "__index__") or int(step) < 0:
                 raise HeadwatchError(f"`step` must be None or an int >= 0, got {step!r}")
@@ -194,7 +197,7 @@ class Headwatch(Driver):
                 steps only (a device tensor is moved with the step's one transfer).
 
         Raises:
-            HeadwatchError: no :meth:`step_start` since the last ``step_end``; ``loss`` neither a tensor nor a number.
+            HeadwatchError: no :meth:`step_start` since the last ``step_end``; ``loss`` neither a scalar tensor nor a number.
         """
         if not self._open:
             raise HeadwatchError(
@@ -203,6 +206,8 @@ class Headwatch(Driver):
             )
         if loss is not None:
             check_instance("loss", loss, (Tensor, float, int), "a scalar tensor or a number")
+            if isinstance(loss, Tensor) and loss.numel() != 1:  # numel: the shape, no device read
+                raise HeadwatchError(f"`loss` must be a scalar tensor or a number, got a tensor of shape {tuple(loss.shape)}")
         self._open = False
         step = self.step_index
         if loss is not None and self.run.logging:
@@ -235,6 +240,7 @@ class Headwatch(Driver):
     def close(self) -> None:
         """End the run (:meth:`end`), release the alert's webhook thread and remove every hook (the state stays)."""
         self.end()
+        self._closed = True
         with self.run.guard("closing"):
             self.run.close()
 

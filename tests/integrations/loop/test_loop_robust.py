@@ -106,3 +106,27 @@ def test_a_monitor_failing_on_one_rank_is_dropped_on_every_rank(tmp_path):
     assert r0 == r1  # the same keys on every rank, every step
     # the logits (and the self-check of what they captured), no gradient statistics
     assert r0[0] and all(k.startswith(("headwatch/logits/", "headwatch/debug/", "headwatch/check/")) for step in r0 for k in step)
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused_at_the_call():
+    hw = Headwatch(Tiny(), monitors=["tokens"], log_every_n_steps=1)
+    hw.step_start({"input_ids": torch.zeros(1, 2, dtype=torch.long)})
+    with pytest.raises(HeadwatchError, match=r"`loss` must be a scalar tensor or a number, got a tensor of shape \(2,\)"):
+        hw.step_end(loss=torch.tensor([1.0, 2.0]))
+
+
+def test_a_step_after_close_is_refused():
+    hw = Headwatch(Tiny(), monitors=["tokens"], log_every_n_steps=1)
+    hw.close()
+    with pytest.raises(HeadwatchError, match=r"step_start\(\) after close\(\)"):
+        hw.step_start({"input_ids": torch.zeros(1, 2, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 10**30])
+def test_an_int_argument_beyond_int64_is_refused(value):
+    from headwatch.errors import check_int
+    from headwatch.model.batch import BatchFormat
+
+    with pytest.raises(HeadwatchError, match="`ignore_index` must be an int that fits in an int64"):
+        BatchFormat(ignore_index=value)
+    assert check_int("seed", 2**63 - 1) == 2**63 - 1
