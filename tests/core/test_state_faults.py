@@ -69,6 +69,7 @@ CORRUPTIONS = [
     (GradientDensity, "failures", lambda v: None, "int >= 0"),
     (SynonymCollision, "last_step", lambda v: -7, "int >= -1"),
     (SynonymCollision, "version", lambda v: 99, "`version`"),
+    (SynonymCollision, "panel", lambda v: 0, "int >= 1"),
 ]
 
 

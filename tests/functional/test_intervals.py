@@ -9,18 +9,9 @@ import torch
 from scipy import stats
 
 from headwatch import HeadwatchError
-from headwatch.functional import Z95, wilson_interval
-from headwatch.functional import intervals
+from headwatch.functional import Z95, intervals, wilson_interval
 from headwatch.report import verdict
-
-
-def wilson_roots(k: int, n: int, z: float) -> tuple[float, float]:
-    """The interval's ends as the roots in pi of (k/n - pi)^2 = z^2 pi (1 - pi) / n (Wilson 1927), float64."""
-    p = k / n
-    a, b, c = 1.0 + z * z / n, -(2.0 * p + z * z / n), p * p
-    root = math.sqrt(b * b - 4.0 * a * c)
-    return (-b - root) / (2.0 * a), (-b + root) / (2.0 * a)
-
+from tests.helpers.references import wilson_roots
 
 CASES = [(0, 1), (1, 1), (0, 20), (1, 29), (15, 148), (81, 263), (512, 1024), (3, 10_000), (9_999, 10_000), (7, 1_500)]
 
@@ -40,7 +31,12 @@ def test_matches_an_independent_float64_recomputation(z):
 
 def test_textbook_values():
     # Newcombe (1998), "Two-sided confidence intervals for the single proportion", Table II, method 3
-    published = {(81, 263): (0.2553, 0.3662), (15, 148): (0.0624, 0.1605), (0, 20): (0.0, 0.1611), (1, 29): (0.0061, 0.1718)}
+    published = {
+        (81, 263): (0.2553, 0.3662),
+        (15, 148): (0.0624, 0.1605),
+        (0, 20): (0.0, 0.1611),
+        (1, 29): (0.0061, 0.1718),
+    }
     for (k, n), (want_low, want_high) in published.items():
         low, high = wilson_interval(torch.tensor(k), torch.tensor(n))
         assert (round(low.item(), 4), round(high.item(), 4)) == (want_low, want_high)
@@ -52,7 +48,9 @@ def test_textbook_values():
 def test_ends_are_exact_and_the_half_width_shrinks_as_one_over_root_n():
     low, high = wilson_interval(torch.tensor([0, 50]), torch.tensor([50, 50]))
     assert low.tolist() == [0.0, pytest.approx(1 - high[0].item(), abs=1e-15)] and high[1].item() == 1.0
-    half = [((h - lo) / 2).item() for lo, h in zip(*wilson_interval(torch.tensor([512, 2048]), torch.tensor([1024, 4096])))]
+    half = [
+        ((h - lo) / 2).item() for lo, h in zip(*wilson_interval(torch.tensor([512, 2048]), torch.tensor([1024, 4096])))
+    ]
     assert half[0] / half[1] == pytest.approx(2.0, rel=2e-3)
 
 
@@ -62,7 +60,10 @@ def test_shapes_broadcast_and_stay_on_the_device_of_the_counts():
     low, high = wilson_interval(k, n)
     assert low.shape == high.shape == (3, 4) and low.device == k.device
     want = wilson_roots(2, 16, Z95)
-    assert (low[2, 2].item(), high[2, 2].item()) == (pytest.approx(want[0], abs=1e-12), pytest.approx(want[1], abs=1e-12))
+    assert (low[2, 2].item(), high[2, 2].item()) == (
+        pytest.approx(want[0], abs=1e-12),
+        pytest.approx(want[1], abs=1e-12),
+    )
 
 
 def test_invalid_counts_give_nan_without_a_host_read():

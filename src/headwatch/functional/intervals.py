@@ -63,4 +63,3 @@ def wilson_interval(successes: Tensor, n: Tensor, z: float = Z95) -> tuple[Tenso
     high = torch.where(k == m, 1.0, (centre + half).clamp(max=1.0))
     nan = torch.full_like(p, math.nan)
     return torch.where(ok, low, nan), torch.where(ok, high, nan)
-
