@@ -172,8 +172,7 @@ class SynonymCollision(Monitor):
 
     # ---------------------------------------------------------------- wiring
     def configure(self, schedule: Schedule | None = None, reducer: Reducer | None = None) -> None:
-        """As :meth:`Monitor.configure`; ``every_n_steps``, when given, replaces the interval the door sets (by
-        default ``every_factor`` times its logging interval)."""
+        """As :meth:`Monitor.configure`; ``every_n_steps``, when given, replaces the door's interval for this monitor."""
         if schedule is not None and self.every_n_steps is not None:
             schedule = Schedule(self.every_n_steps)
         super().configure(schedule, reducer)
@@ -182,6 +181,8 @@ class SynonymCollision(Monitor):
         matrices = resolve_matrices(model, self.head, self.embedding)
         head, emb, self.tied = matrices.head, matrices.embedding.module, matrices.tie.tied
         self._head, self._emb, self.model = head, emb, model
+        if isinstance(getattr(head, "weight", None), Tensor) and head.weight.ndim == 2:  # at set-up: no copy at a probe
+            self._panel_order(head.weight.shape[0], head.weight.device)
         if self.synonym_groups is not None:
             self._group_ids = [encode_group(self.tokenizer, g) for g in self.synonym_groups]
             # checks the ids; the table, its rows with synonyms and the counts live on the device from set-up on
@@ -370,9 +371,8 @@ class SynonymCollision(Monitor):
         """Double :attr:`panel` when a published rate's 95% Wilson half-width ``(high - low) / 2`` exceeds
         :data:`PANEL_HALF_WIDTH` and the panel does not hold every rare row yet; returns whether it grew.
 
-        ``numbers``: the published values (on the host). They are the same on every process (the weights and
-        the summed counts are), so every process grows its panel at the same probe: no collective. An
-        explicit ``max_rare`` fixes the panel; a NaN interval (nothing measured) leaves it.
+        ``numbers``: the published values, the same on every process (the weights and the summed counts are): every
+        process grows its panel at the same probe, no collective. ``max_rare`` fixes it; a NaN interval leaves it.
         """
         c = f"{self.prefix}/collision"
         halves = [
@@ -382,8 +382,8 @@ class SynonymCollision(Monitor):
         whole = numbers.get(f"{c}/rare_sample_size", 0.0) >= numbers.get(f"{c}/rare_count", math.inf)
         if self.max_rare is not None or whole or not any(h > PANEL_HALF_WIDTH for h in halves):
             return False
-        rows = self._panel_keys.numel() if self._panel_keys is not None else 2 * self.panel
-        self.panel = min(2 * self.panel, max(rows, self.panel))  # never more than the vocabulary
+        rows = self._panel_keys.numel() if self._panel_keys is not None else 2 * self.panel  # the vocabulary's
+        self.panel = min(2 * self.panel, max(rows, self.panel))
         return True
 
     def _similarity_figures(self) -> dict[str, Any]:
@@ -416,7 +416,7 @@ class SynonymCollision(Monitor):
         a row-sharded matrix selects its queries by value, see :meth:`_neighbours_sharded`)."""
         c = f"{self.prefix}/collision"
         rare = snap.rare
-        sample, taken = panel_mask(rare, self._panel_order(rare), self.panel)
+        sample, taken = panel_mask(rare, self._panel_order(rare.numel(), rare.device), self.panel)
         generator = torch.Generator(device=rare.device).manual_seed(self.seed + step)
         scalars: dict[str, Tensor] = {
             f"{c}/rare_count": rare.sum(dtype=torch.float64),
@@ -430,12 +430,12 @@ class SynonymCollision(Monitor):
             self._measure_matrix(name, weight, snap, (sample, taken), buckets, scalars, host)
         return scalars, host
 
-    def _panel_order(self, rare: Tensor) -> Tensor:
-        """The rows' priorities (:func:`~headwatch.functional.collision.panel_order`, from ``seed`` alone: the same
-        panel on every process and at every probe), made once, on ``rare``'s device."""
+    def _panel_order(self, V: int, device: torch.device) -> Tensor:
+        """The ``V`` rows' priorities (:func:`~headwatch.functional.collision.panel_order`, from ``seed`` alone: the
+        same panel on every process and at every probe), made once on the host and copied to ``device``."""
         keys = self._panel_keys
-        if keys is None or keys.numel() != rare.numel() or keys.device != rare.device:
-            keys = self._panel_keys = panel_order(rare.numel(), self.seed).to(rare.device)
+        if keys is None or keys.numel() != V or keys.device != device:
+            keys = self._panel_keys = panel_order(V, self.seed).to(device)
         return keys
 
     def _measure_matrix(
