@@ -1,10 +1,10 @@
 """Time of one collision measurement (``SynonymCollision.measure``), this checkout against another, in one process.
 
 An untied ``(V, d_model)`` head and embedding (Gaussian rows), Zipf(1.1) token counts over a random
-permutation, the monitor's defaults (``max_rare`` 8192, 1024 rows per bucket). The other checkout's
-package is imported first, its ``SynonymCollision`` kept, then ``sys.modules`` cleared and this one's
-imported; the two are then called alternately (``--repeats`` each, after a warm-up), so both see the same
-machine load. Prints the medians and the ratio of the medians, and the load average.
+permutation, the monitor's defaults (a rare panel of 1024 rows at the first probe, 8192 rows before 0.4;
+1024 rows per bucket). The other checkout's package is imported first, its ``SynonymCollision`` kept, then
+``sys.modules`` cleared and this one's imported; the two are then called alternately (``--repeats`` each,
+after a warm-up), so both see the same machine load. Prints the medians and the ratio of the medians, and the load average.
 
 Run: ``PYTHONPATH=src python bench/collision_step.py --other /path/to/other/src [--V 32000 --d 256 --repeats 5]``.
 """

@@ -151,11 +151,12 @@ GRADIENTS = [
     ("log_histogram", bad_bool()), ("figure_every", bad_int(0)), ("prefix", BAD_PREFIX), ("strict", bad_bool()),
 ]
 COLLISION = [
-    ("frequency", BAD_COUNTS), ("tau", bad_number(-1, 1)), ("max_rare", bad_int(1)), ("max_per_bucket", bad_int(1)),
+    ("frequency", BAD_COUNTS), ("tau", bad_number(-1, 1)), ("max_rare", bad_int(1, optional=True)), ("max_per_bucket", bad_int(1)),
     ("top_pairs", bad_int(1)), ("synonym_groups", BAD_GROUPS), ("head", BAD_MODULE), ("embedding", BAD_MODULE),
     ("seed", st.one_of(st.booleans(), st.floats(), TEXT, st.none())), ("max_chunk_bytes", bad_int(1)),
     ("figures", bad_bool()), ("on_epoch_end", bad_bool()), ("prefix", BAD_PREFIX), ("strict", bad_bool()),
     ("batch_format", BAD_FORMAT), ("k", bad_int(1, optional=True)), ("include_unseen", bad_bool()),
+    ("every_n_steps", bad_int(1, optional=True)),
 ]
 TOKENS = [
     ("vocab_size", bad_int(1, optional=True)), ("valid_token_mask", BAD_MASK), ("embedding", BAD_MODULE),
@@ -245,10 +246,10 @@ VALID = {
     }),
     "SynonymCollision": (SynonymCollision, {
         "frequency": st.one_of(st.none(), st.builds(TokenCounts)), "tau": st.one_of(good_number(-1, 1), st.integers(-1, 1)),
-        "max_rare": good_int(1), "max_per_bucket": good_int(1), "top_pairs": good_int(1), "synonym_groups": GOOD_GROUPS,
+        "max_rare": good_int(1, optional=True), "max_per_bucket": good_int(1), "top_pairs": good_int(1), "synonym_groups": GOOD_GROUPS,
         "head": GOOD_MODULE, "embedding": GOOD_MODULE, "seed": good_int(), "max_chunk_bytes": good_int(1),
         "figures": st.booleans(), "on_epoch_end": st.booleans(), "prefix": GOOD_PREFIX, "strict": st.booleans(),
-        "k": good_int(1, optional=True), "include_unseen": st.booleans(),
+        "k": good_int(1, optional=True), "include_unseen": st.booleans(), "every_n_steps": good_int(1, optional=True),
     }),
     "TokenCounts": (TokenCounts, {
         "vocab_size": good_int(1, optional=True), "valid_token_mask": GOOD_MASK, "embedding": GOOD_MODULE,

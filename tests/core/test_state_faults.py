@@ -69,6 +69,7 @@ CORRUPTIONS = [
     (GradientDensity, "failures", lambda v: None, "int >= 0"),
     (SynonymCollision, "last_step", lambda v: -7, "int >= -1"),
     (SynonymCollision, "version", lambda v: 99, "`version`"),
+    (SynonymCollision, "panel", lambda v: 0, "int >= 1"),
     # crafted states: values that are not there (meta), a sparse layout, totals at the int64 limit
     (TokenCounts, "counts", lambda c: torch.empty_like(c, device="meta"), "not meta"),
     (TokenCounts, "counts", lambda c: c.to_sparse(), "not sparse"),

@@ -46,3 +46,13 @@ def reference(logits: torch.Tensor, mask=None, targets=None, ignore_index=-100) 
             out["nll"][i] = -logp[t[i]]
             out["target_is_argmax"][i] = row[t[i]] == row.max()
     return {k: v.reshape(lead) for k, v in out.items()}
+
+
+def wilson_roots(k: int, n: int, z: float) -> tuple[float, float]:
+    """The Wilson (1927) interval's ends as the roots in pi of ``(k/n - pi)^2 = z^2 pi (1 - pi) / n``, float64."""
+    import math
+
+    p = k / n
+    a, b, c = 1.0 + z * z / n, -(2.0 * p + z * z / n), p * p
+    root = math.sqrt(b * b - 4.0 * a * c)
+    return (-b - root) / (2.0 * a), (-b + root) / (2.0 * a)

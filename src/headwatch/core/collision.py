@@ -19,6 +19,7 @@ from headwatch.errors import (
     StateReader,
     HeadwatchError,
     check_bool,
+    check_every,
     check_int,
     check_module_or_name,
     check_optional,
@@ -31,7 +32,10 @@ from headwatch.core.forwards import not_loss_forward
 from headwatch.core.frequency import TokenCounts, check_token_counts
 from headwatch.core.monitor import Monitor
 from headwatch.core.tokens import check_synonym_groups, decode_token, encode_group
-from headwatch.functional.collision import sample_mask, top_colliding_pairs_fixed
+from headwatch.core.schedule import Schedule
+from headwatch.distributed.reduce import Reducer
+from headwatch.functional.collision import panel_mask, panel_order, sample_mask, top_colliding_pairs_fixed
+from headwatch.functional.intervals import wilson_interval
 from headwatch.distributed.sharded_drift import (
     corrected_collision_rows,
     nn_cosines_rows,
@@ -47,13 +51,20 @@ from headwatch.functional.neighbors import nearest_neighbours_masked, synonym_co
 from headwatch.model.find import resolve_matrices
 from headwatch.model.weights import effective_weight
 
-__all__ = ["DEFAULT_TAU", "SynonymCollision", "decode_token", "encode_group"]
+__all__ = ["DEFAULT_TAU", "PANEL_HALF_WIDTH", "PANEL_START", "SynonymCollision", "decode_token", "encode_group"]
 
 DEFAULT_TAU = 0.9
 """Default collision threshold on the (drift-corrected) nearest-neighbour cosine: near-duplicate rows.
 
 Independent random rows almost never reach it: at d_model 64 the largest cosine among
 32768 Gaussian rows is about 0.6, at d_model 256 about 0.3."""
+
+PANEL_START = 1024
+"""Rare rows in the collision panel at the first probe (all rare rows when fewer), when ``max_rare`` is None."""
+
+PANEL_HALF_WIDTH = 0.01
+"""The panel doubles after a probe whose rate's 95% Wilson half-width ``(high - low) / 2`` exceeds this (a
+fraction): it takes about 1825 measured rows at a rate of 5%, 9604 at 50%."""
 
 _TRAIN, _VAL = 0, 1
 
@@ -82,7 +93,9 @@ class SynonymCollision(Monitor):
     no process holds the whole ``(V, d_model)`` matrix.
 
     Args: see :class:`headwatch.SynonymCollisionMonitor`; ``figures``: draw the similarity
-    histograms (a bool here); ``frequency``: the shared :class:`TokenCounts`.
+    histograms (a bool here); ``frequency``: the shared :class:`TokenCounts`; ``every_n_steps``: measure
+    every this many steps, whatever the door (None: ``every_factor`` times its logging interval);
+    ``max_rare``: the panel's size, fixed (None: :data:`PANEL_START`, grown by :meth:`grow_panel`).
 
     Raises:
         HeadwatchError: an invalid argument (checked here, whatever the front door).
@@ -95,7 +108,7 @@ class SynonymCollision(Monitor):
         self,
         frequency: TokenCounts | None = None,
         tau: float = DEFAULT_TAU,
-        max_rare: int = 8192,
+        max_rare: int | None = None,
         max_per_bucket: int = 1024,
         top_pairs: int = 20,
         synonym_groups: Sequence[Sequence[int | str]] | None = None,
@@ -111,13 +124,16 @@ class SynonymCollision(Monitor):
         batch_format: BatchFormat | None = None,
         k: int | None = None,
         include_unseen: bool = False,
+        every_n_steps: int | None = None,
     ) -> None:
         super().__init__(prefix, strict, batch_format)
         check_token_counts("frequency", frequency)  # None: a front door sets it at set-up
         tau = check_range("tau", tau, -1, 1)  # a cosine; -1: every rare token collides
-        for name, value in (("max_rare", max_rare), ("max_per_bucket", max_per_bucket), ("top_pairs", top_pairs),
+        for name, value in (("max_per_bucket", max_per_bucket), ("top_pairs", top_pairs),
                             ("max_chunk_bytes", max_chunk_bytes)):  # fmt: skip
             check_positive_int(name, value)
+        check_optional(check_positive_int, "max_rare", max_rare)  # None: the panel rule sizes the panel
+        check_every("every_n_steps", every_n_steps)
         groups = check_optional(check_synonym_groups, "synonym_groups", synonym_groups)
         check_module_or_name("head", head)
         check_module_or_name("embedding", embedding)
@@ -127,7 +143,10 @@ class SynonymCollision(Monitor):
         check_optional(check_int, "k", k, minimum=1)  # principal directions removed
         self.frequency = frequency
         self.tau, self.max_rare, self.max_per_bucket, self.top_pairs = tau, max_rare, max_per_bucket, top_pairs
-        self.k, self.include_unseen = k, include_unseen
+        self.k, self.include_unseen, self.every_n_steps = k, include_unseen, every_n_steps
+        self.panel = max_rare if max_rare is not None else PANEL_START
+        """Rare rows measured at the next probe (``max_rare``, else grown by :meth:`grow_panel`)."""
+        self._panel_keys: Tensor | None = None
         self.synonym_groups = groups
         self.tokenizer, self.head, self.embedding, self.seed = tokenizer, head, embedding, seed
         self.max_chunk_bytes, self.draw_figures, self.on_epoch_end = max_chunk_bytes, figures, on_epoch_end
@@ -152,10 +171,18 @@ class SynonymCollision(Monitor):
         self._measurements = 0
 
     # ---------------------------------------------------------------- wiring
+    def configure(self, schedule: Schedule | None = None, reducer: Reducer | None = None) -> None:
+        """As :meth:`Monitor.configure`; ``every_n_steps``, when given, replaces the door's interval for this monitor."""
+        if schedule is not None and self.every_n_steps is not None:
+            schedule = Schedule(self.every_n_steps)
+        super().configure(schedule, reducer)
+
     def attach(self, model: nn.Module) -> None:
         matrices = resolve_matrices(model, self.head, self.embedding)
         head, emb, self.tied = matrices.head, matrices.embedding.module, matrices.tie.tied
         self._head, self._emb, self.model = head, emb, model
+        if isinstance(getattr(head, "weight", None), Tensor) and head.weight.ndim == 2:  # at set-up: no copy at a probe
+            self._panel_order(head.weight.shape[0], head.weight.device)
         if self.synonym_groups is not None:
             self._group_ids = [encode_group(self.tokenizer, g) for g in self.synonym_groups]
             # checks the ids; the table, its rows with synonyms and the counts live on the device from set-up on
@@ -338,6 +365,26 @@ class SynonymCollision(Monitor):
             raise
         self.media.texts = tables if self.reducer.rank == 0 else {}
         self.media.figures = self._similarity_figures() if self.draw_figures and self.reducer.rank == 0 else {}
+        self.grow_panel(numbers)
+
+    def grow_panel(self, numbers: dict[str, float]) -> bool:
+        """Double :attr:`panel` when a published rate's 95% Wilson half-width ``(high - low) / 2`` exceeds
+        :data:`PANEL_HALF_WIDTH` and the panel does not hold every rare row yet; returns whether it grew.
+
+        ``numbers``: the published values, the same on every process (the weights and the summed counts are): every
+        process grows its panel at the same probe, no collective. ``max_rare`` fixes it; a NaN interval leaves it.
+        """
+        c = f"{self.prefix}/collision"
+        halves = [
+            (numbers[f"{c}/rare_rate_{m}_high"] - numbers[f"{c}/rare_rate_{m}_low"]) / 2.0
+            for m in ("head", "embedding") if f"{c}/rare_rate_{m}_low" in numbers and f"{c}/rare_rate_{m}_high" in numbers
+        ]  # fmt: skip
+        whole = numbers.get(f"{c}/rare_sample_size", 0.0) >= numbers.get(f"{c}/rare_count", math.inf)
+        if self.max_rare is not None or whole or not any(h > PANEL_HALF_WIDTH for h in halves):
+            return False
+        rows = self._panel_keys.numel() if self._panel_keys is not None else 2 * self.panel  # the vocabulary's
+        self.panel = min(2 * self.panel, max(rows, self.panel))
+        return True
 
     def _similarity_figures(self) -> dict[str, Any]:
         from headwatch.core import figures
@@ -369,8 +416,8 @@ class SynonymCollision(Monitor):
         a row-sharded matrix selects its queries by value, see :meth:`_neighbours_sharded`)."""
         c = f"{self.prefix}/collision"
         rare = snap.rare
+        sample, taken = panel_mask(rare, self._panel_order(rare.numel(), rare.device), self.panel)
         generator = torch.Generator(device=rare.device).manual_seed(self.seed + step)
-        sample, taken = sample_mask(rare, self.max_rare, generator)
         scalars: dict[str, Tensor] = {
             f"{c}/rare_count": rare.sum(dtype=torch.float64),
             f"{c}/rare_sample_size": taken.sum(dtype=torch.float64),
@@ -382,6 +429,14 @@ class SynonymCollision(Monitor):
         for name, weight in self._matrices().items():
             self._measure_matrix(name, weight, snap, (sample, taken), buckets, scalars, host)
         return scalars, host
+
+    def _panel_order(self, V: int, device: torch.device) -> Tensor:
+        """The ``V`` rows' priorities (:func:`~headwatch.functional.collision.panel_order`, from ``seed`` alone: the
+        same panel on every process and at every probe), made once on the host and copied to ``device``."""
+        keys = self._panel_keys
+        if keys is None or keys.numel() != V or keys.device != device:
+            keys = self._panel_keys = panel_order(V, self.seed).to(device)
+        return keys
 
     def _measure_matrix(
         self, name: str, weight: Tensor, snap: FrequencySnapshot, sample: tuple[Tensor, Tensor],
@@ -404,6 +459,10 @@ class SynonymCollision(Monitor):
                 for g, (i, _) in groups.items()
             }  # fmt: skip
         scalars[f"{c}/rare_rate_{name}"] = res.rate
+        n = res.measured.sum(dtype=torch.float64)
+        low, high = wilson_interval((res.measured & (res.cosine >= self.tau)).sum(dtype=torch.float64), n)
+        scalars[f"{c}/rare_rate_{name}_low"], scalars[f"{c}/rare_rate_{name}_high"] = low, high
+        scalars[f"{c}/rare_measured_{name}"] = n
         scalars[f"{c}/drift/raw_rate_{name}"] = res.raw_rate
         scalars[f"{c}/drift/mean_cos_{name}"] = res.drift_mean_cos
         scalars[f"{c}/drift/removed_variance_{name}"] = res.removed_variance
@@ -512,23 +571,30 @@ class SynonymCollision(Monitor):
 
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "measurements": self._measurements, "last_step": self._last_step, "failures": self.failures}
+        return {
+            "version": 2, "measurements": self._measurements, "last_step": self._last_step, "failures": self.failures,
+            "panel": self.panel,
+        }  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the counters, checked (see ``FailurePolicy.restore``)."""
 
         def read(r: StateReader) -> Callable[[], None]:
             measurements, last_step, failures = r.count("measurements"), r.step("last_step"), r.count("failures")
+            panel = r.count("panel", PANEL_START)  # a version-1 state: the panel starts again
+            if panel < 1:
+                raise r.fail("panel", "an int >= 1", panel)
 
             def apply() -> None:
                 self._measurements, self._last_step, self.failures = measurements, last_step, failures
+                self.panel = panel if self.max_rare is None else self.max_rare  # an explicit max_rare wins
 
             return apply
 
-        self.restore(state_dict, read)
+        self.restore(state_dict, read, versions=(1, 2))
 
     def reset(self) -> None:
-        """A new run: counters, the synonym-confusion sums and the step in progress emptied."""
+        """A new run: counters, the synonym-confusion sums and the step in progress emptied; the panel starts again."""
         super().reset()
         self._confusion = torch.zeros(2, 2, dtype=torch.float64)
         self._step, self._view, self._stash, self._split, self.last_result = None, None, [], _TRAIN, {}

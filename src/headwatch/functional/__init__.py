@@ -18,6 +18,8 @@ from headwatch.functional.adapters import add_low_rank_, head_weight_gradient, z
 from headwatch.functional.collision import (
     collision_scalars,
     collision_statistics,
+    panel_mask,
+    panel_order,
     sample_mask,
     sample_rows,
     synonym_pair_rate,
@@ -78,6 +80,7 @@ from headwatch.functional.rows import (
     summarize,
     summarize_groups,
 )
+from headwatch.functional.intervals import Z95, wilson_interval
 from headwatch.functional.padding import padded_mass
 from headwatch.functional.tied import row_group_statistics, tied_flow_statistics
 
@@ -124,6 +127,8 @@ __all__ = [
     "row_norms_given_nonzero",
     "row_norms",
     "rows_per_chunk",
+    "panel_mask",
+    "panel_order",
     "sample_rows",
     "sorted_quantiles",
     "row_norms_and_nonzero",
@@ -139,6 +144,8 @@ __all__ = [
     "token_scalars",
     "padded_mass",
     "top_colliding_pairs",
+    "wilson_interval",
+    "Z95",
 ]
 
 # collision beyond common drift; loss, accuracy and calibration by target frequency

@@ -17,8 +17,8 @@ from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours, pair_cosine
 
 __all__ = [
-    "collision_scalars", "collision_statistics", "sample_mask", "sample_rows", "synonym_pair_rate", "top_colliding_pairs",
-    "top_colliding_pairs_fixed",
+    "collision_scalars", "collision_statistics", "panel_mask", "panel_order", "sample_mask", "sample_rows",
+    "synonym_pair_rate", "top_colliding_pairs", "top_colliding_pairs_fixed",
 ]  # fmt: skip
 
 
@@ -51,10 +51,43 @@ def sample_mask(mask: Tensor, k: int, generator: torch.Generator) -> tuple[Tenso
         ``(ids (S,) int64, taken (S,) bool)``: the sampled ids ascending first (``taken``), then padding
         (id 0, not ``taken``).
     """
+    return panel_mask(mask, torch.rand(mask.numel(), generator=generator, device=mask.device), k)
+
+
+def panel_order(V: int, seed: int) -> Tensor:
+    """The priority of each of ``V`` rows in one seeded permutation: ``(V,)`` int64, distinct, in ``[1, V]``.
+
+    Row ``order[i]`` of ``torch.randperm(V)`` (a CPU generator seeded with ``seed``: the same on every
+    process and device) gets priority ``V - i``; :func:`panel_mask` keeps the highest, so a panel of ``k``
+    rows is the first ``k`` rows of the permutation that fall in its mask, and a larger panel keeps
+    every row of a smaller one (a prefix).
+    """
+    order = torch.randperm(V, generator=torch.Generator().manual_seed(seed))
+    keys = torch.empty(V, dtype=torch.int64)
+    keys[order] = torch.arange(V, 0, -1, dtype=torch.int64)
+    return keys
+
+
+def panel_mask(mask: Tensor, keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` rows of ``mask`` with the largest ``keys`` (all of them when fewer), as a fixed-size selection.
+
+    With the keys of :func:`panel_order` the selection is the same rows for the same mask and seed
+    (a fixed panel), and a prefix of the permutation: the panel of ``k`` rows is inside that of ``2k``.
+    Nothing is read on the host.
+
+    Args:
+        mask: ``(V,)`` bool, the rows to select from.
+        keys: ``(V,)`` non-negative priorities (int64 or floating), distinct within ``mask``.
+        k: the panel size (``>= 1``).
+
+    Returns:
+        ``(ids (S,) int64, taken (S,) bool)``, ``S = min(k, V)``: the selected ids ascending first
+        (``taken``), then padding (id 0, not ``taken``).
+    """
     V = mask.numel()
     S = min(k, V)
-    keys = torch.where(mask, torch.rand(V, generator=generator, device=mask.device), -1.0)
-    top = torch.topk(keys, S, sorted=False)
+    keyed = torch.where(mask, keys.to(mask.device), -1)
+    top = torch.topk(keyed, S, sorted=False)
     taken = top.values >= 0
     ids = torch.where(taken, top.indices, V).sort().values
     taken = ids < V

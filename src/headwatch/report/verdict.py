@@ -1,6 +1,7 @@
 """The statistics of a verdict over seeds, pure and in float64: t-tests, Holm's step-down, Wilson intervals.
 
-Everything here is plain Python (``math``, ``statistics``); SciPy is only the tests' reference.
+Everything here is plain Python (``math``, ``statistics``) but the Wilson interval, which the collision probe
+shares (:mod:`headwatch.functional.intervals`); SciPy is only the tests' reference.
 
 * :func:`paired_test`: runs of one seed share data and order, so a setting is compared by the
   per-seed differences ``d_i = other_i - reference_i``: ``t = mean(d) / (sd(d) / sqrt(n))`` with
@@ -27,7 +28,10 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
+import torch
+
 from headwatch.errors import HeadwatchError
+from headwatch.functional import intervals
 
 ALPHA = 0.05
 """The family-wise error rate of the verdicts (Holm)."""
@@ -289,7 +293,8 @@ def wilson_interval(k: int, n: int, level: float = LEVEL) -> tuple[float, float]
 
     ``(p + z^2 / 2n -/+ z sqrt(p (1 - p) / n + z^2 / 4n^2)) / (1 + z^2 / n)``, ``p = k / n``,
     ``z`` the normal ``(1 + level) / 2`` quantile (Wilson 1927); it stays in [0, 1] and is not
-    degenerate at ``k = 0`` or ``k = n``.
+    degenerate at ``k = 0`` or ``k = n``. Computed by :func:`headwatch.functional.intervals.wilson_interval`
+    (the collision probe's interval), in float64.
 
     Raises:
         HeadwatchError: ``n < 1``, ``k`` outside ``[0, n]``, or ``level`` outside (0, 1).
@@ -299,8 +304,5 @@ def wilson_interval(k: int, n: int, level: float = LEVEL) -> tuple[float, float]
     if not 0.0 < level < 1.0:
         raise HeadwatchError(f"`level` must be in (0, 1), got {level!r}")
     z = NormalDist().inv_cdf(0.5 + level / 2.0)
-    p, z2 = k / n, z * z
-    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
-    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    low = 0.0 if k == 0 else max(0.0, centre - half)  # exact ends: the formula gives them up to rounding
-    return low, (1.0 if k == n else min(1.0, centre + half))
+    low, high = intervals.wilson_interval(torch.tensor(float(k), dtype=torch.float64), torch.tensor(float(n), dtype=torch.float64), z)
+    return float(low), float(high)

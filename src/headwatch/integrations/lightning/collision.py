@@ -6,7 +6,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from headwatch.errors import check_choice, check_every
+from headwatch.errors import check_choice
 from headwatch.core.collision import DEFAULT_TAU, SynonymCollision, decode_token
 from headwatch.core.figures import check_figure_argument, matplotlib_available
 from headwatch.integrations.lightning.frequency import TokenFrequency
@@ -26,7 +26,9 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
     (:func:`headwatch.functional.drift.remove_top_directions`). Rare token ``r`` *collides*
     when ``nn_cos'(r) = max_{j pairable, j != r} cos(W'_r, W'_j) >= tau``; the collision
     rate is ``|{r in R : nn_cos'(r) >= tau}| / |R|`` (exact neighbours by chunked matrix
-    products; above ``max_rare`` a seeded uniform sample). Pairable rows: valid, seen,
+    products) on a panel of rare tokens: a fixed seeded selection, the same rows at every probe and
+    on every process (trends are paired), 1024 rows (all when fewer) doubled after each probe whose
+    95% Wilson half-width exceeds 0.01 (``max_rare`` fixes it). Pairable rows: valid, seen,
     non-zero and finite (never-seen, padded and zero rows are on neither side, and counted).
     The drift itself (the raw-cosine rate, the rare rows' mean cosine to their mean
     direction, the removed variance share) is logged under ``collision/drift/``.
@@ -51,7 +53,8 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
             listed under "Other Parameters").
 
     Other Parameters:
-        max_rare (int): largest number of rare tokens measured (sampled above it).
+        max_rare (int | None): rare tokens in the panel, fixed; None (default): 1024, doubled while the
+            rate's Wilson half-width exceeds 0.01.
         max_per_bucket (int): rows sampled per frequency bucket for the per-bucket similarity.
         top_pairs (int): number of most similar colliding pairs reported.
         synonym_groups (Sequence[Sequence[int | str]] | None): optional list of groups (token ids or strings).
@@ -69,7 +72,8 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
         include_unseen (bool): let never-seen tokens be nearest neighbours (default: they are not).
 
     Logged metrics (``<m>`` is ``head``, and ``embedding`` when untied; definitions in
-    :mod:`headwatch.names`): ``collision/rare_rate_<m>``, ``collision/drift/raw_rate_<m>``,
+    :mod:`headwatch.names`): ``collision/rare_rate_<m>`` with ``rare_rate_<m>_low``, ``rare_rate_<m>_high``
+    (its 95% Wilson interval) and ``rare_measured_<m>``, ``collision/drift/raw_rate_<m>``,
     ``drift/mean_cos_<m>``, ``drift/removed_variance_<m>``,
     ``collision/<bucket>/<m>_nn_cosine_mean``, ``collision/rare_count``, ``rare_sample_size``,
     ``unseen_count``, ``invalid_count``, ``zero_count_<m>``, ``nonfinite_count_<m>``;
@@ -89,13 +93,12 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
         **kwargs: Any,
     ) -> None:
         # the adapter's own arguments; the core (SynonymCollision) declares and checks the rest
-        check_every("every_n_steps", every_n_steps)
         check_choice("figures", figures, (True, False, "auto"))
         if figures is True:
             check_figure_argument(1, "figures")
         draw = figures is True or (figures == "auto" and matplotlib_available())
-        super().__init__(None, tau, figures=draw, on_epoch_end=on_epoch_end, **kwargs)
-        self.every_n_steps = self.log_every_n_steps = every_n_steps
+        super().__init__(None, tau, figures=draw, on_epoch_end=on_epoch_end, every_n_steps=every_n_steps, **kwargs)
+        self.log_every_n_steps = every_n_steps
         self.figures = figures
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
