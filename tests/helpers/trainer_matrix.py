@@ -1,0 +1,355 @@
+"""The trainer matrix's shared parts (docs/supported.md): the three tiny families, the rows they train on, the
+recorders of what the loss used, and the float64 references each published figure is compared with."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from tests.helpers.matrices import D, V, tiny
+from tests.helpers.references import reference as float64_stats
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ["llama_tied", "gemma_scaled", "gemma2_softcap"]
+B, T, STEPS = 2, 8, 2
+SOFTCAP = 2.0
+H = "headwatch"
+ATOL = 2e-5  # float32 model against float64 statistics of its own logits (measured: below 1e-6)
+
+
+def family(name: str) -> torch.nn.Module:
+    """A tiny model of the family ``name`` (seeded: the same weights every call)."""
+    if name == "llama_tied":
+        return tiny("llama", tied=True)
+    if name == "gemma2_softcap":
+        model = tiny("gemma2", tied=False)
+        model.config.final_logit_softcapping = SOFTCAP
+        return model
+    torch.manual_seed(0)
+    config = transformers.GemmaConfig(vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)  # fmt: skip
+    return transformers.GemmaForCausalLM(config)
+
+
+def is_tied(model: torch.nn.Module) -> bool:
+    return model.lm_head.weight is model.get_input_embeddings().weight
+
+
+class Rows(torch.utils.data.Dataset):
+    """``n`` rows of ``T`` tokens; row ``i`` masks its first ``i % 3 + 1`` labels (rows of different label counts)."""
+
+    def __init__(self, n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, V, (n, T), generator=g)
+        self.labels = self.ids.clone()
+        for i in range(n):
+            self.labels[i, : i % 3 + 1] = -100
+
+    def __len__(self):
+        return self.ids.shape[0]
+
+    def __getitem__(self, i):
+        return {
+            "input_ids": self.ids[i],
+            "labels": self.labels[i],
+            "attention_mask": torch.ones(T, dtype=torch.long),
+        }
+
+    def batch(self) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": self.ids,
+            "labels": self.labels,
+            "attention_mask": torch.ones_like(self.ids),
+        }
+
+
+class LogitsRecorder:
+    """The model's own ``outputs.logits`` of every training forward with gradient (the forwards a loss uses)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.logits: list[torch.Tensor] = []
+        self.handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        if module.training and torch.is_grad_enabled():
+            self.logits.append(output.logits.detach().clone())
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def logits_reference(
+    logits: list[torch.Tensor], batches: list[dict]
+) -> dict[str, float]:
+    """float64 statistics pooled over the forwards of one step: logits ``(B, L, V)`` of the last ``L`` positions
+    scored against ``labels[t + 1]`` (the causal loss's positions: ``-100`` and each row's last position out)."""
+    cols: dict[str, list[np.ndarray]] = {
+        k: [] for k in ("entropy", "kl_to_uniform", "max_prob", "nll", "argmax")
+    }
+    for x, batch in zip(logits, batches, strict=True):
+        labels = batch["labels"]
+        targets = torch.cat(
+            [labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1
+        )[:, -x.shape[1] :]
+        ref = float64_stats(x, None, targets)
+        valid = ref["valid"]
+        for k in ("entropy", "kl_to_uniform", "max_prob", "nll"):
+            cols[k].append(ref[k][valid])
+        cols["argmax"].append(ref["target_is_argmax"][valid])
+    out = {k: float(np.concatenate(v).astype(float).mean()) for k, v in cols.items()}
+    out["positions"] = sum(len(v) for v in cols["nll"])
+    return out
+
+
+def assert_logits(
+    values: dict[str, float],
+    want: dict[str, float],
+    group: str = f"{H}/logits",
+    suffix: str = "",
+) -> None:
+    assert values[f"{group}/positions{suffix}"] == want["positions"]
+    pairs = {"entropy": "entropy", "kl_to_uniform": "kl_to_uniform", "max_prob": "max_prob", "target_nll": "nll",
+             "target_argmax_rate": "argmax"}  # fmt: skip
+    for key, col in pairs.items():
+        assert values[f"{group}/{key}{suffix}"] == pytest.approx(want[col], abs=ATOL), (
+            key
+        )
+    assert math.isfinite(values[f"{group}/ece{suffix}"])
+
+
+def grad_reference(
+    flows: dict[str, torch.Tensor], padding_idx: int | None
+) -> dict[str, float]:
+    """float64 row statistics of each ``(V, d_model)`` gradient over the rows that can train (all but the
+    embedding's ``padding_idx``, which never gets a gradient): density (rows with a non-zero gradient / rows),
+    mean and max row norm."""
+    out = {}
+    rows = torch.ones(V, dtype=torch.bool)
+    if padding_idx is not None:
+        rows[padding_idx] = False
+    for name, grad in flows.items():
+        norms = grad.double().norm(dim=1)[rows]
+        out.update({f"{name}_row_density": float((norms > 0).double().mean()), f"{name}_row_norm_mean": float(norms.mean()),
+                    f"{name}_row_norm_max": float(norms.max())})  # fmt: skip
+    return out
+
+
+def assert_grads(
+    values: dict[str, float],
+    real: dict[str, torch.Tensor],
+    twin: dict[str, torch.Tensor] | None,
+    pad: int | None,
+) -> None:
+    """``real``: the model's ``.grad`` at the optimizer step; ``twin``: the untied twin's (tied models);
+    ``pad``: the embedding's ``padding_idx``."""
+    if twin is None:  # untied: the two matrices' own gradients
+        want = grad_reference(
+            {"embedding": real["embedding"], "head": real["head"]}, pad
+        )
+        assert values[f"{H}/grad/tied"] == 0.0
+    else:
+        want = grad_reference(
+            {
+                "embedding": twin["embedding"],
+                "head": twin["head"],
+                "shared": real["embedding"],
+            },
+            pad,
+        )
+        assert values[f"{H}/grad/tied"] == 1.0
+        torch.testing.assert_close(
+            twin["embedding"] + twin["head"], real["embedding"], rtol=1e-4, atol=1e-6
+        )  # the twin is the model
+    for key, value in want.items():
+        assert values[f"{H}/grad/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-7), (
+            key
+        )
+    assert values[f"{H}/check/vanished_gradient"] == 0.0
+
+
+def headwatch_warnings(caught) -> list[str]:
+    return [
+        str(w.message) for w in caught if "/headwatch/" in w.filename.replace("\\", "/")
+    ]
+
+
+# ====================================================================================== HF Trainer
+def hf_args(out, cls: type = TrainingArguments, **kw) -> TrainingArguments:
+    """The matrix's arguments (``cls``: ``TrainingArguments`` or a subclass, TRL's ``SFTConfig``)."""
+    opts = {
+        "output_dir": str(out), "max_steps": STEPS, "logging_steps": 1, "per_device_train_batch_size": B, "per_device_eval_batch_size": 8,
+        "learning_rate": 0.0, "max_grad_norm": 0.0, "report_to": "none", "use_cpu": True, "save_strategy": "no", "disable_tqdm": True, "seed": 7,
+    }  # fmt: skip
+    opts.update(kw)
+    return cls(**opts)
+
+
+class GradRecorder(TrainerCallback):
+    """The real ``.grad`` of the embedding and the head at each optimizer step (accumulated over micro-batches)."""
+
+    def __init__(self):
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append(
+            {
+                "embedding": model.get_input_embeddings().weight.grad.clone(),
+                "head": model.lm_head.weight.grad.clone(),
+            }
+        )
+
+
+class KeepLastLogitsLoss:
+    """A Trainer mixin: a loss on the logits of the last ``K`` positions only (``logits_to_keep=K``): the forward
+    gets no labels."""
+
+    K = 5
+
+    def compute_loss(
+        self, model, inputs, return_outputs=False, num_items_in_batch=None
+    ):
+        out = model(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            logits_to_keep=self.K,
+        )
+        labels = inputs["labels"][:, -self.K + 1 :]
+        loss = F.cross_entropy(
+            out.logits[:, :-1].reshape(-1, V), labels.reshape(-1), ignore_index=-100
+        )
+        return (loss, out) if return_outputs else loss
+
+
+class KeepLastLogits(KeepLastLogitsLoss, Trainer):
+    pass
+
+
+def check_hf_door(
+    trainer, latest, seen, grads, logits, metrics, twin_grads, model, per_step: int = 1, self_check: bool = True, smoothed: bool = False,
+    split_refused_first: bool = False,
+) -> None:  # fmt: skip
+    """Every logging step of a Hugging Face door's run against its references: ``logits`` the ``(B, L, V)`` logits
+    of each forward the loss used, ``seen`` the collated batches, ``grads`` / ``twin_grads`` the real and the untied
+    twin's ``.grad`` at each optimizer step (``per_step`` forwards each); ``self_check``: whether a forward returns
+    the loss (``check/*``); ``smoothed``: the logged loss is not the cross-entropy; ``split_refused_first``: the
+    tied split refused on the first logging step (a model compiled from outside);
+    ``metrics``: what ``evaluate()`` returned, each evaluation set against a fresh float64 forward, and ``latest``
+    the callback's ``latest`` just after that ``evaluate()``."""
+    from tests.helpers.capture import reference as eval_reference
+
+    assert len(logits) == STEPS * per_step and len(seen) >= len(
+        logits
+    )  # the dataloader may fetch one batch ahead
+    logged = [r for r in trainer.state.log_history if f"{H}/logits/entropy" in r]
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
+    for step, values in enumerate(logged):
+        batches = seen[step * per_step : (step + 1) * per_step]
+        want = logits_reference(
+            logits[step * per_step : (step + 1) * per_step], batches
+        )
+        assert_logits(values, want)
+        assert values[f"{H}/debug/capture/forwards"] == per_step
+        assert values[f"{H}/debug/capture/positions"] == want["positions"]
+        counted = seen[: (step + 1) * per_step]  # the run's total so far
+        assert values[f"{H}/tokens/total"] == sum(
+            b["attention_mask"].sum().item() for b in counted
+        )
+        if (
+            not smoothed
+        ):  # the Trainer's loss is then the smoothed one, not the cross-entropy
+            assert values[f"{H}/logits/target_nll"] == pytest.approx(
+                losses[step], abs=1e-6
+            )
+        if (
+            not self_check
+        ):  # no eager forward returns the loss: no self-check of the NLL (said at INFO)
+            assert f"{H}/check/nll_gap" not in values
+        else:  # the self-check against the model's own outputs.loss
+            assert values[f"{H}/debug/check/reference_nll"] == pytest.approx(
+                losses[step], abs=1e-6
+            )
+            assert (
+                values[f"{H}/debug/check/reference_positions"]
+                == values[f"{H}/debug/capture/labelled_positions"]
+                == want["positions"]
+            )
+            assert (
+                abs(values[f"{H}/check/nll_gap"]) < 1e-5
+                and values[f"{H}/check/mismatch"] == 0
+            )
+        if (
+            split_refused_first and twin_grads is not None and step == 0
+        ):  # refused: the split; shared exact
+            assert not any(
+                k.startswith((f"{H}/grad/embedding_row", f"{H}/grad/head_row"))
+                for k in values
+            )
+            want_shared = grad_reference(
+                {"shared": grads[step]["embedding"]},
+                model.get_input_embeddings().padding_idx,
+            )
+            for key, value in want_shared.items():
+                assert values[f"{H}/grad/{key}"] == pytest.approx(
+                    value, rel=1e-5, abs=1e-7
+                ), key
+            continue
+        assert_grads(
+            values,
+            grads[step],
+            twin_grads[step] if twin_grads else None,
+            model.get_input_embeddings().padding_idx,
+        )
+    if (
+        model.config.model_type == "gemma2"
+    ):  # the capped distribution is what is measured
+        assert max(x.abs().max().item() for x in logits) < SOFTCAP
+    if (
+        metrics is not None
+    ):  # every evaluation under the Trainer's own name, against a fresh float64 forward
+        sets = (
+            trainer.eval_dataset
+            if isinstance(trainer.eval_dataset, dict)
+            else {"": trainer.eval_dataset}
+        )
+        for set_name, rows in sets.items():
+            want = eval_reference(
+                model, rows.batch() if isinstance(rows, Rows) else rows_batch(rows)
+            )
+            prefix = f"eval_{set_name}_" if set_name else "eval_"
+            got = {
+                k.removeprefix(prefix): v
+                for k, v in metrics.items()
+                if k.startswith(prefix)
+            }
+            assert got[f"{H}/val/logits/positions"] == want["positions"]
+            for key in (
+                "entropy",
+                "max_prob",
+                "kl_to_uniform",
+                "target_nll",
+                "target_argmax_rate",
+            ):
+                assert got[f"{H}/val/logits/{key}"] == pytest.approx(
+                    want[key], abs=ATOL
+                ), (set_name, key)
+            if set_name:  # published under its own name too: none overwrites another
+                assert latest[
+                    f"{H}/val/logits/entropy/eval_{set_name}"
+                ] == pytest.approx(want["entropy"], abs=ATOL)
+
+
+def rows_batch(rows) -> dict[str, torch.Tensor]:
+    """A prepared ``datasets.Dataset`` of equal-length rows (``input_ids``, ``labels``) as one batch."""
+    ids = torch.tensor(rows["input_ids"])
+    return {
+        "input_ids": ids,
+        "labels": torch.tensor(rows["labels"]),
+        "attention_mask": torch.ones_like(ids),
+    }

@@ -1,0 +1,193 @@
+"""The trainer matrix's TRL column (docs/supported.md): TRL's ``SFTTrainer`` (the Hugging Face door, TRL's own
+loss through its fused head, TRL's defaults: gradient checkpointing on) on the three tiny families of
+``tests/integrations/test_trainer_matrix.py``, every published figure against an independent reference.
+
+TRL's fused head builds no ``outputs.logits``: the logits reference is a fresh float64 forward from the hidden
+states the loss's forward fed its first layer (recorded by a pre-hook: the noisy rows under NEFTune), scored
+against the collated batch's labels; gradients against the real ``.grad`` and an untied twin trained by the same
+``SFTTrainer`` on the same batches; the Trainer's logged loss (TRL's token mean) equals ``logits/target_nll``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from headwatch.integrations.transformers import HeadwatchCallback
+from tests.helpers.capture import causal_ce
+from tests.helpers.matrices import untied_twin
+from tests.helpers.trainer_matrix import (
+    FAMILIES,
+    STEPS,
+    B,
+    GradRecorder,
+    KeepLastLogitsLoss,
+    Rows,
+    T,
+    V,
+    check_hf_door,
+    family,
+    headwatch_warnings,
+    hf_args,
+    is_tied,
+)  # fmt: skip
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+# ``evaluate``: a dict of two evaluation sets evaluated before any training (an evaluation-only script up to
+# there), then two micro-batches per step, then ``train()`` again on the same Trainer and callback (a new run)
+SFT_FEATURES = ["evaluate", "neftune", "compute_loss_func", "logits_to_keep"]
+
+
+class KeepLastSFT(KeepLastLogitsLoss, trl.SFTTrainer):
+    pass
+
+
+def sft_rows(n: int, seed: int):
+    """:class:`Rows` as TRL takes them: token ids and a ``completion_mask`` (TRL builds the ``-100`` labels)."""
+    rows = Rows(n, seed)
+    keep = (rows.labels != -100).long()
+    return datasets.Dataset.from_dict(
+        {"input_ids": rows.ids.tolist(), "completion_mask": keep.tolist()}
+    )
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {
+        f"w{i}": i for i in range(V)
+    }  # the rows come tokenized; only the pad and end ids are read
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")),
+        pad_token="w0",
+        eos_token="w1",
+    )
+
+
+class HiddenRecorder:
+    """The hidden states each training forward with gradient feeds the first decoder layer (once per forward:
+    gradient checkpointing's recomputation in the backward is not a forward of its own)."""
+
+    def __init__(self, model):
+        self.hidden: list[torch.Tensor] = []
+        self.armed = False
+        self.handles = [
+            model.register_forward_pre_hook(self._arm),
+            model.model.layers[0].register_forward_pre_hook(
+                self._record, with_kwargs=True
+            ),
+        ]
+
+    def _arm(self, module, args):
+        self.armed = module.training and torch.is_grad_enabled()
+
+    def _record(self, module, args, kwargs):
+        if self.armed:
+            self.hidden.append(
+                (args[0] if args else kwargs["hidden_states"]).detach().clone()
+            )
+            self.armed = False
+
+    def logits(self, model, keep: int = 0) -> list[torch.Tensor]:
+        """The ``(B, L, V)`` logits of each recorded forward, recomputed from its hidden states."""
+        for h in self.handles:
+            h.remove()
+        model.eval()
+        with torch.no_grad():
+            return [
+                model(inputs_embeds=h, logits_to_keep=keep).logits for h in self.hidden
+            ]
+
+
+def sft_run(model, out, feature: str, headwatch: bool):
+    kw = {
+        "neftune": {"neftune_noise_alpha": 5.0},
+        "evaluate": {"gradient_accumulation_steps": 2},
+    }.get(feature, {})
+    config = hf_args(out, trl.SFTConfig, completion_only_loss=True, bf16=False, **kw)
+    extra = {"compute_loss_func": causal_ce} if feature == "compute_loss_func" else {}
+    if (
+        feature == "evaluate" and headwatch
+    ):  # the twin's gradients: its first run is the second run's
+        extra["eval_dataset"] = {
+            "wiki": sft_rows(5, seed=11),
+            "code": sft_rows(6, seed=12),
+        }
+    cls = KeepLastSFT if feature == "logits_to_keep" else trl.SFTTrainer
+    grads = GradRecorder()
+    cb = (
+        HeadwatchCallback(
+            monitors=["tokens", "logits", "gradients"], figure_every_n_steps=0
+        )
+        if headwatch
+        else None
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = cls(model=model, args=config, train_dataset=sft_rows(B * STEPS * 2, seed=3), processing_class=tokenizer(),
+                      callbacks=[c for c in (cb, grads) if c], **extra)  # fmt: skip
+        seen: list[dict] = []
+        collate = trainer.data_collator
+        trainer.data_collator = lambda rows: seen.append(collate(rows)) or seen[-1]
+        metrics = trainer.evaluate() if "eval_dataset" in extra else None
+        latest = dict(cb.latest) if cb is not None else None
+        seen.clear()  # the evaluation's batches went through the collator too
+        hidden = HiddenRecorder(model)
+        trainer.train()
+        if (
+            feature == "evaluate" and headwatch
+        ):  # the same Trainer and callback, a new run: starts empty
+            seen.clear(), hidden.hidden.clear(), grads.grads.clear()
+            trainer.train()
+    return (
+        trainer,
+        latest,
+        seen,
+        grads.grads,
+        hidden,
+        headwatch_warnings(caught),
+        metrics,
+    )
+
+
+@pytest.mark.parametrize("feature", SFT_FEATURES)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_sft_trainer(tmp_path, name, feature):
+    model = family(name)
+    twin = untied_twin(model) if is_tied(model) else None
+    trainer, latest, seen, grads, hidden, said, metrics = sft_run(
+        model, tmp_path / "run", feature, headwatch=True
+    )
+    twin_grads = (
+        sft_run(twin, tmp_path / "twin", feature, headwatch=False)[3]
+        if twin is not None
+        else None
+    )
+    if feature == "logits_to_keep":
+        assert (
+            len(said) == 1 and f"last {KeepLastSFT.K} positions of each row" in said[0]
+        ), said
+    else:
+        assert said == [], said
+    assert all(b["input_ids"].shape == (B, T) for b in seen)
+    logits = hidden.logits(
+        model, keep=KeepLastSFT.K if feature == "logits_to_keep" else 0
+    )
+    per_step = 2 if feature == "evaluate" else 1
+    check_hf_door(
+        trainer,
+        latest,
+        seen,
+        grads,
+        logits,
+        metrics,
+        twin_grads,
+        model,
+        per_step=per_step,
+        self_check=feature in ("evaluate", "neftune"),
+    )
