@@ -23,7 +23,8 @@ References, each independent of headwatch:
   Lightning's ``self.log("train_loss")`` through ``compare_loss=``, the plain loop's ``step_end(loss=)``.
 
 A feature headwatch refuses is asserted to give its documented warning and nothing else; every other case
-gives no headwatch warning at all. docs/supported.md holds the table these tests back.
+gives no headwatch warning at all. docs/supported.md holds the table these tests back; the Lightning column is in
+``test_trainer_matrix_lightning.py``, TRL's in ``test_trainer_matrix_trl.py``.
 """
 
 from __future__ import annotations
@@ -31,20 +32,15 @@ from __future__ import annotations
 import math
 import warnings
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import Trainer
 
-from headwatch import GradientDensityMonitor, LogitStatsMonitor, TokenFrequency
 from headwatch.integrations.loop import Headwatch
 from headwatch.integrations.transformers import HeadwatchCallback
 from tests.helpers.capture import causal_ce
-from tests.helpers.capture import reference as eval_reference
-from tests.helpers.lightning_runs import StepLogger
 from tests.helpers.matrices import D, V, untied_twin
-from tests.helpers.matrices import twin_grads as twin_grads_of
 from tests.helpers.references import reference as float64_stats
 from tests.helpers.trainer_matrix import (
     ATOL,
@@ -211,150 +207,6 @@ def test_hf_trainer(tmp_path, name, feature):
                   smoothed=feature == "label_smoothing", split_refused_first=feature == "torch_compile")  # fmt: skip
 
 
-# ====================================================================================== Lightning
-class LitModel(pl.LightningModule):
-    """A Hugging Face model trained by Lightning: ``model(**batch).loss``, logged as ``train_loss`` (the
-    self-check's ``compare_loss``); manual optimization: zero_grad, manual_backward, step."""
-
-    def __init__(self, model, manual: bool = False):
-        super().__init__()
-        self.model = model
-        self.automatic_optimization = not manual
-
-    def training_step(self, batch, batch_idx):
-        loss = self.model(**batch).loss
-        self.log("train_loss", loss, on_step=True)
-        if self.automatic_optimization:
-            return loss
-        opt = self.optimizers()
-        opt.zero_grad()
-        self.manual_backward(loss)
-        opt.step()
-        return None
-
-    def validation_step(self, batch, batch_idx, dataloader_idx=0):
-        self.model(**batch)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
-
-
-class LitGradRecorder(pl.Callback):
-    def __init__(self):
-        self.grads: list[dict[str, torch.Tensor]] = []
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        m = pl_module.model
-        self.grads.append(
-            {
-                "embedding": m.get_input_embeddings().weight.grad.clone(),
-                "head": m.lm_head.weight.grad.clone(),
-            }
-        )
-
-
-LIGHTNING_FEATURES = ["automatic", "manual", "two_val_dataloaders", "second_fit"]
-
-
-def batches_of(rows: Rows, size: int = B) -> list[dict[str, torch.Tensor]]:
-    return list(torch.utils.data.DataLoader(rows, batch_size=size, shuffle=False))
-
-
-def summed(grads: list[dict[str, torch.Tensor]], n: int) -> dict[str, torch.Tensor]:
-    """The gradient of the mean of ``n`` micro-batch losses: the sum of their gradients over ``n``."""
-    return {k: sum(g[k] for g in grads) / n for k in grads[0]}
-
-
-@pytest.mark.parametrize("feature", LIGHTNING_FEATURES)
-@pytest.mark.parametrize("name", FAMILIES)
-def test_lightning(tmp_path, name, feature):
-    model = family(name)
-    twin = untied_twin(model) if is_tied(model) else None
-    train_rows = Rows(B * STEPS, seed=3)
-    val_sets = (
-        [Rows(5, seed=11), Rows(6, seed=12)]
-        if feature == "two_val_dataloaders"
-        else [Rows(5, seed=11)]
-    )
-    data = batches_of(train_rows)
-    twin_grads = twin_grads_of(twin, data) if twin is not None else None
-    logger, grads = StepLogger(), LitGradRecorder()
-    callbacks = [TokenFrequency(), LogitStatsMonitor(log_every_n_steps=1, figure_every_n_steps=0, compare_loss="train_loss"),
-                 GradientDensityMonitor(log_every_n_steps=1), grads]  # fmt: skip
-
-    def fit(logger):
-        trainer = pl.Trainer(
-            default_root_dir=tmp_path, max_steps=STEPS, log_every_n_steps=1, logger=logger, callbacks=callbacks, enable_progress_bar=False,
-            enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1, num_sanity_val_steps=0,
-        )  # fmt: skip
-        trainer.fit(LitModel(model, manual=feature == "manual"), torch.utils.data.DataLoader(train_rows, batch_size=B),
-                    [torch.utils.data.DataLoader(r, batch_size=8) for r in val_sets])  # fmt: skip
-        return trainer
-
-    recorder = LogitsRecorder(model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if (
-            feature == "second_fit"
-        ):  # the same callbacks in a new Trainer: the second run starts from empty state
-            fit(StepLogger())
-            recorder.logits.clear(), grads.grads.clear()
-        trainer = fit(logger)
-    recorder.remove()
-    assert headwatch_warnings(caught) == []
-    assert len(recorder.logits) == len(grads.grads) == STEPS
-    values = [
-        {
-            k: v[i]
-            for k, v in logger.values.items()
-            if k.startswith(f"{H}/") and "/val/" not in k
-        }
-        for i in range(STEPS)
-    ]
-    for step in range(STEPS):
-        want = logits_reference([recorder.logits[step]], [data[step]])
-        got = values[step]
-        assert_logits(got, want)
-        assert (
-            got[f"{H}/debug/capture/forwards"] == 1
-            and got[f"{H}/debug/capture/positions"] == want["positions"]
-        )
-        assert got[f"{H}/tokens/total"] == B * T * (step + 1)
-        # the self-check against Lightning's own logged loss (compare_loss="train_loss")
-        assert got[f"{H}/debug/check/reference_nll"] == pytest.approx(
-            logger.values["train_loss"][step], abs=1e-6
-        )
-        assert got[f"{H}/debug/check/reference_nll"] == pytest.approx(
-            want["nll"], abs=ATOL
-        )
-        assert abs(got[f"{H}/check/nll_gap"]) < 1e-5 and got[f"{H}/check/mismatch"] == 0
-        assert_grads(
-            got,
-            grads.grads[step],
-            twin_grads[step] if twin_grads else None,
-            model.get_input_embeddings().padding_idx,
-        )
-    metrics = {
-        k: float(v)
-        for k, v in trainer.callback_metrics.items()
-        if k.startswith(f"{H}/val/")
-    }
-    for i, rows in enumerate(val_sets):
-        want = eval_reference(model, rows.batch())
-        suffix = f"/dataloader_idx_{i}" if len(val_sets) > 1 else ""
-        assert metrics[f"{H}/val/logits/positions{suffix}"] == want["positions"]
-        for key in (
-            "entropy",
-            "max_prob",
-            "kl_to_uniform",
-            "target_nll",
-            "target_argmax_rate",
-        ):
-            assert metrics[f"{H}/val/logits/{key}{suffix}"] == pytest.approx(
-                want[key], abs=ATOL
-            ), (i, key)
-
-
 # ====================================================================================== plain loop
 LOOP_FEATURES = [
     "plain",
@@ -422,7 +274,11 @@ def test_plain_loop(name, feature):
     model = family(name)
     twin = untied_twin(model) if is_tied(model) else None
     per_step = 2 if feature == "gradient_accumulation" else 1
-    data = batches_of(Rows(B * STEPS * per_step, seed=3))
+    data = list(
+        torch.utils.data.DataLoader(
+            Rows(B * STEPS * per_step, seed=3), batch_size=B, shuffle=False
+        )
+    )
     micro = [data[s * per_step : (s + 1) * per_step] for s in range(STEPS)]
     twin_grads = loop_twin_grads(twin, micro, feature) if twin is not None else None
     if feature == "compile":
