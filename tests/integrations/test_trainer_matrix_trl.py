@@ -39,11 +39,46 @@ datasets = pytest.importorskip("datasets")
 
 # ``evaluate``: a dict of two evaluation sets evaluated before any training (an evaluation-only script up to
 # there), then two micro-batches per step, then ``train()`` again on the same Trainer and callback (a new run)
-SFT_FEATURES = ["evaluate", "neftune", "compute_loss_func", "logits_to_keep"]
+# ``r_drop``: TRL's loss twice over the batch, averaged; ``own_labels``: TRL's loss plus TRL's loss of a second
+# batch with labels of its own (a pretraining mix)
+SFT_FEATURES = [
+    "evaluate",
+    "neftune",
+    "compute_loss_func",
+    "logits_to_keep",
+    "r_drop",
+    "own_labels",
+]
+MIX = Rows(B, seed=21).batch()
 
 
 class KeepLastSFT(KeepLastLogitsLoss, trl.SFTTrainer):
     pass
+
+
+class TwoLossesSFT(trl.SFTTrainer):
+    """Two forwards with gradient in one step, each through TRL's own loss (its fused head)."""
+
+    mix = False
+
+    def compute_loss(
+        self, model, inputs, return_outputs=False, num_items_in_batch=None
+    ):
+        first = super().compute_loss(
+            model, dict(inputs), num_items_in_batch=num_items_in_batch
+        )
+        if self.mix:
+            return first + super().compute_loss(model, dict(MIX))
+        return (
+            first
+            + super().compute_loss(
+                model, dict(inputs), num_items_in_batch=num_items_in_batch
+            )
+        ) / 2
+
+
+class MixSFT(TwoLossesSFT):
+    mix = True
 
 
 def sft_rows(n: int, seed: int):
@@ -118,7 +153,11 @@ def sft_run(model, out, feature: str, headwatch: bool):
             "wiki": sft_rows(5, seed=11),
             "code": sft_rows(6, seed=12),
         }
-    cls = KeepLastSFT if feature == "logits_to_keep" else trl.SFTTrainer
+    cls = {
+        "logits_to_keep": KeepLastSFT,
+        "r_drop": TwoLossesSFT,
+        "own_labels": MixSFT,
+    }.get(feature, trl.SFTTrainer)
     grads = GradRecorder()
     cb = (
         HeadwatchCallback(
@@ -172,6 +211,11 @@ def test_sft_trainer(tmp_path, name, feature):
         assert (
             len(said) == 1 and f"last {KeepLastSFT.K} positions of each row" in said[0]
         ), said
+    elif feature in (
+        "r_drop",
+        "own_labels",
+    ):  # each forward against its own labels, pooled: said once
+        assert len(said) == 1 and "more than once with gradient" in said[0], said
     else:
         assert said == [], said
     assert all(b["input_ids"].shape == (B, T) for b in seen)
@@ -189,5 +233,12 @@ def test_sft_trainer(tmp_path, name, feature):
         twin_grads,
         model,
         per_step=per_step,
-        self_check=feature in ("evaluate", "neftune"),
+        self_check=feature in ("evaluate", "neftune", "r_drop", "own_labels"),
+        smoothed=feature == "own_labels",  # the logged loss is the sum of the two
+        forwards=2 if feature in ("r_drop", "own_labels") else None,
+        scored=[
+            b for b in seen[:STEPS] for b in (b, MIX if feature == "own_labels" else b)
+        ]
+        if feature in ("r_drop", "own_labels")
+        else None,
     )
