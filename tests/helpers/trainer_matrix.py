@@ -356,3 +356,64 @@ def rows_batch(rows) -> dict[str, torch.Tensor]:
         "labels": torch.tensor(rows["labels"]),
         "attention_mask": torch.ones_like(ids),
     }
+
+
+class HiddenRecorder:
+    """The hidden states each training forward with gradient feeds the first decoder layer (once per forward:
+    gradient checkpointing's recomputation in the backward is not a forward of its own)."""
+
+    def __init__(self, model):
+        self.hidden: list[torch.Tensor] = []
+        self.armed = False
+        self.handles = [
+            model.register_forward_pre_hook(self._arm),
+            model.model.layers[0].register_forward_pre_hook(
+                self._record, with_kwargs=True
+            ),
+        ]
+
+    def _arm(self, module, args):
+        self.armed = module.training and torch.is_grad_enabled()
+
+    def _record(self, module, args, kwargs):
+        if self.armed:
+            self.hidden.append(
+                (args[0] if args else kwargs["hidden_states"]).detach().clone()
+            )
+            self.armed = False
+
+    def logits(self, model, keep: int = 0) -> list[torch.Tensor]:
+        """The ``(B, L, V)`` logits of each recorded forward, recomputed from its hidden states."""
+        for h in self.handles:
+            h.remove()
+        model.eval()
+        with torch.no_grad():
+            return [
+                model(inputs_embeds=h, logits_to_keep=keep).logits for h in self.hidden
+            ]
+
+
+def sft_rows(n: int, seed: int):
+    """:class:`Rows` as TRL takes them: token ids and a ``completion_mask`` (TRL builds the ``-100`` labels)."""
+    import datasets
+
+    rows = Rows(n, seed)
+    keep = (rows.labels != -100).long()
+    return datasets.Dataset.from_dict(
+        {"input_ids": rows.ids.tolist(), "completion_mask": keep.tolist()}
+    )
+
+
+def word_ids_tokenizer():
+    """A tokenizer for rows that come tokenized: TRL reads only its pad and end ids."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {
+        f"w{i}": i for i in range(V)
+    }  # the rows come tokenized; only the pad and end ids are read
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")),
+        pad_token="w0",
+        eos_token="w1",
+    )

@@ -13,7 +13,6 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 
 from headwatch.integrations.transformers import HeadwatchCallback
 from tests.helpers.capture import causal_ce
@@ -23,15 +22,17 @@ from tests.helpers.trainer_matrix import (
     STEPS,
     B,
     GradRecorder,
+    HiddenRecorder,
     KeepLastLogitsLoss,
     Rows,
     T,
-    V,
     check_hf_door,
     family,
     headwatch_warnings,
     hf_args,
     is_tied,
+    sft_rows,
+    word_ids_tokenizer,
 )  # fmt: skip
 
 trl = pytest.importorskip("trl")
@@ -81,64 +82,6 @@ class MixSFT(TwoLossesSFT):
     mix = True
 
 
-def sft_rows(n: int, seed: int):
-    """:class:`Rows` as TRL takes them: token ids and a ``completion_mask`` (TRL builds the ``-100`` labels)."""
-    rows = Rows(n, seed)
-    keep = (rows.labels != -100).long()
-    return datasets.Dataset.from_dict(
-        {"input_ids": rows.ids.tolist(), "completion_mask": keep.tolist()}
-    )
-
-
-def tokenizer():
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {
-        f"w{i}": i for i in range(V)
-    }  # the rows come tokenized; only the pad and end ids are read
-    return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")),
-        pad_token="w0",
-        eos_token="w1",
-    )
-
-
-class HiddenRecorder:
-    """The hidden states each training forward with gradient feeds the first decoder layer (once per forward:
-    gradient checkpointing's recomputation in the backward is not a forward of its own)."""
-
-    def __init__(self, model):
-        self.hidden: list[torch.Tensor] = []
-        self.armed = False
-        self.handles = [
-            model.register_forward_pre_hook(self._arm),
-            model.model.layers[0].register_forward_pre_hook(
-                self._record, with_kwargs=True
-            ),
-        ]
-
-    def _arm(self, module, args):
-        self.armed = module.training and torch.is_grad_enabled()
-
-    def _record(self, module, args, kwargs):
-        if self.armed:
-            self.hidden.append(
-                (args[0] if args else kwargs["hidden_states"]).detach().clone()
-            )
-            self.armed = False
-
-    def logits(self, model, keep: int = 0) -> list[torch.Tensor]:
-        """The ``(B, L, V)`` logits of each recorded forward, recomputed from its hidden states."""
-        for h in self.handles:
-            h.remove()
-        model.eval()
-        with torch.no_grad():
-            return [
-                model(inputs_embeds=h, logits_to_keep=keep).logits for h in self.hidden
-            ]
-
-
 def sft_run(model, out, feature: str, headwatch: bool):
     kw = {
         "neftune": {"neftune_noise_alpha": 5.0},
@@ -168,7 +111,7 @@ def sft_run(model, out, feature: str, headwatch: bool):
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = cls(model=model, args=config, train_dataset=sft_rows(B * STEPS * 2, seed=3), processing_class=tokenizer(),
+        trainer = cls(model=model, args=config, train_dataset=sft_rows(B * STEPS * 2, seed=3), processing_class=word_ids_tokenizer(),
                       callbacks=[c for c in (cb, grads) if c], **extra)  # fmt: skip
         seen: list[dict] = []
         collate = trainer.data_collator

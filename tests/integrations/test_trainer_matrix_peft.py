@@ -1,0 +1,210 @@
+"""The trainer matrix's PEFT rows (docs/supported.md): a tied Llama adapted by PEFT, trained by each trainer door
+(the Hugging Face ``Trainer``, TRL's ``SFTTrainer``, Lightning, the plain loop), every published figure against an independent
+reference.
+
+Cases: ``lora_both``: LoRA on the embedding and the head (no ``ensure_weight_tying``: two effective matrices
+``W + s B A``, untied); ``lora_embedding``: LoRA on the embedding only, the head frozen (TRL refuses LoRA on the
+head); ``modules_to_save``: LoRA on ``q_proj``, the head a trained copy, the embedding frozen. A frozen matrix is
+said once, nothing published for it.
+
+References: float64 statistics of the logits of each loss forward (the adapted model's ``outputs.logits``; under
+TRL's fused head, a fresh forward from the hidden states the loss's forward fed its first layer); gradients: an
+untied plain twin whose two matrices are the adapted modules' rows as their own forwards compute them
+(``emb(arange(V))``, ``head(I).T``), by autograd on the batches the door trained on: its ``.grad`` are the
+effective matrices' gradients.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from headwatch import GradientDensityMonitor, LogitStatsMonitor, TokenFrequency
+from headwatch.integrations.loop import Headwatch
+from headwatch.integrations.transformers import HeadwatchCallback
+from tests.helpers.lightning_runs import StepLogger
+from tests.helpers.matrices import D, V, twin_grads, untied_twin
+from tests.helpers.trainer_matrix import (
+    STEPS,
+    B,
+    H,
+    HiddenRecorder,
+    LogitsRecorder,
+    Rows,
+    assert_logits,
+    family,
+    grad_reference,
+    headwatch_warnings,
+    hf_args,
+    logits_reference,
+    sft_rows,
+    word_ids_tokenizer,
+)  # fmt: skip
+
+peft = pytest.importorskip("peft")
+trl = pytest.importorskip("trl")
+
+CASES = {
+    "lora_both": {"target_modules": ["embed_tokens", "lm_head"]},
+    "modules_to_save": {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]},
+    "lora_embedding": {"target_modules": ["embed_tokens"]},
+}
+# TRL refuses LoRA on the head itself (its fused head reads ``lm_head.weight``): the embedding's LoRA there
+RUNS = [
+    (door, case)
+    for door in ("hf_trainer", "lightning")
+    for case in ("lora_both", "modules_to_save")
+]
+RUNS += [
+    ("sft_trainer", "lora_embedding"),
+    ("sft_trainer", "modules_to_save"),
+    ("loop", "modules_to_save"),
+]
+
+
+def adapted(case: str):
+    """The tied Llama of the matrix, adapted (LoRA weights not zero: the adapters change the matrices), and the
+    untied plain twin of its effective matrices."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's own warnings about tied layers
+        model = peft.get_peft_model(
+            family("llama_tied"),
+            peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **CASES[case]),
+        )
+    if case == "modules_to_save":
+        with torch.no_grad():  # the trained copy differs from the frozen embedding
+            model.get_output_embeddings().modules_to_save["default"].weight.mul_(1.5)
+    twin = untied_twin(
+        family("llama_tied")
+    )  # the same seeded weights as the adapted model's frozen base
+    with torch.no_grad():
+        twin.get_input_embeddings().weight.copy_(
+            model.get_input_embeddings()(torch.arange(V))
+        )
+        twin.lm_head.weight.copy_(model.get_output_embeddings()(torch.eye(D)).T)
+        twin.model.layers[0].self_attn.q_proj.weight.copy_(
+            model.get_base_model().model.layers[0].self_attn.q_proj(torch.eye(D)).T
+        )
+    return model, twin
+
+
+class SeenCollator:
+    def __init__(self, collate):
+        self.collate, self.seen = collate, []
+
+    def __call__(self, rows):
+        self.seen.append(self.collate(rows))
+        return self.seen[-1]
+
+
+class LitPeft(pl.LightningModule):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, on_step=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(
+            [p for p in self.parameters() if p.requires_grad], lr=0.0
+        )
+
+
+def run(door: str, model, out) -> tuple[list[dict], list[dict], list[torch.Tensor]]:
+    """One door's run of ``STEPS`` steps: (published values per step, batches trained on, logits per forward)."""
+    if door == "loop":
+        data = list(torch.utils.data.DataLoader(Rows(B * STEPS, seed=3), batch_size=B))
+        recorder, values = LogitsRecorder(model), []
+        with Headwatch(
+            model,
+            monitors=["tokens", "logits", "gradients"],
+            log_every_n_steps=1,
+            figure_every_n_steps=0,
+        ) as hw:
+            for step, batch in enumerate(data):
+                hw.step_start(batch, step)
+                model(**batch).loss.backward()
+                hw.before_optimizer_step()
+                hw.after_optimizer_step()
+                model.zero_grad()
+                values.append(hw.step_end())
+        recorder.remove()
+        return values, data, recorder.logits
+    if door == "lightning":
+        logger = StepLogger()
+        callbacks = [TokenFrequency(), LogitStatsMonitor(log_every_n_steps=1, figure_every_n_steps=0, compare_loss="train_loss"),
+                     GradientDensityMonitor(log_every_n_steps=1)]  # fmt: skip
+        trainer = pl.Trainer(default_root_dir=out, max_steps=STEPS, log_every_n_steps=1, logger=logger, callbacks=callbacks, enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1, limit_val_batches=0)  # fmt: skip
+        data = torch.utils.data.DataLoader(Rows(B * STEPS, seed=3), batch_size=B)
+        recorder = LogitsRecorder(model)
+        trainer.fit(LitPeft(model), data)
+        recorder.remove()
+        values = [
+            {k: v[i] for k, v in logger.values.items() if k.startswith(f"{H}/")}
+            for i in range(STEPS)
+        ]
+        return values, list(data), recorder.logits
+    cb = HeadwatchCallback(
+        monitors=["tokens", "logits", "gradients"], figure_every_n_steps=0
+    )
+    if door == "hf_trainer":
+        trainer = transformers_trainer(model, hf_args(out), cb)
+        recorder = LogitsRecorder(model)
+    else:
+        config = hf_args(out, trl.SFTConfig, completion_only_loss=True, bf16=False)
+        trainer = trl.SFTTrainer(model=model, args=config, train_dataset=sft_rows(B * STEPS, seed=3), processing_class=word_ids_tokenizer(),
+                                 callbacks=[cb])  # fmt: skip
+        recorder = HiddenRecorder(model.get_base_model())
+    seen = SeenCollator(trainer.data_collator)
+    trainer.data_collator = seen
+    trainer.train()
+    logged = [r for r in trainer.state.log_history if f"{H}/logits/entropy" in r]
+    if door == "hf_trainer":
+        recorder.remove()
+        return logged, seen.seen, recorder.logits
+    return logged, seen.seen, recorder.logits(model.get_base_model())
+
+
+def transformers_trainer(model, args, cb):
+    from transformers import Trainer
+
+    return Trainer(
+        model=model, args=args, train_dataset=Rows(B * STEPS, seed=3), callbacks=[cb]
+    )
+
+
+@pytest.mark.parametrize("door, case", RUNS)
+def test_peft_on_a_tied_model_through_each_door(tmp_path, door, case):
+    model, twin = adapted(case)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        values, seen, logits = run(door, model, tmp_path)
+    said = headwatch_warnings(caught)
+    expected = twin_grads(twin, seen[:STEPS])
+    trains = {"embedding": case != "modules_to_save", "head": case != "lora_embedding"}
+    if case != "lora_both":  # the frozen matrix said once
+        assert len(said) == 1 and "FROZEN" in said[0], said
+    else:
+        assert said == [], said
+    assert len(values) == STEPS and len(logits) == STEPS
+    pad = None  # the tiny Llama has no padding_idx
+    for step in range(STEPS):
+        got = values[step]
+        assert_logits(got, logits_reference([logits[step]], [seen[step]]))
+        assert abs(got[f"{H}/check/nll_gap"]) < 1e-5 and got[f"{H}/check/mismatch"] == 0
+        assert got[f"{H}/grad/tied"] == 0.0  # two effective matrices
+        for role, trained in trains.items():
+            if not trained:
+                assert not any(k.startswith(f"{H}/grad/{role}_row") for k in got), role
+                continue
+            for key, want in grad_reference({role: expected[step][role]}, pad).items():
+                assert got[f"{H}/grad/{key}"] == pytest.approx(
+                    want, rel=1e-4, abs=1e-7
+                ), (role, key)
