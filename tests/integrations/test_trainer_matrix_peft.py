@@ -5,7 +5,8 @@ reference.
 Cases: ``lora_both``: LoRA on the embedding and the head (no ``ensure_weight_tying``: two effective matrices
 ``W + s B A``, untied); ``lora_embedding``: LoRA on the embedding only, the head frozen (TRL refuses LoRA on the
 head); ``modules_to_save``: LoRA on ``q_proj``, the head a trained copy, the embedding frozen. A frozen matrix is
-said once, nothing published for it.
+said once, nothing published for it. ``trainable_tokens``: 3 rows of the embedding train as a delta of their own:
+the gradient statistics refused once with the cause, the logits still exact.
 
 References: float64 statistics of the logits of each loss forward (the adapted model's ``outputs.logits``; under
 TRL's fused head, a fresh forward from the hidden states the loss's forward fed its first layer); gradients: an
@@ -51,8 +52,13 @@ CASES = {
     "lora_both": {"target_modules": ["embed_tokens", "lm_head"]},
     "modules_to_save": {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]},
     "lora_embedding": {"target_modules": ["embed_tokens"]},
+    "trainable_tokens": {
+        "target_modules": ["embed_tokens"],
+        "token_indices": [1, 2, 3],
+    },
 }
-# TRL refuses LoRA on the head itself (its fused head reads ``lm_head.weight``): the embedding's LoRA there
+# TRL refuses an adapter on the head itself (its fused head reads ``lm_head.weight``; trainable tokens on a tied
+# model adapt the head too): the embedding's LoRA there
 RUNS = [
     (door, case)
     for door in ("hf_trainer", "lightning")
@@ -63,6 +69,9 @@ RUNS += [
     ("sft_trainer", "modules_to_save"),
     ("loop", "modules_to_save"),
 ]
+RUNS += [
+    ("lightning", "trainable_tokens"),
+]  # refused: the gradient statistics
 
 
 def adapted(case: str):
@@ -72,7 +81,11 @@ def adapted(case: str):
         warnings.simplefilter("ignore")  # PEFT's own warnings about tied layers
         model = peft.get_peft_model(
             family("llama_tied"),
-            peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **CASES[case]),
+            peft.TrainableTokensConfig(**CASES[case])
+            if case == "trainable_tokens"
+            else peft.LoraConfig(
+                r=4, lora_alpha=8, init_lora_weights=False, **CASES[case]
+            ),
         )
     if case == "modules_to_save":
         with torch.no_grad():  # the trained copy differs from the frozen embedding
@@ -189,7 +202,12 @@ def test_peft_on_a_tied_model_through_each_door(tmp_path, door, case):
     said = headwatch_warnings(caught)
     expected = twin_grads(twin, seen[:STEPS])
     trains = {"embedding": case != "modules_to_save", "head": case != "lora_embedding"}
-    if case != "lora_both":  # the frozen matrix said once
+    if (
+        case == "trainable_tokens"
+    ):  # only 3 rows train, as a delta of their own: refused once, with the cause
+        assert len(said) == 1 and "trainable tokens" in said[0], said
+        trains = {}
+    elif case != "lora_both":  # the frozen matrix said once
         assert len(said) == 1 and "FROZEN" in said[0], said
     else:
         assert said == [], said
@@ -199,6 +217,12 @@ def test_peft_on_a_tied_model_through_each_door(tmp_path, door, case):
         got = values[step]
         assert_logits(got, logits_reference([logits[step]], [seen[step]]))
         assert abs(got[f"{H}/check/nll_gap"]) < 1e-5 and got[f"{H}/check/mismatch"] == 0
+        if not trains:
+            assert not any(
+                k.startswith((f"{H}/grad/shared_row", f"{H}/grad/embedding_row"))
+                for k in got
+            )
+            continue
         assert got[f"{H}/grad/tied"] == 0.0  # two effective matrices
         for role, trained in trains.items():
             if not trained:
