@@ -19,30 +19,19 @@ from __future__ import annotations
 
 import warnings
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
-from headwatch import GradientDensityMonitor, LogitStatsMonitor, TokenFrequency
-from headwatch.integrations.loop import Headwatch
-from headwatch.integrations.transformers import HeadwatchCallback
-from tests.helpers.lightning_runs import StepLogger
 from tests.helpers.matrices import D, V, twin_grads, untied_twin
 from tests.helpers.trainer_matrix import (
     STEPS,
-    B,
     H,
-    HiddenRecorder,
-    LogitsRecorder,
-    Rows,
     assert_logits,
+    door_run,
     family,
     grad_reference,
     headwatch_warnings,
-    hf_args,
     logits_reference,
-    sft_rows,
-    word_ids_tokenizer,
 )  # fmt: skip
 
 peft = pytest.importorskip("peft")
@@ -104,101 +93,12 @@ def adapted(case: str):
     return model, twin
 
 
-class SeenCollator:
-    def __init__(self, collate):
-        self.collate, self.seen = collate, []
-
-    def __call__(self, rows):
-        self.seen.append(self.collate(rows))
-        return self.seen[-1]
-
-
-class LitPeft(pl.LightningModule):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def training_step(self, batch, batch_idx):
-        loss = self.model(**batch).loss
-        self.log("train_loss", loss, on_step=True)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(
-            [p for p in self.parameters() if p.requires_grad], lr=0.0
-        )
-
-
-def run(door: str, model, out) -> tuple[list[dict], list[dict], list[torch.Tensor]]:
-    """One door's run of ``STEPS`` steps: (published values per step, batches trained on, logits per forward)."""
-    if door == "loop":
-        data = list(torch.utils.data.DataLoader(Rows(B * STEPS, seed=3), batch_size=B))
-        recorder, values = LogitsRecorder(model), []
-        with Headwatch(
-            model,
-            monitors=["tokens", "logits", "gradients"],
-            log_every_n_steps=1,
-            figure_every_n_steps=0,
-        ) as hw:
-            for step, batch in enumerate(data):
-                hw.step_start(batch, step)
-                model(**batch).loss.backward()
-                hw.before_optimizer_step()
-                hw.after_optimizer_step()
-                model.zero_grad()
-                values.append(hw.step_end())
-        recorder.remove()
-        return values, data, recorder.logits
-    if door == "lightning":
-        logger = StepLogger()
-        callbacks = [TokenFrequency(), LogitStatsMonitor(log_every_n_steps=1, figure_every_n_steps=0, compare_loss="train_loss"),
-                     GradientDensityMonitor(log_every_n_steps=1)]  # fmt: skip
-        trainer = pl.Trainer(default_root_dir=out, max_steps=STEPS, log_every_n_steps=1, logger=logger, callbacks=callbacks, enable_progress_bar=False,
-                             enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1, limit_val_batches=0)  # fmt: skip
-        data = torch.utils.data.DataLoader(Rows(B * STEPS, seed=3), batch_size=B)
-        recorder = LogitsRecorder(model)
-        trainer.fit(LitPeft(model), data)
-        recorder.remove()
-        values = [
-            {k: v[i] for k, v in logger.values.items() if k.startswith(f"{H}/")}
-            for i in range(STEPS)
-        ]
-        return values, list(data), recorder.logits
-    cb = HeadwatchCallback(
-        monitors=["tokens", "logits", "gradients"], figure_every_n_steps=0
-    )
-    if door == "hf_trainer":
-        trainer = transformers_trainer(model, hf_args(out), cb)
-        recorder = LogitsRecorder(model)
-    else:
-        config = hf_args(out, trl.SFTConfig, completion_only_loss=True, bf16=False)
-        trainer = trl.SFTTrainer(model=model, args=config, train_dataset=sft_rows(B * STEPS, seed=3), processing_class=word_ids_tokenizer(),
-                                 callbacks=[cb])  # fmt: skip
-        recorder = HiddenRecorder(model.get_base_model())
-    seen = SeenCollator(trainer.data_collator)
-    trainer.data_collator = seen
-    trainer.train()
-    logged = [r for r in trainer.state.log_history if f"{H}/logits/entropy" in r]
-    if door == "hf_trainer":
-        recorder.remove()
-        return logged, seen.seen, recorder.logits
-    return logged, seen.seen, recorder.logits(model.get_base_model())
-
-
-def transformers_trainer(model, args, cb):
-    from transformers import Trainer
-
-    return Trainer(
-        model=model, args=args, train_dataset=Rows(B * STEPS, seed=3), callbacks=[cb]
-    )
-
-
 @pytest.mark.parametrize("door, case", RUNS)
 def test_peft_on_a_tied_model_through_each_door(tmp_path, door, case):
     model, twin = adapted(case)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        values, seen, logits = run(door, model, tmp_path)
+        values, seen, logits = door_run(door, model, tmp_path)
     said = headwatch_warnings(caught)
     expected = twin_grads(twin, seen[:STEPS])
     trains = {"embedding": case != "modules_to_save", "head": case != "lora_embedding"}
