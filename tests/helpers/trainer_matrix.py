@@ -436,12 +436,12 @@ class SeenCollator:
 class LitLoss(pl.LightningModule):
     """``model(**batch).loss``, logged as ``train_loss``; the optimizer over the Parameters that train."""
 
-    def __init__(self, model):
+    def __init__(self, model, loss=None):
         super().__init__()
-        self.model = model
+        self.model, self.loss = model, loss or model_loss
 
     def training_step(self, batch, batch_idx):
-        loss = self.model(**batch).loss
+        loss = self.loss(self.model, batch)
         self.log("train_loss", loss, on_step=True)
         return loss
 
@@ -451,11 +451,17 @@ class LitLoss(pl.LightningModule):
         )
 
 
+def model_loss(model, batch: dict) -> torch.Tensor:
+    return model(**batch).loss
+
+
 def door_run(
-    door: str, model, out
+    door: str, model, out, loss=None
 ) -> tuple[list[dict], list[dict], list[torch.Tensor]]:
-    """One run of ``door`` (``hf_trainer``, ``sft_trainer``, ``lightning``, ``loop``) of ``model``, ``model(**batch).loss``
-    on :class:`Rows` (lr 0), every step a logging step of ``STEPS`` steps: (published values per step, batches trained on, logits per forward)."""
+    """One run of ``door`` (``hf_trainer``, ``sft_trainer``, ``lightning``, ``loop``) of ``model`` on :class:`Rows`
+    (lr 0, ``STEPS`` steps, every one a logging step), each step's loss ``loss(model, batch)`` (default
+    ``model(**batch).loss``; the Trainers through their ``compute_loss``): (published values per step, batches
+    trained on, logits per forward)."""
     if door == "loop":
         data = list(torch.utils.data.DataLoader(Rows(B * STEPS, seed=3), batch_size=B))
         recorder, values = LogitsRecorder(model), []
@@ -467,7 +473,7 @@ def door_run(
         ) as hw:
             for step, batch in enumerate(data):
                 hw.step_start(batch, step)
-                model(**batch).loss.backward()
+                (loss or model_loss)(model, batch).backward()
                 hw.before_optimizer_step()
                 hw.after_optimizer_step()
                 model.zero_grad()
@@ -482,7 +488,7 @@ def door_run(
                              enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1, limit_val_batches=0)  # fmt: skip
         data = torch.utils.data.DataLoader(Rows(B * STEPS, seed=3), batch_size=B)
         recorder = LogitsRecorder(model)
-        trainer.fit(LitLoss(model), data)
+        trainer.fit(LitLoss(model, loss), data)
         recorder.remove()
         values = [
             {k: v[i] for k, v in logger.values.items() if k.startswith(f"{H}/")}
@@ -493,13 +499,22 @@ def door_run(
         monitors=["tokens", "logits", "gradients"], figure_every_n_steps=0
     )
     if door == "hf_trainer":
-        trainer = transformers_trainer(model, hf_args(out), cb)
+        trainer = transformers_trainer(model, hf_args(out), cb, loss)
         recorder = LogitsRecorder(model)
     else:
         import trl
 
         config = hf_args(out, trl.SFTConfig, completion_only_loss=True, bf16=False)
-        trainer = trl.SFTTrainer(model=model, args=config, train_dataset=sft_rows(B * STEPS, seed=3), processing_class=word_ids_tokenizer(),
+        cls = (
+            type(
+                "CustomLossSFT",
+                (CustomLoss, trl.SFTTrainer),
+                {"loss_fn": staticmethod(loss)},
+            )
+            if loss is not None
+            else trl.SFTTrainer
+        )
+        trainer = cls(model=model, args=config, train_dataset=sft_rows(B * STEPS, seed=3), processing_class=word_ids_tokenizer(),
                                  callbacks=[cb])  # fmt: skip
         recorder = HiddenRecorder(base(model))
     seen = SeenCollator(trainer.data_collator)
@@ -512,10 +527,21 @@ def door_run(
     return logged, seen.seen, recorder.logits(base(model))
 
 
-def transformers_trainer(model, args, cb):
-    from transformers import Trainer
+class CustomLoss:
+    """A Trainer mixin: each step's loss is ``self.loss_fn(model, inputs)``."""
 
-    return Trainer(
+    loss_fn = staticmethod(model_loss)
+
+    def compute_loss(
+        self, model, inputs, return_outputs=False, num_items_in_batch=None
+    ):
+        return self.loss_fn(model, inputs)
+
+
+def transformers_trainer(model, args, cb, loss=None):
+    extra = {"loss_fn": staticmethod(loss)}
+    cls = type("CustomLossTrainer", (CustomLoss, Trainer), extra) if loss else Trainer
+    return cls(
         model=model, args=args, train_dataset=Rows(B * STEPS, seed=3), callbacks=[cb]
     )
 
