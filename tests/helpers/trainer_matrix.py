@@ -456,14 +456,16 @@ def model_loss(model, batch: dict) -> torch.Tensor:
 
 
 def door_run(
-    door: str, model, out, loss=None
+    door: str, model, out, loss=None, rows=None
 ) -> tuple[list[dict], list[dict], list[torch.Tensor]]:
     """One run of ``door`` (``hf_trainer``, ``sft_trainer``, ``lightning``, ``loop``) of ``model`` on :class:`Rows`
     (lr 0, ``STEPS`` steps, every one a logging step), each step's loss ``loss(model, batch)`` (default
     ``model(**batch).loss``; the Trainers through their ``compute_loss``): (published values per step, batches
-    trained on, logits per forward)."""
+    trained on, logits per forward). ``rows``: the training rows (a Dataset of dicts; not for ``sft_trainer``)."""
     if door == "loop":
-        data = list(torch.utils.data.DataLoader(Rows(B * STEPS, seed=3), batch_size=B))
+        data = list(
+            torch.utils.data.DataLoader(rows or Rows(B * STEPS, seed=3), batch_size=B)
+        )
         recorder, values = LogitsRecorder(model), []
         with Headwatch(
             model,
@@ -486,7 +488,9 @@ def door_run(
                      GradientDensityMonitor(log_every_n_steps=1)]  # fmt: skip
         trainer = pl.Trainer(default_root_dir=out, max_steps=STEPS, log_every_n_steps=1, logger=logger, callbacks=callbacks, enable_progress_bar=False,
                              enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1, limit_val_batches=0)  # fmt: skip
-        data = torch.utils.data.DataLoader(Rows(B * STEPS, seed=3), batch_size=B)
+        data = torch.utils.data.DataLoader(
+            rows or Rows(B * STEPS, seed=3), batch_size=B
+        )
         recorder = LogitsRecorder(model)
         trainer.fit(LitLoss(model, loss), data)
         recorder.remove()
@@ -499,7 +503,7 @@ def door_run(
         monitors=["tokens", "logits", "gradients"], figure_every_n_steps=0
     )
     if door == "hf_trainer":
-        trainer = transformers_trainer(model, hf_args(out), cb, loss)
+        trainer = transformers_trainer(model, hf_args(out), cb, loss, rows)
         recorder = LogitsRecorder(model)
     else:
         import trl
@@ -538,11 +542,14 @@ class CustomLoss:
         return self.loss_fn(model, inputs)
 
 
-def transformers_trainer(model, args, cb, loss=None):
+def transformers_trainer(model, args, cb, loss=None, rows=None):
     extra = {"loss_fn": staticmethod(loss)}
     cls = type("CustomLossTrainer", (CustomLoss, Trainer), extra) if loss else Trainer
     return cls(
-        model=model, args=args, train_dataset=Rows(B * STEPS, seed=3), callbacks=[cb]
+        model=model,
+        args=args,
+        train_dataset=rows or Rows(B * STEPS, seed=3),
+        callbacks=[cb],
     )
 
 
