@@ -1,0 +1,145 @@
+"""The trainer matrix's PEFT rows (docs/supported.md): a tied Llama adapted by PEFT, trained by each trainer door
+(the Hugging Face ``Trainer``, TRL's ``SFTTrainer``, Lightning, the plain loop), every published figure against an independent
+reference.
+
+Cases: ``lora_both``: LoRA on the embedding and the head (no ``ensure_weight_tying``: two effective matrices
+``W + s B A``, untied); ``lora_embedding``: LoRA on the embedding only, the head frozen (TRL refuses LoRA on the
+head); ``modules_to_save``: LoRA on ``q_proj``, the head a trained copy, the embedding frozen. A frozen matrix is
+said once, nothing published for it. ``trainable_tokens``: 3 rows of the embedding train as a delta of their own:
+the gradient statistics refused once with the cause, the logits still exact (under TRL on the untied family).
+
+References: float64 statistics of the logits of each loss forward (the adapted model's ``outputs.logits``; under
+TRL's fused head, a fresh forward from the hidden states the loss's forward fed its first layer); gradients: an
+untied plain twin whose two matrices are the adapted modules' rows as their own forwards compute them
+(``emb(arange(V))``, ``head(I).T``), by autograd on the batches the door trained on: its ``.grad`` are the
+effective matrices' gradients.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.helpers.matrices import D, V, twin_grads, untied_twin
+from tests.helpers.trainer_matrix import (
+    STEPS,
+    H,
+    assert_logits,
+    door_run,
+    family,
+    grad_reference,
+    headwatch_warnings,
+    logits_reference,
+)  # fmt: skip
+
+peft = pytest.importorskip("peft")
+trl = pytest.importorskip("trl")
+
+CASES = {
+    "lora_both": {"target_modules": ["embed_tokens", "lm_head"]},
+    "modules_to_save": {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]},
+    "lora_embedding": {"target_modules": ["embed_tokens"]},
+    "trainable_tokens": {
+        "target_modules": ["embed_tokens"],
+        "token_indices": [1, 2, 3],
+    },
+}
+# TRL refuses an adapter on the head itself (its fused head reads ``lm_head.weight``; trainable tokens on a tied
+# model adapt the head too): the embedding's LoRA there
+RUNS = [
+    (door, case)
+    for door in ("hf_trainer", "lightning")
+    for case in ("lora_both", "modules_to_save")
+]
+RUNS += [
+    ("sft_trainer", "lora_embedding"),
+    ("sft_trainer", "modules_to_save"),
+    ("loop", "modules_to_save"),
+]
+RUNS += [
+    ("lightning", "trainable_tokens"),
+    (
+        "sft_trainer",
+        "trainable_tokens",
+    ),  # on the untied family: TRL refuses it on a tied head
+]  # refused: the gradient statistics
+
+
+UNTIED = "gemma2_softcap"
+
+
+def adapted(case: str, door: str = ""):
+    """The tied Llama of the matrix, adapted (LoRA weights not zero: the adapters change the matrices), and the
+    untied plain twin of its effective matrices."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's own warnings about tied layers
+        model = peft.get_peft_model(
+            family(
+                UNTIED
+                if door == "sft_trainer" and case == "trainable_tokens"
+                else "llama_tied"
+            ),
+            peft.TrainableTokensConfig(**CASES[case])
+            if case == "trainable_tokens"
+            else peft.LoraConfig(
+                r=4, lora_alpha=8, init_lora_weights=False, **CASES[case]
+            ),
+        )
+    if case == "modules_to_save":
+        with torch.no_grad():  # the trained copy differs from the frozen embedding
+            model.get_output_embeddings().modules_to_save["default"].weight.mul_(1.5)
+    twin = untied_twin(
+        family("llama_tied")
+    )  # the same seeded weights as the adapted model's frozen base
+    with torch.no_grad():
+        twin.get_input_embeddings().weight.copy_(
+            model.get_input_embeddings()(torch.arange(V))
+        )
+        twin.lm_head.weight.copy_(model.get_output_embeddings()(torch.eye(D)).T)
+        twin.model.layers[0].self_attn.q_proj.weight.copy_(
+            model.get_base_model().model.layers[0].self_attn.q_proj(torch.eye(D)).T
+        )
+    return model, twin
+
+
+@pytest.mark.parametrize("door, case", RUNS)
+def test_peft_on_a_tied_model_through_each_door(tmp_path, door, case):
+    model, twin = adapted(case, door)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        values, seen, logits = door_run(door, model, tmp_path)
+    said = headwatch_warnings(caught)
+    expected = twin_grads(twin, seen[:STEPS])
+    trains = {"embedding": case != "modules_to_save", "head": case != "lora_embedding"}
+    if (
+        case == "trainable_tokens"
+    ):  # only 3 rows train, as a delta of their own: refused once, with the cause
+        assert len(said) == 1 and "trainable tokens" in said[0], said
+        trains = {}
+    elif case != "lora_both":  # the frozen matrix said once
+        assert len(said) == 1 and "FROZEN" in said[0], said
+    else:
+        assert said == [], said
+    assert len(values) == STEPS and len(logits) == STEPS
+    pad = None  # the tiny Llama has no padding_idx
+    for step in range(STEPS):
+        got = values[step]
+        assert_logits(got, logits_reference([logits[step]], [seen[step]]))
+        assert abs(got[f"{H}/check/nll_gap"]) < 1e-5 and got[f"{H}/check/mismatch"] == 0
+        if not trains:
+            assert not any(
+                k.startswith((f"{H}/grad/shared_row", f"{H}/grad/embedding_row"))
+                for k in got
+            )
+            continue
+        assert got[f"{H}/grad/tied"] == 0.0  # two effective matrices
+        for role, trained in trains.items():
+            if not trained:
+                assert not any(k.startswith(f"{H}/grad/{role}_row") for k in got), role
+                continue
+            for key, want in grad_reference({role: expected[step][role]}, pad).items():
+                assert got[f"{H}/grad/{key}"] == pytest.approx(
+                    want, rel=1e-4, abs=1e-7
+                ), (role, key)

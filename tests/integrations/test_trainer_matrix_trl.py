@@ -1,0 +1,197 @@
+"""The trainer matrix's TRL column (docs/supported.md): TRL's ``SFTTrainer`` (the Hugging Face door, TRL's own
+loss through its fused head, TRL's defaults: gradient checkpointing on) on the three tiny families of
+``tests/integrations/test_trainer_matrix.py``, every published figure against an independent reference.
+
+TRL's fused head builds no ``outputs.logits``: the logits reference is a fresh float64 forward from the hidden
+states the loss's forward fed its first layer (recorded by a pre-hook: the noisy rows under NEFTune), scored
+against the collated batch's labels; gradients against the real ``.grad`` and an untied twin trained by the same
+``SFTTrainer`` on the same batches; the Trainer's logged loss (TRL's token mean) equals ``logits/target_nll``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from headwatch.integrations.transformers import HeadwatchCallback
+from tests.helpers.capture import causal_ce
+from tests.helpers.matrices import untied_twin
+from tests.helpers.trainer_matrix import (
+    FAMILIES,
+    STEPS,
+    B,
+    GradRecorder,
+    HiddenRecorder,
+    KeepLastLogitsLoss,
+    Rows,
+    T,
+    check_hf_door,
+    family,
+    headwatch_warnings,
+    hf_args,
+    is_tied,
+    sft_rows,
+    word_ids_tokenizer,
+)  # fmt: skip
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+# ``evaluate``: a dict of two evaluation sets evaluated before any training (an evaluation-only script up to
+# there), then two micro-batches per step, then ``train()`` again on the same Trainer and callback (a new run)
+# ``r_drop``: TRL's loss twice over the batch, averaged; ``own_labels``: TRL's loss plus TRL's loss of a second
+# batch with labels of its own (a pretraining mix)
+SFT_FEATURES = [
+    "evaluate",
+    "neftune",
+    "compute_loss_func",
+    "logits_to_keep",
+    "r_drop",
+    "own_labels",
+]
+MIX = Rows(B, seed=21).batch()
+
+
+class KeepLastSFT(KeepLastLogitsLoss, trl.SFTTrainer):
+    pass
+
+
+class TwoLossesSFT(trl.SFTTrainer):
+    """Two forwards with gradient in one step, each through TRL's own loss (its fused head)."""
+
+    mix = False
+
+    def compute_loss(
+        self, model, inputs, return_outputs=False, num_items_in_batch=None
+    ):
+        first = super().compute_loss(
+            model, dict(inputs), num_items_in_batch=num_items_in_batch
+        )
+        if self.mix:
+            return first + super().compute_loss(model, dict(MIX))
+        return (
+            first
+            + super().compute_loss(
+                model, dict(inputs), num_items_in_batch=num_items_in_batch
+            )
+        ) / 2
+
+
+class MixSFT(TwoLossesSFT):
+    mix = True
+
+
+def sft_run(model, out, feature: str, headwatch: bool):
+    kw = {
+        "neftune": {"neftune_noise_alpha": 5.0},
+        "evaluate": {"gradient_accumulation_steps": 2},
+    }.get(feature, {})
+    config = hf_args(out, trl.SFTConfig, completion_only_loss=True, bf16=False, **kw)
+    extra = {"compute_loss_func": causal_ce} if feature == "compute_loss_func" else {}
+    if (
+        feature == "evaluate" and headwatch
+    ):  # the twin's gradients: its first run is the second run's
+        extra["eval_dataset"] = {
+            "wiki": sft_rows(5, seed=11),
+            "code": sft_rows(6, seed=12),
+        }
+    cls = {
+        "logits_to_keep": KeepLastSFT,
+        "r_drop": TwoLossesSFT,
+        "own_labels": MixSFT,
+    }.get(feature, trl.SFTTrainer)
+    grads = GradRecorder()
+    cb = (
+        HeadwatchCallback(
+            monitors=["tokens", "logits", "gradients"], figure_every_n_steps=0
+        )
+        if headwatch
+        else None
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = cls(model=model, args=config, train_dataset=sft_rows(B * STEPS * 2, seed=3), processing_class=word_ids_tokenizer(),
+                      callbacks=[c for c in (cb, grads) if c], **extra)  # fmt: skip
+        seen: list[dict] = []
+        collate = trainer.data_collator
+        trainer.data_collator = lambda rows: seen.append(collate(rows)) or seen[-1]
+        metrics = trainer.evaluate() if "eval_dataset" in extra else None
+        latest = dict(cb.latest) if cb is not None else None
+        seen.clear()  # the evaluation's batches went through the collator too
+        hidden = HiddenRecorder(model)
+        trainer.train()
+        if (
+            feature == "evaluate" and headwatch
+        ):  # the same Trainer and callback, a new run: starts empty
+            seen.clear(), hidden.hidden.clear(), grads.grads.clear()
+            trainer.train()
+    return (
+        trainer,
+        latest,
+        seen,
+        grads.grads,
+        hidden,
+        headwatch_warnings(caught),
+        metrics,
+    )
+
+
+# the door's own mechanics (a custom loss, two forwards): on the tied and the untied family, not the third (its
+# scaled embedding is covered by the other features), to keep the suite's time
+DOOR_ONLY = ("compute_loss_func", "logits_to_keep", "r_drop", "own_labels")
+CASES = [
+    (n, f)
+    for f in SFT_FEATURES
+    for n in FAMILIES
+    if not (n == "gemma_scaled" and f in DOOR_ONLY)
+]
+
+
+@pytest.mark.parametrize("name, feature", CASES, ids=[f"{n}-{f}" for n, f in CASES])
+def test_sft_trainer(tmp_path, name, feature):
+    model = family(name)
+    twin = untied_twin(model) if is_tied(model) else None
+    trainer, latest, seen, grads, hidden, said, metrics = sft_run(
+        model, tmp_path / "run", feature, headwatch=True
+    )
+    twin_grads = (
+        sft_run(twin, tmp_path / "twin", feature, headwatch=False)[3]
+        if twin is not None
+        else None
+    )
+    if feature == "logits_to_keep":
+        assert (
+            len(said) == 1 and f"last {KeepLastSFT.K} positions of each row" in said[0]
+        ), said
+    elif feature in (
+        "r_drop",
+        "own_labels",
+    ):  # each forward against its own labels, pooled: said once
+        assert len(said) == 1 and "more than once with gradient" in said[0], said
+    else:
+        assert said == [], said
+    assert all(b["input_ids"].shape == (B, T) for b in seen)
+    logits = hidden.logits(
+        model, keep=KeepLastSFT.K if feature == "logits_to_keep" else 0
+    )
+    per_step = 2 if feature == "evaluate" else 1
+    check_hf_door(
+        trainer,
+        latest,
+        seen,
+        grads,
+        logits,
+        metrics,
+        twin_grads,
+        model,
+        per_step=per_step,
+        self_check=feature in ("evaluate", "neftune", "r_drop", "own_labels"),
+        smoothed=feature == "own_labels",  # the logged loss is the sum of the two
+        forwards=2 if feature in ("r_drop", "own_labels") else None,
+        scored=[
+            x for b in seen[:STEPS] for x in (b, MIX if feature == "own_labels" else b)
+        ]
+        if feature in ("r_drop", "own_labels")
+        else None,
+    )
