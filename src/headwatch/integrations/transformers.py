@@ -95,6 +95,12 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
             many steps (needs matplotlib); None or 0: none (see :func:`headwatch.core.orchestrator.set_figures`).
             Core monitors passed in keep their own settings.
         summary: print the end-of-training summary at ``on_train_end`` (rank zero; :mod:`headwatch.report.summary`).
+        overhead_budget: the share of training wall time headwatch may take (default 0.01): the collision probe,
+            figures and histograms run on probe steps spaced to stay within it (the first logging step, every power
+            of two of ``logging_steps``, and ``on_train_end``); ``overhead/*`` says the cost on every logging step.
+            ``logging_steps`` is kept: when the logging statistics alone exceed the budget at it (TRL's configs
+            default to 10), one warning says so with the interval that fits. None: off (the collision every 10
+            logging intervals).
 
     Raises:
         HeadwatchError: a bad argument. No trainer hook raises: a monitor that cannot measure the model
@@ -115,13 +121,18 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
         console_keys: Sequence[str] | str | None = None,
         figure_every_n_steps: int | str | None = "auto",
         summary: bool = True,
+        overhead_budget: float | None = 0.01,
     ) -> None:
         check_figure_argument(figure_every_n_steps)
         check_alert(alert)
         check_bool("stop_on_critical", stop_on_critical)
         check_bool("checkpoint_on_critical", checkpoint_on_critical)
         check_bool("summary", summary)
-        self.run = Orchestrator(monitors, batch_format=batch_format, prefix=prefix, reducer=reducer, strict=strict, sinks=[TrainerSink(self)])
+        self.run = Orchestrator(
+            monitors, batch_format=batch_format, prefix=prefix, reducer=reducer, strict=strict, sinks=[TrainerSink(self)],
+            overhead_budget=overhead_budget,
+        )  # fmt: skip
+        self.run.cost.door_interval = "logging_steps"
         owned = is_rules(alert)
         self.run.sinks.append(EngineSink(lambda: self.alert, extra=lambda val: self._eval_metrics if val else {}, owned=owned))
         self.summary = SummarySink(prefix, rank=lambda: self.run.reducer.rank, alerts=lambda: getattr(self.alert, "alerts", None))

@@ -1,0 +1,277 @@
+"""The overhead budget (``headwatch.core.overhead``): the clock, the probe interval, the probe steps and the
+``overhead/`` values on the plain-loop door, and the same probe steps on two processes."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import headwatch
+from headwatch.core import SynonymCollision
+from headwatch.core.overhead import (
+    FIRST_MULTIPLE,
+    MAX_MULTIPLE,
+    Overhead,
+    OverheadClock,
+    check_budget,
+    probe_interval,
+    steady_interval,
+)
+from headwatch.errors import HeadwatchError
+from tests.helpers.distributed import run_ranks
+from tests.helpers.loop import Tiny, train_step
+
+KEYS = ("fraction", "fraction_run", "probe_interval", "probe_seconds")
+
+
+class FakeTime:
+    """``time.perf_counter`` under the test's control."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Recorder:
+    """A sink that keeps every publication: ``(step, numbers)``."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, dict[str, float]]] = []
+
+    def publish(self, numbers, media, step, val) -> None:
+        if not val:
+            self.seen.append((step, dict(numbers)))
+
+    def steps_with(self, part: str) -> list[int]:
+        return [s for s, n in self.seen if any(part in k for k in n)]
+
+
+def run_loop(steps: int, every: int = 2, close: bool = True, **kw):
+    torch.manual_seed(0)
+    model = Tiny()
+    hw = headwatch.Headwatch(model, log_every_n_steps=every, figure_every_n_steps=None, summary=False, **kw)
+    rec = Recorder()
+    hw.run.sinks.append(rec)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for s in range(steps):
+            train_step(hw, model, s)
+        if close:
+            hw.close()
+    return hw, rec, [str(w.message) for w in said]
+
+
+# ----------------------------------------------------------------------------------- the clock
+def test_clock_nesting_counts_each_span_once(monkeypatch):
+    fake = FakeTime()
+    monkeypatch.setattr("headwatch.core.overhead.time.perf_counter", fake)
+    clock = OverheadClock()
+    with clock.kind("statistics"):
+        fake.now = 1.0
+        with clock.kind("probe"):
+            fake.now = 3.0
+            with clock.kind(None):  # inherits the kind around it
+                fake.now = 3.5
+        fake.now = 4.0
+    with clock.kind(None):  # nothing around: statistics
+        fake.now = 4.25
+    with clock.kind("publish"):
+        fake.now = 5.0
+    clock.read()
+    assert clock.take() == {"statistics": 1.75, "probe": 2.5, "figures": 0.0, "publish": 0.75}  # 1 + 0.5 + 0.25
+    assert clock.take() == dict.fromkeys(("statistics", "probe", "figures", "publish"), 0.0)
+
+
+# ----------------------------------------------------------------------------------- the interval
+def _reference(statistics, probe, step_s, every, budget):
+    """Brute force in float64: every power of two from 1 to MAX_MULTIPLE, the first within the budget."""
+    for j in range(int(math.log2(MAX_MULTIPLE)) + 1):
+        m = 2**j
+        if statistics / every + probe / (m * every) <= budget * step_s:
+            return m, True
+    return MAX_MULTIPLE, False
+
+
+@pytest.mark.parametrize(
+    "statistics, probe, step_s, every, budget",
+    [
+        (0.001, 0.5, 0.1, 10, 0.01),  # needs 55.6 logging intervals: 64
+        (0.0, 0.0, 0.1, 10, 0.01),  # free probes: every logging step
+        (0.0, 0.02, 0.1, 50, 0.01),  # exactly at the budget with m = 4
+        (0.02, 0.5, 0.1, 10, 0.01),  # the statistics alone are over: the longest, not fitting
+        (1e-4, 30.0, 0.2, 50, 0.05),  # a probe of 30 s: 64
+        (0.0, 1e6, 0.1, 1, 0.01),  # never fits
+    ],
+)
+def test_probe_interval_is_the_smallest_power_of_two_within_the_budget(statistics, probe, step_s, every, budget):
+    got = probe_interval(statistics, probe, step_s, every, budget)
+    assert got == _reference(statistics, probe, step_s, every, budget)
+    assert got[0] & (got[0] - 1) == 0  # a power of two
+
+
+def test_interval_changes_rarely():
+    assert steady_interval(8, 64) == 64  # over budget: up at once
+    assert steady_interval(8, 4) == 8  # under, but not by a margin: unchanged
+    assert steady_interval(8, 2) == 4  # a quarter fits: one halving
+    assert steady_interval(1, 1) == 1
+
+
+@pytest.mark.parametrize("bad", [0, 1, 1.5, -0.1, True, "0.01", float("nan")])
+def test_budget_is_checked(bad):
+    with pytest.raises(HeadwatchError, match="overhead_budget"):
+        check_budget(bad)
+    with pytest.raises(HeadwatchError, match="overhead_budget"):
+        headwatch.Headwatch(Tiny(), overhead_budget=bad)
+
+
+def test_decision_reads_the_shared_window():
+    """The interval follows the window's timings: a costly probe spaces the probes, a cheap one brings them back
+    one halving at a time; the statistics alone over the budget say so once, with the interval that fits."""
+    cost = Overhead(0.01, "headwatch")
+    notes: list[str] = []
+    cost.configure(10, [], lambda key, message: notes.append(message))
+    assert cost.multiple == FIRST_MULTIPLE
+    cost.decide(0.0005, 0.5, 1.0, 1.0)  # 10 steps of 0.1 s, a probe of 0.5 s
+    assert cost.multiple == _reference(0.0005, 0.5, 0.1, 10, 0.01)[0] == 64
+    cost.decide(0.0005, 0.0, 1.0, 0.0)  # no probe in the window: the last probe's cost stands
+    assert cost.multiple == 64
+    cost.decide(0.0005, 0.001, 1.0, 1.0)  # a cheap probe: one halving per decision
+    assert cost.multiple == 32
+    cost.decide(0.005, 0.001, 1.0, 1.0)  # the statistics at half the budget
+    assert cost.multiple == 16 and not notes
+    cost.decide(0.02, 0.001, 1.0, 1.0)  # the statistics alone at twice the budget
+    assert cost.multiple == MAX_MULTIPLE and not cost.fits
+    assert len(notes) == 1 and "raise the logging interval to 20 or more" in notes[0], notes
+    cost.decide(0.02, 0.001, 1.0, 1.0)
+    assert len(notes) == 2  # the door's note_once says it once (here: a plain list)
+
+
+# ----------------------------------------------------------------------------------- on a door
+def test_overhead_values_on_every_logging_step_and_probes_at_first_and_end():
+    _, rec, _ = run_loop(13, every=2)
+    logging = [s for s in range(13) if (s + 1) % 2 == 0]
+    overhead = rec.steps_with("/overhead/")
+    assert overhead[: len(logging)] == logging  # every logging step
+    for _, numbers in rec.seen:
+        if any("/overhead/" in k for k in numbers):
+            assert {k.rsplit("/", 1)[1] for k in numbers if "/overhead/" in k} == set(KEYS)
+            interval = numbers["headwatch/overhead/probe_interval"]
+            assert interval / 2 in {2.0**j for j in range(11)}  # a power of two of logging intervals
+            assert 0 <= numbers["headwatch/overhead/fraction"] and 0 <= numbers["headwatch/overhead/fraction_run"]
+    collision = rec.steps_with("/collision/")
+    assert collision[0] == 1  # the first logging step
+    assert collision[-1] == 12  # the end of training (step 12 is not a logging step)
+    intervals = {s: n["headwatch/overhead/probe_interval"] for s, n in rec.seen if "headwatch/overhead/probe_interval" in n}
+    for s in collision[1:-1]:  # the others on the probe grid of their time
+        assert (s + 1) % intervals[s] == 0
+    assert rec.seen[-1][1]["headwatch/overhead/probe_seconds"] > 0  # the end probe's cost, published
+
+
+def test_end_probe_not_repeated_on_a_probe_step():
+    _, rec, _ = run_loop(2, every=2)  # step 1: the first logging step, a probe, and the last
+    assert rec.steps_with("/collision/") == [1]
+
+
+def test_explicit_cadence_wins_with_a_note():
+    collision = SynonymCollision()
+    collision.every_n_steps = 4
+    _, rec, said = run_loop(17, every=2, monitors=["tokens", "logits", collision], overhead_budget=1e-9)
+    assert rec.steps_with("/collision/") == [3, 7, 11, 15]  # its own, not the first step nor the end
+    notes = [m for m in said if "collision measures every 4 steps as set" in m]
+    assert len(notes) == 1, said
+
+
+def test_no_budget_publishes_no_overhead_and_keeps_the_collision_cadence():
+    _, rec, _ = run_loop(41, every=2, overhead_budget=None)
+    assert rec.steps_with("/overhead/") == []
+    assert rec.steps_with("/collision/") == [19, 39]  # every 10 logging intervals, nothing at the end
+
+
+def test_histograms_on_probe_steps_only():
+    torch.manual_seed(0)
+    model = Tiny()
+    hw = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False)
+    kept: list[int] = []
+    probes: list[int] = []
+
+    class Media:
+        def publish(self, numbers, media, step, val):
+            if any(m.histograms for m in media):
+                kept.append(step)
+            if any("/collision/" in k for k in numbers):
+                probes.append(step)
+
+    hw.run.sinks.append(Media())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s in range(12):
+            train_step(hw, model, s)
+        hw.close()
+    assert probes[0] == 1 and probes[-1] == 11
+    # the probe steps of training (the end of training measures the probes alone, without histograms); without a
+    # budget: every logging step (test_no_budget_keeps_histograms)
+    assert kept == probes[:-1]
+
+
+def test_no_budget_keeps_histograms():
+    torch.manual_seed(0)
+    model = Tiny()
+    hw = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False, overhead_budget=None)
+    kept: list[int] = []
+
+    class Media:
+        def publish(self, numbers, media, step, val):
+            if any(m.histograms for m in media):
+                kept.append(step)
+
+    hw.run.sinks.append(Media())
+    for s in range(6):
+        train_step(hw, model, s)
+    assert kept == [1, 3, 5]
+
+
+def test_loop_logs_every_50_steps_by_default():
+    hw = headwatch.Headwatch(Tiny(), summary=False)
+    assert hw.run.every == 50 and hw.run.cost.budget == 0.01
+
+
+# ----------------------------------------------------------------------------------- two processes
+def test_two_ranks_probe_on_the_same_steps_when_one_is_slow():
+    """Rank 1 trains 150 ms longer per step, so rank 0 waits for it inside headwatch's collectives: their own
+    timings differ and would space their probes differently; the window's timings ride with the step's sums, so
+    both decide from the same means and probe on the same steps."""
+    import time
+
+    budget, every = 0.2, 2
+
+    def rank_run(rank, reducer):
+        torch.manual_seed(0)
+        model = Tiny()
+        hw = headwatch.Headwatch(
+            model, log_every_n_steps=every, figure_every_n_steps=None, summary=False, reducer=reducer, overhead_budget=budget
+        )
+        rec = Recorder()
+        hw.run.sinks.append(rec)
+        own: list[int] = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for s in range(16):
+                if rank == 1:
+                    time.sleep(0.15)
+                train_step(hw, model, s)
+                if (s + 1) % every == 0 and hw.run.cost.probe_seconds > 0:  # what this rank alone would decide
+                    w = hw.run.cost.window
+                    own.append(probe_interval(w[0], hw.run.cost.probe_seconds, w[2] / every, every, budget)[0])
+            hw.close()
+        intervals = [n.get("headwatch/overhead/probe_interval") for _, n in rec.seen]
+        return rec.steps_with("/collision/"), intervals, own
+
+    (steps0, intervals0, own0), (steps1, intervals1, own1) = run_ranks(2, rank_run)
+    assert steps0 == steps1 and steps0[0] == 1 and steps0[-1] == 15
+    assert intervals0 == intervals1
+    assert own0 != own1  # alone, they would have disagreed
