@@ -152,7 +152,7 @@ class Orchestrator:
         for m in self.monitors:
             m.configure(Schedule(self.cost.cadence(m, every)), self.reducer)
             m.clock = self.cost.clock
-        self.cost.configure(every, self.monitors, self.note_once)
+        self.cost.configure(every, self.monitors, self.policy)
         if figure_every_n_steps is not None:
             set_figures(self.named, figure_every_n_steps)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -178,9 +178,13 @@ class Overhead:
         self.first: int | None = None
         self.fits = True
         self.monitors: list[Any] = []
-        self.note: Callable[[str, str], None] = lambda key, message: None
+        self.policy: Any = None
+        """Says the notes (``note_once(key, message)``, ``info_once(message)``: a ``FailurePolicy``); None: silent."""
         self.door_interval = "the logging interval"
         """How the door names its logging interval (in the note that it alone exceeds the budget)."""
+        self.warn_statistics = False
+        """Say that the logging statistics alone exceed the budget as a warning (the Hugging Face door, whose
+        ``logging_steps`` is kept as the user's trainer has it); else at INFO (logger ``headwatch``)."""
         self.reset()
 
     @property
@@ -199,13 +203,11 @@ class Overhead:
         self.probing = False
         self.last: dict[str, float] = {}
 
-    def configure(self, every: int, monitors: Sequence[Any], note: Callable[[str, str], None] | None = None) -> None:
-        """The run's logging interval ``every`` and its ``monitors``; ``note(key, message)`` says a note once."""
+    def configure(self, every: int, monitors: Sequence[Any], policy: Any = None) -> None:
+        """The run's logging interval ``every``, its ``monitors`` and the ``policy`` that says the notes once."""
         self.every = every
         self.monitors = list(monitors)
-        if note is not None:
-            self.note = note
-        self._set_figures()
+        self.policy = policy if policy is not None else self.policy
 
     def cadence(self, m: Any, every: int) -> int:
         """Monitor ``m``'s own interval in steps: its ``every_n_steps`` when set, else ``every_factor * every``."""
@@ -247,6 +249,8 @@ class Overhead:
         self.probing = self.on and logging and self.is_probe_step(step, first)
         if self.probing:
             self.probed_at = step
+        for m in self.figures:  # their rule, (step + 1) % figure_every == 0, then holds on probe steps only
+            m.figure_every = step + 1 if self.probing else step + 2
 
     def ride(self, world_size: int) -> list[dict[str, Tensor]]:
         """The last window's timings as sums riding with the logging step's (several processes; else nothing)."""
@@ -300,17 +304,14 @@ class Overhead:
         needed, self.fits = probe_interval(statistics, self.probe_seconds, step_s, self.every, budget)
         self.notes(statistics, step_s, budget)
         if self.probe_seconds > 0 or not self.fits:
-            new = steady_interval(self.multiple, needed)
-            if new != self.multiple:
-                self.multiple = new
-                self._set_figures()
+            self.multiple = steady_interval(self.multiple, needed)
 
     def notes(self, statistics: float, step_s: float, budget: float) -> None:
         """Say once when the logging statistics alone exceed the budget (with the logging interval that fits), and when
         a probe cadence of the user's does."""
         if statistics / self.every > budget * step_s:
             fits = self.every * 2 ** math.ceil(math.log2(statistics / self.every / (budget * step_s)))
-            self.note(
+            self._say(
                 "overhead:statistics",
                 f"headwatch: its logging statistics alone take {statistics / self.every / step_s:.1%} of the training "
                 f"time at a logging interval of {self.every} steps, over overhead_budget={budget:g}; the probes are spaced to "
@@ -321,12 +322,20 @@ class Overhead:
             if getattr(m, "probe", False) and self.explicit(m) and self.probe_seconds > 0:
                 own = self.cadence(m, self.every)
                 if statistics / self.every + self.probe_seconds / own > budget * step_s:
-                    self.note(
+                    self._say(
                         f"overhead:{m.name}",
                         f"headwatch: {m.name} measures every {own} steps as set, which takes more than "
                         f"overhead_budget={budget:g} of the training time (a measurement costs "
                         f"{self.probe_seconds:.3g} s, a step {step_s:.3g} s); your cadence is kept. (said once)",
                     )
+
+    def _say(self, key: str, message: str) -> None:
+        if self.policy is None:
+            return
+        if key == "overhead:statistics" and not self.warn_statistics:
+            self.policy.info_once(message)
+        else:
+            self.policy.note_once(key, message)
 
     def publishable(self) -> dict[str, float]:
         """Read the clock (after the host sync) and close the window: the ``overhead/`` values of this step."""
@@ -351,11 +360,7 @@ class Overhead:
         return dict(self.last)
 
     def follow_figures(self, monitors: Sequence[Any]) -> None:
-        """Under a budget, ``monitors`` that draw figures (``figure_every`` > 0) draw them on probe steps only."""
+        """Under a budget, ``monitors`` that draw figures (``figure_every`` > 0) draw them on probe steps only
+        (:meth:`begin` sets their ``figure_every`` each step)."""
         if self.on:
             self.figures = [m for m in monitors if getattr(m, "figure_every", 0) > 0]
-            self._set_figures()
-
-    def _set_figures(self) -> None:
-        for m in self.figures:
-            m.figure_every = self.multiple * self.every

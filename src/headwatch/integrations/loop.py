@@ -64,7 +64,7 @@ class Headwatch(Driver):
         figure_every_n_steps: images of the monitors built from names (``"logits"``: entropy over
             the run, ``"gradients"``: row norm against frequency rank, ``"collision"``: similarity
             histograms at its measurements), as in the Lightning callbacks: ``"auto"`` (default)
-            every 10 logging intervals when matplotlib is installed, else none; an int: every this
+            on the probe steps (``overhead_budget``; None: every 10 logging intervals) when matplotlib is installed, else none; an int: every this
             many steps (needs matplotlib); None or 0: none. Core monitors passed in keep their own
             ``figure_every`` / ``figures``.
         strict: raise a ``HeadwatchError`` when a monitor fails; default: warn once, skip that
@@ -122,6 +122,7 @@ class Headwatch(Driver):
         self.alert = self._wire_alert(alert)
         self.run.sinks.append(EngineSink(lambda: self.alert, owned=self._owns_alert))
         self.summary = SummarySink(prefix, rank=lambda: self.run.reducer.rank, alerts=lambda: getattr(self.alert, "alerts", None))
+        self.summary.budget = self.run.cost.budget
         if summary:
             self.run.sinks.append(self.summary)
         self.run.configure(log_every_n_steps)

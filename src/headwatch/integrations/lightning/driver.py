@@ -85,6 +85,7 @@ class HeadwatchDriver(Driver, Callback):
         self.alerts: list[Any] = []
         """The alerts' engines registered (for the summary)."""
         self.summary = SummarySink(rank=lambda: self.run.reducer.rank, alerts=self._alerts)
+        self.summary.budget = self.run.cost.budget
         self.run.sinks.append(LightningSink(self))
         self._trainer: Any = None
         self._stage: str | None = None  # the stage set up this round (reset at teardown)
@@ -172,7 +173,7 @@ class HeadwatchDriver(Driver, Callback):
         self.run.every = every
         for m in self.run.all_monitors:
             m.clock = self.run.cost.clock
-        self.run.cost.configure(every, self.run.all_monitors, self.run.note_once)
+        self.run.cost.configure(every, self.run.all_monitors, self.run.policy)
         self.run.cost.follow_figures([cb._core() for cb in self.registered if getattr(cb, "figure_every_n_steps", None) == "auto"])
 
     def _alerts(self) -> list[Any] | None:
