@@ -266,6 +266,21 @@ def test_figures_on_probe_steps_only(tmp_path):
     assert [e.step for e in acc.Images("headwatch/collision/nn_similarity_head")] == probes
 
 
+def test_summary_says_the_cost_against_the_budget(capsys):
+    torch.manual_seed(0)
+    model = Tiny()
+    hw = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s in range(6):
+            train_step(hw, model, s)
+        hw.close()
+    (line,) = [x for x in hw.summary.text.splitlines() if x.strip().startswith("overhead")]
+    spent, interval = hw.run.latest["headwatch/overhead/fraction_run"], hw.run.latest["headwatch/overhead/probe_interval"]
+    assert line == f"  overhead         {spent:.2%} of the wall time over the run (budget 1.00%); probes every {interval:.0f} steps"
+    assert line in capsys.readouterr().out
+
+
 def test_loop_logs_every_50_steps_by_default():
     hw = headwatch.Headwatch(Tiny(), summary=False)
     assert hw.run.every == 50 and hw.run.cost.budget == 0.01
