@@ -438,7 +438,7 @@ class Orchestrator:
         if step < 0:
             return {}
         wants: list[Monitor] = []
-        self.each("ending the epoch", lambda m: wants.append(m) if m.train_epoch_end(step) else None)
+        self.each("ending the epoch", lambda m: wants.append(m) if self.cost.at_epoch_end(m) and m.train_epoch_end(step) else None)
         return self.emit(wants, step if at is None else at)
 
     # ---------------------------------------------------------------- validation

@@ -224,6 +224,11 @@ class Overhead:
             return self.is_probe_step(step, first)
         return m.schedule.is_logging_step(step)
 
+    def at_epoch_end(self, m: Any) -> bool:
+        """Whether monitor ``m`` may measure at a training epoch's end: not a probe under the budget (its probe steps
+        and the end of training stand for it), unless its cadence is the user's."""
+        return not (self.on and getattr(m, "probe", False) and not self.explicit(m))
+
     def is_probe_step(self, step: int, first: bool = False) -> bool:
         if self.every <= 0:
             return False
