@@ -21,7 +21,7 @@ from headwatch.core.overhead import (
     steady_interval,
 )
 from headwatch.errors import HeadwatchError
-from tests.helpers.distributed import run_ranks
+from tests.helpers.distributed import run_gloo_workers, run_ranks
 from tests.helpers.loop import Tiny, train_step
 
 KEYS = ("fraction", "fraction_run", "probe_interval", "probe_seconds")
@@ -319,3 +319,44 @@ def test_two_ranks_probe_on_the_same_steps_when_their_timings_differ():
     assert steps0 == steps1 and steps0[0] == 1 and steps0[-1] == 15
     assert intervals0 == intervals1
     assert max(own0) < MAX_MULTIPLE == min(own1)  # alone, they would have disagreed
+
+
+GLOO_WORKER = r'''
+import datetime, json, os, sys, warnings
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+from tests.helpers.loop import Tiny, train_step
+from headwatch import Headwatch
+from headwatch.core.overhead import probe_interval
+rank = int(sys.argv[1])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+warnings.simplefilter("ignore")
+torch.manual_seed(0)
+model = Tiny()
+hw = Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False, overhead_budget=0.2)
+clock, take = hw.run.cost.clock, hw.run.cost.clock.take
+clock.take = lambda: {**take(), "statistics": 100.0 if rank == 1 else 0.0, "publish": 0.0}  # rank 1's reads slow
+steps, intervals, own = [], [], []
+for s in range(16):
+    values = train_step(hw, model, s)
+    if any("/collision/" in k for k in values):
+        steps.append(s)
+    if values:
+        intervals.append(values["headwatch/overhead/probe_interval"])
+        if hw.run.cost.probe_seconds > 0:
+            w = hw.run.cost.window
+            own.append(probe_interval(w[0], hw.run.cost.probe_seconds, w[2] / 2, 2, 0.2)[0])
+hw.close()
+json.dump({"steps": steps, "intervals": intervals, "own": own}, open(sys.argv[4] + f"/rank{rank}.json", "w"))
+dist.destroy_process_group()
+'''
+
+
+def test_two_gloo_processes_probe_on_the_same_steps_when_their_timings_differ(tmp_path):
+    """The same on two processes (gloo, ``torch.distributed``'s reducer): rank 1's clock reads 100 s of statistics
+    per window, rank 0's none; the probe steps and intervals agree, though each alone would have decided otherwise."""
+    r0, r1 = run_gloo_workers(GLOO_WORKER, tmp_path, 37500, timeout=240)
+    assert r0["steps"] == r1["steps"] and r0["steps"][0] == 1
+    assert r0["intervals"] == r1["intervals"] and len(r0["intervals"]) == 8
+    assert max(r0["own"]) < MAX_MULTIPLE == min(r1["own"])
