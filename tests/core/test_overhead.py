@@ -281,6 +281,28 @@ def test_summary_says_the_cost_against_the_budget(capsys):
     assert line in capsys.readouterr().out
 
 
+def test_a_resumed_run_probes_on_the_steps_it_would_have():
+    torch.manual_seed(0)
+    model = Tiny()
+    first = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s in range(6):
+            train_step(first, model, s)
+        state = first.state_dict()
+        resumed = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False)
+        resumed.load_state_dict(state)
+        assert resumed.run.cost.state_dict() == first.run.cost.state_dict()
+        assert resumed.run.cost.first == 1  # the run's first logging step was step 1: none forced at step 7
+        assert resumed.run.cost.is_probe_step(7) == ((7 + 1) % (first.run.cost.multiple * 2) == 0)
+        fresh = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False)
+        assert fresh.run.cost.is_probe_step(7)  # without the state, the first logging step it sees probes
+    bad = headwatch.Headwatch(Tiny(), summary=False)
+    with pytest.warns(UserWarning, match="power-of-two `multiple`"):
+        bad.load_state_dict({**state, "overhead": {"multiple": 3, "probe_seconds": 0.0, "first": 1}})
+    assert bad.run.cost.multiple == FIRST_MULTIPLE
+
+
 def test_loop_logs_every_50_steps_by_default():
     hw = headwatch.Headwatch(Tiny(), summary=False)
     assert hw.run.every == 50 and hw.run.cost.budget == 0.01

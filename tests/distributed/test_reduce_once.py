@@ -84,7 +84,9 @@ def _check_run(rank0: dict, rank1: dict, run: str) -> None:
     for step, (a, b) in enumerate(zip(steps0, steps1)):
         # both processes run the same collectives in the same order (gloo needs it; a mismatch hangs NCCL)
         assert [(c["op"], c["dtype"], c["numel"]) for c in a["collectives"]] == [(c["op"], c["dtype"], c["numel"]) for c in b["collectives"]], (run, step)
-        assert a["values"].keys() == b["values"].keys() and all(_same(a["values"][k], b["values"][k]) for k in a["values"]), (run, step)
+        # the same keys; the same values but headwatch's own timings (overhead/: each process's, docs/definitions.md)
+        shared = [k for k in a["values"] if "/overhead/" not in k]
+        assert a["values"].keys() == b["values"].keys() and all(_same(a["values"][k], b["values"][k]) for k in shared), (run, step)
     for step in QUIET:
         assert steps0[step]["collectives"] == [] and steps0[step]["values"] == {}, (run, step)
     for step, expected in zip(LOGGING, EXPECTED[run]):

@@ -581,7 +581,7 @@ class Orchestrator:
         """Every monitor's state (a collective under several processes: call it on every rank)."""
         return {
             "version": 2, "names": [type(m).__name__ for m in self.all_monitors], "monitors": [m.state_dict() for m in self.all_monitors],
-            "check": self.check.state_dict(), "rl_start": self.rl_start,
+            "check": self.check.state_dict(), "rl_start": self.rl_start, "overhead": self.cost.state_dict(),
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -203,6 +203,25 @@ class Overhead:
         self.probing = False
         self.last: dict[str, float] = {}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The probe schedule of the run (the same on every rank): a resumed run probes on the steps it would have."""
+        return {"multiple": self.multiple, "probe_seconds": self.probe_seconds, "first": self.first}
+
+    def load_state_dict(self, state: Any) -> str | None:
+        """Restore :meth:`state_dict` (None, a checkpoint from before the budget: nothing); returns the problem of an
+        invalid state (then nothing is restored), else None."""
+        if state is None:
+            return None
+        ok = isinstance(state, dict) and set(state) == {"multiple", "probe_seconds", "first"}
+        m, seconds, first = (state.get("multiple"), state.get("probe_seconds"), state.get("first")) if ok else (0, 0, 0)
+        ok = ok and isinstance(m, int) and not isinstance(m, bool) and 1 <= m <= MAX_MULTIPLE and m & (m - 1) == 0
+        ok = ok and isinstance(seconds, float) and math.isfinite(seconds) and seconds >= 0
+        ok = ok and (first is None or (isinstance(first, int) and not isinstance(first, bool) and first >= 0))
+        if not ok:
+            return f"`overhead` must be a dict of a power-of-two `multiple` <= {MAX_MULTIPLE}, `probe_seconds` >= 0 and `first`, got {state!r}"
+        self.multiple, self.probe_seconds, self.first = m, seconds, first
+        return None
+
     def configure(self, every: int, monitors: Sequence[Any], policy: Any = None) -> None:
         """The run's logging interval ``every``, its ``monitors`` and the ``policy`` that says the notes once."""
         self.every = every
