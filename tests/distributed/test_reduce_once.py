@@ -132,7 +132,8 @@ def test_a_monitor_failing_on_one_process_runs_the_same_collectives_and_is_dropp
     for step, prefixes in dropped.items():
         got, full = failing[step]["values"], plain[step]["values"]
         assert set(got) == {k for k in full if not k.startswith(prefixes)}, step
-        assert all(_same(got[k], full[k]) for k in got), step  # what is published is what the run without failures gives
+        # what is published is what the run without failures gives (but headwatch's own timings, overhead/)
+        assert all(_same(got[k], full[k]) for k in got if "/overhead/" not in k), step
 
 
 def test_one_all_reduce_per_dtype_on_deepspeed_zero3(tmp_path):
