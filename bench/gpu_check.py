@@ -13,7 +13,9 @@ One script, under 5 minutes on one GPU. It prints:
    float64 recomputation, outside and inside ``torch.autocast``;
 4. the peak extra memory of training with headwatch (peak allocated with minus without);
 5. the entropy and target NLL headwatch logged at the last step against a float64
-   recomputation from the logits the head produced at that step (a forward hook).
+   recomputation from the logits the head produced at that step (a forward hook);
+6. the overhead budget's clock (CUDA events, read at logging steps): the syncs on the logging run's other steps
+   (target: none) and ``overhead/fraction_run`` against the share measured from the bare run.
 
 Model: ``transformers.LlamaConfig`` (``--vocab`` 32000 or 128256, ``--d-model`` 512-1024),
 ``Trainer(precision="bf16-mixed")``, AdamW, random token ids. Monitors: ``LogitStatsMonitor``,
@@ -247,6 +249,17 @@ def main() -> None:
         print(f"peak allocated: without headwatch {base_peak / 2**20:.0f} MiB, with (not logging) "
               f"{quiet_peak / 2**20:.0f} MiB, with (logging) {log_peak / 2**20:.0f} MiB: "
               f"extra {(log_peak - base_peak) / 2**20:+.0f} MiB")
+    # the overhead budget's clock (CUDA events on every step, read at logging steps): no sync on the other steps,
+    # and its measured share of wall time against the bare run's (an independent reference)
+    quiet_steps = [n for i, n in enumerate(logging.syncs) if i >= skip and (i + 1) % args.log_every != 0]
+    if device.type == "cuda":
+        print(f"  host syncs on the logging run's non-logging steps (overhead clock on): {sum(quiet_steps)} "
+              f"over {len(quiet_steps)} steps")
+    spent = logging.metrics.get("headwatch/overhead/fraction_run", math.nan)
+    bare = 1 - sum(base.times[skip:]) / sum(logging.times[skip:])
+    print(f"overhead budget: headwatch's measured share of wall time {spent:.2%} (published overhead/fraction_run), "
+          f"against the bare run {bare:.2%}; probe interval "
+          f"{logging.metrics.get('headwatch/overhead/probe_interval', math.nan):.0f} steps")
     ent, nll = float64_reference(logging.last_logits, logging.last_labels)
     got_ent = logging.metrics.get("headwatch/logits/entropy", math.nan)
     got_nll = logging.metrics.get("headwatch/logits/target_nll", math.nan)

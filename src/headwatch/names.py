@@ -86,6 +86,7 @@ class Metric(NamedTuple):
 
 
 _L, _G, _T, _C, _A = "LogitStatsMonitor", "GradientDensityMonitor", "TokenFrequency", "SynonymCollisionMonitor", "SharpnessCollapseAlert"
+_O = "Overhead"
 _HF = ("hf",)  # the Hugging Face Trainer / TRL front door only
 _TRL_LOGS = "logging steps of a TRL trainer that logs the figure (`SFTTrainer`)"
 
@@ -237,6 +238,18 @@ METRICS: tuple[Metric, ...] = (
     Metric("collision/val/synonym_confusion_positions", "count", "positions with a rare grouped target in one validation epoch", _C),
     Metric("collision/top_pairs_{m}", "", "text: most similar colliding pairs", _C, kind="text"),
     Metric("collision/nn_similarity_{m}", "", "image: nearest-neighbour cosine histograms, rare vs frequent", _C, kind="image"),
+    # ---- overhead (with an overhead budget: `overhead_budget=`, default 0.01)
+    Metric("overhead/fraction", "fraction",
+           "headwatch's share of the wall time since the last logging step (this process's: rank zero's in TensorBoard)",
+           _O, formula="`(t_statistics + t_probe + t_figures + t_publish) / t_wall` between two logging steps' transfers",
+           headline=False, better="lower"),
+    Metric("overhead/fraction_run", "fraction", "headwatch's share of the wall time since the run's first step", _O,
+           formula="`sum t_headwatch / sum t_wall` over every logging window of the run", headline=False, better="lower"),
+    Metric("overhead/probe_interval", "steps",
+           "steps between two probe steps (the collision measurement, figures, histograms): a power of two times the "
+           "logging interval, the same on every process", _O, formula="`2^j * log_every`", headline=False),
+    Metric("overhead/probe_seconds", "seconds", "the last probe's cost: the collision measurement and the figures", _O,
+           formula="`t_probe + t_figures` of the last window with a probe (this process's)", headline=False, better="lower"),
     # ---- alerts
     Metric("alerts/{rule}", "", "1 at each critical alert step of the rule", _A, better="lower"),
     Metric("alerts/{rule}_warning", "", "1 at each warning alert step of the rule", _A, better="lower"),
@@ -278,6 +291,7 @@ _STEPS: tuple[tuple[str, str], ...] = (
     ("check/", "logging steps (self-check)"),
     ("collision/val/", "each validation epoch or evaluation"),
     ("collision/", "collision steps"),
+    ("overhead/", "logging steps (`overhead_budget=`)"),
     ("alerts/action_failures", "when the count changes"),
     ("alerts", "alert steps"),
     ("storage/", "when writing resumes after a storage fault"),
@@ -340,6 +354,7 @@ GROUPS: tuple[Group, ...] = (
     Group("gradients", _G, "gradient and update rows of embedding and head, frequency gravity (grad/, update/, freq/)"),
     Group("collision", _C, "rare-token collision (collision/)"),
     Group("tokens", _T, "token counts (tokens/)"),
+    Group("overhead", _O, "headwatch's own cost and the probe interval, with an overhead budget (overhead/)"),
     Group("alerts", _A, "alert markers, 1 at the alert step (alerts/)"),
     Group("alert delivery", "AlertEngine", "alert actions that failed (alerts/action_failures)"),
     Group("storage", "GuardedFileWriter", "TensorBoard events delayed or lost by a storage fault (storage/)"),
@@ -451,10 +466,15 @@ def reference_page() -> str:
         "(`top1`, `top10`, `top50`: the top 1%, 10%, 50%; `tail`; `unseen`); `rare` is the rare-token set.",
         "",
         "**Steps.** *Logging steps*: the training steps the front door logs on (Lightning's `log_every_n_steps`,",
-        "the Hugging Face Trainer's `logging_steps`, the plain loop's `log_every_n_steps`). *Collision steps*: every",
-        "10 logging steps by default (`every_n_steps=` of `SynonymCollision` or `SynonymCollisionMonitor`) and at the end of each",
-        "training epoch. *Figure steps*: every `figure_every_n_steps` logging steps (default: every 10 logging",
-        "intervals, when matplotlib is installed). *Alert steps*: the steps where an alert rule fires.",
+        "the Hugging Face Trainer's `logging_steps`, the plain loop's `log_every_n_steps`). *Collision steps*: the",
+        "probe steps of the overhead budget (the first logging step, then every `overhead/probe_interval` steps, a",
+        "power of two of logging intervals, and the end of training; `overhead_budget=None`, or a cadence of the user's",
+        "(`every_n_steps=` of `SynonymCollision` or",
+        "`SynonymCollisionMonitor`): every 10 logging steps, or that cadence, and at the end",
+        "of each training epoch).",
+        "*Figure steps*: the probe steps (without a budget, or with an explicit `figure_every_n_steps`: every 10",
+        "logging intervals, or that many steps, when matplotlib is installed). *Alert steps*: the steps where an alert",
+        "rule fires.",
         "",
         "**Doors.** The front doors that publish the name: `Lightning` (the callbacks), `HF` (the Hugging Face",
         "`Trainer` and TRL's trainers, `HeadwatchCallback`), `loop` (a plain PyTorch loop, `headwatch.Headwatch`);",

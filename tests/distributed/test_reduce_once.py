@@ -84,7 +84,9 @@ def _check_run(rank0: dict, rank1: dict, run: str) -> None:
     for step, (a, b) in enumerate(zip(steps0, steps1)):
         # both processes run the same collectives in the same order (gloo needs it; a mismatch hangs NCCL)
         assert [(c["op"], c["dtype"], c["numel"]) for c in a["collectives"]] == [(c["op"], c["dtype"], c["numel"]) for c in b["collectives"]], (run, step)
-        assert a["values"].keys() == b["values"].keys() and all(_same(a["values"][k], b["values"][k]) for k in a["values"]), (run, step)
+        # the same keys; the same values but headwatch's own timings (overhead/: each process's, docs/definitions.md)
+        shared = [k for k in a["values"] if "/overhead/" not in k]
+        assert a["values"].keys() == b["values"].keys() and all(_same(a["values"][k], b["values"][k]) for k in shared), (run, step)
     for step in QUIET:
         assert steps0[step]["collectives"] == [] and steps0[step]["values"] == {}, (run, step)
     for step, expected in zip(LOGGING, EXPECTED[run]):
@@ -130,7 +132,8 @@ def test_a_monitor_failing_on_one_process_runs_the_same_collectives_and_is_dropp
     for step, prefixes in dropped.items():
         got, full = failing[step]["values"], plain[step]["values"]
         assert set(got) == {k for k in full if not k.startswith(prefixes)}, step
-        assert all(_same(got[k], full[k]) for k in got), step  # what is published is what the run without failures gives
+        # what is published is what the run without failures gives (but headwatch's own timings, overhead/)
+        assert all(_same(got[k], full[k]) for k in got if "/overhead/" not in k), step
 
 
 def test_one_all_reduce_per_dtype_on_deepspeed_zero3(tmp_path):

@@ -103,6 +103,7 @@ class SynonymCollision(Monitor):
 
     name = "collision"
     every_factor = 10  # a neighbour search is costlier than a logging step
+    probe = True  # under an overhead budget, on the run's probe steps instead
 
     def __init__(
         self,

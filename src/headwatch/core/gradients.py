@@ -103,10 +103,12 @@ class GradientDensity(Monitor):
             self._refused_roles = {"head", "embedding"}
         if emb.trains and "embedding" not in self._refused_roles and (self.tied or emb.gradient_parameter is None):
             self._lookup_capture = LookupFlowCapture(m.embedding).attach()  # every lookup of the weight
+            self._lookup_capture.timer = lambda: self.clock  # its backward work counted by the overhead budget
             # compiled code around the lookups known now: the first logging step already has its probe
             self._lookup_capture.compiled = _compiles_a_member(compiled_modules(model), [n for n, _ in m.embedding.modules])
         if head.trains and "head" not in self._refused_roles and head.gradient_parameter is None:
             self._head_capture = HeadFlowCapture(m.head).attach()  # LoRA: no Parameter holds dL/dW_eff
+            self._head_capture.timer = lambda: self.clock
         self.tying_text = m.text()
         if m.config_message:
             self.warn_once("config_tie", m.config_message)

@@ -154,7 +154,7 @@ class LogitStats(Monitor):
         source = resolve_logits_source(model, self.head, self.logits_module, self.hidden_module, self.alignment)
         if self.source is None or source.owner is not self.source.owner or source.head is not self.source.head:
             self.detach()
-            self._capturer = LogitsCapture(source, self._consume, self.path, model, self.strict, accept=self._accept_forward)
+            self._capturer = LogitsCapture(source, self._timed_consume, self.path, model, self.strict, accept=self._accept_forward)
             self._capturer.attach()
             self.source, self._head_module, self.head_name = source, source.head, source.head_name
         self.model = model
@@ -193,6 +193,10 @@ class LogitStats(Monitor):
         where = "a training step" if training else "an evaluation batch"
         self.info_once(f"headwatch: LogitStats does not measure a forward of {where}: {NOT_LOSS_REASONS[why]}. (said once)")
         return False
+
+    def _timed_consume(self, captured: Captured) -> None:
+        with self.timed():  # inside the model's forward: the overhead budget counts it as logging statistics
+            self._consume(captured)
 
     def _consume(self, captured: Captured) -> None:
         """Called by the capture inside the forward (or at batch end under torch.compile)."""

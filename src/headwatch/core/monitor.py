@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from headwatch.errors import HeadwatchError, StateError, StateReader, check_bool, check_instance, check_optional, check_prefix
 from headwatch.model.batch import BatchFormat
 from headwatch.distributed.reduce import NoReducer, Part, Reducer, Values, check_part, collective_device, reduce_step
+from headwatch.core.overhead import NO_CLOCK, OverheadClock
 from headwatch.core.schedule import Schedule
 
 
@@ -169,6 +170,18 @@ class Monitor(FailurePolicy):
     """Short name used in messages."""
     every_factor = 1
     """Default schedule: this many times the engine's logging interval."""
+    probe = False
+    """A probe (a costly measurement, the collision search): under an overhead budget it measures on the run's probe
+    steps (:class:`~headwatch.core.overhead.Overhead`) instead of its own schedule."""
+    every_n_steps: int | None = None
+    """The user's own interval in steps for a probe (set on the object): it wins over the budget's probe steps."""
+    clock: OverheadClock = NO_CLOCK
+    """The run's overhead clock (set by the orchestrator): the monitor's work is timed as ``probe`` or ``statistics``."""
+
+    def timed(self, measuring: bool = False) -> Any:
+        """Context: the work inside is timed on :attr:`clock` as ``probe`` for a probe's measurement (``measuring``),
+        else as the kind around it (``statistics`` when none)."""
+        return self.clock.kind("probe" if measuring and self.probe else None)
     validation_media = False
     """Whether an evaluation's publication carries this monitor's media (its own validation histograms); else
     only its values are published at an evaluation (its media are those of its last training measurement)."""
@@ -370,7 +383,8 @@ def compute_due(
     failed: list[Monitor] = []
     for m in due:
         try:
-            part = m.local_sums(val)
+            with m.timed(measuring=True):
+                part = m.local_sums(val)
             check_part(part)
             parts.append(part)
         except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
@@ -396,7 +410,8 @@ def compute_due(
             continue
         m.reduced_sums = total  # for Monitor.compute / validation_epoch_end, called now
         try:
-            scalars[m] = m.validation_epoch_end() if val else m.compute()
+            with m.timed(measuring=True):
+                scalars[m] = m.validation_epoch_end() if val else m.compute()
         except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
             m.fail(err, "computing the statistics")
             late.append(m)

@@ -35,7 +35,8 @@ from headwatch.core.forwards import keep_rows, not_loss_forward, skipped_in_trai
 from headwatch.core.frequency import TokenCounts
 from headwatch.core.logits import LogitStats
 from headwatch.core.monitor import FailurePolicy, Monitor, compute_due, whole_matrices
-from headwatch.core.publish import Sink, named_evaluation, to_host
+from headwatch.core.overhead import Overhead
+from headwatch.core.publish import Sink, named_evaluation, to_host, withhold
 from headwatch.core.rl import drop_reference, rl_scalars
 from headwatch.core.run_state import restore_run
 from headwatch.core.schedule import Schedule
@@ -77,6 +78,7 @@ class Orchestrator:
         strict: raise a ``HeadwatchError`` when a monitor fails instead of warning once and skipping it.
         prefix: first component of every metric name.
         batch_format: how batches are read (default :class:`~headwatch.model.batch.BatchFormat`).
+        overhead_budget: the share of wall time headwatch may take (:mod:`headwatch.core.overhead`); None: off.
 
     Raises:
         HeadwatchError: a bad argument.
@@ -91,6 +93,7 @@ class Orchestrator:
         strict: bool = False,
         prefix: str = "headwatch",
         batch_format: BatchFormat | None = None,
+        overhead_budget: float | None = None,
     ) -> None:
         check_prefix(prefix)
         check_bool("strict", strict)
@@ -135,6 +138,8 @@ class Orchestrator:
         self.check = SelfCheck(prefix, self.reducer)
         """The self-check (docs/self_check.md): doors hand it the trainer's figures (``check.step_loss``, ...)."""
         self.check.strict = strict
+        self.cost = Overhead(overhead_budget, prefix)
+        """The overhead budget: the clock, the probe steps, the ``overhead/`` values (:mod:`headwatch.core.overhead`)."""
 
     # ---------------------------------------------------------------- wiring
     def configure(self, every: int, reducer: Reducer | None = None, figure_every_n_steps: int | str | None = None) -> None:
@@ -145,7 +150,9 @@ class Orchestrator:
         if reducer is not None:
             self.reducer = self.check.reducer = reducer
         for m in self.monitors:
-            m.configure(Schedule(m.every_factor * every), self.reducer)
+            m.configure(Schedule(self.cost.cadence(m, every)), self.reducer)
+            m.clock = self.cost.clock
+        self.cost.configure(every, self.monitors, self.policy)
         if figure_every_n_steps is not None:
             set_figures(self.named, figure_every_n_steps)
 
@@ -256,6 +263,7 @@ class Orchestrator:
         """
         self.step, self.logging, self._started, self._val_started = None, [], False, False
         self.logging_step, self.ended = False, False
+        self.cost.reset()
         if resumed:
             return
         self.latest.clear()
@@ -294,7 +302,8 @@ class Orchestrator:
         failed = []
         for m in self.monitors if monitors is None else monitors:
             try:
-                call(m)
+                with m.timed():
+                    call(m)
             except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
                 m.fail(err, where)
                 failed.append(m)
@@ -315,7 +324,7 @@ class Orchestrator:
     # ---------------------------------------------------------------- training
     def due(self, step: int, first: bool = False) -> list[Monitor]:
         """The monitors that measure step ``step``; ``first``: the door also logs step 0 (``logging_first_step``)."""
-        return [m for m in self.monitors if m.schedule.is_logging_step(step) or (first and step == 0)]
+        return [m for m in self.monitors if self.cost.due(m, step, first) or (first and step == 0)]
 
     def is_logging_step(self, step: int, first: bool = False) -> bool:
         """Whether step ``step`` is a logging step of the run: ``(step + 1) % every == 0`` for the run's interval
@@ -327,8 +336,9 @@ class Orchestrator:
         """A training step starts (before its first micro-batch): fixes which monitors measure it."""
         new = step != self.step  # Lightning begins each micro-batch of a step: the check keeps the step's figures
         self.step, self._started = step, False
-        self.logging = self.due(step, first)
         self.logging_step = self.is_logging_step(step, first)
+        self.cost.begin(step, self.logging_step, first)
+        self.logging = self.due(step, first)
         if new:
             self.begin_check()
 
@@ -428,7 +438,7 @@ class Orchestrator:
         if step < 0:
             return {}
         wants: list[Monitor] = []
-        self.each("ending the epoch", lambda m: wants.append(m) if m.train_epoch_end(step) else None)
+        self.each("ending the epoch", lambda m: wants.append(m) if self.cost.at_epoch_end(m) and m.train_epoch_end(step) else None)
         return self.emit(wants, step if at is None else at)
 
     # ---------------------------------------------------------------- validation
@@ -470,42 +480,33 @@ class Orchestrator:
         ``(numbers, monitors published)``."""
         if not due:
             return {}, []
-        check = [self.check.local_sums(due)] if not val and self.reducer.world_size > 1 else None  # rides with the sums
-        scalars, ok = compute_due(list(due), self.reducer, val, also=check)
+        training, rode = not (val or self.ended), [] if val else self.cost.ride(self.reducer.world_size)
+        check = [self.check.local_sums(due)] if training and self.reducer.world_size > 1 else None  # rides with the sums
+        with self.cost.clock.kind("statistics"):
+            scalars, ok = compute_due(list(due), self.reducer, val, also=(check or []) + rode)
         if not ok:
             return {}, []
-        if not val:
+        if training:
             scalars = self.self_check(scalars, ok, check[0] if check else None)
             if self.sampling_temperature is not None:
                 scalars = rl_scalars(scalars, self.prefix, self.sampling_temperature, self.rl_start)
         try:
-            numbers = to_host(scalars, [m.media for m in ok])
+            self.cost.trim([m.media for m in ok] if not val else [])
+            with self.cost.clock.kind("publish"):
+                numbers = to_host({**scalars, **self.cost.keys(rode)}, [m.media for m in ok])
         except Exception as err:  # noqa: BLE001
             ok[0].fail(err, "moving the values to the host")
             return {}, []
-        numbers = self.withhold(numbers, ok, val)
-        self.each("publishing the values", lambda m: m.published(numbers), ok)
-        if not val:
-            self.self_check_published(numbers)
+        shared = None if val else self.cost.shared(numbers, self.reducer.world_size)  # the reduced window, popped
+        numbers = withhold(numbers, [*ok, *([] if val else [self.check])], val, self.prefix)
+        with self.cost.clock.kind("figures" if self.cost.probing else "statistics"):
+            self.each("publishing the values", lambda m: m.published(numbers), ok)
+        numbers = numbers if val else self.cost.after(numbers, shared)
+        if training:
+            self.check.attempt(lambda: self.check.published(numbers), "warning from the self-check")
             if self.sampling_temperature is not None and self.rl_start is None:
                 self.rl_start = drop_reference(numbers, self.prefix)  # the run's first RL logging step
         return numbers, ok
-
-    def withhold(self, numbers: dict[str, float], ok: Sequence[Monitor], val: bool) -> dict[str, float]:
-        """``numbers`` without the figures withheld on this step (the key-set rule, ``docs/distributed.md``): each
-        published monitor's and, in training, the self-check's ``withheld(numbers)`` name them from values already
-        reduced over processes, so every rank withholds the same ones. With the self-check's values, their count is
-        published as ``check/withheld``."""
-        withheld: dict[str, str] = {}
-        for part in [*ok, *([] if val else [self.check])]:
-            try:
-                withheld.update(part.withheld(numbers))
-            except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
-                part.fail(err, "deciding which figures to withhold")
-        kept = {k: v for k, v in numbers.items() if k not in withheld}
-        if not val and f"{self.prefix}/debug/capture/positions" in numbers:
-            kept[f"{self.prefix}/check/withheld"] = float(sum(k in numbers for k in withheld))
-        return kept
 
     def self_check(self, scalars: dict[str, Any], ok: Sequence[Monitor], reduced: dict[str, Tensor] | None = None) -> dict[str, Any]:
         """``scalars`` of a training logging step with the self-check's values added (on the device; ``reduced``: its counts
@@ -515,12 +516,6 @@ class Orchestrator:
         except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
             self.check.fail(err, "computing the self-check")
             return scalars
-
-    def self_check_published(self, numbers: dict[str, float]) -> None:
-        try:
-            self.check.published(numbers)
-        except Exception as err:  # noqa: BLE001
-            self.check.fail(err, "warning from the self-check")
 
     def emit(
         self, due: Sequence[Monitor], step: int, val: bool = False, name: str | None = None, always: bool = False
@@ -535,7 +530,8 @@ class Orchestrator:
         media = [m.media for m in ok if not val or m.validation_media]
         published = named_evaluation(numbers, media, name, self.prefix)
         self.latest.update(published)
-        self.each_sink("publish", lambda sink: sink.publish(published, media, step, val))
+        with self.cost.clock.kind("publish"):
+            self.each_sink("publish", lambda sink: sink.publish(published, media, step, val))
         return numbers
 
     def each_sink(self, what: str, call: Callable[[Any], Any], method: str | None = None) -> None:
@@ -550,11 +546,14 @@ class Orchestrator:
                 self.sink_failed(sink, err, what)
 
     def end_run(self, step: int) -> None:
-        """Training ended at ``step`` (the door's end event): every sink's ``end(step)`` once (the end-of-training
-        summary, the alert's last deliveries). A second call for the same run does nothing."""
+        """Training ended at ``step`` (the door's end event, on every rank): under an overhead budget, the probes
+        measure the last step unless it was a probe step (a collective); then every sink's ``end(step)`` once (the
+        end-of-training summary, the alert's last deliveries). A second call for the same run does nothing."""
         if self.ended:
             return
         self.ended = True
+        if probes := self.cost.ends(step, self.monitors):
+            self.emit(probes, step)
         self.each_sink("ending the run", lambda sink: sink.end(step), "end")
 
     def close(self) -> None:
@@ -582,7 +581,7 @@ class Orchestrator:
         """Every monitor's state (a collective under several processes: call it on every rank)."""
         return {
             "version": 2, "names": [type(m).__name__ for m in self.all_monitors], "monitors": [m.state_dict() for m in self.all_monitors],
-            "check": self.check.state_dict(), "rl_start": self.rl_start,
+            "check": self.check.state_dict(), "rl_start": self.rl_start, "overhead": self.cost.state_dict(),
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

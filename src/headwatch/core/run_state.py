@@ -22,6 +22,9 @@ def restore_run(run: Any, state: dict[str, Any]) -> None:
     if start is not None and not valid:
         run.state_problem(strict, f"`rl_start` must be None or a dict of finite entropy and rare, got {start!r}")
     run.rl_start = start if valid else None
+    problem = run.cost.load_state_dict(state.get("overhead") if isinstance(state, dict) else None)
+    if problem is not None:
+        run.state_problem(strict, problem)
     parts = state.get("monitors") if isinstance(state, dict) else None
     if not isinstance(parts, (list, tuple)):
         run.state_problem(strict, f"the state must be a dict with a `monitors` list, got {type(state).__name__}")

@@ -190,6 +190,8 @@ class TrainerLink(Driver):
     def attach_model(self, model: nn.Module, every: int) -> None:
         """Configure every monitor (schedule ``every`` steps), attach it and hook the model's forward."""
         self.run.configure(every, figure_every_n_steps=self.figure_every_n_steps)
+        if self.figure_every_n_steps == "auto":  # drawn on the probe steps under a budget
+            self.run.cost.follow_figures(self.run.named)
         self.run.attach(unwrap(model), root=model, refuse=True)  # FSDP1 (accelerate): summoned from the wrapped model
         self.understand_trainer()
         self.inputs.watch(unwrap(model))

@@ -56,14 +56,15 @@ class Headwatch(Driver):
         writer: a ``torch.utils.tensorboard.SummaryWriter`` (or several); None: values are
             only returned by :meth:`step_end`. ``headwatch.tensorboard.SummaryWriter(log_dir)`` also
             survives a log directory that cannot be written when it is made (``docs/faults.md``).
-        log_every_n_steps: measure on steps ``s`` with ``(s + 1) % n == 0`` (collision: 10 n).
+        log_every_n_steps: measure on steps ``s`` with ``(s + 1) % n == 0`` (default 50, Lightning's; the collision
+            probe: see ``overhead_budget``).
         batch_format: how batches are read (:class:`~headwatch.core.BatchFormat`).
         reducer: distributed reductions; default ``torch.distributed`` when initialized.
         prefix: first component of every metric name.
         figure_every_n_steps: images of the monitors built from names (``"logits"``: entropy over
             the run, ``"gradients"``: row norm against frequency rank, ``"collision"``: similarity
             histograms at its measurements), as in the Lightning callbacks: ``"auto"`` (default)
-            every 10 logging intervals when matplotlib is installed, else none; an int: every this
+            on the probe steps (``overhead_budget``; None: every 10 logging intervals) when matplotlib is installed, else none; an int: every this
             many steps (needs matplotlib); None or 0: none. Core monitors passed in keep their own
             ``figure_every`` / ``figures``.
         strict: raise a ``HeadwatchError`` when a monitor fails; default: warn once, skip that
@@ -76,9 +77,14 @@ class Headwatch(Driver):
             on every rank. A critical alert sets :attr:`should_stop`.
         summary: print the end-of-training summary at :meth:`close` (rank zero); its text stays in
             ``hw.summary.text``.
+        overhead_budget: the share of training wall time headwatch may take (default 0.01): the collision probe,
+            figures and histograms run on probe steps spaced to stay within it (the first logging step, every
+            power of two of logging intervals, and at :meth:`close`); ``overhead/*`` says the cost on every
+            logging step (``docs/definitions.md``). None: off (the collision every 10 logging intervals).
 
     Raises:
-        HeadwatchError: a bad argument (``figure_every_n_steps`` > 0 without matplotlib), or the
+        HeadwatchError: a bad argument (``figure_every_n_steps`` > 0 without matplotlib, ``overhead_budget`` not
+            None nor in (0, 1)), or the
             head/embedding cannot be found in ``model``.
     """
 
@@ -87,7 +93,7 @@ class Headwatch(Driver):
         model: nn.Module,
         monitors: Sequence[Monitor | str] | None = None,
         writer: Any = None,
-        log_every_n_steps: int = 10,
+        log_every_n_steps: int = 50,
         batch_format: BatchFormat | None = None,
         reducer: Reducer | None = None,
         prefix: str = "headwatch",
@@ -95,6 +101,7 @@ class Headwatch(Driver):
         strict: bool = False,
         alert: Any = None,
         summary: bool = True,
+        overhead_budget: float | None = 0.01,
     ) -> None:
         check_figure_argument(figure_every_n_steps)
         check_instance("model", model, nn.Module)
@@ -103,7 +110,10 @@ class Headwatch(Driver):
         check_bool("summary", summary)
         writers = [] if writer is None else list(writer) if isinstance(writer, (list, tuple)) else [writer]
         self.writers = check_sequence("writer", writers, "SummaryWriter objects (with add_scalar)", lambda w: callable(getattr(w, "add_scalar", None)))
-        self.run = Orchestrator(monitors, batch_format=batch_format, prefix=prefix, reducer=reducer, strict=strict)
+        self.run = Orchestrator(
+            monitors, batch_format=batch_format, prefix=prefix, reducer=reducer, strict=strict, overhead_budget=overhead_budget
+        )
+        self.run.cost.door_interval = "log_every_n_steps"
         self.run.sinks.append(tb.WriterSink(self.rank_writers))
         self.prefix = prefix
         self.should_stop = False
@@ -112,12 +122,15 @@ class Headwatch(Driver):
         self.alert = self._wire_alert(alert)
         self.run.sinks.append(EngineSink(lambda: self.alert, owned=self._owns_alert))
         self.summary = SummarySink(prefix, rank=lambda: self.run.reducer.rank, alerts=lambda: getattr(self.alert, "alerts", None))
+        self.summary.budget = self.run.cost.budget
         if summary:
             self.run.sinks.append(self.summary)
         self.run.configure(log_every_n_steps)
         self.run.attach(model)  # FSDP1 / DeepSpeed ZeRO-3: full shapes while resolving (a collective)
         self.figure_every_n_steps = figure_every_n_steps
         set_figures(self.run.named, figure_every_n_steps)
+        if figure_every_n_steps == "auto":  # drawn on the probe steps under a budget
+            self.run.cost.follow_figures(self.run.named)
         self.step_index = 0
         self._open = False  # a step_start since the last step_end
         self._closed = False  # close() removed the hooks: a later step is refused

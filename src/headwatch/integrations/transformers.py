@@ -52,8 +52,8 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
     (``on_init_end``, or :func:`attach`; so ``evaluate()`` before or without ``train()`` is measured)
     and again in ``on_train_begin``, where a run starts with empty state unless it resumes from a
     checkpoint (``docs/evaluation.md``), and measures on the Trainer's logging steps (``DefaultFlowCallback``'s rule: ``global_step %
-    logging_steps == 0``, and step 1 with ``logging_first_step``; collision every 10 logging steps
-    and at each epoch end). A forward pre-hook reads the batch (``model(**inputs)``); gradients are
+    logging_steps == 0``, and step 1 with ``logging_first_step``; collision on the probe steps
+    of ``overhead_budget`` and at each epoch end). A forward pre-hook reads the batch (``model(**inputs)``); gradients are
     read in ``on_pre_optimizer_step`` (after accumulation and unscaling, after clipping: row norms
     are scaled by the clip coefficient, densities and cosines are not). Values go through
     ``trainer.log`` at ``state.global_step`` (every ``report_to`` integration; TensorBoard shows
@@ -90,11 +90,17 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
             every value; ``()``: none. The reporting integrations (``report_to``) and
             ``state.log_history`` always receive every value.
         figure_every_n_steps: images (IMAGES tab, under ``train/headwatch/``) of the monitors built
-            from names, as in the Lightning callbacks: ``"auto"`` (default) every 10 logging intervals
-            (``10 * logging_steps`` steps) when matplotlib is installed, else none; an int: every this
+            from names, as in the Lightning callbacks: ``"auto"`` (default) on the probe steps
+            (``overhead_budget``; None: every ``10 * logging_steps`` steps) when matplotlib is installed, else none; an int: every this
             many steps (needs matplotlib); None or 0: none (see :func:`headwatch.core.orchestrator.set_figures`).
             Core monitors passed in keep their own settings.
         summary: print the end-of-training summary at ``on_train_end`` (rank zero; :mod:`headwatch.report.summary`).
+        overhead_budget: the share of training wall time headwatch may take (default 0.01): the collision probe,
+            figures and histograms run on probe steps spaced to stay within it (the first logging step, every power
+            of two of ``logging_steps``, and ``on_train_end``); ``overhead/*`` says the cost on every logging step.
+            ``logging_steps`` is kept: when the logging statistics alone exceed the budget at it (TRL's configs
+            default to 10), one warning says so with the interval that fits. None: off (the collision every 10
+            logging intervals).
 
     Raises:
         HeadwatchError: a bad argument. No trainer hook raises: a monitor that cannot measure the model
@@ -115,17 +121,23 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
         console_keys: Sequence[str] | str | None = None,
         figure_every_n_steps: int | str | None = "auto",
         summary: bool = True,
+        overhead_budget: float | None = 0.01,
     ) -> None:
         check_figure_argument(figure_every_n_steps)
         check_alert(alert)
         check_bool("stop_on_critical", stop_on_critical)
         check_bool("checkpoint_on_critical", checkpoint_on_critical)
         check_bool("summary", summary)
-        self.run = Orchestrator(monitors, batch_format=batch_format, prefix=prefix, reducer=reducer, strict=strict, sinks=[TrainerSink(self)])
+        self.run = Orchestrator(
+            monitors, batch_format=batch_format, prefix=prefix, reducer=reducer, strict=strict, sinks=[TrainerSink(self)],
+            overhead_budget=overhead_budget,
+        )  # fmt: skip
+        self.run.cost.door_interval, self.run.cost.warn_statistics = "logging_steps", True
         owned = is_rules(alert)
         self.run.sinks.append(EngineSink(lambda: self.alert, extra=lambda val: self._eval_metrics if val else {}, owned=owned))
         self.summary = SummarySink(prefix, rank=lambda: self.run.reducer.rank, alerts=lambda: getattr(self.alert, "alerts", None))
         """The end-of-training summary (printed at ``on_train_end`` on rank zero; its text in ``.summary.text``)."""
+        self.summary.budget = self.run.cost.budget
         if summary:
             self.run.sinks.append(self.summary)
         self.stop_on_critical, self.checkpoint_on_critical = stop_on_critical, checkpoint_on_critical

@@ -14,6 +14,7 @@ backward sees them: divide by a ``GradScaler``'s scale before use.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -46,6 +47,11 @@ class _Capture:
         self.compiled = False
         """The hooked module ran inside ``torch.compile``, where output gradients cannot be hooked."""
         self._handles: list[Any] = []
+        self.timer: Any = None
+        """Returns the owner's overhead clock (``kind(None)``: its backward work timed), or None: not timed."""
+
+    def _timed(self) -> Any:
+        return self.timer().kind(None) if self.timer is not None else contextlib.nullcontext()
 
     def reset(self) -> None:
         """Forget this step's accumulator (call after reading it)."""
@@ -213,11 +219,12 @@ class LookupFlowCapture(_Capture):
 
     def _add(self, ids: Tensor, grad: Tensor, pad: int | None) -> None:
         try:
-            if self.sharded is not None:
-                self.sharded.add(ids.to(grad.device), grad, pad)
-                return
-            out = self._accumulator(grad, self.shape)
-            lookup_gradient(ids.to(grad.device), grad, out.shape[0], pad, out=out)
+            with self._timed():
+                if self.sharded is not None:
+                    self.sharded.add(ids.to(grad.device), grad, pad)
+                    return
+                out = self._accumulator(grad, self.shape)
+                lookup_gradient(ids.to(grad.device), grad, out.shape[0], pad, out=out)
         except Exception as err:  # noqa: BLE001
             self.error = self.error or err
 
@@ -264,7 +271,8 @@ class HeadFlowCapture(_Capture):
 
     def _add(self, hidden: Tensor, grad: Tensor) -> None:
         try:
-            out = self._accumulator(grad, (grad.shape[-1], hidden.shape[-1]))
-            head_weight_gradient(hidden, grad, out=out)
+            with self._timed():
+                out = self._accumulator(grad, (grad.shape[-1], hidden.shape[-1]))
+                head_weight_gradient(hidden, grad, out=out)
         except Exception as err:  # noqa: BLE001
             self.error = self.error or err

@@ -41,6 +41,8 @@ class SummarySink:
         """The last summary said (None before :meth:`end`)."""
         self.figures: dict[str, Any] = {}
         """The summary's figures by short name (``entropy_first``, ``entropy_last``, ``log_v``, ...)."""
+        self.budget: float | None = None
+        """The run's overhead budget (set by the door), shown beside ``overhead/fraction_run``."""
 
     def reset(self) -> None:
         """A new run with the same door: forget the figures."""
@@ -111,6 +113,12 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
         fig["collision_rate_head"] = rate
         ref = f"; raw cosine {raw:.3g}, the rows' common drift" if raw is not None else ""
         lines.append(f"  collision        {rate:.3g} of rare head rows near-duplicate beyond drift{ref}")
+    spent, interval = g("overhead/fraction_run"), g("overhead/probe_interval")
+    if spent is not None:
+        fig["overhead_fraction_run"] = spent
+        budget = f" (budget {s.budget:.2%})" if getattr(s, "budget", None) is not None else ""
+        every = f"; probes every {interval:.0f} steps" if interval is not None else ""
+        lines.append(f"  overhead         {spent:.2%} of the wall time over the run{budget}{every}")
     alerts = s.alerts() if s.alerts is not None else None
     if alerts is not None:
         fig["alerts"] = len(alerts)

@@ -50,6 +50,7 @@ CATEGORIES: tuple[Category, ...] = (
     Category("collision", "collision", True),
     Category("check", "self-check", True),
     Category("rl", "RL fine-tuning", True),
+    Category("cost", "cost", True),
 )
 """The categories in page order: the vital signs first and open, the others closed."""
 
@@ -141,6 +142,10 @@ CHARTS: tuple[Chart, ...] = (
     _one("rl", "RL: fraction of sampled tokens that were the top-1", "rl/sampled_top1_rate"),
     _one("rl", "RL: rare sampled tokens' part of the entropy (nats)", "rl/entropy_share/rare"),
     _one("rl", "RL: rare tokens' share of the entropy lost since the start", "rl/rare_share_of_entropy_drop"),
+    # ---- headwatch's own cost (overhead budget)
+    _one("cost", "headwatch's share of wall time since the last logging step", "overhead/fraction"),
+    _line("cost", "headwatch's share of wall time over the run", "overhead/fraction_run"),
+    _line("cost", "steps between probes (collision, figures, histograms)", "overhead/probe_interval"),
 )  # fmt: skip
 """Every chart a run can get, in page order within each category."""
 
@@ -211,6 +216,6 @@ PANELS: tuple[Panel, ...] = (
         Series("collision rate, embedding (drift removed)", ("collision/rare_rate_embedding",), "points"),
         Series("raw rate, head: common drift, not collision", ("collision/drift/raw_rate_head",), "reference"),
     ), reference=(0.0, "0: no rare row merges with another"),
-        note="measured every 10 logging steps; healthy: near 0 (the raw rate can be high: that is the common drift)"),
+        note="measured on probe steps; healthy: near 0 (the raw rate can be high: that is the common drift)"),
 )  # fmt: skip
 """The vital signs of the headwatch tab, in reading order (the alerts timeline follows them)."""

@@ -69,4 +69,5 @@ def test_torch_compile_fullgraph_measures_the_same_values_as_eager(tmp_path):
     compiled = _values(tmp_path / "compiled", True)  # was: "Skip inlining torch.compiler.disable()d function"
     assert compiled.keys() == eager.keys() and eager["headwatch/logits/positions"] > 0
     for key, value in eager.items():
-        assert compiled[key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), key
+        if "/overhead/" not in key:  # headwatch's own timings: measured values of each run
+            assert compiled[key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), key

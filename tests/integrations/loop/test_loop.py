@@ -166,12 +166,13 @@ def _run_plain(model, batch, writer, steps, **kw):
     return hw
 
 
-def test_plain_loop_draws_figures_every_10_logging_steps_by_default(tmp_path):
+def test_plain_loop_draws_figures_every_10_logging_steps_without_a_budget(tmp_path):
     pytest.importorskip("matplotlib")
     torch.manual_seed(0)
     batch = _batch()
     writer = SummaryWriter(str(tmp_path / "auto"))
-    hw = _run_plain(TinyCausalLM(lr=0.0), batch, writer, 10)  # default "auto": 10 logging intervals of 1 step
+    # default "auto": 10 logging intervals of 1 step (under the default budget: the probe steps, tests/core/test_overhead.py)
+    hw = _run_plain(TinyCausalLM(lr=0.0), batch, writer, 10, overhead_budget=None)
     writer.close()
     assert [m.figure_every for m in hw.monitors if hasattr(m, "figure_every")] == [10, 10]
     acc = EventAccumulator(str(tmp_path / "auto"), size_guidance={"images": 0}).Reload()

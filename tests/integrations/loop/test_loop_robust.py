@@ -104,8 +104,9 @@ dist.destroy_process_group()
 def test_a_monitor_failing_on_one_rank_is_dropped_on_every_rank(tmp_path):
     r0, r1 = run_gloo_workers(WORKER, tmp_path, 29500, timeout=120)  # was: rank 1 raised out of step_end, rank 0 crashed
     assert r0 == r1  # the same keys on every rank, every step
-    # the logits (and the self-check of what they captured), no gradient statistics
-    assert r0[0] and all(k.startswith(("headwatch/logits/", "headwatch/debug/", "headwatch/check/")) for step in r0 for k in step)
+    # the logits (and the self-check of what they captured, and the overhead budget's cost), no gradient statistics
+    kept = ("headwatch/logits/", "headwatch/debug/", "headwatch/check/", "headwatch/overhead/")
+    assert r0[0] and all(k.startswith(kept) for step in r0 for k in step)
 
 
 def test_a_loss_that_is_not_a_scalar_is_refused_at_the_call():

@@ -82,7 +82,8 @@ def untied_float64_twin(model: LlamaForCausalLM) -> LlamaForCausalLM:
 def assert_same(got: dict[str, float], want: dict[str, float], what: str) -> None:
     assert set(got) == set(want), f"{what}: keys differ: {sorted(set(got) ^ set(want))}"
     for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-6, err_msg=f"{what}: {k}")
+        if "/overhead/" not in k:  # headwatch's own timings: the same keys, measured values of each run
+            np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-6, err_msg=f"{what}: {k}")
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
@@ -161,10 +162,13 @@ def test_trainer_run_writes_the_tags_on_the_logging_steps_grid(tmp_path):
     for name in ("logits/entropy", "grad/embedding_row_density", "grad/tied_flow_cosine_mean", "tokens/total"):
         assert steps(f"train/headwatch/{name}") == [2, 4, 6], name
     assert steps("train/loss") == [2, 4, 6]  # the Trainer's own logging is untouched
-    assert steps("train/headwatch/collision/rare_rate_head") == [6]  # at the epoch end (12 rows, batch 2)
+    # the probes: the first logging step and the end of training (the epoch end too: 12 rows, batch 2)
+    assert steps("train/headwatch/collision/rare_rate_head") == [2, 6]
     headwatch_tags = [t for t in tags if t.startswith("train/headwatch/")]
     assert len(headwatch_tags) > 100
-    assert all(steps(t) in ([2, 4, 6], [6]) for t in headwatch_tags)
+    # the cost again with the end-of-training probe's
+    odd = {t: steps(t) for t in headwatch_tags if steps(t) not in ([2, 4, 6], [2, 6], [2, 4, 6, 6] if "/overhead/" in t else [])}
+    assert not odd, odd
     np.testing.assert_allclose([e.value for e in acc.Scalars("train/headwatch/logits/entropy")],
                                [r["headwatch/logits/entropy"] for r in trainer.state.log_history if "headwatch/logits/entropy" in r],
                                rtol=1e-6)  # fmt: skip
@@ -180,13 +184,18 @@ def test_trainer_run_writes_the_tags_on_the_logging_steps_grid(tmp_path):
     scalar_events = [e for e in events if e.summary.value[0].HasField("simple_value")]
     per_step = {s: sum(e.step == s for e in scalar_events) for s in (2, 4, 6)}
     records = {s: [r for r in trainer.state.log_history if r.get("step") == s] for s in (2, 4, 6)}
-    assert per_step == {s: len(records[s]) for s in (2, 4, 6)}  # one event per Trainer.log call
+    # one event per Trainer.log call; the end-of-training probe's call (at on_train_end, after the TensorBoardCallback
+    # closed its writer, which its on_log opens again) writes one event per scalar
+    end = [k for k, v in records[6][-1].items() if isinstance(v, float) and k != "step"]
+    assert "headwatch/collision/rare_rate_head" in end
+    assert per_step == {2: len(records[2]), 4: len(records[4]), 6: len(records[6]) - 1 + len(end)}
     for s, recs in records.items():
         for record in recs:
             for key, value in record.items():
                 if key.startswith("headwatch/") and isinstance(value, float):
-                    (got,) = [e.value for e in acc.Scalars("train/" + key) if e.step == s]
-                    assert got == pytest.approx(np.float32(value), nan_ok=True, rel=1e-7), key
+                    got = [e.value for e in acc.Scalars("train/" + key) if e.step == s]  # overhead/: twice at 6
+                    assert len(got) == (2 if s == 6 and "/overhead/" in key else 1), key
+                    assert any(g == pytest.approx(np.float32(value), nan_ok=True, rel=1e-7) for g in got), key
 
 
 def test_first_step_and_evaluation(tmp_path):
@@ -311,7 +320,8 @@ def test_trainer_run_draws_figures_every_10_logging_steps_and_names_the_layout_h
     args = hf_args(tmp_path, max_steps=10, logging_steps=1, logging_first_step=False, report_to="tensorboard",
                    per_device_train_batch_size=2)  # fmt: skip
     trainer = Trainer(model=tiny_llama(tie=True), args=args, train_dataset=Rows(one_batch(), repeat=5))
-    cb = attach(trainer, monitors=["logits", "gradients"])  # default figure_every_n_steps="auto": 10 x logging_steps
+    # default figure_every_n_steps="auto": 10 x logging_steps without a budget (with one: the probe steps)
+    cb = attach(trainer, monitors=["logits", "gradients"], overhead_budget=None)
     trainer.train()
     assert [m.figure_every for m in cb.monitors if hasattr(m, "figure_every")] == [10, 10]
     (logdir,) = {p.parent for p in Path(tmp_path).rglob("events.out.tfevents.*")}

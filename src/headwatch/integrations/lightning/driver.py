@@ -64,14 +64,19 @@ class HeadwatchDriver(Driver, Callback):
     Args:
         summary: print the end-of-training summary at ``on_fit_end`` (rank zero); its text stays in
             ``driver.summary.text``.
+        overhead_budget: the share of training wall time headwatch may take (default 0.01): the collision probe,
+            figures and histograms run on probe steps spaced to stay within it (the first logging step, every power
+            of two of logging intervals, and ``on_fit_end``); ``overhead/*`` says the cost on every logging step.
+            A ``SynonymCollisionMonitor(every_n_steps=...)`` keeps its own cadence. None: off.
 
     Raises:
         HeadwatchError: a bad argument; more than one driver in ``trainer.callbacks``.
     """
 
-    def __init__(self, summary: bool = True) -> None:
+    def __init__(self, summary: bool = True, overhead_budget: float | None = 0.01) -> None:
         check_bool("summary", summary)
-        self.run = Orchestrator(monitors=())
+        self.run = Orchestrator(monitors=(), overhead_budget=overhead_budget)
+        self.run.cost.door_interval = "the Trainer's log_every_n_steps"
         """The run's orchestrator (its monitors: the cores of the registered callbacks)."""
         self.registered: list[Registrant] = []
         """The headwatch callbacks of this trainer, in the order they registered (``trainer.callbacks`` order)."""
@@ -80,6 +85,7 @@ class HeadwatchDriver(Driver, Callback):
         self.alerts: list[Any] = []
         """The alerts' engines registered (for the summary)."""
         self.summary = SummarySink(rank=lambda: self.run.reducer.rank, alerts=self._alerts)
+        self.summary.budget = self.run.cost.budget
         self.run.sinks.append(LightningSink(self))
         self._trainer: Any = None
         self._stage: str | None = None  # the stage set up this round (reset at teardown)
@@ -165,6 +171,10 @@ class HeadwatchDriver(Driver, Callback):
         for n in intervals:
             every = math.gcd(every, n)
         self.run.every = every
+        for m in self.run.all_monitors:
+            m.clock = self.run.cost.clock
+        self.run.cost.configure(every, self.run.all_monitors, self.run.policy)
+        self.run.cost.follow_figures([cb._core() for cb in self.registered if getattr(cb, "figure_every_n_steps", None) == "auto"])
 
     def _alerts(self) -> list[Any] | None:
         engines = [e for e in self.alerts if hasattr(e, "alerts")]
