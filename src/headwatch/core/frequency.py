@@ -74,7 +74,7 @@ class TokenCounts(Monitor):
         name, module = find_input_embedding(model, self.embedding)
         rows = module.weight.shape[0]
         if self.num_rows and rows != self.num_rows:
-            raise HeadwatchError(f"the input embedding `{name}` has {rows} rows, but counts were kept for {self.num_rows}")
+            self._resize_counts(rows)  # resize_token_embeddings after attach (said once by the orchestrator)
         if self.vocab_size is not None and self.vocab_size > rows:
             raise HeadwatchError(
                 f"`vocab_size={self.vocab_size}` is larger than the input embedding `{name}` ({rows} rows): "
@@ -90,6 +90,15 @@ class TokenCounts(Monitor):
         pad = getattr(module, "padding_idx", None)
         self.padding_idx = int(pad) if isinstance(pad, int) else None
         self.model = model
+
+    def _resize_counts(self, rows: int) -> None:
+        """Counts kept for ``self.num_rows`` rows, fitted to ``rows``: added rows start at 0; rows removed are dropped
+        (on the device, no sync)."""
+        local = self._local
+        if local is not None:
+            grown = torch.cat([local, local.new_zeros(max(rows - local.numel(), 0))]) if rows > local.numel() else local
+            self._local = grown[:rows].clone()
+        self._cache = None
 
     def valid_rows(self, device: torch.device | None = None) -> Tensor:
         """``(V,)`` bool: rows that can occur, on ``device`` (default the host).

@@ -40,6 +40,7 @@ from headwatch.core.rl import drop_reference, rl_scalars
 from headwatch.core.run_state import restore_run
 from headwatch.core.schedule import Schedule
 from headwatch.core.self_check import SelfCheck
+from headwatch.core.vocabulary import VocabularyWatch
 from headwatch.distributed.fsdp1 import unwrapped
 from headwatch.distributed.reduce import Reducer, TorchDistributedReducer
 from headwatch.errors import (
@@ -125,16 +126,15 @@ class Orchestrator:
         """Whether the step in progress is a logging step of the run (:meth:`is_logging_step`)."""
         self.ended = False
         """Whether :meth:`end_run` was called for this run."""
-        self._started = False  # the current micro-batch's first training forward was seen
-        self._val_started = False  # the current evaluation batch's loss forward was seen
+        self._started = self._val_started = False  # the micro-batch's first training forward / the eval batch's loss forward seen
         self._loss_inputs: Any = None  # the inputs of the loss being computed (loss_inputs), labels included
-        self.sampling_temperature: float | None = None
+        self.sampling_temperature: float | None = None  # an RL run's sampling temperature (sample_at); None: not RL
         self.rl_start: dict[str, float] | None = None
         """The entropy and rare share of the run's first RL logging step (``rl/rare_share_of_entropy_drop``)."""
-        """An RL run's sampling temperature (:meth:`sample_at`); None: not an RL run."""
         self.check = SelfCheck(prefix, self.reducer)
         """The self-check (docs/self_check.md): doors hand it the trainer's figures (``check.step_loss``, ...)."""
         self.check.strict = strict
+        self.vocabulary = VocabularyWatch()  # the vocabulary-sized matrices as attached, checked on logging steps
 
     # ---------------------------------------------------------------- wiring
     def configure(self, every: int, reducer: Reducer | None = None, figure_every_n_steps: int | str | None = None) -> None:
@@ -168,6 +168,7 @@ class Orchestrator:
             failed = self.attach_each(attach, refuse=refuse)
         self.refuse_failed(failed)
         self.check.attach(unwrapped(model))  # the model's own `outputs.loss` on logging steps
+        self.vocabulary.remember(unwrapped(model), lambda: self.attach(model, root, refuse))
 
     def attach_each(
         self, attach: Callable[[Monitor], Any], monitors: Sequence[Monitor] | None = None, refuse: bool = True
@@ -329,6 +330,8 @@ class Orchestrator:
         self.step, self._started = step, False
         self.logging = self.due(step, first)
         self.logging_step = self.is_logging_step(step, first)
+        if self.logging and self.vocabulary.check(self.warn_once):  # resized or untied since attach: resolved again
+            self.logging = self.due(step, first)
         if new:
             self.begin_check()
 

@@ -26,7 +26,7 @@ from headwatch.core.monitor import Monitor
 from headwatch.core.orchestrator import Orchestrator
 from headwatch.integrations.hf_trl import fused_head_note, trl_marks, trl_step_values
 from headwatch.distributed.reduce import Reducer
-from headwatch.errors import HeadwatchError, check_bool
+from headwatch.errors import HeadwatchError, check_bool, check_int, check_optional
 from headwatch.integrations.hf_publish import TrainerSink, console_filter
 from headwatch.integrations.hf_checkpoint import restore_state, resume_dir, save_state
 from headwatch.integrations.hf_support import (
@@ -95,6 +95,10 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
             many steps (needs matplotlib); None or 0: none (see :func:`headwatch.core.orchestrator.set_figures`).
             Core monitors passed in keep their own settings.
         summary: print the end-of-training summary at ``on_train_end`` (rank zero; :mod:`headwatch.report.summary`).
+        vocab_size: the tokenizer's vocabulary size; None: ``len`` of the Trainer's ``processing_class`` (a
+            processor's ``.tokenizer``) when it has one. The model's rows past it (a vocabulary padded to a multiple
+            of 64 or 128) are left out of the row figures (gradient and update densities, collision) and
+            ``logits/padded_mass`` is published. Monitors passed in with their own ``vocab_size`` keep it.
 
     Raises:
         HeadwatchError: a bad argument. No trainer hook raises: a monitor that cannot measure the model
@@ -115,8 +119,11 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
         console_keys: Sequence[str] | str | None = None,
         figure_every_n_steps: int | str | None = "auto",
         summary: bool = True,
+        vocab_size: int | None = None,
     ) -> None:
         check_figure_argument(figure_every_n_steps)
+        self.vocab_size = check_optional(check_int, "vocab_size", vocab_size, minimum=1)
+        self._door_vocab: dict[int, int] = {}  # the vocabulary sizes this door gave monitors, by id of the monitor
         check_alert(alert)
         check_bool("stop_on_critical", stop_on_critical)
         check_bool("checkpoint_on_critical", checkpoint_on_critical)
