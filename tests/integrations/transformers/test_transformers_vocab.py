@@ -10,7 +10,7 @@ from transformers import Trainer
 
 from headwatch.integrations.hf_support import tokenizer_size
 from headwatch.integrations.transformers import HeadwatchCallback
-from tests.helpers.hf import V, Rows, hf_args, one_batch, tiny_llama
+from tests.helpers.hf import Rows, V, hf_args, one_batch, tiny_llama
 
 REAL = 48  # the tokenizer's words; the model's 64 rows are padded beyond them
 

@@ -197,6 +197,7 @@ class HeadwatchDriver(Driver, Callback):
         attach = lambda core: self.attach_one(owner[core], trainer, pl_module, stage)  # noqa: E731
         self.run.refuse_failed(self.run.attach_each(attach, list(owner)))
         self.use()
+        self.run.vocabulary.remember(pl_module, lambda: self.attach(trainer, pl_module, stage))  # resized later: again
 
     @staticmethod
     def attach_one(callback: Registrant, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
