@@ -30,7 +30,7 @@ from headwatch.core.frequency import TokenCounts
 from headwatch.core.logit_split import SplitSums
 from headwatch.core.metrics import SCALAR_KEYS
 from headwatch.core.monitor import Monitor
-from headwatch.core.self_check import CaptureTally
+from headwatch.core.self_check import CaptureTally, scored_dtype
 from headwatch.distributed.reduce import Values
 from headwatch.functional.calibration import ECE_BINS, MAX_ECE_BINS
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
@@ -261,7 +261,7 @@ class LogitStats(Monitor):
             buckets = None
         sink.update(out.statistics, targets, buckets, padded, V)
         if sink is self._train:
-            self.capture_tally.add(targets, self.batch_format.ignore_index)
+            self.capture_tally.add(targets, self.batch_format.ignore_index, scored_dtype(captured), V)
         self._calls += 1
         if self._calls == 2 and sink is self._train:
             self.warn_once(

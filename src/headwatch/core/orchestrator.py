@@ -15,9 +15,10 @@ events into calls here. The orchestrator owns:
 - the reduction (:func:`~headwatch.core.monitor.compute_due`: every monitor's sums and the self-check's in one
   ``all_reduce`` per dtype; every rank drops the same failed monitors);
 - publishing: one :func:`to_host` transfer per logging step (the one host-device sync), then every :class:`Sink`;
-- the self-check (:class:`~headwatch.core.self_check.SelfCheck`, :attr:`Orchestrator.check`): what was
-  captured on each training logging step and its gaps to the trainer's own figures, added before the
-  one transfer, warned about after it;
+- the self-check (:class:`~headwatch.core.self_check.SelfCheck`, :attr:`Orchestrator.check`): what was captured on each
+  training logging step and its gaps to the trainer's own figures, added before the one transfer, warned about after;
+- the vocabulary-sized matrices as attached (:class:`~headwatch.core.vocabulary.VocabularyWatch`), resolved again
+  when they change;
 - state (:meth:`state_dict` / :meth:`load_state_dict`).
 """
 
@@ -100,8 +101,7 @@ class Orchestrator:
         check_sequence("sinks", sinks, "objects with a publish(numbers, media, step, val) method", lambda s: isinstance(s, Sink))
         self.monitors = build_monitors(monitors, batch_format, prefix)  # checks `monitors`
         self.all_monitors = list(self.monitors)
-        """Every monitor of the run, also those refused at attach (:meth:`attach` with ``refuse``); ``monitors``
-        are those measured."""
+        """Every monitor of the run, also those refused at attach (:meth:`attach`); ``monitors``: those measured."""
         self.batch_format = batch_format or BatchFormat()
         self.policy = _RunPolicy(self, strict)
         self.refused: dict[Monitor, Exception] = {}
@@ -124,8 +124,7 @@ class Orchestrator:
         """The run's logging interval in steps (:meth:`configure`; 0: no training logging step)."""
         self.logging_step = False
         """Whether the step in progress is a logging step of the run (:meth:`is_logging_step`)."""
-        self.ended = False
-        """Whether :meth:`end_run` was called for this run."""
+        self.ended = False  # whether end_run was called for this run
         self._started = self._val_started = False  # the micro-batch's first training forward / the eval batch's loss forward seen
         self._loss_inputs: Any = None  # the inputs of the loss being computed (loss_inputs), labels included
         self.sampling_temperature: float | None = None  # an RL run's sampling temperature (sample_at); None: not RL
@@ -301,12 +300,10 @@ class Orchestrator:
                 failed.append(m)
         return failed
 
-    def warn_once(self, key: str, message: str) -> None:
-        """A warning about the run, once (through the first monitor's warn-once record, else the run's)."""
+    def warn_once(self, key: str, message: str) -> None:  # through the first monitor's warn-once record, else the run's
         (self.monitors[0] if self.monitors else self.policy).warn_once(key, message)
 
-    def note_once(self, key: str, message: str) -> None:
-        """A note about the run, once, never raised (:meth:`FailurePolicy.note_once`)."""
+    def note_once(self, key: str, message: str) -> None:  # a note about the run, once, never raised
         (self.monitors[0] if self.monitors else self.policy).note_once(key, message)
 
     def fail(self, err: Exception, where: str) -> None:
@@ -486,10 +483,10 @@ class Orchestrator:
         except Exception as err:  # noqa: BLE001
             ok[0].fail(err, "moving the values to the host")
             return {}, []
-        numbers = self.withhold(numbers, ok, val)
+        measured, numbers = numbers, self.withhold(numbers, ok, val)
         self.each("publishing the values", lambda m: m.published(numbers), ok)
         if not val:
-            self.self_check_published(numbers)
+            self.self_check_published(measured)  # its warning names the figures it withheld
             if self.sampling_temperature is not None and self.rl_start is None:
                 self.rl_start = drop_reference(numbers, self.prefix)  # the run's first RL logging step
         return numbers, ok
