@@ -40,6 +40,12 @@ def test_bf16_keeps_the_calibrated_one_percent_and_orders_the_dtypes():
     assert order[0].atol < order[1].atol < order[2].atol and order[0].rtol < order[1].rtol < order[2].rtol
 
 
+def mean_figures(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+    """Mean NLL and mean entropy, in float64."""
+    logp = torch.log_softmax(logits, -1)
+    return F.nll_loss(logp, targets).item(), -(logp.exp() * logp).sum(-1).mean().item()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_rounding_of_low_precision_logits_stays_within_its_tolerance(dtype):
     """Mean NLL and entropy of logits rounded to ``dtype`` against the float64 values of the unrounded logits: the
@@ -50,11 +56,7 @@ def test_the_rounding_of_low_precision_logits_stays_within_its_tolerance(dtype):
         t = torch.randint(0, vocab, (256,), generator=g)
         rounded = x.to(dtype).double()
 
-        def figures(z):
-            logp = torch.log_softmax(z, -1)
-            return F.nll_loss(logp, t).item(), -(logp.exp() * logp).sum(-1).mean().item()
-
-        (nll, ent), (nll_r, ent_r) = figures(x), figures(rounded)
+        (nll, ent), (nll_r, ent_r) = mean_figures(x, t), mean_figures(rounded, t)
         for key, ref, got in (("nll", nll, nll_r), ("entropy", ent, ent_r)):
             tol = dtype_tolerance(key, dtype, vocab)
             assert abs(got - ref) <= tol.atol + tol.rtol * abs(ref), (key, vocab, got - ref)
