@@ -8,10 +8,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch.model.find import find_input_embedding
+from headwatch.core.monitor import Monitor
+from headwatch.distributed.reduce import collective_device
 from headwatch.errors import (
-    StateReader,
     HeadwatchError,
+    StateReader,
     check_int,
     check_module_or_name,
     check_optional,
@@ -19,10 +20,13 @@ from headwatch.errors import (
     check_range,
     check_tensor,
 )
+from headwatch.functional.frequency import (
+    FrequencySnapshot,
+    frequency_snapshot,
+    token_scalars,
+)
 from headwatch.model.batch import BatchFormat
-from headwatch.core.monitor import Monitor
-from headwatch.distributed.reduce import collective_device
-from headwatch.functional.frequency import FrequencySnapshot, frequency_snapshot, token_scalars
+from headwatch.model.find import find_input_embedding
 
 
 def check_token_counts(name: str, value: Any) -> Any:

@@ -133,6 +133,8 @@ class Orchestrator:
         self.check = SelfCheck(prefix, self.reducer)
         """The self-check (docs/self_check.md): doors hand it the trainer's figures (``check.step_loss``, ...)."""
         self.check.strict = strict
+        self.val_check = SelfCheck(f"{prefix}/val", self.reducer, evaluation=True)  # evaluations: the model's own loss
+        self.val_check.strict = strict
         self.vocabulary = VocabularyWatch()  # the vocabulary-sized matrices as attached, checked on logging steps
 
     # ---------------------------------------------------------------- wiring
@@ -142,7 +144,7 @@ class Orchestrator:
         check_int("every", every, minimum=0)
         self.every = every
         if reducer is not None:
-            self.reducer = self.check.reducer = reducer
+            self.reducer = self.check.reducer = self.val_check.reducer = reducer
         for m in self.monitors:
             m.configure(Schedule(m.every_factor * every), self.reducer)
         if figure_every_n_steps is not None:
@@ -166,7 +168,8 @@ class Orchestrator:
         with whole_matrices(root, model):
             failed = self.attach_each(attach, refuse=refuse)
         self.refuse_failed(failed)
-        self.check.attach(unwrapped(model))  # the model's own `outputs.loss` on logging steps
+        for check in (self.check, self.val_check):  # the model's own `outputs.loss` on logging steps and evaluations
+            check.attach(unwrapped(model))
         self.vocabulary.remember(unwrapped(model), lambda: self.attach(model, root, refuse))
 
     def attach_each(
@@ -179,7 +182,7 @@ class Orchestrator:
         for m in self.all_monitors if monitors is None else monitors:
             try:
                 attach(m)
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
                 if not refuse:
                     raise
                 failed[m] = err
@@ -204,9 +207,11 @@ class Orchestrator:
         if monitors:
             logits = next((m for m in monitors if hasattr(m, "capture_tally")), None)
             self.check.prefix = (logits or monitors[0]).prefix
+            self.val_check.prefix = f"{self.check.prefix}/val"
             owner = getattr(getattr(logits, "source", None), "owner", None)
             if isinstance(owner, nn.Module) and model_loss:  # the model's own `outputs.loss` (a Hugging Face model)
                 self.check.attach(owner)
+                self.val_check.attach(owner)
 
     def sample_at(self, temperature: float, source: str) -> None:
         """An RL run whose policy samples at ``temperature`` (read from ``source``, said once): every
@@ -271,7 +276,7 @@ class Orchestrator:
         what a front door wraps around each trainer hook."""
         try:
             yield
-        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+        except Exception as err:  # noqa: BLE001
             if getattr(err, "strict", False) is True:  # a strict part of the run raised on purpose
                 raise
             if self.policy.strict or any(m.strict for m in self.all_monitors):
@@ -288,6 +293,7 @@ class Orchestrator:
         for m in self.monitors:
             m.detach()
         self.check.detach()
+        self.val_check.detach()
 
     def each(self, where: str, call: Callable[[Monitor], Any], monitors: Sequence[Monitor] | None = None) -> list[Monitor]:
         """``call(m)`` for every monitor; a failure warns once and is skipped (raises when strict). Returns those that failed."""
@@ -327,7 +333,7 @@ class Orchestrator:
         self.step, self._started = step, False
         self.logging = self.due(step, first)
         self.logging_step = self.is_logging_step(step, first)
-        if self.logging and self.vocabulary.check(self.warn_once):  # resized or untied since attach: resolved again
+        if self.logging and self.vocabulary.check(self.note_once):  # resized or untied since attach: resolved again
             self.logging = self.due(step, first)
         if new:
             self.begin_check()
@@ -438,7 +444,11 @@ class Orchestrator:
         """A validation batch starts; ``real_rows``: only its first ``real_rows`` rows are real (the others are
         repeats a distributed sampler added to even out the processes: :func:`eval_rows_kept`,
         :func:`sampler_rows_kept`), the monitors see them marked as no prediction (:func:`keep_rows`)."""
+        if not self.val_check.active and any(isinstance(m, LogitStats) for m in (self.monitors if monitors is None else monitors)):
+            self.val_check.begin(True)  # the evaluation's first measured batch: the model's own losses are read from now on
         if real_rows is not None:
+            if self.val_check.active and isinstance(batch, Mapping) and real_rows < getattr(batch.get(self.batch_format.ids_key), "shape", (0,))[0]:
+                self.val_check.rows_left_out()
             marked = keep_rows(batch, real_rows, self.batch_format)
             if marked is None:
                 self.warn_once(
@@ -461,7 +471,9 @@ class Orchestrator:
         published names get the suffix ``/<name>`` (:func:`named_evaluation`). Returns the values under
         the monitors' names (without the suffix).
         """
-        return self.emit(list(self.monitors if monitors is None else monitors), step, val=True, name=name, always=True)
+        numbers = self.emit(list(self.monitors if monitors is None else monitors), step, val=True, name=name, always=True)
+        self.val_check.begin(False)  # until the next evaluation's first batch
+        return numbers
 
     # ---------------------------------------------------------------- publishing
     def compute(self, due: Sequence[Monitor], val: bool = False) -> tuple[dict[str, float], list[Monitor]]:
@@ -470,14 +482,14 @@ class Orchestrator:
         ``(numbers, monitors published)``."""
         if not due:
             return {}, []
-        check = [self.check.local_sums(due)] if not val and self.reducer.world_size > 1 else None  # rides with the sums
+        checker = self.val_check if val else self.check
+        check = [checker.local_sums(due)] if self.reducer.world_size > 1 else None  # rides with the sums
         scalars, ok = compute_due(list(due), self.reducer, val, also=check)
         if not ok:
             return {}, []
-        if not val:
-            scalars = self.self_check(scalars, ok, check[0] if check else None)
-            if self.sampling_temperature is not None:
-                scalars = rl_scalars(scalars, self.prefix, self.sampling_temperature, self.rl_start)
+        scalars = checker.checked(scalars, ok, check[0] if check else None)  # a failure adds nothing (said once)
+        if not val and self.sampling_temperature is not None:
+            scalars = rl_scalars(scalars, self.prefix, self.sampling_temperature, self.rl_start)
         try:
             numbers = to_host(scalars, [m.media for m in ok])
         except Exception as err:  # noqa: BLE001
@@ -485,42 +497,27 @@ class Orchestrator:
             return {}, []
         measured, numbers = numbers, self.withhold(numbers, ok, val)
         self.each("publishing the values", lambda m: m.published(numbers), ok)
-        if not val:
-            self.self_check_published(measured)  # its warning names the figures it withheld
-            if self.sampling_temperature is not None and self.rl_start is None:
-                self.rl_start = drop_reference(numbers, self.prefix)  # the run's first RL logging step
+        checker.attempt(lambda: checker.published(measured), "warning from the self-check")  # names what it withheld
+        if not val and self.sampling_temperature is not None and self.rl_start is None:
+            self.rl_start = drop_reference(numbers, self.prefix)  # the run's first RL logging step
         return numbers, ok
 
     def withhold(self, numbers: dict[str, float], ok: Sequence[Monitor], val: bool) -> dict[str, float]:
         """``numbers`` without the figures withheld on this step (the key-set rule, ``docs/distributed.md``): each
-        published monitor's and, in training, the self-check's ``withheld(numbers)`` name them from values already
-        reduced over processes, so every rank withholds the same ones. With the self-check's values, their count is
-        published as ``check/withheld``."""
+        published monitor's and the self-check's ``withheld(numbers)`` name them from values already reduced over
+        processes, so every rank withholds the same ones. With the self-check's values, their count is published as
+        ``check/withheld`` (an evaluation's: ``val/check/withheld``)."""
         withheld: dict[str, str] = {}
-        for part in [*ok, *([] if val else [self.check])]:
+        checker = self.val_check if val else self.check
+        for part in [*ok, checker]:
             try:
                 withheld.update(part.withheld(numbers))
             except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
                 part.fail(err, "deciding which figures to withhold")
         kept = {k: v for k, v in numbers.items() if k not in withheld}
-        if not val and f"{self.prefix}/debug/capture/positions" in numbers:
-            kept[f"{self.prefix}/check/withheld"] = float(sum(k in numbers for k in withheld))
+        if f"{checker.prefix}/debug/capture/positions" in numbers:
+            kept[f"{checker.prefix}/check/withheld"] = float(sum(k in numbers for k in withheld))
         return kept
-
-    def self_check(self, scalars: dict[str, Any], ok: Sequence[Monitor], reduced: dict[str, Tensor] | None = None) -> dict[str, Any]:
-        """``scalars`` of a training logging step with the self-check's values added (on the device; ``reduced``: its counts
-        summed with the step's sums, else summed here). A failure warns once (raises when strict) and adds nothing."""
-        try:
-            return self.check.extend(scalars, ok, reduced)
-        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
-            self.check.fail(err, "computing the self-check")
-            return scalars
-
-    def self_check_published(self, numbers: dict[str, float]) -> None:
-        try:
-            self.check.published(numbers)
-        except Exception as err:  # noqa: BLE001
-            self.check.fail(err, "warning from the self-check")
 
     def emit(
         self, due: Sequence[Monitor], step: int, val: bool = False, name: str | None = None, always: bool = False

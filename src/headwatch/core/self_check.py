@@ -164,8 +164,14 @@ class SelfCheck(FailurePolicy):
         HeadwatchError: a bad ``prefix``.
     """
 
-    def __init__(self, prefix: str = "headwatch", reducer: Reducer | None = None, tolerances: dict[str, Tolerance] | None = None) -> None:
+    def __init__(
+        self, prefix: str = "headwatch", reducer: Reducer | None = None, tolerances: dict[str, Tolerance] | None = None, evaluation: bool = False
+    ) -> None:
         self.prefix = check_prefix(prefix)
+        self.evaluation = evaluation
+        """Checks an evaluation (names under ``<prefix>/val/``): eval-mode forwards' ``outputs.loss`` against the first
+        validation dataloader's ``val/logits/*``; else the training logging steps."""
+        self._tally = "val_tally" if evaluation else "capture_tally"
         self.reducer: Reducer = reducer or NoReducer()
         self.tolerances: dict[str, Tolerance] = dict(tolerances or {})
         """Tolerances set for the run, by figure; the others follow the dtype of each step (:meth:`tolerance`)."""
@@ -224,8 +230,10 @@ class SelfCheck(FailurePolicy):
 
     def _on_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """A forward of the model: a training forward with gradients and a ``loss`` is one of the step's loss forwards."""
-        if not self.active or not module.training or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if not self.active or torch.compiler.is_compiling():
             return
+        if module.training == self.evaluation or not (self.evaluation or torch.is_grad_enabled()):
+            return  # training: forwards with gradient in training mode; evaluation: eval-mode forwards
         try:
             loss = output_loss(output)
             if loss is None:
@@ -249,6 +257,11 @@ class SelfCheck(FailurePolicy):
             self.add_nll_sum(loss.detach().double() * weight, count)
         except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
             self.fail(err, "reading the model's loss")
+
+    def rows_left_out(self) -> None:
+        """An evaluation batch whose repeated rows (an even distributed split) are left out of the capture but not of
+        the model's loss: the evaluation has no comparable reference (NaN, summed over processes: on every rank)."""
+        self.add_nll_sum(torch.tensor(float("nan"), dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
 
     def skipped_forward(self, kind: str) -> None:
         """A forward of the logging step that feeds no loss (``"generation"``: a ``generate()`` call's; ``"no_grad"``:
@@ -306,7 +319,7 @@ class SelfCheck(FailurePolicy):
         where to build it (default: where this step's tensors are, else where collectives run).
 
         A failure warns once (raises when strict) and gives zeros of the same layout: no check value this step."""
-        tally = next((m.capture_tally for m in monitors if isinstance(getattr(m, "capture_tally", None), CaptureTally)), None)
+        tally = next((getattr(m, self._tally) for m in monitors if isinstance(getattr(m, self._tally, None), CaptureTally)), None)
         self._dtype = (tally.dtype, tally.vocab_size) if tally is not None else (None, 0)
         taken = (tally.take() if tally is not None else (0, None), self._sums, self._weights, self._counted, self._step_loss, self._trl, dict(self._skipped))
         self._reset()
@@ -380,20 +393,23 @@ class SelfCheck(FailurePolicy):
             out[f"{p}/debug/capture/forwards"] = float(forwards)
             out[f"{p}/debug/capture/positions"] = positions
             out[f"{p}/debug/capture/labelled_positions"] = total[0] if labelled is not None else 0.0
-            out[f"{p}/debug/capture/generation_forwards"] = float(skipped.get("generation", 0))
-            out[f"{p}/debug/capture/no_grad_forwards"] = float(skipped.get("no_grad", 0))
+            if not self.evaluation:
+                out[f"{p}/debug/capture/generation_forwards"] = float(skipped.get("generation", 0))
+                out[f"{p}/debug/capture/no_grad_forwards"] = float(skipped.get("no_grad", 0))
         reference: Tensor | None = None
         if step_loss is not None:
             reference = total[4] / total[5]  # the processes' step losses, weighted by their labelled positions
         elif sums:
             reference = total[1] / total[2]
         gaps: list[Tensor] = []
-        if reference is None and isinstance(positions, Tensor):
-            self.info_once(
+        if reference is None and isinstance(positions, Tensor) and not self.evaluation:
+            self.note_once(  # a figure left out (check/nll_gap): a warning, never raised
+                "no_reference",
                 "headwatch self-check: no trainer loss to compare target_nll with on this run (no training forward "
                 "returned `outputs.loss`: the trainer computes the loss outside the model, e.g. label smoothing or "
-                "`compute_loss_func`, or the model is compiled); pass step_end(loss=...) (plain loop) or "
-                "compare_loss=<logged key> (Lightning) to compare. The debug/capture/* counts are still published."
+                "`compute_loss_func`, or the model is compiled), so check/nll_gap is not published; pass "
+                "step_end(loss=...) (plain loop) or compare_loss=<logged key> (Lightning) to compare. The "
+                "debug/capture/* counts are still published. (said once)",
             )
         if reference is not None and isinstance(positions, Tensor):  # no logit statistics (refused): nothing to compare
             out[f"{p}/debug/check/reference_nll"] = reference
@@ -403,7 +419,7 @@ class SelfCheck(FailurePolicy):
             out[f"{p}/check/nll_gap"] = gap = own - reference
             gaps.append(self._beyond(gap, reference, "nll"))
             if step_loss is None and counted and labelled is not None:  # position counts agree exactly, or fail
-                gaps.append(total[0] != total[2])
+                gaps.append((total[0] != total[2]) & torch.isfinite(reference))  # NaN: no comparable reference
         for key, name in (("entropy", "logits/entropy"), ("accuracy", "logits/target_argmax_rate")):
             values, mine = trl.get(key), scalars.get(f"{p}/{name}")
             if not values or not isinstance(mine, Tensor):
@@ -420,6 +436,14 @@ class SelfCheck(FailurePolicy):
         if vanished is not None:
             out[f"{p}/check/vanished_gradient"] = vanished
         return out
+
+    def checked(self, scalars: dict[str, Any], monitors: Sequence[Any], reduced: Mapping[str, Tensor] | None = None) -> dict[str, Any]:
+        """:meth:`extend`; a failure warns once (raises when strict) and adds nothing."""
+        try:
+            return self.extend(scalars, monitors, reduced)
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            self.fail(err, "computing the self-check")
+            return scalars
 
     def _beyond(self, gap: Tensor, reference: Tensor, key: str) -> Tensor:
         """True where ``gap`` is beyond the tolerance of ``key``, or not finite while ``reference`` is."""

@@ -56,7 +56,7 @@ class VocabularyWatch:
     """Re-resolve the monitors when the model's vocabulary-sized matrices change after attach.
 
     A door calls :meth:`remember` when it attaches (with how to attach again); the orchestrator calls :meth:`check`
-    on each logging step: a changed :class:`Layout` is said once per change (a WARNING: what is measured changes)
+    on each logging step: a changed :class:`Layout` is said once per change (a warning, never raised: what is measured changes)
     and every monitor is attached again. Nothing is checked between logging steps.
     """
 

@@ -14,11 +14,12 @@ from transformers.integrations import TensorBoardCallback
 
 from headwatch import tensorboard as tb
 from headwatch.alerts.actions import JSONL_NAME
-from headwatch.alerts.wiring import load_alert_state, wire_alert as wire_engine, with_alert_state
+from headwatch.alerts.wiring import load_alert_state, with_alert_state
+from headwatch.alerts.wiring import wire_alert as wire_engine
 from headwatch.core.driver import Driver
 from headwatch.core.vocabulary import set_vocab_size
-from headwatch.integrations.hf_trl import understand_trainer
 from headwatch.integrations.hf_publish import TB_PREFIX
+from headwatch.integrations.hf_trl import understand_trainer
 from headwatch.model.capture import called_from
 from headwatch.model.hooks import InputsHook
 from headwatch.model.weights import declared_shape
@@ -116,7 +117,7 @@ def tokenizer_size(trainer: Trainer | None) -> int | None:
     if tok is not None and not hasattr(tok, "__len__"):
         tok = getattr(tok, "tokenizer", None)  # a ProcessorMixin: its text tokenizer
     try:
-        return int(len(tok)) if tok is not None and hasattr(tok, "__len__") else None
+        return len(tok) if tok is not None and hasattr(tok, "__len__") else None
     except TypeError:
         return None
 

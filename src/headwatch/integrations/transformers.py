@@ -24,11 +24,10 @@ from headwatch.alerts.wiring import EngineSink, check_alert, is_rules
 from headwatch.core.figures import check_figure_argument
 from headwatch.core.monitor import Monitor
 from headwatch.core.orchestrator import Orchestrator
-from headwatch.integrations.hf_trl import fused_head_note, trl_marks, trl_step_values
 from headwatch.distributed.reduce import Reducer
 from headwatch.errors import HeadwatchError, check_bool, check_int, check_optional
-from headwatch.integrations.hf_publish import TrainerSink, console_filter
 from headwatch.integrations.hf_checkpoint import restore_state, resume_dir, save_state
+from headwatch.integrations.hf_publish import TrainerSink, console_filter
 from headwatch.integrations.hf_support import (
     TrainerLink,
     evaluation_prefix,
@@ -37,6 +36,7 @@ from headwatch.integrations.hf_support import (
     loss_scale,
     wire_alert,
 )
+from headwatch.integrations.hf_trl import fused_head_note, trl_marks, trl_step_values
 from headwatch.model.batch import BatchFormat
 from headwatch.model.hooks import InputsHook
 from headwatch.report.summary import SummarySink
