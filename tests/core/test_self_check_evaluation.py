@@ -12,6 +12,7 @@ from headwatch import LogitStatsMonitor
 from headwatch.core import LogitStats
 from headwatch.integrations.transformers import HeadwatchCallback
 from tests.helpers.hf import B, Rows, T, V, hf_args, one_batch, tiny_llama
+from tests.helpers.lightning_runs import StepLogger
 
 P = "eval_headwatch/val"
 
