@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from headwatch.integrations.hf_support import tokenizer_size
 from headwatch.integrations.transformers import HeadwatchCallback
@@ -102,3 +102,34 @@ def test_tokenizer_size_reads_tokenizers_and_processors():
     assert tokenizer_size(None) is None
     with pytest.raises(Exception, match="vocab_size"):
         HeadwatchCallback(vocab_size=0)
+
+
+class GrowAt(TrainerCallback):
+    """Adds words to the tokenizer and resizes the model to a multiple of 32 rows before step ``step``."""
+
+    def __init__(self, tok, step: int):
+        self.tok, self.step = tok, step
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step:
+            self.tok.add_tokens([f"new{i}" for i in range(20)])
+            model.resize_token_embeddings(len(self.tok), pad_to_multiple_of=32)
+
+
+def test_a_vocabulary_resized_during_training_is_read_again_from_the_tokenizer(tmp_path):
+    tok = small_tokenizer()
+    model = tiny_llama(tie=False)
+    cb = HeadwatchCallback(monitors=["tokens", "logits", "gradients"], figure_every_n_steps=0, summary=False)
+    args = hf_args(tmp_path, max_steps=4, optim="sgd")
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(real_batch()), callbacks=[GrowAt(tok, 2), cb], processing_class=tok)
+    with pytest.warns(UserWarning, match="head 64 rows, embedding 64 rows, untied -> head 96 rows, embedding 96 rows") as caught:
+        trainer.train()
+    assert sum("changed after attach" in str(w.message) for w in caught) == 1
+    logged = [r for r in trainer.state.log_history if "headwatch/model/vocab_size" in r]
+    assert [r["headwatch/model/vocab_size"] for r in logged] == [V, V, 96, 96]
+    distinct = real_batch()["input_ids"][:, :-1].unique().numel()
+    # the tokenizer's 68 words after the resize (96 rows): the 28 padded rows left out
+    assert [r["headwatch/grad/embedding_row_density"] for r in logged] == pytest.approx(
+        [distinct / REAL] * 2 + [distinct / (REAL + 20)] * 2
+    )
+    assert all(0 < r["headwatch/logits/padded_mass"] < 1 for r in logged)
