@@ -356,7 +356,7 @@ def test_hf_trainer(tmp_path, name, feature):
             "logits_to_keep",
             "torch_compile",
         ):  # no eager forward returns the loss:
-            assert f"{H}/check/nll_gap" not in values  # no self-check of the NLL (said at INFO, docs/self_check.md)
+            assert f"{H}/check/nll_gap" not in values  # no self-check of the NLL (said once in a warning, docs/self_check.md)
         else:  # the self-check against the model's own outputs.loss
             assert values[f"{H}/debug/check/reference_nll"] == pytest.approx(losses[step], abs=1e-6)
             assert values[f"{H}/debug/check/reference_positions"] == values[f"{H}/debug/capture/labelled_positions"] == want["positions"]
@@ -579,7 +579,7 @@ def test_plain_loop(name, feature):
         want = logits_reference(logits, group)
         assert_logits(got, want)
         assert got[f"{H}/debug/capture/positions"] == got[f"{H}/debug/capture/labelled_positions"] == want["positions"]
-        if feature in ("logits_to_keep", "compile"):  # no loss from an eager forward: nothing compared (INFO)
+        if feature in ("logits_to_keep", "compile"):  # no loss from an eager forward: nothing compared (said once)
             assert f"{H}/check/nll_gap" not in got
         else:
             assert abs(got[f"{H}/check/nll_gap"]) < 1e-5 and got[f"{H}/check/mismatch"] == 0
