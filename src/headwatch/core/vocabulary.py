@@ -3,7 +3,8 @@ watched for a change after attach (``resize_token_embeddings``, an untie), re-re
 
 The layout compared on a logging step (:func:`layout`) is read from the modules' declarations (an ``nn.Linear``'s
 ``out_features``, an ``nn.Embedding``'s ``num_embeddings``: :func:`~headwatch.model.weights.declared_shape`), the
-modules' identity and whether the head and the embedding hold one Parameter: host-side facts, the same on every
+modules' names and whether the head and the embedding hold one Parameter (a module replaced by one of the same name,
+rows and tie is not told apart; a getter that builds a new wrapper at each call does not read as a change): host-side facts, the same on every
 process whatever shards the weights, so every process re-resolves on the same step (no collective decides it, no
 host-device sync).
 """
@@ -26,9 +27,9 @@ from headwatch.model.weights import declared_shape
 class Layout(NamedTuple):
     """The vocabulary-sized matrices of a model as resolved: which modules, how many rows, one Parameter or two."""
 
-    head: int  # id() of the head module
+    head: str  # the head module's dotted name
     head_rows: int | None
-    embedding: int  # id() of the input embedding module
+    embedding: str  # the input embedding module's dotted name
     embedding_rows: int | None
     tied: bool
 
@@ -41,15 +42,14 @@ def layout(model: nn.Module) -> Layout | None:
     """The :class:`Layout` of ``model`` as the default search finds it (:func:`find_output_head`,
     :func:`find_input_embedding`); None when it cannot be resolved (the monitors then say why at attach)."""
     try:
-        _, head = find_output_head(model)
+        head_name, head = find_output_head(model)
         rows = (declared_shape(head) or (None, None))[0]
-        _, emb = find_input_embedding(model, vocab_size=rows)
+        emb_name, emb = find_input_embedding(model, vocab_size=rows)
     except HeadwatchError:
         return None
     weight = getattr(head, "weight", None)
-    return Layout(
-        id(head), rows, id(emb), (declared_shape(emb) or (None, None))[0], weight is not None and weight is getattr(emb, "weight", None)
-    )
+    tied = weight is not None and weight is getattr(emb, "weight", None)
+    return Layout(head_name, rows, emb_name, (declared_shape(emb) or (None, None))[0], tied)
 
 
 class VocabularyWatch:
