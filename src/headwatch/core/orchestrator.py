@@ -134,7 +134,7 @@ class Orchestrator:
         """The self-check (docs/self_check.md): doors hand it the trainer's figures (``check.step_loss``, ...)."""
         self.check.strict = strict
         self.val_check = SelfCheck(f"{prefix}/val", self.reducer, evaluation=True)  # evaluations: the model's own loss
-        self.val_check.strict = strict
+        self.val_check.strict, self.check.evaluation_check = strict, self.val_check  # one hook on the model serves both
         self.vocabulary = VocabularyWatch()  # the vocabulary-sized matrices as attached, checked on logging steps
 
     # ---------------------------------------------------------------- wiring
@@ -168,8 +168,7 @@ class Orchestrator:
         with whole_matrices(root, model):
             failed = self.attach_each(attach, refuse=refuse)
         self.refuse_failed(failed)
-        for check in (self.check, self.val_check):  # the model's own `outputs.loss` on logging steps and evaluations
-            check.attach(unwrapped(model))
+        self.check.attach(unwrapped(model))  # the model's own `outputs.loss` on logging steps and evaluations
         self.vocabulary.remember(unwrapped(model), lambda: self.attach(model, root, refuse))
 
     def attach_each(
@@ -211,7 +210,6 @@ class Orchestrator:
             owner = getattr(getattr(logits, "source", None), "owner", None)
             if isinstance(owner, nn.Module) and model_loss:  # the model's own `outputs.loss` (a Hugging Face model)
                 self.check.attach(owner)
-                self.val_check.attach(owner)
 
     def sample_at(self, temperature: float, source: str) -> None:
         """An RL run whose policy samples at ``temperature`` (read from ``source``, said once): every
@@ -293,7 +291,6 @@ class Orchestrator:
         for m in self.monitors:
             m.detach()
         self.check.detach()
-        self.val_check.detach()
 
     def each(self, where: str, call: Callable[[Monitor], Any], monitors: Sequence[Monitor] | None = None) -> list[Monitor]:
         """``call(m)`` for every monitor; a failure warns once and is skipped (raises when strict). Returns those that failed."""

@@ -172,6 +172,9 @@ class SelfCheck(FailurePolicy):
         """Checks an evaluation (names under ``<prefix>/val/``): eval-mode forwards' ``outputs.loss`` against the first
         validation dataloader's ``val/logits/*``; else the training logging steps."""
         self._tally = "val_tally" if evaluation else "capture_tally"
+        self.evaluation_check: SelfCheck | None = None
+        """The evaluation's check, handed the eval-mode forwards this check's hook sees (one hook on the model: a
+        second would change how ``torch.compile`` traces the model's hooks)."""
         self.reducer: Reducer = reducer or NoReducer()
         self.tolerances: dict[str, Tolerance] = dict(tolerances or {})
         """Tolerances set for the run, by figure; the others follow the dtype of each step (:meth:`tolerance`)."""
@@ -230,10 +233,15 @@ class SelfCheck(FailurePolicy):
 
     def _on_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """A forward of the model: a training forward with gradients and a ``loss`` is one of the step's loss forwards."""
-        if not self.active or torch.compiler.is_compiling():
+        if not self.active or not module.training or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            other = self.evaluation_check  # an eval-mode forward of an evaluation (never traced: read outside compile)
+            if not torch.compiler.is_compiling() and other is not None and other.active and not module.training:
+                other._read(module, kwargs, output)
             return
-        if module.training == self.evaluation or not (self.evaluation or torch.is_grad_enabled()):
-            return  # training: forwards with gradient in training mode; evaluation: eval-mode forwards
+        self._read(module, kwargs, output)
+
+    def _read(self, module: nn.Module, kwargs: dict, output: Any) -> None:
+        """One loss forward's ``outputs.loss`` and its labelled positions, recorded."""
         try:
             loss = output_loss(output)
             if loss is None:
