@@ -89,6 +89,7 @@ _L, _G, _T, _C, _A = "LogitStatsMonitor", "GradientDensityMonitor", "TokenFreque
 _O = "Overhead"
 _HF = ("hf",)  # the Hugging Face Trainer / TRL front door only
 _TRL_LOGS = "logging steps of a TRL trainer that logs the figure (`SFTTrainer`)"
+_EVAL = "each validation epoch or evaluation whose model returns `outputs.loss` (self-check)"
 
 METRICS: tuple[Metric, ...] = (
     # ---- logits (train: logits/, validation: val/logits/)
@@ -173,19 +174,36 @@ METRICS: tuple[Metric, ...] = (
     Metric("debug/check/reference_positions", "count", "self-check: labelled positions of the loss forwards (NaN: unknown)", _L),
     Metric("debug/check/reference_forwards", "count", "self-check: loss forwards read on the step (NaN: a step-level figure)", _L),
     Metric("check/nll_gap", "nats", "self-check: headwatch's target NLL minus the trainer's; beyond tolerance: warned once", _L,
-           formula="`target_nll - reference_nll`, tolerance `1e-3 + 1e-2 abs(reference_nll)`"),
+           formula="`target_nll - reference_nll`, tolerance `atol + rtol abs(reference_nll)` by the dtype the loss scored: "
+           "`atol = max(eps log V / 8, 1e-5)`, `rtol = max(1.28 eps, 1e-4)` (bf16: `rtol` 0.01)"),
     Metric("check/entropy_gap", "nats", "self-check: headwatch's entropy minus TRL's logged `entropy` of the step", _L,
-           formula="tolerance `1e-3 + 1e-2 abs(entropy_TRL)`", steps=_TRL_LOGS, doors=_HF),
+           formula="tolerance `atol + rtol abs(entropy_TRL)`, as `check/nll_gap` with `atol` at least `5e-4`", steps=_TRL_LOGS, doors=_HF),
     Metric("check/accuracy_gap", "fraction",
            "self-check: `target_argmax_rate` minus TRL's logged `mean_token_accuracy` of the step", _L,
            formula="tolerance `0.02`", steps=_TRL_LOGS, doors=_HF),
-    Metric("check/mismatch", "", "self-check: 1 when a gap is beyond its tolerance (or NaN while the reference is finite), else 0", _L),
+    Metric("check/mismatch", "",
+           "self-check: 1 when a gap is beyond its tolerance (or NaN while the reference is finite) or the labelled "
+           "position counts differ at all, else 0; the step's `logits/*` figures are then withheld", _L),
     Metric("check/vanished_gradient", "",
            "self-check: 1 when the head's gradient is all zero (or an untied softmax head's row density is below 1) "
            "next to a finite, positive loss, else 0; the head's row densities are then withheld", _L),
     Metric("check/withheld", "count",
-           "figures of the step withheld on every process, decided from values reduced over processes (a vanished "
-           "gradient's row densities); 0 when none", _L),
+           "figures of the step withheld on every process, decided from values reduced over processes (a failed "
+           "self-check's `logits/*`, a vanished gradient's row densities); 0 when none", _L),
+    # ---- the self-check of an evaluation (the first validation dataloader; docs/self_check.md)
+    Metric("val/debug/capture/forwards", "count", "evaluation self-check: forwards measured, this process", _L, steps=_EVAL),
+    Metric("val/debug/capture/positions", "count", "evaluation self-check: positions measured (`val/logits/positions`)", _L, steps=_EVAL),
+    Metric("val/debug/capture/labelled_positions", "count", "evaluation self-check: labelled positions of the measured forwards", _L,
+           formula="`sum [target != ignore_index]`", steps=_EVAL),
+    Metric("val/debug/check/reference_nll", "nats",
+           "evaluation self-check: the token-mean of the model's own `outputs.loss` of its eval-mode forwards; NaN when "
+           "a distributed split's repeated rows were left out of the capture", _L, steps=_EVAL),
+    Metric("val/debug/check/reference_positions", "count", "evaluation self-check: labelled positions of those forwards", _L, steps=_EVAL),
+    Metric("val/debug/check/reference_forwards", "count", "evaluation self-check: eval-mode forwards with a loss", _L, steps=_EVAL),
+    Metric("val/check/nll_gap", "nats", "evaluation self-check: `val/logits/target_nll` minus the model's own loss", _L,
+           formula="tolerance as `check/nll_gap`", steps=_EVAL),
+    Metric("val/check/mismatch", "", "evaluation self-check: as `check/mismatch`; the evaluation's `val/logits/*` are then withheld", _L, steps=_EVAL),
+    Metric("val/check/withheld", "count", "figures of the evaluation withheld on every process (a failed self-check's `val/logits/*`)", _L, steps=_EVAL),
     # ---- gradients
     Metric("grad/{flow}_row_density", "fraction", "|{i valid : G_i != 0}| / |valid|", _G),
     Metric("grad/{flow}_row_norm_{stat}", "gradient units", "statistics of ||G_i||_2 over valid rows", _G),

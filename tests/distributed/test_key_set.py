@@ -12,7 +12,9 @@ copy, the gradients are summed over processes by hand as DDP would):
   label come from rank 0's positions), and no rank has one at another (the split's figures are NaN, "no data",
   on every rank);
 - a rank whose forward raised: rank 1's forward fails at one logging step (the loop catches it and goes on,
-  as an out-of-memory recovery does), so rank 1 captured nothing for that step.
+  as an out-of-memory recovery does), so rank 1 captured nothing for that step;
+- a self-check that fails on one rank's data: rank 1 hands a wrong loss at one logging step (``step_end(loss=)``);
+  the check compares with the loss reduced over processes, so every rank withholds that step's ``logits/*``.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ for step in range(STEPS):
     optimizer.step()
     hw.after_optimizer_step()
     optimizer.zero_grad()
-    values = hw.step_end()
+    wrong = 1.0 if CASE == "mismatch" and step == 5 and rank == 1 else 0.0  # rank 1's loss off by one nat
+    values = hw.step_end(loss=loss.detach() + wrong if CASE == "mismatch" else None)
     if values:
         keys[step] = values
 hw.close()
@@ -124,3 +127,16 @@ def test_labels_on_one_rank_give_the_same_keys_and_values_everywhere(tmp_path):
 def test_a_rank_whose_forward_raised_publishes_the_same_keys(tmp_path):
     r0 = run(tmp_path, "raised", 37000)
     assert sorted(r0["3"]) == sorted(r0["1"])  # rank 0's capture of step 3 stands for the run
+
+
+def test_a_self_check_failing_on_one_ranks_data_withholds_the_logits_on_every_rank(tmp_path):
+    r0 = run(tmp_path, "mismatch", 39000)
+    logits = [k for k in r0["3"] if k.startswith("headwatch/logits/")]
+    assert "headwatch/logits/entropy" in logits and len(logits) > 10
+    assert r0["3"]["headwatch/check/mismatch"] == 0.0 and r0["3"]["headwatch/check/withheld"] == 0.0
+    # step 5: the reduced reference is half a nat off (rank 1's weight is half): the check fails everywhere
+    assert r0["5"]["headwatch/check/mismatch"] == 1.0
+    assert 0.4 < -r0["5"]["headwatch/check/nll_gap"] < 0.6
+    assert not [k for k in r0["5"] if k.startswith("headwatch/logits/")]
+    assert r0["5"]["headwatch/check/withheld"] == len(logits)
+    assert "headwatch/grad/head_row_density" in r0["5"]  # only the failing figures are withheld

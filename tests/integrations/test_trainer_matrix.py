@@ -357,7 +357,7 @@ def test_plain_loop(name, feature):
         if feature in (
             "logits_to_keep",
             "compile",
-        ):  # no loss from an eager forward: nothing compared (INFO)
+        ):  # no loss from an eager forward: nothing compared (said once)
             assert f"{H}/check/nll_gap" not in got
         else:
             assert (

@@ -8,10 +8,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch.model.find import find_input_embedding
+from headwatch.core.monitor import Monitor
+from headwatch.distributed.reduce import collective_device
 from headwatch.errors import (
-    StateReader,
     HeadwatchError,
+    StateReader,
     check_int,
     check_module_or_name,
     check_optional,
@@ -19,10 +20,13 @@ from headwatch.errors import (
     check_range,
     check_tensor,
 )
+from headwatch.functional.frequency import (
+    FrequencySnapshot,
+    frequency_snapshot,
+    token_scalars,
+)
 from headwatch.model.batch import BatchFormat
-from headwatch.core.monitor import Monitor
-from headwatch.distributed.reduce import collective_device
-from headwatch.functional.frequency import FrequencySnapshot, frequency_snapshot, token_scalars
+from headwatch.model.find import find_input_embedding
 
 
 def check_token_counts(name: str, value: Any) -> Any:
@@ -74,7 +78,7 @@ class TokenCounts(Monitor):
         name, module = find_input_embedding(model, self.embedding)
         rows = module.weight.shape[0]
         if self.num_rows and rows != self.num_rows:
-            raise HeadwatchError(f"the input embedding `{name}` has {rows} rows, but counts were kept for {self.num_rows}")
+            self._resize_counts(rows)  # resize_token_embeddings after attach (said once by the orchestrator)
         if self.vocab_size is not None and self.vocab_size > rows:
             raise HeadwatchError(
                 f"`vocab_size={self.vocab_size}` is larger than the input embedding `{name}` ({rows} rows): "
@@ -90,6 +94,15 @@ class TokenCounts(Monitor):
         pad = getattr(module, "padding_idx", None)
         self.padding_idx = int(pad) if isinstance(pad, int) else None
         self.model = model
+
+    def _resize_counts(self, rows: int) -> None:
+        """Counts kept for ``self.num_rows`` rows, fitted to ``rows``: added rows start at 0; rows removed are dropped
+        (on the device, no sync)."""
+        local = self._local
+        if local is not None:
+            grown = torch.cat([local, local.new_zeros(max(rows - local.numel(), 0))]) if rows > local.numel() else local
+            self._local = grown[:rows].clone()
+        self._cache = None
 
     def valid_rows(self, device: torch.device | None = None) -> Tensor:
         """``(V,)`` bool: rows that can occur, on ``device`` (default the host).

@@ -9,10 +9,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from headwatch.core.forwards import NOT_LOSS_REASONS, not_loss_forward
+from headwatch.core.frequency import TokenCounts
+from headwatch.core.logit_split import SplitSums
+from headwatch.core.metrics import SCALAR_KEYS
+from headwatch.core.monitor import Monitor
+from headwatch.core.self_check import CaptureTally, scored_dtype
+from headwatch.distributed.reduce import Values
 from headwatch.errors import (
-    check_range,
-    StateReader,
     HeadwatchError,
+    StateReader,
     check_bool,
     check_choice,
     check_instance,
@@ -20,20 +26,14 @@ from headwatch.errors import (
     check_module_or_name,
     check_optional,
     check_positive_int,
+    check_range,
 )
-from headwatch.model.at_loss import SOURCES
-from headwatch.model.capture import PATHS, Captured, LogitsCapture
-from headwatch.model.captured import REPRODUCTION_RTOL, captured_statistics
-from headwatch.model.batch import BatchFormat, BatchView
-from headwatch.core.forwards import NOT_LOSS_REASONS, not_loss_forward
-from headwatch.core.frequency import TokenCounts
-from headwatch.core.logit_split import SplitSums
-from headwatch.core.metrics import SCALAR_KEYS
-from headwatch.core.monitor import Monitor
-from headwatch.core.self_check import CaptureTally
-from headwatch.distributed.reduce import Values
 from headwatch.functional.calibration import ECE_BINS, MAX_ECE_BINS
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
+from headwatch.model.at_loss import SOURCES
+from headwatch.model.batch import BatchFormat, BatchView
+from headwatch.model.capture import PATHS, Captured, LogitsCapture
+from headwatch.model.captured import REPRODUCTION_RTOL, captured_statistics
 from headwatch.model.sources import ALIGNMENTS, LogitsSource, resolve_logits_source
 
 __all__ = ["SCALAR_KEYS", "LogitStats"]  # SCALAR_KEYS: the scalars of LogitStatsMetric, published under
@@ -139,6 +139,7 @@ class LogitStats(Monitor):
         """TRL's fused LM head projects in float32 outside autocast (``cast_lm_head_to_fp32``): the reproduction of
         what its values lack follows it (the Hugging Face door sets it from the trainer's arguments)."""
         self.capture_tally = CaptureTally()
+        self.val_tally = CaptureTally()  # the first validation dataloader's, for the evaluation's self-check
         """The forwards and labelled positions measured on the current training logging step (the self-check's)."""
 
     @property
@@ -264,8 +265,9 @@ class LogitStats(Monitor):
             )
             buckets = None
         sink.update(out.statistics, targets, buckets, padded, V)
-        if sink is self._train:
-            self.capture_tally.add(targets, self.batch_format.ignore_index)
+        if sink is self._train or sink is self._val.get(0):
+            tally = self.capture_tally if sink is self._train else self.val_tally
+            tally.add(targets, self.batch_format.ignore_index, scored_dtype(captured), V)
         self._calls += 1
         if self._calls == 2 and sink is self._train:
             self.warn_once(

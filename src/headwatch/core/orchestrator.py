@@ -15,9 +15,9 @@ events into calls here. The orchestrator owns:
 - the reduction (:func:`~headwatch.core.monitor.compute_due`: every monitor's sums and the self-check's in one
   ``all_reduce`` per dtype; every rank drops the same failed monitors);
 - publishing: one :func:`to_host` transfer per logging step (the one host-device sync), then every :class:`Sink`;
-- the self-check (:class:`~headwatch.core.self_check.SelfCheck`, :attr:`Orchestrator.check`): what was
-  captured on each training logging step and its gaps to the trainer's own figures, added before the
-  one transfer, warned about after it;
+- the self-check (:class:`~headwatch.core.self_check.SelfCheck`, :attr:`Orchestrator.check`): what was captured on each
+  training logging step and its gaps to the trainer's own figures, added before the one transfer, warned about after;
+- the vocabulary-sized matrices as attached (:class:`~headwatch.core.vocabulary.VocabularyWatch`), resolved again;
 - state (:meth:`state_dict` / :meth:`load_state_dict`).
 """
 
@@ -41,6 +41,7 @@ from headwatch.core.rl import drop_reference, rl_scalars
 from headwatch.core.run_state import restore_run
 from headwatch.core.schedule import Schedule
 from headwatch.core.self_check import SelfCheck
+from headwatch.core.vocabulary import VocabularyWatch
 from headwatch.distributed.fsdp1 import unwrapped
 from headwatch.distributed.reduce import Reducer, TorchDistributedReducer
 from headwatch.errors import (
@@ -102,8 +103,7 @@ class Orchestrator:
         check_sequence("sinks", sinks, "objects with a publish(numbers, media, step, val) method", lambda s: isinstance(s, Sink))
         self.monitors = build_monitors(monitors, batch_format, prefix)  # checks `monitors`
         self.all_monitors = list(self.monitors)
-        """Every monitor of the run, also those refused at attach (:meth:`attach` with ``refuse``); ``monitors``
-        are those measured."""
+        """Every monitor of the run, also those refused at attach (:meth:`attach`); ``monitors``: those measured."""
         self.batch_format = batch_format or BatchFormat()
         self.policy = _RunPolicy(self, strict)
         self.refused: dict[Monitor, Exception] = {}
@@ -126,20 +126,20 @@ class Orchestrator:
         """The run's logging interval in steps (:meth:`configure`; 0: no training logging step)."""
         self.logging_step = False
         """Whether the step in progress is a logging step of the run (:meth:`is_logging_step`)."""
-        self.ended = False
-        """Whether :meth:`end_run` was called for this run."""
-        self._started = False  # the current micro-batch's first training forward was seen
-        self._val_started = False  # the current evaluation batch's loss forward was seen
+        self.ended = False  # whether end_run was called for this run
+        self._started = self._val_started = False  # the micro-batch's first training forward / the eval batch's loss forward seen
         self._loss_inputs: Any = None  # the inputs of the loss being computed (loss_inputs), labels included
-        self.sampling_temperature: float | None = None
+        self.sampling_temperature: float | None = None  # an RL run's sampling temperature (sample_at); None: not RL
         self.rl_start: dict[str, float] | None = None
         """The entropy and rare share of the run's first RL logging step (``rl/rare_share_of_entropy_drop``)."""
-        """An RL run's sampling temperature (:meth:`sample_at`); None: not an RL run."""
         self.check = SelfCheck(prefix, self.reducer)
         """The self-check (docs/self_check.md): doors hand it the trainer's figures (``check.step_loss``, ...)."""
         self.check.strict = strict
         self.cost = Overhead(overhead_budget, prefix)
         """The overhead budget: the clock, the probe steps, the ``overhead/`` values (:mod:`headwatch.core.overhead`)."""
+        self.val_check = SelfCheck(f"{prefix}/val", self.reducer, evaluation=True)  # evaluations: the model's own loss
+        self.val_check.strict, self.check.evaluation_check = strict, self.val_check  # one hook on the model serves both
+        self.vocabulary = VocabularyWatch()  # the vocabulary-sized matrices as attached, checked on logging steps
 
     # ---------------------------------------------------------------- wiring
     def configure(self, every: int, reducer: Reducer | None = None, figure_every_n_steps: int | str | None = None) -> None:
@@ -148,7 +148,7 @@ class Orchestrator:
         check_int("every", every, minimum=0)
         self.every = every
         if reducer is not None:
-            self.reducer = self.check.reducer = reducer
+            self.reducer = self.check.reducer = self.val_check.reducer = reducer
         for m in self.monitors:
             m.configure(Schedule(self.cost.cadence(m, every)), self.reducer)
             m.clock = self.cost.clock
@@ -174,7 +174,8 @@ class Orchestrator:
         with whole_matrices(root, model):
             failed = self.attach_each(attach, refuse=refuse)
         self.refuse_failed(failed)
-        self.check.attach(unwrapped(model))  # the model's own `outputs.loss` on logging steps
+        self.check.attach(unwrapped(model))  # the model's own `outputs.loss` on logging steps and evaluations
+        self.vocabulary.remember(unwrapped(model), lambda: self.attach(model, root, refuse))
 
     def attach_each(
         self, attach: Callable[[Monitor], Any], monitors: Sequence[Monitor] | None = None, refuse: bool = True
@@ -186,7 +187,7 @@ class Orchestrator:
         for m in self.all_monitors if monitors is None else monitors:
             try:
                 attach(m)
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
                 if not refuse:
                     raise
                 failed[m] = err
@@ -211,6 +212,7 @@ class Orchestrator:
         if monitors:
             logits = next((m for m in monitors if hasattr(m, "capture_tally")), None)
             self.check.prefix = (logits or monitors[0]).prefix
+            self.val_check.prefix = f"{self.check.prefix}/val"
             owner = getattr(getattr(logits, "source", None), "owner", None)
             if isinstance(owner, nn.Module) and model_loss:  # the model's own `outputs.loss` (a Hugging Face model)
                 self.check.attach(owner)
@@ -279,7 +281,7 @@ class Orchestrator:
         what a front door wraps around each trainer hook."""
         try:
             yield
-        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+        except Exception as err:  # noqa: BLE001
             if getattr(err, "strict", False) is True:  # a strict part of the run raised on purpose
                 raise
             if self.policy.strict or any(m.strict for m in self.all_monitors):
@@ -309,12 +311,10 @@ class Orchestrator:
                 failed.append(m)
         return failed
 
-    def warn_once(self, key: str, message: str) -> None:
-        """A warning about the run, once (through the first monitor's warn-once record, else the run's)."""
+    def warn_once(self, key: str, message: str) -> None:  # through the first monitor's warn-once record, else the run's
         (self.monitors[0] if self.monitors else self.policy).warn_once(key, message)
 
-    def note_once(self, key: str, message: str) -> None:
-        """A note about the run, once, never raised (:meth:`FailurePolicy.note_once`)."""
+    def note_once(self, key: str, message: str) -> None:  # a note about the run, once, never raised
         (self.monitors[0] if self.monitors else self.policy).note_once(key, message)
 
     def fail(self, err: Exception, where: str) -> None:
@@ -339,6 +339,8 @@ class Orchestrator:
         self.logging_step = self.is_logging_step(step, first)
         self.cost.begin(step, self.logging_step, first)
         self.logging = self.due(step, first)
+        if self.logging and self.vocabulary.check(self.note_once):  # resized or untied since attach: resolved again
+            self.logging = self.due(step, first)
         if new:
             self.begin_check()
 
@@ -448,7 +450,11 @@ class Orchestrator:
         """A validation batch starts; ``real_rows``: only its first ``real_rows`` rows are real (the others are
         repeats a distributed sampler added to even out the processes: :func:`eval_rows_kept`,
         :func:`sampler_rows_kept`), the monitors see them marked as no prediction (:func:`keep_rows`)."""
+        if not self.val_check.active and any(isinstance(m, LogitStats) for m in (self.monitors if monitors is None else monitors)):
+            self.val_check.begin(True)  # the evaluation's first measured batch: the model's own losses are read from now on
         if real_rows is not None:
+            if self.val_check.active and isinstance(batch, Mapping) and real_rows < getattr(batch.get(self.batch_format.ids_key), "shape", (0,))[0]:
+                self.val_check.rows_left_out()
             marked = keep_rows(batch, real_rows, self.batch_format)
             if marked is None:
                 self.warn_once(
@@ -471,7 +477,9 @@ class Orchestrator:
         published names get the suffix ``/<name>`` (:func:`named_evaluation`). Returns the values under
         the monitors' names (without the suffix).
         """
-        return self.emit(list(self.monitors if monitors is None else monitors), step, val=True, name=name, always=True)
+        numbers = self.emit(list(self.monitors if monitors is None else monitors), step, val=True, name=name, always=True)
+        self.val_check.begin(False)  # until the next evaluation's first batch
+        return numbers
 
     # ---------------------------------------------------------------- publishing
     def compute(self, due: Sequence[Monitor], val: bool = False) -> tuple[dict[str, float], list[Monitor]]:
@@ -480,16 +488,18 @@ class Orchestrator:
         ``(numbers, monitors published)``."""
         if not due:
             return {}, []
-        training, rode = not (val or self.ended), [] if val else self.cost.ride(self.reducer.world_size)
-        check = [self.check.local_sums(due)] if training and self.reducer.world_size > 1 else None  # rides with the sums
+        checker = self.val_check if val else self.check
+        checked = val or not self.ended  # the end-of-training probe has no step of its own to check
+        rode = [] if val else self.cost.ride(self.reducer.world_size)
+        check = [checker.local_sums(due)] if checked and self.reducer.world_size > 1 else None  # rides with the sums
         with self.cost.clock.kind("statistics"):
             scalars, ok = compute_due(list(due), self.reducer, val, also=(check or []) + rode)
         if not ok:
             return {}, []
-        if training:
-            scalars = self.self_check(scalars, ok, check[0] if check else None)
-            if self.sampling_temperature is not None:
-                scalars = rl_scalars(scalars, self.prefix, self.sampling_temperature, self.rl_start)
+        if checked:
+            scalars = checker.checked(scalars, ok, check[0] if check else None)  # a failure adds nothing (said once)
+        if checked and not val and self.sampling_temperature is not None:
+            scalars = rl_scalars(scalars, self.prefix, self.sampling_temperature, self.rl_start)
         try:
             self.cost.trim([m.media for m in ok] if not val else [])
             with self.cost.clock.kind("publish"):
@@ -498,24 +508,15 @@ class Orchestrator:
             ok[0].fail(err, "moving the values to the host")
             return {}, []
         shared = None if val else self.cost.shared(numbers, self.reducer.world_size)  # the reduced window, popped
-        numbers = withhold(numbers, [*ok, *([] if val else [self.check])], val, self.prefix)
+        measured, numbers = numbers, withhold(numbers, [*ok, *([checker] if checked else [])], checker.prefix)
         with self.cost.clock.kind("figures" if self.cost.probing else "statistics"):
             self.each("publishing the values", lambda m: m.published(numbers), ok)
         numbers = numbers if val else self.cost.after(numbers, shared)
-        if training:
-            self.check.attempt(lambda: self.check.published(numbers), "warning from the self-check")
-            if self.sampling_temperature is not None and self.rl_start is None:
-                self.rl_start = drop_reference(numbers, self.prefix)  # the run's first RL logging step
+        if checked:
+            checker.attempt(lambda: checker.published(measured), "warning from the self-check")  # names what it withheld
+        if checked and not val and self.sampling_temperature is not None and self.rl_start is None:
+            self.rl_start = drop_reference(numbers, self.prefix)  # the run's first RL logging step
         return numbers, ok
-
-    def self_check(self, scalars: dict[str, Any], ok: Sequence[Monitor], reduced: dict[str, Tensor] | None = None) -> dict[str, Any]:
-        """``scalars`` of a training logging step with the self-check's values added (on the device; ``reduced``: its counts
-        summed with the step's sums, else summed here). A failure warns once (raises when strict) and adds nothing."""
-        try:
-            return self.check.extend(scalars, ok, reduced)
-        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
-            self.check.fail(err, "computing the self-check")
-            return scalars
 
     def emit(
         self, due: Sequence[Monitor], step: int, val: bool = False, name: str | None = None, always: bool = False

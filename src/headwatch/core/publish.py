@@ -81,11 +81,12 @@ def named_evaluation(numbers: dict[str, float], media: Sequence[Media], name: st
     return {(f"{k}/{name}" if k.startswith(val) else k): v for k, v in numbers.items()}
 
 
-def withhold(numbers: dict[str, float], parts: Sequence[Any], val: bool, prefix: str) -> dict[str, float]:
+def withhold(numbers: dict[str, float], parts: Sequence[Any], check_prefix: str) -> dict[str, float]:
     """``numbers`` without the figures withheld on this step (the key-set rule, ``docs/distributed.md``): each of
-    ``parts`` (the published monitors and, in training, the self-check) names them in ``withheld(numbers)`` from
-    values already reduced over processes, so every rank withholds the same ones. With the self-check's values,
-    their count is published as ``check/withheld``. A part that fails follows its failure policy (``fail``)."""
+    ``parts`` (the published monitors and the self-check of the split) names them in ``withheld(numbers)`` from
+    values already reduced over processes, so every rank withholds the same ones. With the self-check's values
+    (under ``check_prefix``: ``<prefix>`` in training, ``<prefix>/val`` in evaluation), their count is published as
+    ``<check_prefix>/check/withheld``. A part that fails follows its failure policy (``fail``)."""
     withheld: dict[str, str] = {}
     for part in parts:
         try:
@@ -93,6 +94,6 @@ def withhold(numbers: dict[str, float], parts: Sequence[Any], val: bool, prefix:
         except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
             part.fail(err, "deciding which figures to withhold")
     kept = {k: v for k, v in numbers.items() if k not in withheld}
-    if not val and f"{prefix}/debug/capture/positions" in numbers:
-        kept[f"{prefix}/check/withheld"] = float(sum(k in numbers for k in withheld))
+    if f"{check_prefix}/debug/capture/positions" in numbers:
+        kept[f"{check_prefix}/check/withheld"] = float(sum(k in numbers for k in withheld))
     return kept

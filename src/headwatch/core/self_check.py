@@ -49,39 +49,79 @@ TOLERANCES: dict[str, Tolerance] = {
     "entropy": Tolerance(1e-3, 1e-2),
     "accuracy": Tolerance(2e-2, 0.0),
 }
-"""Per compared figure. float32 from the same logits agrees to ~1e-6 relative; TRL's chunked kernel to ~2e-4
-nats on entropy; bf16 logits (8 significant bits, relative rounding 2^-9 per logit) move a token's NLL or
-entropy by ~|logit| 2^-8, well under 1% on the mean; a near-tie argmax flips under bf16 (2 points of
-accuracy). A broken capture (other positions, other labels, another forward) moves them by tenths of a nat."""
+"""Per compared figure, when the dtype the loss scored is not known (about bf16's at ``V = 2^16``). A near-tie
+argmax flips under bf16 (2 points of accuracy). A broken capture (other positions, other labels, another forward)
+moves NLL and entropy by tenths of a nat. With the dtype known, :func:`dtype_tolerance` (``docs/self_check.md``)."""
 
+EPS: dict[torch.dtype, float] = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+"""Machine epsilon (the gap from 1 to the next number) of each floating dtype a loss can score in."""
+
+
+def dtype_tolerance(key: str, dtype: torch.dtype | None, vocab_size: int) -> Tolerance:
+    """The tolerance of ``key`` (``"nll"``, ``"entropy"``, ``"accuracy"``) for a loss that scored logits of ``dtype``
+    over ``vocab_size`` columns: ``atol = max(eps log V / 8, floor)``, ``rtol = max(1.28 eps, 1e-4)``, ``floor``
+    ``1e-5`` nats for NLL, ``5e-4`` for entropy (TRL's chunked kernel); ``eps`` of :data:`EPS`. Derivation in
+    ``docs/self_check.md``. Accuracy, an unknown dtype or ``vocab_size < 2``: :data:`TOLERANCES`.
+
+    Raises:
+        KeyError: ``key`` is not a compared figure.
+    """
+    base = TOLERANCES[key]
+    eps = EPS.get(dtype) if dtype is not None else None
+    if key == "accuracy" or eps is None or vocab_size < 2:
+        return base
+    floor = 1e-5 if key == "nll" else 5e-4
+    return Tolerance(max(eps * math.log(vocab_size) / 8, floor), max(1.28 * eps, 1e-4))
+
+
+TOTALS = 6
+"""Leading entries of the self-check's summed counts (:meth:`SelfCheck.local_sums`), before the per-forward slots."""
 
 MAX_PAIRED = 64
 """Loss forwards per logging step whose positions are summed over processes to weigh TRL's per-micro-batch
 entries (more: the entries are averaged unweighted)."""
 
 
+def scored_dtype(captured: Any) -> torch.dtype | None:
+    """The dtype of the logits the loss scored, for its tolerance: the captured logits' own (the loss's tensor), or the
+    coarser of a reproduced projection's ``precision``; None where the hidden path recomputes them in float32 (the
+    model's own rounding is not known)."""
+    if getattr(captured, "logits", None) is not None:
+        return captured.logits.dtype
+    precision = getattr(captured, "precision", None)
+    return max(precision, key=lambda d: EPS.get(d, 0.0)) if precision else None
+
+
 class CaptureTally:
     """What :class:`~headwatch.core.logits.LogitStats` measured on the current training logging step.
 
     ``forwards``: measured forwards on this process (a Python int); ``labelled``: positions of their
-    targets ``(B, T)`` that predict a label (``target != ignore_index``), summed on the device (no sync).
+    targets ``(B, T)`` that predict a label (``target != ignore_index``), summed on the device (no sync);
+    ``dtype``: the coarsest dtype the measured forwards' logits were scored in (None: unknown); ``vocab_size``:
+    their columns ``V``.
     """
 
     def __init__(self) -> None:
         self.forwards = 0
         self.labelled: Tensor | None = None
+        self.dtype: torch.dtype | None = None
+        self.vocab_size = 0
 
-    def add(self, targets: Tensor | None, ignore_index: int) -> None:
-        """One measured forward with its (aligned) ``targets`` ``(B, T)`` or None (no labels)."""
+    def add(self, targets: Tensor | None, ignore_index: int, dtype: torch.dtype | None = None, vocab_size: int = 0) -> None:
+        """One measured forward with its (aligned) ``targets`` ``(B, T)`` or None (no labels), scored in ``dtype``
+        over ``vocab_size`` columns."""
         self.forwards += 1
+        if dtype is not None and (self.dtype is None or EPS.get(dtype, 0.0) > EPS.get(self.dtype, 0.0)):
+            self.dtype = dtype
+        self.vocab_size = max(self.vocab_size, vocab_size)
         if targets is not None:
             n = (targets != ignore_index).sum()
             self.labelled = n if self.labelled is None else self.labelled + n.to(self.labelled.device)
 
     def take(self) -> tuple[int, Tensor | None]:
-        """``(forwards, labelled)`` of the step, and reset."""
+        """``(forwards, labelled)`` of the step, and reset (read ``dtype`` and ``vocab_size`` before)."""
         out = (self.forwards, self.labelled)
-        self.forwards, self.labelled = 0, None
+        self.forwards, self.labelled, self.dtype, self.vocab_size = 0, None, None, 0
         return out
 
 
@@ -117,16 +157,28 @@ class SelfCheck(FailurePolicy):
     Args:
         prefix: first component of every metric name.
         reducer: distributed reductions (the orchestrator's).
-        tolerances: per compared figure (``"nll"``, ``"entropy"``, ``"accuracy"``), default :data:`TOLERANCES`.
+        tolerances: per compared figure (``"nll"``, ``"entropy"``, ``"accuracy"``), fixed for the run; default: by
+            the dtype the loss scored (:func:`dtype_tolerance`).
 
     Raises:
         HeadwatchError: a bad ``prefix``.
     """
 
-    def __init__(self, prefix: str = "headwatch", reducer: Reducer | None = None, tolerances: dict[str, Tolerance] | None = None) -> None:
+    def __init__(
+        self, prefix: str = "headwatch", reducer: Reducer | None = None, tolerances: dict[str, Tolerance] | None = None, evaluation: bool = False
+    ) -> None:
         self.prefix = check_prefix(prefix)
+        self.evaluation = evaluation
+        """Checks an evaluation (names under ``<prefix>/val/``): eval-mode forwards' ``outputs.loss`` against the first
+        validation dataloader's ``val/logits/*``; else the training logging steps."""
+        self._tally = "val_tally" if evaluation else "capture_tally"
+        self.evaluation_check: SelfCheck | None = None
+        """The evaluation's check, handed the eval-mode forwards this check's hook sees (one hook on the model: a
+        second would change how ``torch.compile`` traces the model's hooks)."""
         self.reducer: Reducer = reducer or NoReducer()
-        self.tolerances = {**TOLERANCES, **(tolerances or {})}
+        self.tolerances: dict[str, Tolerance] = dict(tolerances or {})
+        """Tolerances set for the run, by figure; the others follow the dtype of each step (:meth:`tolerance`)."""
+        self._dtype: tuple[torch.dtype | None, int] = (None, 0)  # the dtype and V of the step being checked
         self.active = False
         self.policy_gradient = False
         """An RL run (policy-gradient loss, :meth:`Orchestrator.sample_at`): the model's ``outputs.loss`` is the
@@ -145,6 +197,11 @@ class SelfCheck(FailurePolicy):
     @property
     def rank(self) -> int:
         return self.reducer.rank
+
+    def tolerance(self, key: str) -> Tolerance:
+        """The tolerance of ``key`` on the step being checked: set for the run, else :func:`dtype_tolerance` of the dtype
+        the measured forwards' logits were scored in (the same on every process: the run's configuration)."""
+        return self.tolerances.get(key) or dtype_tolerance(key, *self._dtype)
 
     def _reset(self) -> None:
         self._sums: list[Tensor] = []  # per loss forward: its NLL summed over its labelled positions (float64)
@@ -177,7 +234,14 @@ class SelfCheck(FailurePolicy):
     def _on_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """A forward of the model: a training forward with gradients and a ``loss`` is one of the step's loss forwards."""
         if not self.active or not module.training or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            other = self.evaluation_check  # an eval-mode forward of an evaluation (never traced: read outside compile)
+            if not torch.compiler.is_compiling() and other is not None and other.active and not module.training:
+                other._read(module, kwargs, output)
             return
+        self._read(module, kwargs, output)
+
+    def _read(self, module: nn.Module, kwargs: dict, output: Any) -> None:
+        """One loss forward's ``outputs.loss`` and its labelled positions, recorded."""
         try:
             loss = output_loss(output)
             if loss is None:
@@ -201,6 +265,11 @@ class SelfCheck(FailurePolicy):
             self.add_nll_sum(loss.detach().double() * weight, count)
         except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
             self.fail(err, "reading the model's loss")
+
+    def rows_left_out(self) -> None:
+        """An evaluation batch whose repeated rows (an even distributed split) are left out of the capture but not of
+        the model's loss: the evaluation has no comparable reference (NaN, summed over processes: on every rank)."""
+        self.add_nll_sum(torch.tensor(float("nan"), dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
 
     def skipped_forward(self, kind: str) -> None:
         """A forward of the logging step that feeds no loss (``"generation"``: a ``generate()`` call's; ``"no_grad"``:
@@ -258,7 +327,8 @@ class SelfCheck(FailurePolicy):
         where to build it (default: where this step's tensors are, else where collectives run).
 
         A failure warns once (raises when strict) and gives zeros of the same layout: no check value this step."""
-        tally = next((m.capture_tally for m in monitors if isinstance(getattr(m, "capture_tally", None), CaptureTally)), None)
+        tally = next((getattr(m, self._tally) for m in monitors if isinstance(getattr(m, self._tally, None), CaptureTally)), None)
+        self._dtype = (tally.dtype, tally.vocab_size) if tally is not None else (None, 0)
         taken = (tally.take() if tally is not None else (0, None), self._sums, self._weights, self._counted, self._step_loss, self._trl, dict(self._skipped))
         self._reset()
         self.active = False  # until the next logging step begins
@@ -271,11 +341,11 @@ class SelfCheck(FailurePolicy):
         except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
             self._taken = None
             self.fail(err, "computing the self-check")
-            return {"totals": torch.zeros(4 + MAX_PAIRED, dtype=torch.float64, device=device)}
+            return {"totals": torch.zeros(TOTALS + MAX_PAIRED, dtype=torch.float64, device=device)}
 
     def _local(self, device: torch.device) -> Tensor:
         """The counts of :meth:`local_sums` from what it took."""
-        (_, labelled), sums, weights, counted = self._taken[0], self._taken[1], self._taken[2], self._taken[3]  # type: ignore[index]
+        (_, labelled), sums, weights, counted, step_loss = self._taken[0], *self._taken[1:5]  # type: ignore[index]
 
         def dev(x: Tensor | float) -> Tensor:
             return _on(x, device)
@@ -287,11 +357,16 @@ class SelfCheck(FailurePolicy):
         slots = torch.zeros(MAX_PAIRED, dtype=torch.float64, device=device)
         if w is not None and len(weights) <= MAX_PAIRED:
             slots[: len(weights)] = w
+        # the user's step loss (a token mean on this process), weighted by its labelled positions: the mean over
+        # processes is the same on every rank, so is every decision taken from it
+        weight = dev(labelled) if labelled is not None else dev(1.0)
         return torch.cat([torch.stack([
             dev(labelled) if labelled is not None else zero,
             torch.stack([dev(s) for s in sums]).sum() if sums else zero,
             w.sum() if w is not None else zero,
             dev(0.0 if counted else 1.0),
+            dev(step_loss) * weight if step_loss is not None else zero,
+            weight if step_loss is not None else zero,
         ]), slots])  # fmt: skip
 
     def extend(self, scalars: dict[str, Any], monitors: Sequence[Any], reduced: Mapping[str, Tensor] | None = None) -> dict[str, Any]:
@@ -320,26 +395,29 @@ class SelfCheck(FailurePolicy):
 
         w = torch.stack([dev(x) for x in weights]) if weights else None  # (forwards,)
         if w is not None and len(weights) <= MAX_PAIRED:  # the global positions of each forward (on one process: w)
-            w = total[4 : 4 + len(weights)]
+            w = total[TOTALS : TOTALS + len(weights)]
             w = torch.where(total[3] > 0, 1.0, w)  # a process without its counts: unweighted on every process (no sync)
         if isinstance(positions, Tensor):
             out[f"{p}/debug/capture/forwards"] = float(forwards)
             out[f"{p}/debug/capture/positions"] = positions
             out[f"{p}/debug/capture/labelled_positions"] = total[0] if labelled is not None else 0.0
-            out[f"{p}/debug/capture/generation_forwards"] = float(skipped.get("generation", 0))
-            out[f"{p}/debug/capture/no_grad_forwards"] = float(skipped.get("no_grad", 0))
+            if not self.evaluation:
+                out[f"{p}/debug/capture/generation_forwards"] = float(skipped.get("generation", 0))
+                out[f"{p}/debug/capture/no_grad_forwards"] = float(skipped.get("no_grad", 0))
         reference: Tensor | None = None
         if step_loss is not None:
-            reference = dev(step_loss)
+            reference = total[4] / total[5]  # the processes' step losses, weighted by their labelled positions
         elif sums:
             reference = total[1] / total[2]
         gaps: list[Tensor] = []
-        if reference is None and isinstance(positions, Tensor):
-            self.info_once(
+        if reference is None and isinstance(positions, Tensor) and not self.evaluation:
+            self.note_once(  # a figure left out (check/nll_gap): a warning, never raised
+                "no_reference",
                 "headwatch self-check: no trainer loss to compare target_nll with on this run (no training forward "
                 "returned `outputs.loss`: the trainer computes the loss outside the model, e.g. label smoothing or "
-                "`compute_loss_func`, or the model is compiled); pass step_end(loss=...) (plain loop) or "
-                "compare_loss=<logged key> (Lightning) to compare. The debug/capture/* counts are still published."
+                "`compute_loss_func`, or the model is compiled), so check/nll_gap is not published; pass "
+                "step_end(loss=...) (plain loop) or compare_loss=<logged key> (Lightning) to compare. The "
+                "debug/capture/* counts are still published. (said once)",
             )
         if reference is not None and isinstance(positions, Tensor):  # no logit statistics (refused): nothing to compare
             out[f"{p}/debug/check/reference_nll"] = reference
@@ -348,6 +426,8 @@ class SelfCheck(FailurePolicy):
             own = own_nll.double() if isinstance(own_nll, Tensor) else dev(float("nan"))
             out[f"{p}/check/nll_gap"] = gap = own - reference
             gaps.append(self._beyond(gap, reference, "nll"))
+            if step_loss is None and counted and labelled is not None:  # position counts agree exactly, or fail
+                gaps.append((total[0] != total[2]) & torch.isfinite(reference))  # NaN: no comparable reference
         for key, name in (("entropy", "logits/entropy"), ("accuracy", "logits/target_argmax_rate")):
             values, mine = trl.get(key), scalars.get(f"{p}/{name}")
             if not values or not isinstance(mine, Tensor):
@@ -365,9 +445,17 @@ class SelfCheck(FailurePolicy):
             out[f"{p}/check/vanished_gradient"] = vanished
         return out
 
+    def checked(self, scalars: dict[str, Any], monitors: Sequence[Any], reduced: Mapping[str, Tensor] | None = None) -> dict[str, Any]:
+        """:meth:`extend`; a failure warns once (raises when strict) and adds nothing."""
+        try:
+            return self.extend(scalars, monitors, reduced)
+        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+            self.fail(err, "computing the self-check")
+            return scalars
+
     def _beyond(self, gap: Tensor, reference: Tensor, key: str) -> Tensor:
         """True where ``gap`` is beyond the tolerance of ``key``, or not finite while ``reference`` is."""
-        tol = self.tolerances[key]
+        tol = self.tolerance(key)
         within = gap.abs() <= tol.atol + tol.rtol * reference.abs()
         return ~within & torch.isfinite(reference)
 
@@ -390,14 +478,18 @@ class SelfCheck(FailurePolicy):
 
     # ---------------------------------------------------------------- after the transfer
     def withheld(self, numbers: dict[str, float]) -> dict[str, str]:
-        """The figures withheld on a step where the head's gradient vanished (``check/vanished_gradient`` 1, from
-        reduced values): the row densities of the head (or the shared matrix), overall and by bucket, which would
-        read as a measured 0. The flag itself is published."""
+        """The figures withheld on a step, decided from values reduced over processes: where the self-check failed
+        (``check/mismatch`` 1) every ``logits/*`` figure of the step; where the head's gradient vanished
+        (``check/vanished_gradient`` 1) the row densities of the head (or the shared matrix), overall and by bucket,
+        which would read as a measured 0. The flags and the gaps themselves are published."""
         p = self.prefix
-        if not numbers.get(f"{p}/check/vanished_gradient", 0.0) > 0:
-            return {}
-        cause = "the head's gradient vanished"
-        return {k: cause for k in numbers if k.startswith(f"{p}/grad/") and k.endswith(("head_row_density", "shared_row_density"))}
+        out: dict[str, str] = {}
+        if numbers.get(f"{p}/check/mismatch", 0.0) > 0:  # reduced values: every process withholds alike
+            out.update(dict.fromkeys((k for k in numbers if k.startswith(f"{p}/logits/")), "the self-check failed"))
+        if numbers.get(f"{p}/check/vanished_gradient", 0.0) > 0:
+            cause = "the head's gradient vanished"
+            out.update({k: cause for k in numbers if k.startswith(f"{p}/grad/") and k.endswith(("head_row_density", "shared_row_density"))})
+        return out
 
     def published(self, numbers: dict[str, float]) -> None:
         """Warn once per kind (rank zero) from the published floats: a gap beyond tolerance, a vanished gradient."""
@@ -423,10 +515,16 @@ class SelfCheck(FailurePolicy):
         nan = float("nan")
         parts = []
         nll_gap = get(f"{p}/check/nll_gap")
-        if nll_gap is not None and not abs(nll_gap) <= self.tolerances["nll"].atol + self.tolerances["nll"].rtol * abs(get(f"{p}/debug/check/reference_nll", 0.0)):
+        nll_tol = self.tolerance("nll")
+        lab, ref_pos = get(f"{p}/debug/capture/labelled_positions", nan), get(f"{p}/debug/check/reference_positions", nan)
+        if nll_gap is not None and abs(nll_gap) <= nll_tol.atol + nll_tol.rtol * abs(get(f"{p}/debug/check/reference_nll", 0.0)):
+            if not math.isnan(ref_pos) and lab != ref_pos:  # values agree, positions do not: counted exactly
+                parts.append(f"headwatch's forwards hold {lab:.0f} labelled positions, the loss counts {ref_pos:.0f} (position "
+                             "counts must match exactly); likely cause: other positions (prompt tokens, `logits_to_keep`, a "
+                             "different label shift) whose mean happens to agree")  # fmt: skip
+        elif nll_gap is not None:
             own, ref = get(f"{p}/logits/target_nll", nan), get(f"{p}/debug/check/reference_nll", nan)
             fw, ref_fw = get(f"{p}/debug/capture/forwards", nan), get(f"{p}/debug/check/reference_forwards", nan)
-            lab, ref_pos = get(f"{p}/debug/capture/labelled_positions", nan), get(f"{p}/debug/check/reference_positions", nan)
             if math.isnan(own) or lab == 0:
                 cause = ("headwatch saw no labels in the forward it measured: the trainer took `labels` out of the model's "
                          "inputs (label smoothing, `compute_loss_func`) or the batch keeps them under another key (`targets_fn=`)")  # fmt: skip
@@ -444,7 +542,7 @@ class SelfCheck(FailurePolicy):
             gap = get(f"{p}/check/{key}_gap")
             if gap is None:
                 continue
-            tol = self.tolerances[key]
+            tol = self.tolerance(key)
             mine = get(f"{p}/{name}", nan)
             ref = mine - gap
             if not abs(gap) <= tol.atol + tol.rtol * abs(ref):
@@ -458,7 +556,8 @@ class SelfCheck(FailurePolicy):
                 "mismatch",
                 "headwatch self-check FAILED: what headwatch measured disagrees with the trainer's own figures beyond the "
                 "tolerance (docs/self_check.md): " + "; ".join(parts) + f". The gaps are published under {p}/check/; "
-                f"{p}/check/mismatch is 1 on such steps. (warned once)",
+                f"{p}/check/mismatch is 1 on such steps, and their {p}/logits/* figures are withheld on every process "
+                f"(counted in {p}/check/withheld). (warned once)",
             )
 
     # ---------------------------------------------------------------- state

@@ -14,12 +14,15 @@ from transformers.integrations import TensorBoardCallback
 
 from headwatch import tensorboard as tb
 from headwatch.alerts.actions import JSONL_NAME
-from headwatch.alerts.wiring import load_alert_state, wire_alert as wire_engine, with_alert_state
+from headwatch.alerts.wiring import load_alert_state, with_alert_state
+from headwatch.alerts.wiring import wire_alert as wire_engine
 from headwatch.core.driver import Driver
-from headwatch.integrations.hf_trl import understand_trainer
+from headwatch.core.vocabulary import set_vocab_size
 from headwatch.integrations.hf_publish import TB_PREFIX
+from headwatch.integrations.hf_trl import understand_trainer
 from headwatch.model.capture import called_from
 from headwatch.model.hooks import InputsHook
+from headwatch.model.weights import declared_shape
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -107,6 +110,18 @@ def batch_scalars_of(callback: Any) -> None:
     callback.on_log = on_log
 
 
+def tokenizer_size(trainer: Trainer | None) -> int | None:
+    """``len(tokenizer)`` of the Trainer's ``processing_class`` (a processor's ``.tokenizer``): the ids the tokenizer
+    can produce, added tokens included; None without one (or an image processor, which has no length)."""
+    tok = getattr(trainer, "processing_class", None)
+    if tok is not None and not hasattr(tok, "__len__"):
+        tok = getattr(tok, "tokenizer", None)  # a ProcessorMixin: its text tokenizer
+    try:
+        return len(tok) if tok is not None and hasattr(tok, "__len__") else None
+    except TypeError:
+        return None
+
+
 def in_evaluation() -> bool:
     """True when the caller runs inside a ``Trainer.prediction_step`` (``evaluate()``, ``predict()``, any subclass's
     override): an evaluation forward. A forward of the model outside it (the user's own call after ``train()``)
@@ -150,6 +165,8 @@ class TrainerLink(Driver):
 
     prefix: str
     figure_every_n_steps: int | str | None
+    vocab_size: int | None = None
+    _door_vocab: dict[int, int]
     alert: Any
     inputs: InputsHook
     """The forward pre-hook on the trained model (:class:`~headwatch.model.hooks.InputsHook`)."""
@@ -192,9 +209,31 @@ class TrainerLink(Driver):
         self.run.configure(every, figure_every_n_steps=self.figure_every_n_steps)
         if self.figure_every_n_steps == "auto":  # drawn on the probe steps under a budget
             self.run.cost.follow_figures(self.run.named)
+        self.use_vocabulary(unwrap(model))
         self.run.attach(unwrap(model), root=model, refuse=True)  # FSDP1 (accelerate): summoned from the wrapped model
+        self.run.vocabulary.again = lambda: self.attach_model(model, every)  # resized after attach: the tokenizer again
         self.understand_trainer()
         self.inputs.watch(unwrap(model))
+
+    def use_vocabulary(self, model: nn.Module) -> None:
+        """The run's vocabulary: ``vocab_size=``, else ``len`` of the Trainer's tokenizer (:func:`tokenizer_size`), handed
+        to the token counts and the logit statistics not given one (:func:`set_vocab_size`): the model's rows beyond it
+        are left out of the row figures and ``logits/padded_mass`` is published. A tokenizer larger than the model's
+        embedding is not used (one warning: its ids past the rows cannot be looked up)."""
+        size = self.vocab_size if self.vocab_size is not None else tokenizer_size(self.trainer or find_trainer(self))
+        if size is None:
+            return
+        getter = getattr(model, "get_input_embeddings", None)
+        rows = (declared_shape(getter()) or (None,))[0] if callable(getter) else None
+        if self.vocab_size is None and rows is not None and size > rows:
+            self.run.warn_once(
+                "tokenizer_rows",
+                f"headwatch: the Trainer's tokenizer has {size} tokens but the model's input embedding {rows} rows, so "
+                "the tokenizer's size is not used (no padded rows are left out, no logits/padded_mass). Fix: "
+                "model.resize_token_embeddings(len(tokenizer)), or HeadwatchCallback(vocab_size=...). (warned once)",
+            )
+            return
+        set_vocab_size(self.run.all_monitors, size, self._door_vocab)
 
     def understand_trainer(self) -> None:
         """TRL's RL trainers: measure the policy's sampling distribution (``docs/rl.md``); TRL trainers the door

@@ -24,11 +24,10 @@ from headwatch.alerts.wiring import EngineSink, check_alert, is_rules
 from headwatch.core.figures import check_figure_argument
 from headwatch.core.monitor import Monitor
 from headwatch.core.orchestrator import Orchestrator
-from headwatch.integrations.hf_trl import fused_head_note, trl_marks, trl_step_values
 from headwatch.distributed.reduce import Reducer
-from headwatch.errors import HeadwatchError, check_bool
-from headwatch.integrations.hf_publish import TrainerSink, console_filter
+from headwatch.errors import HeadwatchError, check_bool, check_int, check_optional
 from headwatch.integrations.hf_checkpoint import restore_state, resume_dir, save_state
+from headwatch.integrations.hf_publish import TrainerSink, console_filter
 from headwatch.integrations.hf_support import (
     TrainerLink,
     evaluation_prefix,
@@ -37,6 +36,7 @@ from headwatch.integrations.hf_support import (
     loss_scale,
     wire_alert,
 )
+from headwatch.integrations.hf_trl import fused_head_note, trl_marks, trl_step_values
 from headwatch.model.batch import BatchFormat
 from headwatch.model.hooks import InputsHook
 from headwatch.report.summary import SummarySink
@@ -101,6 +101,10 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
             ``logging_steps`` is kept: when the logging statistics alone exceed the budget at it (TRL's configs
             default to 10), one warning says so with the interval that fits. None: off (the collision every 10
             logging intervals).
+        vocab_size: the tokenizer's vocabulary size; None: ``len`` of the Trainer's ``processing_class`` (a
+            processor's ``.tokenizer``) when it has one. The model's rows past it (a vocabulary padded to a multiple
+            of 64 or 128) are left out of the row figures (gradient and update densities, collision) and
+            ``logits/padded_mass`` is published. Monitors passed in with their own ``vocab_size`` keep it.
 
     Raises:
         HeadwatchError: a bad argument. No trainer hook raises: a monitor that cannot measure the model
@@ -122,8 +126,11 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
         figure_every_n_steps: int | str | None = "auto",
         summary: bool = True,
         overhead_budget: float | None = 0.01,
+        vocab_size: int | None = None,
     ) -> None:
         check_figure_argument(figure_every_n_steps)
+        self.vocab_size = check_optional(check_int, "vocab_size", vocab_size, minimum=1)
+        self._door_vocab: dict[int, int] = {}  # the vocabulary sizes this door gave monitors, by id of the monitor
         check_alert(alert)
         check_bool("stop_on_critical", stop_on_critical)
         check_bool("checkpoint_on_critical", checkpoint_on_critical)

@@ -22,8 +22,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from headwatch.core.monitor import Monitor, whole_matrices
 from headwatch.core.driver import Driver
+from headwatch.core.monitor import Monitor, whole_matrices
 from headwatch.core.orchestrator import Orchestrator
 from headwatch.core.publish import Sink
 from headwatch.core.schedule import Schedule
@@ -192,7 +192,7 @@ class HeadwatchDriver(Driver, Callback):
         self._stage, self._round, self._intervals = stage, set(), set()
         self._trainer = weakref.ref(trainer)
         reducer = LightningReducer(trainer.strategy)
-        self.run.reducer = self.run.check.reducer = reducer
+        self.run.reducer = self.run.check.reducer = self.run.val_check.reducer = reducer
         if self.summary_on and self.summary not in self.run.sinks:
             self.run.sinks.append(self.summary)
         if stage == "fit":
@@ -207,6 +207,7 @@ class HeadwatchDriver(Driver, Callback):
         attach = lambda core: self.attach_one(owner[core], trainer, pl_module, stage)  # noqa: E731
         self.run.refuse_failed(self.run.attach_each(attach, list(owner)))
         self.use()
+        self.run.vocabulary.remember(pl_module, lambda: self.attach(trainer, pl_module, stage))  # resized later: again
 
     @staticmethod
     def attach_one(callback: Registrant, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
