@@ -126,7 +126,10 @@ def test_labels_on_one_rank_give_the_same_keys_and_values_everywhere(tmp_path):
 
 def test_a_rank_whose_forward_raised_publishes_the_same_keys(tmp_path):
     r0 = run(tmp_path, "raised", 37000)
-    assert sorted(r0["3"]) == sorted(r0["1"])  # rank 0's capture of step 3 stands for the run
+    # rank 0's capture of step 3 stands for the run: the keys of step 5, where both ranks ran their forward (step 1,
+    # the first logging step, is a collision probe step too)
+    assert sorted(r0["3"]) == sorted(r0["5"])
+    assert any(k.startswith("headwatch/collision/") for k in r0["1"]) and "headwatch/logits/entropy" in r0["3"]
 
 
 def test_a_self_check_failing_on_one_ranks_data_withholds_the_logits_on_every_rank(tmp_path):
