@@ -180,7 +180,10 @@ def test_every_emitted_name_is_declared_and_documented(tmp_path):
     under_faults = {"SharpnessCollapseAlert", "AlertEngine", "GuardedFileWriter"}
     lightning = [m for m in names.METRICS if "lightning" in names.doors_of(m) and m.monitor not in under_faults]
     assert {m.pattern for m in names.METRICS if m.pattern.startswith("rl/")}.isdisjoint(m.pattern for m in lightning)
-    never = [m.pattern for m in lightning if m not in hit]
+    # the evaluation's self-check compares with the model's own outputs.loss, which TinyCausalLM does not return
+    # (tests/core/test_self_check_evaluation.py reads them back from a Lightning run of a model that does)
+    val_check = {m.pattern for m in lightning if m.pattern.startswith(("val/check/", "val/debug/check/"))}
+    never = [m.pattern for m in lightning if m not in hit and m.pattern not in val_check]
     assert not never, f"declared but never emitted: {never}"
     reference = (ROOT / names.REFERENCE_PATH).read_text(encoding="utf-8")
     undocumented = [m.pattern for m in names.METRICS if "| `headwatch/" + re.sub(r"\{(\w+)\}", r"<\1>", m.pattern) + "` |" not in reference]

@@ -15,17 +15,8 @@ from torch import Tensor, nn
 
 from headwatch.model import generation
 from headwatch.model.find import logits_from_output
-from headwatch.errors import (
-    StateReader,
-    HeadwatchError,
-    check_bool,
-    check_every,
-    check_int,
-    check_module_or_name,
-    check_optional,
-    check_positive_int,
-    check_range,
-)
+from headwatch.errors import (HeadwatchError, StateReader, check_bool, check_every, check_int, check_module_or_name,
+                             check_optional, check_positive_int, check_range)
 from headwatch.model.batch import BatchFormat, BatchView
 from headwatch.distributed import sharded
 from headwatch.core.forwards import not_loss_forward
