@@ -37,7 +37,7 @@ import sys
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -263,12 +263,12 @@ class LossCalls:
 
     armed = False
     """True while some listener is armed (a logging step): the wrappers read their call."""
-    _listeners: list[Callable[[], Any]] = []  # weak references to the listening captures
-    _replaced: dict[tuple[str, str], _Wrapped] = {}  # (module, name) -> the wrapper put there
+    _listeners: ClassVar[list[Callable[[], Any]]] = []  # weak references to the listening captures
+    _replaced: ClassVar[dict[tuple[str, str], _Wrapped]] = {}  # (module, name) -> the wrapper put there
     # every loaded module's name read once (thousands of prefix tests cost ~20 ms a logging step on a CPU);
     # those of the fused losses' packages are read again at every call, where a patch may have been applied since
-    _scanned: set[str] = set()
-    _candidates: list[tuple[str, str, Callable[..., LossCall | None]]] = []
+    _scanned: ClassVar[set[str]] = set()
+    _candidates: ClassVar[list[tuple[str, str, Callable[..., LossCall | None]]]] = []
 
     @classmethod
     def listen(cls, owner: Any) -> Callable[[], None]:
