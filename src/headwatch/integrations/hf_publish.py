@@ -40,9 +40,7 @@ class TrainerSink:
         if trainer is not None:
             should_log = trainer.control.should_log
             # the base method: a subclass's log (TRL's) would flush its own averaged metrics into this record
-            # the console: headline values; report_to: all. TensorBoardCallback's add_scalar per key, one event each,
-            # batched into one event per writer (as the plain loop writes them: 150 events cost ~20 ms on a CPU)
-            with console_shows(trainer, cb.console_keys), tb.batched_scalars(writers):
+            with console_shows(trainer, cb.console_keys):  # the console: headline values; report_to: all
                 Trainer.log(trainer, dict(numbers))  # its on_log event clears control.should_log ...
             trainer.control.should_log = should_log  # ... which must still log the loss of this step
             cb.write_layout()  # a writer created by that log (callbacks in any order, evaluate() only)
