@@ -75,3 +75,11 @@ def test_an_update_is_made_and_measured_in_one_pass(dtype, monkeypatch):
 def test_subtract_must_match_the_matrix():
     with pytest.raises(rows.HeadwatchError, match="expected a dense matrix and `subtract` of its shape"):
         rows.row_norms_and_nonzero(torch.zeros(4, 3), subtract=torch.zeros(4, 2))
+
+
+def test_a_gradient_that_requires_grad_is_measured():
+    """``create_graph=True`` backward leaves ``.grad`` tensors that require grad: measured as any other."""
+    g = _matrix(30, 16, torch.float32).requires_grad_()
+    norms, nonzero = rows.row_norms_and_nonzero(g)
+    want_norms, want_nonzero = _whole(g.detach())
+    assert _same_bits(norms, want_norms) and torch.equal(nonzero, want_nonzero) and not norms.requires_grad

@@ -196,7 +196,7 @@ def row_norms_and_nonzero(matrix: Tensor, subtract: Tensor | None = None) -> tup
     Raises:
         HeadwatchError: ``matrix`` is not 2-D, or ``subtract`` is given for a sparse matrix or with another shape.
     """
-    m = dense_rows(matrix)
+    m = dense_rows(matrix).detach()  # the same storage (an update is made in it); the `out=` reductions take no graph
     if subtract is not None and (matrix.is_sparse or subtract.shape != m.shape):
         raise HeadwatchError(f"expected a dense matrix and `subtract` of its shape {tuple(m.shape)}, got {tuple(subtract.shape)}")
     with full_precision(m.device):
