@@ -8,20 +8,32 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headwatch.distributed import fsdp1
-from headwatch.errors import StateReader, check_bool, check_int, check_module_or_name
 from headwatch.core.frequency import TokenCounts, check_token_counts
 from headwatch.core.monitor import Monitor, StepFailed
+from headwatch.distributed import fsdp1
 from headwatch.distributed.reduce import collective_device
-from headwatch.distributed.zero import full_gradient, gradient_ready, zero_held
 from headwatch.distributed.sharded import (
-    ShardedLookup, is_sharded, local_rows, row_norms_full, row_statistics, tied_flow_statistics, tied_flow_sums, tied_flow_values,
+    ShardedLookup,
+    is_sharded,
+    local_rows,
+    row_norms_full,
+    row_statistics,
+    tied_flow_statistics,
+    tied_flow_sums,
+    tied_flow_values,
 )
+from headwatch.distributed.zero import full_gradient, gradient_ready, zero_held
+from headwatch.errors import StateReader, check_bool, check_int, check_module_or_name
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
-from headwatch.functional.rows import dense_rows, norm_ratio, selected_ranks, spearman_of_ranks
-from headwatch.model.flows import HeadFlowCapture, LookupFlowCapture
+from headwatch.functional.rows import (
+    dense_rows,
+    norm_ratio,
+    selected_ranks,
+    spearman_of_ranks,
+)
 from headwatch.model.adapters import trainable_matrices
 from headwatch.model.find import Matrices, resolve_matrices
+from headwatch.model.flows import HeadFlowCapture, LookupFlowCapture, compiles_a_member
 from headwatch.model.sources import compiled_modules
 from headwatch.model.weights import declared_shape, effective_weight, refused_kind
 
@@ -105,7 +117,7 @@ class GradientDensity(Monitor):
             self._lookup_capture = LookupFlowCapture(m.embedding).attach()  # every lookup of the weight
             self._lookup_capture.timer = lambda: self.clock  # its backward work counted by the overhead budget
             # compiled code around the lookups known now: the first logging step already has its probe
-            self._lookup_capture.compiled = _compiles_a_member(compiled_modules(model), [n for n, _ in m.embedding.modules])
+            self._lookup_capture.compiled = compiles_a_member(compiled_modules(model), [n for n, _ in m.embedding.modules])
         if head.trains and "head" not in self._refused_roles and head.gradient_parameter is None:
             self._head_capture = HeadFlowCapture(m.head).attach()  # LoRA: no Parameter holds dL/dW_eff
             self._head_capture.timer = lambda: self.clock
@@ -376,8 +388,7 @@ class GradientDensity(Monitor):
         head_grad = gradient("head") if param["head"] is not None else head_eff
         if not self.tied:
             emb_grad = gradient("embedding") if param["embedding"] is not None else lookup
-            # frozen, or a refused lookup flow: said once, with its cause
-            skip = {"embedding": refused, "head": head_refused}
+            skip = {"embedding": refused, "head": head_refused}  # frozen, or a refused lookup flow: said once, with its cause
             flows = {flow: grad for flow, grad in {"embedding": emb_grad, "head": head_grad}.items() if trains[flow].trains and not skip[flow]}
             self._elsewhere = {f for role in flows for f in elsewhere({role: flows[role]}, role)}
             return flows
@@ -528,10 +539,10 @@ class GradientDensity(Monitor):
             if before is None:
                 continue
             rows = local_rows(weight)
-            delta = rows.with_local(before.sub_(rows.local))  # W_before - W_after, in place: same row norms and zeros
+            delta = rows.with_local(before)  # W_before - W_after, made in place block by block as it is measured
             V = rows.num_rows
             valid = snap.valid.to(before.device) if snap is not None else torch.ones(V, dtype=torch.bool, device=before.device)
-            out.update(row_statistics(delta, {f"{u}/{name}": valid}, self.reducer)[0])
+            out.update(row_statistics(delta, {f"{u}/{name}": valid}, self.reducer, subtract=rows.local)[0])
         return out
 
     def _norm_figure(self) -> None:
@@ -589,10 +600,3 @@ class GradientDensity(Monitor):
         super().reset()
         self._reset_step()
         self.tying_published = ""  # a new run (a new log) says it again
-
-
-
-
-def _compiles_a_member(compiled: list[str], members: list[str]) -> bool:
-    """Some module compiled with ``torch.compile`` (dotted names, ``<root>``) is or contains a lookup module."""
-    return any(c == "<root>" or m == c or m.startswith(c + ".") for c in compiled for m in members)

@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from headwatch.errors import HeadwatchError
 from headwatch.distributed.reduce import Reducer, stacked
+from headwatch.errors import HeadwatchError
 from headwatch.functional import collision as fcollision
 from headwatch.functional.adapters import zero_rows
 from headwatch.functional.neighbors import Neighbours, nearest_neighbours
@@ -167,9 +167,9 @@ def gather_by_rows(values: Tensor, rows: Rows, reducer: Reducer) -> Tensor:
     return out
 
 
-def _norms_and_nonzero(rows: Rows, reducer: Reducer) -> tuple[Tensor, Tensor]:
+def _norms_and_nonzero(rows: Rows, reducer: Reducer, subtract: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(V,)`` row norms (float32) and non-zero flags (bool) of every row, gathered when sharded."""
-    norms, nonzero = row_norms_and_nonzero(rows.local)  # rows of entries below ~1e-23: not 0
+    norms, nonzero = row_norms_and_nonzero(rows.local, subtract)  # rows of entries below ~1e-23: not 0
     if not rows.sharded:
         return norms, nonzero
     both = gather_by_rows(torch.stack([norms.double(), nonzero.double()], dim=1), rows, reducer)
@@ -194,18 +194,22 @@ def zero_rows_full(matrix: Tensor | Rows, reducer: Reducer) -> Tensor:
     return gather_by_rows(torch.stack([zero.double(), zero.double()], dim=1), rows, reducer)[:, 0] != 0
 
 
-def row_statistics(matrix: Tensor | Rows, groups: dict[str, Tensor], reducer: Reducer) -> tuple[dict[str, Tensor], Tensor]:
+def row_statistics(
+    matrix: Tensor | Rows, groups: dict[str, Tensor], reducer: Reducer, subtract: Tensor | None = None
+) -> tuple[dict[str, Tensor], Tensor]:
     """:func:`headwatch.functional.tied.row_group_statistics` of a plain or row-sharded matrix.
 
     Args:
         matrix: ``(V, d_model)`` tensor, DTensor (``Shard(0)``) or :class:`Rows`.
         groups: name -> ``(V,)`` bool rows of the group (the same on every process).
         reducer: combines the processes' rows (a collective when the matrix is sharded).
+        subtract: optional plain tensor of this process's rows' shape, subtracted from them in place first
+            (:func:`headwatch.functional.rows.row_norms_and_nonzero`: an update made and measured in one pass).
 
     Returns:
         ``(statistics, (V,) row norms)``; the statistics are those of the whole matrix.
     """
-    norms, nonzero = _norms_and_nonzero(local_rows(matrix), reducer)
+    norms, nonzero = _norms_and_nonzero(local_rows(matrix), reducer, subtract)
     out: dict[str, Tensor] = {}
     for key, summary in summarize_groups(norms, groups).items():
         out[f"{key}_row_density"] = row_density(nonzero, groups[key].to(nonzero.device))

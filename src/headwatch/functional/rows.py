@@ -19,7 +19,6 @@ and a boolean ``valid`` of shape ``(V,)`` (rows that can occur; padded vocabular
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -28,7 +27,11 @@ import torch
 from torch import Tensor
 
 from headwatch.errors import HeadwatchError
-from headwatch.functional.precision import full_precision
+from headwatch.functional.precision import (
+    cpu_workers,
+    full_precision,
+    map_rows_single_threaded,
+)
 
 
 def _check_matrix(matrix: Tensor, name: str = "matrix") -> None:
@@ -143,18 +146,62 @@ def row_norms_given_nonzero(matrix: Tensor, norms: Tensor, nonzero: Tensor) -> T
         return _fix_rows_float64(norms, suspect, partial(_float64_norms, m))
 
 
-def row_norms_and_nonzero(matrix: Tensor) -> tuple[Tensor, Tensor]:
+ROW_BLOCK_BYTES = 512 * 1024
+"""On the CPU, the per-row reductions of :func:`row_norms_and_nonzero` run block by block, each block of rows about
+this size (within a core's cache): its norm, largest and smallest entries are read from cache after the first
+(one read of the matrix from memory; measured at (32000, 256) float32 on one core: 3.4 ms against 4.8 ms for three
+whole-matrix passes)."""
+
+
+def _row_passes(m: Tensor, acc: torch.dtype, subtract: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(V,)`` norms (``acc``) and non-zero flags of ``m`` (``m -= subtract`` first, in place, block by block).
+
+    On the CPU the blocks are shared among torch's threads, each running single-threaded ops
+    (:func:`~headwatch.functional.precision.map_rows_single_threaded`: no per-op barrier on a busy machine);
+    elsewhere one block, the whole matrix. Each row is reduced by the same ops whatever the blocking: the values
+    are those of whole-matrix ``vector_norm``, ``amax`` and ``amin`` (tested bitwise).
+    """
+    V = m.shape[0]
+    norms = torch.empty(V, dtype=acc, device=m.device)
+    high, low = torch.empty(V, dtype=m.dtype, device=m.device), torch.empty(V, dtype=m.dtype, device=m.device)
+    rows = max(1, ROW_BLOCK_BYTES // max(1, m.shape[1] * m.element_size())) if m.device.type == "cpu" else max(V, 1)
+    blocks = [(start, min(start + rows, V)) for start in range(0, V, rows)]
+
+    def run(block: tuple[int, int], worker: int) -> None:
+        a, b = block
+        part = m[a:b]
+        if subtract is not None:
+            part.sub_(subtract[a:b])
+        torch.linalg.vector_norm(part, dim=1, dtype=acc, out=norms[a:b])
+        torch.amax(part, dim=1, out=high[a:b])
+        torch.amin(part, dim=1, out=low[a:b])
+
+    map_rows_single_threaded(run, blocks, cpu_workers(m.device, len(blocks)))
+    return norms, (norms != 0) | (high != 0) | (low != 0)
+
+
+def row_norms_and_nonzero(matrix: Tensor, subtract: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """:func:`row_norms` and :func:`row_nonzero` of one matrix, ``(V, d_model) -> ((V,), (V,) bool)``, no host sync.
 
     The same values as :func:`row_norms` followed by :func:`row_nonzero_given_norms` and
     :func:`row_norms_given_nonzero` (a norm is 0 only for a zero row; any finite row gets its norm), with one
-    fixed-size float64 recomputation of the suspect rows instead of two.
+    fixed-size float64 recomputation of the suspect rows instead of two, and one read of the matrix from memory
+    (:data:`ROW_BLOCK_BYTES`).
+
+    Args:
+        matrix: ``(V, d_model)``.
+        subtract: optional ``(V, d_model)`` of the same dtype, subtracted from ``matrix`` in place first, block by
+            block (an update ``W_before - W_after`` made and measured in one pass; ``matrix`` then holds it).
+
+    Raises:
+        HeadwatchError: ``matrix`` is not 2-D, or ``subtract`` is given for a sparse matrix or with another shape.
     """
-    m = dense_rows(matrix)
+    m = dense_rows(matrix).detach()  # the same storage (an update is made in it); the `out=` reductions take no graph
+    if subtract is not None and (matrix.is_sparse or subtract.shape != m.shape):
+        raise HeadwatchError(f"expected a dense matrix and `subtract` of its shape {tuple(m.shape)}, got {tuple(subtract.shape)}")
     with full_precision(m.device):
         acc = torch.float64 if m.dtype == torch.float64 else torch.float32
-        norms = torch.linalg.vector_norm(m, dim=1, dtype=acc)
-        nonzero = (norms != 0) | row_nonzero(m)
+        norms, nonzero = _row_passes(m, acc, subtract.detach() if subtract is not None else None)
         if acc == torch.float64:
             return norms, nonzero
         # float32 overflow (inf from finite entries), or a non-zero row whose norm lost precision or underflowed to 0

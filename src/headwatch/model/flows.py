@@ -276,3 +276,10 @@ class HeadFlowCapture(_Capture):
                 head_weight_gradient(hidden, grad, out=out)
         except Exception as err:  # noqa: BLE001
             self.error = self.error or err
+
+
+def compiles_a_member(compiled: list[str], members: list[str]) -> bool:
+    """Whether some module compiled with ``torch.compile`` (``compiled``: dotted names, ``<root>`` for the model)
+    is or contains one of the lookup modules ``members`` (dotted names): their flow then needs the compiled path's
+    probe (:meth:`LookupFlowCapture.arm_probe`)."""
+    return any(c == "<root>" or m == c or m.startswith(c + ".") for c in compiled for m in members)
