@@ -12,25 +12,12 @@ from headwatch.core.frequency import TokenCounts, check_token_counts
 from headwatch.core.monitor import Monitor, StepFailed
 from headwatch.distributed import fsdp1
 from headwatch.distributed.reduce import collective_device
-from headwatch.distributed.sharded import (
-    ShardedLookup,
-    is_sharded,
-    local_rows,
-    row_norms_full,
-    row_statistics,
-    tied_flow_statistics,
-    tied_flow_sums,
-    tied_flow_values,
-)
+from headwatch.distributed.sharded import (ShardedLookup, is_sharded, local_rows, row_norms_full, row_statistics,
+                                           tied_flow_statistics, tied_flow_sums, tied_flow_values)
 from headwatch.distributed.zero import full_gradient, gradient_ready, zero_held
 from headwatch.errors import StateReader, check_bool, check_int, check_module_or_name
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
-from headwatch.functional.rows import (
-    dense_rows,
-    norm_ratio,
-    selected_ranks,
-    spearman_of_ranks,
-)
+from headwatch.functional.rows import dense_rows, norm_ratio, selected_ranks, spearman_of_ranks
 from headwatch.model.adapters import trainable_matrices
 from headwatch.model.find import Matrices, resolve_matrices
 from headwatch.model.flows import HeadFlowCapture, LookupFlowCapture, compiles_a_member
