@@ -65,6 +65,22 @@ class SummarySink:
             self.out(self.text)
 
 
+def _latest_gradients(s: SummarySink) -> Callable[[str], float | None]:
+    """``s._get`` where a ``grad/`` value counts only when published on the last step that published gradient
+    values (after an untie, the shared matrix's and the tied flows' values stop: their last ones are stale)."""
+    marker = f"{s.prefix}/grad/"
+    steps = [step for name, (step, _) in s.last.items() if name.startswith(marker)]
+    latest = max(steps) if steps else None
+
+    def get(name: str) -> float | None:
+        found = s.last.get(f"{s.prefix}/{name}")
+        if found is None or (name.startswith("grad/") and found[0] != latest):
+            return None
+        return found[1]
+
+    return get
+
+
 def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]:
     """The summary's lines and figures (see :class:`SummarySink`)."""
     g = s._get
@@ -76,7 +92,8 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
         fig.update(entropy_first=h_first[1], entropy_last=h_last, log_v=log_v)
         ref = f" of log V = {log_v:.3g} (0: one token, log V: uniform)" if log_v is not None else ""
         fall = (h_first[1] - h_last) / h_first[1] if h_first[1] > 0 else float("nan")
-        lines.append(f"  entropy          {h_first[1]:.3g} -> {h_last:.3g} nats{ref}; fell {fall:.0%} since step {h_first[0]}")
+        moved = f"fell {fall:.0%}" if not fall < 0 else f"rose {-fall:.0%}"
+        lines.append(f"  entropy          {h_first[1]:.3g} -> {h_last:.3g} nats{ref}; {moved} since step {h_first[0]}")
     nll, ref_nll, gap = g("logits/target_nll"), g("debug/check/reference_nll"), g("check/nll_gap")
     if nll is not None:
         fig["target_nll"] = nll
@@ -84,8 +101,8 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
             # the self-check's own verdict: its tolerance follows the dtype the loss scored (docs/self_check.md)
             verdict = "BEYOND" if (g("check/mismatch") or 0.0) > 0 else "within"
             fig.update(reference_nll=ref_nll, nll_gap=gap)
-            lines.append(f"  target NLL       {nll:.4g} nats; the trainer's loss {ref_nll:.4g} (gap {gap:.2g}, {verdict} "
-                         "the self-check's tolerance)")
+            lines.append(f"  target NLL       {nll:.4g} nats at the last logging step; the loss computed on it {ref_nll:.4g} "
+                         f"(gap {gap:.2g}, {verdict} the self-check's tolerance)")
         else:
             lines.append(f"  target NLL       {nll:.4g} nats (no trainer loss to compare)")
     val_nll = g("val/logits/target_nll", s.val_last)
@@ -93,6 +110,7 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
         fig["val_target_nll"] = val_nll
         lines.append(f"  validation NLL   {val_nll:.4g} nats")
     seen = g("tokens/seen_fraction")
+    g = _latest_gradients(s)  # a value of a matrix the run no longer has (untied since) is not its last word
     densities = [(name, g(f"grad/{name}_row_density")) for name in ("embedding", "head", "shared")]
     densities = [(n, d) for n, d in densities if d is not None]
     if densities:
@@ -108,7 +126,7 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
     rate, raw = g("collision/rare_rate_head"), g("collision/drift/raw_rate_head")
     if rate is not None:
         fig["collision_rate_head"] = rate
-        ref = f"; raw cosine {raw:.3g}, the rows' common drift" if raw is not None else ""
+        ref = f"; {raw:.3g} before the rows' common drift is removed" if raw is not None else ""
         lines.append(f"  collision        {rate:.3g} of rare head rows near-duplicate beyond drift{ref}")
     spent, interval = g("overhead/fraction_run"), g("overhead/probe_interval")
     if spent is not None:

@@ -1,0 +1,40 @@
+"""The end-of-training summary's words match its figures: a rise is called a rise, a collision rate is called a
+rate, and the values of a matrix the run no longer has (after an untie) are not said as its last word."""
+
+from __future__ import annotations
+
+from headwatch.report.summary import SummarySink
+
+P = "headwatch"
+
+
+def said(published: list[tuple[int, dict[str, float]]]) -> str:
+    out: list[str] = []
+    sink = SummarySink(out=out.append)
+    for step, numbers in published:
+        sink.publish({f"{P}/{k}": v for k, v in numbers.items()}, None, step, False)
+    sink.end(published[-1][0])
+    assert len(out) == 1
+    return out[0]
+
+
+def test_an_entropy_that_rose_is_said_to_have_risen():
+    text = said([(4, {"logits/entropy": 5.0, "logits/kl_to_uniform": 1.0}), (9, {"logits/entropy": 5.1, "logits/kl_to_uniform": 0.9})])
+    assert "5 -> 5.1 nats" in text and "rose 2% since step 4" in text and "fell" not in text
+
+
+def test_the_raw_collision_rate_is_said_as_a_rate():
+    text = said([(9, {"collision/rare_rate_head": 0.02, "collision/drift/raw_rate_head": 0.598})])
+    assert "0.02 of rare head rows near-duplicate beyond drift; 0.598 before the rows' common drift is removed" in text
+    assert "cosine" not in text
+
+
+def test_after_an_untie_the_tied_values_are_not_said():
+    tied = {"grad/shared_row_density": 1.0, "grad/tied_flow_conflict_fraction": 0.56, "grad/tied_flow_cosine_mean": -0.01}
+    untied = {"grad/embedding_row_density": 0.4, "grad/head_row_density": 1.0}
+    text = said([(9, tied), (19, untied), (29, untied)])
+    assert "embedding 0.4, head 1 of the valid rows" in text
+    assert "shared" not in text and "tied flows" not in text
+    # a tied run keeps them
+    text = said([(9, tied), (19, tied)])
+    assert "shared 1" in text and "0.56 of the rows pulled both ways" in text
