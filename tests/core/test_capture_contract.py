@@ -176,6 +176,27 @@ def test_logits_to_keep_counts_the_kept_positions_only():
     assert_published(values, "headwatch/logits", want)
 
 
+def test_logits_to_keep_with_labels_masked_outside_the_kept_positions_is_exact():
+    """Labels masked everywhere but the kept tail (a completion-only loss on the last k logits): the kept positions'
+    own labels are scored, not the masked ones of the whole row (0.3 counted 0 positions and published NaN)."""
+    model, batch = tiny_llama(tie=True), one_batch()
+    k = 4
+    labels = batch["labels"].clone()
+    labels[:, :-k] = -100
+    batch = {**batch, "labels": labels}
+    hw = Headwatch(model, monitors=["logits"], log_every_n_steps=1, figure_every_n_steps=0)
+    hw.step_start(batch, 0)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=k).logits
+    kept = labels[:, -k + 1 :]
+    nll = F.cross_entropy(logits[:, :-1].reshape(-1, V).double(), kept.reshape(-1), ignore_index=-100)
+    nll.backward()
+    with pytest.warns(UserWarning, match="last 4 positions of each row"):
+        values = hw.step_end()
+    hw.close()
+    assert values["headwatch/logits/positions"] == (kept != -100).sum().item() == B * (k - 1)
+    assert values["headwatch/logits/target_nll"] == pytest.approx(nll.item(), rel=1e-6)
+
+
 def test_no_labels_is_published_as_such():
     """Without labels the target statistics are NaN and the warning names what the entropy then covers."""
     model, batch = tiny_llama(tie=True), one_batch()
