@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from headwatch.model import generation
 from headwatch.model.find import logits_from_output
+from headwatch.model.hooks import CopySafeHook
 from headwatch.errors import (
     StateReader,
     HeadwatchError,
@@ -194,7 +195,7 @@ class SynonymCollision(Monitor):
             self._synonym_pairs(head.weight.device)  # on the device at set-up, not at a measurement
             if self._hook is None or self._hooked is not head:  # a new model: hook its head
                 self.detach()
-                self._hook, self._hooked = head.register_forward_hook(self._on_head_forward), head
+                self._hook, self._hooked = head.register_forward_hook(CopySafeHook(self._on_head_forward)), head
                 self._unwatch = generation.watch_generate(model)  # generate()'s forwards told apart, compiled too
         self.model = model
 
