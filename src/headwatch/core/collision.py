@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from headwatch.model import generation
-from headwatch.model.find import logits_from_output
+from headwatch.model.find import logits_from_output, resolve_matrices
 from headwatch.model.hooks import CopySafeHook
 from headwatch.errors import (
     StateReader,
@@ -49,7 +49,6 @@ from headwatch.functional.drift_pairs import FixedCollision, corrected_collision
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import nearest_neighbours_masked, synonym_confusion, synonym_table
-from headwatch.model.find import resolve_matrices
 from headwatch.model.weights import effective_weight
 
 __all__ = ["DEFAULT_TAU", "PANEL_HALF_WIDTH", "PANEL_START", "SynonymCollision", "decode_token", "encode_group"]

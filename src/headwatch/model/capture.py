@@ -181,8 +181,7 @@ class LogitsCapture:
         self._handles.append(s.owner.register_forward_hook(CopySafeHook(self._on_owner), with_kwargs=True))
         if s.kind == "model_logits":  # measured at the loss where the loss is code headwatch knows (docs/sources.md)
             undo = watch_loss_function(s.owner, self.heard, lambda: self.listening)
-            self._undo.extend([undo] if undo is not None else [])
-            self._undo.append(LossCalls.listen(self))
+            self._undo.extend([*([undo] if undo is not None else []), LossCalls.listen(self)])
         self._handles.append(s.head.register_forward_pre_hook(CopySafeHook(self._on_head_input)))
         if s.owner is not s.head:
             self._handles.append(s.head.register_forward_hook(CopySafeHook(self._on_head_output)))
