@@ -33,7 +33,7 @@ def test_a_run_that_ended_before_the_other_started_is_not_called_unrecorded():
 
 
 def test_the_end_of_training_probe_is_only_the_probe_at_the_runs_last_step():
-    logits = {NLL: [(s, 5.0) for s in range(0, 60)]}
+    logits = {NLL: [(s, 5.0) for s in range(60)]}
     early = verdicts({"run": {"run": RunData({**logits, COLL: [(s, 0.25) for s in (9, 19, 29, 39, 49)]})}})
     anchor = row(early, "collision")["anchor"]
     assert anchor == {"rule": "the last probe", "step": 49, "of": [59.0]}
@@ -49,12 +49,13 @@ def test_the_end_of_training_probe_is_only_the_probe_at_the_runs_last_step():
 
 
 def test_the_entropy_fall_is_each_runs_own_second_half():
-    whole = RunData({ENT: [(s, entropy(s)) for s in range(0, 31)]})  # a 30-step run
+    whole = RunData({ENT: [(s, entropy(s)) for s in range(31)]})  # a 30-step run
     resumed = RunData({ENT: [(s, entropy(s)) for s in range(15, 31)]})  # logged from step 15
     data = verdicts({"whole": {"whole": whole}, "resumed": {"resumed": resumed}})
     r = row(data, "entropy_fall")
     steps = np.arange(0, 31, dtype=np.float64)
-    ref = lambda lo, hi: float(np.interp(lo, steps, entropy(steps)) - entropy(np.float64(hi)))  # noqa: E731
+    def ref(lo, hi):  # float64: the curve interpolated at the run's midpoint minus its value at its last step
+        return float(np.interp(lo, steps, entropy(steps)) - entropy(np.float64(hi)))
     assert r["values"]["whole"]["whole"] == pytest.approx(ref(15.0, 30.0), rel=1e-12)  # from step 15, not 22.5
     assert r["values"]["resumed"]["resumed"] == pytest.approx(ref(22.5, 30.0), rel=1e-12)
     assert r["anchor"]["ranges"] == {"whole": [15.0, 30.0], "resumed": [22.5, 30.0]}
