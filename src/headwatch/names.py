@@ -153,7 +153,8 @@ METRICS: tuple[Metric, ...] = (
            formula="`(n_b / n) H_b`"),
     Metric("rl/rare_share_of_entropy_drop", "fraction",
            "the part of the entropy lost since the run's first RL logging step that rare sampled tokens account for "
-           "(NaN while the entropy has not fallen; may leave [0, 1] when other buckets gained)", _L,
+           "(NaN while the entropy has not fallen by more than 1% of `H(start)`, a drop within noise; may leave [0, 1] "
+           "when other buckets gained)", _L,
            formula="`(S_rare(start) - S_rare) / (H(start) - H)`, `S_rare` = `rl/entropy_share/rare`"),
     # ---- the self-check of a training logging step (headwatch.core.self_check; docs/self_check.md)
     Metric("debug/capture/forwards", "count", "self-check: forwards measured on the logging step, this process", _L),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from headwatch.core.orchestrator import Orchestrator
-from headwatch.core.rl import drop_reference, rl_scalars
+from headwatch.core.rl import DROP_FLOOR, drop_reference, rl_scalars
 
 P = "headwatch"
 
@@ -47,3 +47,19 @@ def test_the_reference_is_in_the_state_and_a_new_run_restarts_it():
         bad = Orchestrator(["logits"])
         bad.load_state_dict(state)
     assert bad.rl_start is None and any("rl_start" in str(w.message) for w in caught)
+
+
+def test_a_drop_within_noise_is_nan_and_one_above_the_floor_matches_float64():
+    start_h, start_rare = 6.9126, 0.31
+    start = drop_reference({f"{P}/logits/entropy": start_h, f"{P}/rl/entropy_share/rare": start_rare}, P)
+    noise = rl_scalars(scalars(6.9110, 2.0, 10, 40), P, 1.0, start)  # fell 0.0016 nats: 0.02% of H(start)
+    assert math.isnan(float(noise[f"{P}/rl/rare_share_of_entropy_drop"]))
+    edge = rl_scalars(scalars(start_h * (1 - DROP_FLOOR), 2.0, 10, 40), P, 1.0, start)  # exactly at the floor
+    assert math.isnan(float(edge[f"{P}/rl/rare_share_of_entropy_drop"]))
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        h = start_h * (1 - DROP_FLOOR) - 3 * float(torch.rand((), generator=rng))  # beyond the floor
+        rare_h, rare_n = 8 * float(torch.rand((), generator=rng)), int(torch.randint(1, 40, (), generator=rng))
+        got = float(rl_scalars(scalars(h, rare_h, rare_n, 40), P, 1.0, start)[f"{P}/rl/rare_share_of_entropy_drop"])
+        want = (start_rare - (rare_n / 40) * rare_h) / (start_h - h)  # float64 by hand
+        assert got == pytest.approx(want, rel=1e-12)

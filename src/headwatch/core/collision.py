@@ -14,7 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from headwatch.model import generation
-from headwatch.model.find import logits_from_output
+from headwatch.model.find import logits_from_output, resolve_matrices
+from headwatch.model.hooks import CopySafeHook
 from headwatch.errors import (HeadwatchError, StateReader, check_bool, check_every, check_int, check_module_or_name,
                              check_optional, check_positive_int, check_range)
 from headwatch.model.batch import BatchFormat, BatchView
@@ -39,7 +40,6 @@ from headwatch.functional.drift_pairs import FixedCollision, corrected_collision
 from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import nearest_neighbours_masked, synonym_confusion, synonym_table
-from headwatch.model.find import resolve_matrices
 from headwatch.model.weights import effective_weight
 
 __all__ = ["DEFAULT_TAU", "PANEL_HALF_WIDTH", "PANEL_START", "SynonymCollision", "decode_token", "encode_group"]
@@ -186,7 +186,7 @@ class SynonymCollision(Monitor):
             self._synonym_pairs(head.weight.device)  # on the device at set-up, not at a measurement
             if self._hook is None or self._hooked is not head:  # a new model: hook its head
                 self.detach()
-                self._hook, self._hooked = head.register_forward_hook(self._on_head_forward), head
+                self._hook, self._hooked = head.register_forward_hook(CopySafeHook(self._on_head_forward)), head
                 self._unwatch = generation.watch_generate(model)  # generate()'s forwards told apart, compiled too
         self.model = model
 

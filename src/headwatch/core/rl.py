@@ -22,6 +22,11 @@ from headwatch.functional.frequency import BUCKETS
 SAMPLED_NAMES = {"logits/target_nll": "rl/sampled_nll", "logits/target_argmax_rate": "rl/sampled_top1_rate"}
 """``logits/`` name -> its RL name, on RL training logging steps."""
 
+DROP_FLOOR = 0.01
+"""``rl/rare_share_of_entropy_drop`` is NaN unless the entropy fell by more than this fraction of ``H(start)``: below
+it the denominator is sampling noise of the step's batch (a drop of 0.0016 of 6.91 nats gave shares of -4732 and
+116), not a fall a share can be taken of."""
+
 
 def rl_scalars(scalars: dict[str, Any], prefix: str, temperature: float, start: dict[str, float] | None = None) -> dict[str, Any]:
     """``scalars`` of a training logging step with the RL names added (device tensors, no sync).
@@ -36,7 +41,9 @@ def rl_scalars(scalars: dict[str, Any], prefix: str, temperature: float, start: 
     - ``rl/rare_share_of_entropy_drop`` (fraction), with ``start`` (the host values of the run's first RL logging
       step, :func:`drop_reference`): ``(S_rare(start) - S_rare(now)) / (H(start) - H(now))``, ``S_rare`` the rare
       tokens' ``entropy_share``, ``H`` the entropy; the part of the entropy lost since the start that rare tokens
-      account for (may exceed 1 or be negative when other buckets gained); NaN while the entropy has not fallen.
+      account for (may exceed 1 or be negative when other buckets gained); NaN while the entropy has not fallen by
+      more than :data:`DROP_FLOOR` (1%) of ``H(start)`` (a drop within noise: the same on every rank, the
+      entropy being reduced over processes).
     """
     out = dict(scalars)
     for ours, theirs in SAMPLED_NAMES.items():
@@ -52,7 +59,9 @@ def rl_scalars(scalars: dict[str, Any], prefix: str, temperature: float, start: 
     rare, entropy = out.get(f"{prefix}/rl/entropy_share/rare"), scalars.get(f"{prefix}/logits/entropy")
     if start is not None and isinstance(rare, Tensor) and isinstance(entropy, Tensor):
         drop = start["entropy"] - entropy.double()  # a host float minus a device tensor: no sync
-        out[f"{prefix}/rl/rare_share_of_entropy_drop"] = torch.where(drop > 0, (start["rare"] - rare) / drop, torch.nan)
+        out[f"{prefix}/rl/rare_share_of_entropy_drop"] = torch.where(
+            drop > DROP_FLOOR * start["entropy"], (start["rare"] - rare) / drop, torch.nan
+        )
     return out
 
 

@@ -13,6 +13,7 @@ from headwatch.alerts.actions import JSONL_NAME
 from headwatch.alerts.wiring import EngineSink, check_alert, is_rules, load_alert_state, wire_alert, with_alert_state
 from headwatch.core.build import set_figures
 from headwatch.core.figures import check_figure_argument
+from headwatch.core.gradients import GradientDensity
 from headwatch.core.monitor import Monitor
 from headwatch.core.driver import Driver
 from headwatch.core.orchestrator import Orchestrator
@@ -133,6 +134,7 @@ class Headwatch(Driver):
             self.run.cost.follow_figures(self.run.named)
         self.step_index = 0
         self._open = False  # a step_start since the last step_end
+        self._gradients_read = False  # a before_optimizer_step since the last step_end
         self._closed = False  # close() removed the hooks: a later step is refused
         if self.run.reducer.rank == 0:
             try:
@@ -192,6 +194,7 @@ class Headwatch(Driver):
 
     def before_optimizer_step(self, loss_scale: float | Tensor | None = None) -> None:
         """Gradients are final (after accumulation and ``scaler.unscale_``; pass ``scaler.get_scale()`` then)."""
+        self._gradients_read = True
         self.run.gradients_ready(loss_scale)
 
     def after_optimizer_step(self) -> None:
@@ -225,6 +228,15 @@ class Headwatch(Driver):
         step = self.step_index
         if loss is not None and self.run.logging:
             self.run.check.step_loss(loss)
+        if not self._gradients_read and any(isinstance(m, GradientDensity) for m in self.run.logging):
+            self.run.warn_once(
+                "no_before_optimizer_step",
+                f"Headwatch: logging step {step} ended without a call to before_optimizer_step(), so the gradient "
+                "and update statistics (grad/*, update/*) were not taken and are not published. Fix: call "
+                "hw.before_optimizer_step() after the backward (after scaler.unscale_(optimizer) with AMP) and before "
+                "optimizer.step(), then hw.after_optimizer_step(), on every step. (warned once)",
+            )
+        self._gradients_read = False
         self.run.batch_end()
         numbers = self.run.end_step(step)
         self.step_index = step + 1
@@ -235,7 +247,7 @@ class Headwatch(Driver):
         state, counting from step 0 (:meth:`Orchestrator.start_run`). Called by :meth:`step_start` when
         ``step=0`` comes again after later steps. :meth:`load_state_dict` continues a run instead."""
         self.run.start_run(also=[a for a in (self.alert, self.summary) if callable(getattr(a, "reset", None)) and not is_rules(a)])
-        self.step_index, self._open, self.should_stop = 0, False, False
+        self.step_index, self._open, self.should_stop, self._gradients_read = 0, False, False, False
 
     @contextmanager
     def step(self, batch: Any, step: int | None = None) -> Iterator[Headwatch]:

@@ -27,6 +27,7 @@ from headwatch.distributed.sharded import fully_sharded, is_sharded
 from headwatch.model import generation
 from headwatch.model.at_loss import LossCall, LossCalls, LossValues, autocast_dtype, fused_head_values, watch_loss_function
 from headwatch.model.find import logits_from_output
+from headwatch.model.hooks import CopySafeHook
 from headwatch.errors import HeadwatchError
 from headwatch.model.sources import FinalTransform, LogitsSource, compiled_modules
 
@@ -177,20 +178,19 @@ class LogitsCapture:
         self.detach()
         s = self.source
         self._unwatch = generation.watch_generate(self.model if self.model is not None else s.owner)
-        self._handles.append(s.owner.register_forward_hook(self._on_owner, with_kwargs=True))
+        self._handles.append(s.owner.register_forward_hook(CopySafeHook(self._on_owner), with_kwargs=True))
         if s.kind == "model_logits":  # measured at the loss where the loss is code headwatch knows (docs/sources.md)
             undo = watch_loss_function(s.owner, self.heard, lambda: self.listening)
-            self._undo.extend([undo] if undo is not None else [])
-            self._undo.append(LossCalls.listen(self))
-        self._handles.append(s.head.register_forward_pre_hook(self._on_head_input))
+            self._undo.extend([*([undo] if undo is not None else []), LossCalls.listen(self)])
+        self._handles.append(s.head.register_forward_pre_hook(CopySafeHook(self._on_head_input)))
         if s.owner is not s.head:
-            self._handles.append(s.head.register_forward_hook(self._on_head_output))
+            self._handles.append(s.head.register_forward_hook(CopySafeHook(self._on_head_output)))
         if s.base is not None:
-            self._handles.append(s.base.register_forward_hook(self._on_base))
+            self._handles.append(s.base.register_forward_hook(CopySafeHook(self._on_base)))
         if s.embedding is not None and s.embedding is not s.head:
-            self._handles.append(s.embedding.register_forward_hook(self._on_embedding))
+            self._handles.append(s.embedding.register_forward_hook(CopySafeHook(self._on_embedding)))
         if s.hidden_module is not None:
-            self._handles.append(s.hidden_module.register_forward_pre_hook(self._on_hidden_module, with_kwargs=True))
+            self._handles.append(s.hidden_module.register_forward_pre_hook(CopySafeHook(self._on_hidden_module), with_kwargs=True))
 
     def detach(self) -> None:
         for handle in self._handles:

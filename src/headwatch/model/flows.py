@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from headwatch.errors import HeadwatchError
 from headwatch.functional.adapters import head_weight_gradient
 from headwatch.functional.rows import lookup_gradient
+from headwatch.model.hooks import CopySafeHook
 from headwatch.model.weights import EmbeddingGroup
 
 
@@ -107,7 +108,7 @@ class LookupFlowCapture(_Capture):
                 seen.add(id(module))
                 # first of the module's forward hooks: the output is the module's own, before any other hook
                 # changes it (NEFTune's noise, a user's scaling), and before DeepSpeed ZeRO-3 releases the weight
-                self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True, prepend=True))
+                self._handles.append(module.register_forward_hook(CopySafeHook(self._on_forward), with_kwargs=True, prepend=True))
         return self
 
     def reset(self) -> None:
@@ -249,7 +250,7 @@ class HeadFlowCapture(_Capture):
     def attach(self) -> HeadFlowCapture:
         """Register the forward hook; returns self."""
         self.detach()
-        self._handles.append(self.head.register_forward_hook(self._on_forward, with_kwargs=True))
+        self._handles.append(self.head.register_forward_hook(CopySafeHook(self._on_forward), with_kwargs=True))
         return self
 
     def _on_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:

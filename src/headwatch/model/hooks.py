@@ -9,6 +9,37 @@ from typing import Any
 from torch import nn
 
 Reader = Callable[[nn.Module, dict, dict], Any]
+
+
+class InertHook:
+    """What a deep copy or a pickle of a module carries in place of a headwatch hook: returns None (the forward's
+    inputs and output unchanged), measures nothing, references no monitor and no lock."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class CopySafeHook:
+    """A hook headwatch puts on a user's module: calls ``fn``. ``copy.deepcopy`` of the module (an EMA or SWA copy,
+    ``torch.optim.swa_utils.AveragedModel``, a reference model) and a pickle (``torch.save(model)``) carry an
+    :class:`InertHook` instead, so a copy neither feeds the monitor nor drags it (its locks, its writer) along;
+    the original keeps measuring."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> InertHook:
+        return InertHook()
+
+    def __reduce__(self) -> tuple[type[InertHook], tuple[()]]:
+        return InertHook, ()
 """``read(module, batch, kwargs)``: the module called, its inputs as a mapping, the forward's own keyword arguments."""
 
 
@@ -31,7 +62,7 @@ class ModelHook:
             return
         self.remove()
         register = model.register_forward_pre_hook if self.pre else model.register_forward_hook
-        self.handle = register(self.fn, with_kwargs=True)
+        self.handle = register(CopySafeHook(self.fn), with_kwargs=True)
         self.model = model
 
     def remove(self) -> None:

@@ -145,6 +145,14 @@ def _fit_row(head: str, tail: str, width: int) -> list[str]:
     return [head + parts[0], *(" " * len(head) + part for part in parts[1:])]
 
 
+def _ranges(a: Mapping[str, Any]) -> str:
+    """The steps a fall was read between: one range when every run has the same, else each run's."""
+    if a.get("from_step") is not None:
+        return f"from step {a['from_step']:g} to {a['step']:g}"
+    each = ", ".join(f"{printable(run)} {mid:g} to {end:g}" for run, (mid, end) in a["ranges"].items())
+    return f"from the midpoint of each run's logged steps to its last ({each})"
+
+
 def _anchor_line(rows: Sequence[Mapping[str, Any]]) -> str:
     parts, end = [], None
     for row in rows:
@@ -156,10 +164,14 @@ def _anchor_line(rows: Sequence[Mapping[str, Any]]) -> str:
                 end = (a["rule"], a["step"])
                 parts.insert(0, f"values at step {format_number(a['step'])}, {a['rule']}")
             continue
-        if a["rule"].startswith("the value halfway"):
-            parts.append(f"{row['question']}: from step {a['from_step']:g} to {a['step']:g}")
+        if "ranges" in a:
+            parts.append(f"{row['question']}: {_ranges(a)}")
         elif row["key"] == "tied_flow_conflict":
             parts.append(f"{row['question']}: {a['rule']}")
+        elif a.get("of"):
+            ends = a["of"]
+            of = f" of {format_number(ends[0])}" if len(ends) == 1 else f"; the runs end at steps {', '.join(format_number(e) for e in ends)}"
+            parts.append(f"{row['question']}: {a['rule']} (step {format_number(a['step'])}{of})")
         else:
             parts.append(f"{row['question']}: {a['rule']} (step {format_number(a['step'])})")
     return "; ".join(parts) + "." if parts else ""

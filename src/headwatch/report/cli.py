@@ -48,7 +48,11 @@ the adjusted test to reject and the direction. Intervals of the family at 1 - 5%
 others at 95%. One run a side: the difference only, and how to train seeds.
 A run's seed: `seed` in its hparams.yaml (Lightning), else seed<N> in its path (runs/tied/seed3/...).
 Values are read at the last step every run logged (the end of training); collision at the
-end-of-training probe every run has; tied-flow conflict as the mean over the last 10% of the steps.
+last probe every run has (called the end-of-training probe only when it is every run's last step);
+tied-flow conflict as the mean over the last 10% of the steps; the entropy fall over each run's own
+second half (from the midpoint of its logged steps to its last). Without validation the first row
+reads the training target NLL and says so ("target NLL (train)"). A run that logged a figure but
+ended before another began says so instead of "not recorded".
 A row says (val) or (train) when it reads the validation or the training figure (the first one
 every run has). Rows the same in every run, or recorded by no run, are folded into one line each.
 

@@ -51,8 +51,9 @@ class Headline:
     read: str
     """How a run's number is read: ``end`` (the value at the last step every run logged, interpolated),
     ``probe`` (the last step every run measured), ``late_mean`` (the mean over the last 10% of the steps
-    up to the last common one), ``fall`` (the value halfway to the last common step minus the value at
-    it), ``alerts`` (alerts fired), ``cost`` (from the run's shapes and tie)."""
+    up to the last common one), ``fall`` (each run's value at the midpoint of its own logged steps minus its
+    value at its own last step: the second half of that run), ``alerts`` (alerts fired), ``cost`` (from the
+    run's shapes and tie)."""
 
 
 HEADLINES: tuple[Headline, ...] = (
@@ -129,22 +130,45 @@ def _choose(headline: Headline, runs: Mapping[str, RunData], prefix: str) -> tup
     return next((c for c, flags in have if any(flags)), None)
 
 
-def _read_series(headline: Headline, series: Mapping[str, Points]) -> tuple[dict[str, float | None], dict[str, Any]]:
-    """Run -> its number, and the anchor (``{"rule", "step"}``), for the series of one tag."""
+def _gap(pts: Points, step: float, ended: str = "another run") -> str:
+    """Why a run that logged ``pts`` has no value at ``step`` (its logged range does not reach it); ``ended``: the
+    run whose last point is ``step``."""
+    if not pts:
+        return "not recorded"
+    if step > pts[-1][0]:
+        return f"ended at step {pts[-1][0]:g}, before step {step:g}"
+    if step < pts[0][0]:
+        return f"first logged at step {pts[0][0]:g}, after {ended} ended (step {step:g})"
+    if len(pts) == 1:
+        return f"logged one step only (step {pts[0][0]:g})"
+    return f"no finite value at step {step:g}"
+
+
+def _read_series(
+    headline: Headline, series: Mapping[str, Points], ends: Mapping[str, float | None] | None = None
+) -> tuple[dict[str, float | None], dict[str, Any], dict[str, str]]:
+    """Run -> its number, the anchor (``{"rule", "step", ...}``), and run -> why it has no number although it logged
+    the tag, for the series of one tag. ``ends``: run -> the last step it logged anything at (its end of training)."""
+    ends = ends or {}
     logged = {run: pts for run, pts in series.items() if pts}
     if not logged:
-        return {run: None for run in series}, {}
+        return {run: None for run in series}, {}, {}
     last = min(pts[-1][0] for pts in logged.values())
     ends_together = all(pts[-1][0] == last for pts in logged.values())
+    shortest = min(logged, key=lambda run: logged[run][-1][0])
     out: dict[str, float | None] = {}
+    gaps: dict[str, str] = {}
     if headline.read == "probe":
         common = set.intersection(*(set(s for s, _ in pts) for pts in logged.values()))
         if common:
             step = max(common)
             for run, pts in series.items():
                 out[run] = dict(pts).get(step) if pts else None
-            rule = "the end-of-training probe" if ends_together and step == last else "the last probe every run has"
-            return out, {"rule": rule, "step": step}
+            if all(ends.get(run, pts[-1][0]) == step for run, pts in logged.items()):
+                return out, {"rule": "the end-of-training probe", "step": step}, gaps
+            rule = "the last probe every run has" if len(logged) > 1 else "the last probe"
+            of = sorted({float(ends.get(run, pts[-1][0])) for run, pts in logged.items()})  # type: ignore[arg-type]
+            return out, {"rule": rule, "step": step, "of": of}, gaps
         # no step every run measured: the values at the last common step, interpolated
     if headline.read == "late_mean":
         first = max(pts[0][0] for pts in logged.values())
@@ -152,19 +176,38 @@ def _read_series(headline: Headline, series: Mapping[str, Points]) -> tuple[dict
         for run, pts in series.items():
             window = [v for s, v in pts if lo <= s <= last]
             out[run] = math.fsum(window) / len(window) if window else None
-        return out, {"rule": "the mean over the last 10% of the steps", "step": last}
+            if out[run] is None and pts:
+                gaps[run] = _gap(pts, last, shortest)
+        return out, {"rule": "the mean over the last 10% of the steps", "step": last}, gaps
     if headline.read == "fall":
-        first = max(pts[0][0] for pts in logged.values())
-        mid = first + 0.5 * (last - first)
+        ranges: dict[str, list[float]] = {}
         for run, pts in series.items():
-            a, b = value_at(pts, mid), value_at(pts, last)
+            out[run] = None
+            if len(pts) < 2:  # one point has no fall
+                if pts:
+                    gaps[run] = _gap(pts, pts[0][0])
+                continue
+            start, end = pts[0][0], pts[-1][0]
+            mid = start + 0.5 * (end - start)  # the midpoint of the run's own logged steps
+            a, b = value_at(pts, mid), value_at(pts, end)
             out[run] = None if a is None or b is None else a - b
-        return out, {"rule": "the value halfway minus the value at the last step every run logged", "step": last,
-                     "from_step": mid}
+            ranges[run] = [mid, end]
+        spans = {tuple(r) for r in ranges.values()}
+        mid, end = next(iter(spans)) if len(spans) == 1 else (None, None)
+        return out, {"rule": "the value at the midpoint of each run's logged steps minus the value at its last step",
+                     "step": end, "from_step": mid, "ranges": ranges}, gaps  # fmt: skip
     for run, pts in series.items():
         out[run] = value_at(pts, last) if pts else None
+        if out[run] is None and pts:
+            gaps[run] = _gap(pts, last, shortest)
     rule = "the end of training" if ends_together else "the last step every run logged"
-    return out, {"rule": rule, "step": last}
+    return out, {"rule": rule, "step": last}, gaps
+
+
+def _end(run: RunData) -> float | None:
+    """The last step ``run`` logged anything at: its end of training as the report sees it."""
+    steps = [pts[-1][0] for pts in run.scalars.values() if pts]
+    return max(steps) if steps else None
 
 
 def _alerts(run: RunData, prefix: str) -> int:
@@ -183,7 +226,8 @@ def _tied(run: RunData, prefix: str) -> bool | None:
 
 
 def read_headline(headline: Headline, runs: Mapping[str, RunData], prefix: str = "headwatch") -> dict[str, Any]:
-    """One headline's number for every run: ``{"tag", "where", "anchor", "values": {run: number or None}}``.
+    """One headline's number for every run: ``{"tag", "where", "anchor", "values": {run: number or None}, "gaps"}``,
+    ``gaps``: run -> why a run that logged the tag has no number (it ended before the anchor step, ...).
 
     ``step_time`` is ``1 / train_steps_per_second``; ``untying_cost`` gives each run's tie (1 tied, 0 not).
     """
@@ -198,10 +242,11 @@ def read_headline(headline: Headline, runs: Mapping[str, RunData], prefix: str =
     if chosen is None:
         return {"tag": None, "where": "", "anchor": {}, "values": {r: None for r in runs}}
     tag = _tag(chosen[0], prefix)
-    values, anchor = _read_series(headline, {r: _finite(d.scalars.get(tag)) for r, d in runs.items()})
+    series = {r: _finite(d.scalars.get(tag)) for r, d in runs.items()}
+    values, anchor, gaps = _read_series(headline, series, {r: _end(d) for r, d in runs.items()})
     if headline.key == "step_time":
         values = {r: (1.0 / v if v else None) for r, v in values.items()}
-    return {"tag": tag, "where": chosen[1], "anchor": anchor, "values": values}
+    return {"tag": tag, "where": chosen[1], "anchor": anchor, "values": values, "gaps": gaps}
 
 
 # --------------------------------------------------------------------------- sides and tests
@@ -224,12 +269,15 @@ def pairing(reference: Mapping[str, RunData], other: Mapping[str, RunData]) -> t
 
 
 def _compare(values: Mapping[str, Mapping[str, float | None]], sides: Sides, ref: str, other: str,
-             paired: bool) -> tuple[float | None, TTest | None, str | None]:
-    """``(difference of means, test, why there is no test)`` for one headline, one side against the reference."""
+             paired: bool, gaps: Mapping[str, str] | None = None) -> tuple[float | None, TTest | None, str | None]:
+    """``(difference of means, test, why there is no test)`` for one headline, one side against the reference;
+    ``gaps``: run -> why a run that logged the tag has no number (said instead of "not recorded")."""
     r = {run: v for run, v in values[ref].items() if v is not None and math.isfinite(v)}
     o = {run: v for run, v in values[other].items() if v is not None and math.isfinite(v)}
     if not r or not o:
-        return None, None, f"not recorded by {ref if not r else other}"
+        side = ref if not r else other
+        said = [f"{run} {gaps[run]}" for run in sides[side] if gaps and run in gaps]
+        return None, None, "; ".join(said) if said else f"not recorded by {side}"
     diff = math.fsum(o.values()) / len(o) - math.fsum(r.values()) / len(r)
     if len(sides[ref]) == 1 and len(sides[other]) == 1:
         return diff, None, "one run a side"
@@ -303,7 +351,9 @@ def verdicts(sides: Sides, *, prefix: str = "headwatch", alpha: float = ALPHA) -
         better = direction(h, prefix)
         read = read_headline(h, all_runs, prefix)
         values = {s: {run: read["values"][run] for run in runs} for s, runs in sides.items()}
-        row: dict[str, Any] = {"key": h.key, "question": h.question, "unit": h.unit, "better": better,
+        # without validation the row reads the training target NLL: named for what it is
+        question = "target NLL" if h.key == "validation_loss" and read["where"] == "train" else h.question
+        row: dict[str, Any] = {"key": h.key, "question": question, "unit": h.unit, "better": better,
                                "tag": read["tag"], "where": read["where"], "anchor": read["anchor"],
                                "values": values, "means": {}, "comparisons": {}}
         for s, vals in values.items():
@@ -313,7 +363,7 @@ def verdicts(sides: Sides, *, prefix: str = "headwatch", alpha: float = ALPHA) -
             if h.read == "cost":
                 row["comparisons"][o] = {"cost": _cost(sides, read, ref, o, prefix), "method": "exact", "verdict": None}
                 continue
-            diff, test, why = _compare(values, sides, ref, o, pairs[o][0])
+            diff, test, why = _compare(values, sides, ref, o, pairs[o][0], read.get("gaps"))
             row["comparisons"][o] = {
                 "difference": diff, "method": None if test is None else test.method, "n": None if test is None else
                 [test.n_reference, test.n_other], "df": None if test is None else test.df,

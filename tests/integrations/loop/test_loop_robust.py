@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -131,3 +133,32 @@ def test_an_int_argument_beyond_int64_is_refused(value):
     with pytest.raises(HeadwatchError, match="`ignore_index` must be an int that fits in an int64"):
         BatchFormat(ignore_index=value)
     assert check_int("seed", 2**63 - 1) == 2**63 - 1
+
+
+def _steps_without_before(hw, model, steps, before):
+    out = []
+    for step in range(steps):
+        ids = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(step))
+        hw.step_start({"input_ids": ids, "labels": ids}, step)
+        model(ids).logsumexp(-1).mean().backward()
+        if before:
+            hw.before_optimizer_step()
+        hw.after_optimizer_step()
+        model.zero_grad()
+        out.append(hw.step_end())
+    return out
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_a_forgotten_before_optimizer_step_is_said_once(before):
+    model = Tiny()
+    hw = Headwatch(model, monitors=["gradients"], log_every_n_steps=2, summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        values = _steps_without_before(hw, model, 5, before)
+    hw.close()
+    said = [w for w in caught if "before_optimizer_step()" in str(w.message) and w.category is UserWarning]
+    assert len(said) == (0 if before else 1)
+    if not before:
+        assert "logging step 1" in str(said[0].message) and "hw.before_optimizer_step()" in str(said[0].message)
+    assert any("headwatch/grad/head_row_density" in v for v in values) == before
