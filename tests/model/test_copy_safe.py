@@ -64,6 +64,8 @@ def test_plain_loop_copies_are_inert_and_leave_the_values_alone():
     assert "headwatch/grad/head_row_density" in alone and "headwatch/logits/entropy" in alone
     assert values.keys() == alone.keys()
     for key, want in alone.items():
+        if "/overhead/" in key:  # headwatch's own timings, not a measurement of the model
+            continue
         got = values[key]
         assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, rel=1e-6, abs=1e-9), key
     torch.testing.assert_close(own_again, own)
@@ -115,4 +117,6 @@ def test_hf_door_with_an_alert_copies_in_a_callback(tmp_path):
     assert [row.keys() for row in again] == [row.keys() for row in keys]
     for a, b in zip(keys, again, strict=True):
         for key, want in a.items():
+            if "/overhead/" in key:  # headwatch's own timings, not a measurement of the model
+                continue
             assert (math.isnan(b[key]) and math.isnan(want)) or b[key] == pytest.approx(want, rel=1e-6, abs=1e-9), key
