@@ -15,8 +15,8 @@ training logging step it adds, on the device and before the step's one host tran
   ``mean_token_accuracy`` of the step, when a door hands them (:meth:`SelfCheck.trainer_metrics`);
 - ``check/mismatch``: 1 when a gap is beyond its tolerance (:data:`TOLERANCES`) or not finite while the
   reference is, else 0;
-- ``check/vanished_gradient``: 1 when the head's gradient is all zero (row density 0), or an untied softmax
-  head's row density is below 1, next to a finite positive loss; else 0.
+- ``check/vanished_gradient``: 1 when the head's gradient is all zero (row density 0) next to a finite positive
+  loss; else 0 (a row density below 1 alone is not: a masked vocabulary column has no gradient).
 
 After the transfer, :meth:`SelfCheck.published` warns once per kind, naming the likely cause. See
 ``docs/self_check.md`` for the formulas, the tolerances and where each reference comes from.
