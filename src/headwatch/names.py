@@ -186,7 +186,7 @@ METRICS: tuple[Metric, ...] = (
            "self-check: 1 when a gap is beyond its tolerance (or NaN while the reference is finite) or the labelled "
            "position counts differ at all, else 0; the step's `logits/*` figures are then withheld", _L),
     Metric("check/vanished_gradient", "",
-           "self-check: 1 when the head's gradient is all zero (or an untied softmax head's row density is below 1) "
+           "self-check: 1 when the head's gradient is all zero (row density 0; a density below 1 alone is not) "
            "next to a finite, positive loss, else 0; the head's row densities are then withheld", _L),
     Metric("check/withheld", "count",
            "figures of the step withheld on every process, decided from values reduced over processes (a failed "

@@ -127,3 +127,25 @@ def test_lightning_resolves_a_resized_vocabulary_again_and_says_it_once(tmp_path
     assert logger.values["headwatch/logits/positions"] == [B * (T - 1)] * 4  # the new head's forwards measured
     entropy = [h + k for h, k in zip(logger.values["headwatch/logits/entropy"], logger.values["headwatch/logits/kl_to_uniform"])]
     assert entropy == pytest.approx([torch.log(torch.tensor(float(v))).item() for v in (V, V, GROWN, GROWN)], abs=1e-5)
+
+
+def test_a_vocab_size_larger_than_the_head_is_refused_with_both_sizes():
+    """``LogitStats(vocab_size=...)`` beyond the head's rows would measure no padded column (a false
+    ``padded_mass`` 0): the monitor is refused with one warning naming both sizes; strict raises."""
+    from headwatch.core.logits import LogitStats
+    from headwatch.core.orchestrator import Orchestrator
+    from headwatch.errors import HeadwatchError
+
+    model = tiny_llama(tie=False)
+    run = Orchestrator([LogitStats(vocab_size=V + 1), "gradients"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.attach(model, refuse=True)
+    said = [str(w.message) for w in caught if f"vocab_size={V + 1}" in str(w.message)]
+    assert len(said) == 1 and f"({V} rows)" in said[0] and "lm_head" in said[0], said
+    assert "LogitStats" not in [type(m).__name__ for m in run.monitors] and "GradientDensity" in [type(m).__name__ for m in run.monitors]
+    with pytest.raises(HeadwatchError, match=f"`vocab_size={V + 1}` is larger than the head"):
+        Orchestrator([LogitStats(vocab_size=V + 1)], strict=True).attach(model, refuse=True)
+    run = Orchestrator([LogitStats(vocab_size=V)])  # the head's own size: measured
+    run.attach(model, refuse=True)
+    assert run.monitors and not run.refused

@@ -12,7 +12,9 @@ copy, the gradients are summed over processes by hand as DDP would):
   label come from rank 0's positions), and no rank has one at another (the split's figures are NaN, "no data",
   on every rank);
 - a rank whose forward raised: rank 1's forward fails at one logging step (the loop catches it and goes on,
-  as an out-of-memory recovery does), so rank 1 captured nothing for that step;
+  as an out-of-memory recovery does), so rank 1 captured nothing for that step; with the self-check on
+  (``step_end(loss=)``), rank 1 raises after its forward (measured, its loss thrown away): the check's keys come
+  from the reduced reference, and the position counts differ, so the check fails on every rank;
 - a self-check that fails on one rank's data: rank 1 hands a wrong loss at one logging step (``step_end(loss=)``);
   the check compares with the loss reduced over processes, so every rank withholds that step's ``logits/*``.
 """
@@ -57,10 +59,13 @@ for step in range(STEPS):
     hw.step_start({"input_ids": ids, "labels": labels}, step)
     zero_head = CASE == "vanished" and ((step == 3 and rank == 1) or step == 5)
     handle = model.lm_head.weight.register_hook(lambda g: g * 0.0) if zero_head else None
+    loss = None
     try:
         if CASE == "raised" and step == 3 and rank == 1:
             raise RuntimeError("out of memory (injected)")
         logits = model(ids)
+        if CASE == "raised_checked" and step == 3 and rank == 1:
+            raise RuntimeError("out of memory (injected)")  # after the forward: measured, its loss thrown away
         valid = labels[:, 1:] != -100
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=-100)
         (loss if valid.any() else logits.sum() * 0.0).backward()
@@ -78,7 +83,10 @@ for step in range(STEPS):
     hw.after_optimizer_step()
     optimizer.zero_grad()
     wrong = 1.0 if CASE == "mismatch" and step == 5 and rank == 1 else 0.0  # rank 1's loss off by one nat
-    values = hw.step_end(loss=loss.detach() + wrong if CASE == "mismatch" else None)
+    if CASE == "raised_checked":  # the self-check on: each rank hands its loss, none where its forward raised
+        values = hw.step_end(loss=None if loss is None else loss.detach())
+    else:
+        values = hw.step_end(loss=loss.detach() + wrong if CASE == "mismatch" else None)
     if values:
         keys[step] = values
 hw.close()
@@ -143,3 +151,69 @@ def test_a_self_check_failing_on_one_ranks_data_withholds_the_logits_on_every_ra
     assert not [k for k in r0["5"] if k.startswith("headwatch/logits/")]
     assert r0["5"]["headwatch/check/withheld"] == len(logits)
     assert "headwatch/grad/head_row_density" in r0["5"]  # only the failing figures are withheld
+
+
+def test_a_rank_whose_loss_was_thrown_away_fails_the_check_on_every_rank(tmp_path):
+    r0 = run(tmp_path, "raised_checked", 41000)
+    assert r0["5"]["headwatch/check/mismatch"] == 0.0 and "headwatch/logits/entropy" in r0["5"]
+    # step 3: rank 1's forward was measured (4 rows x 11 labelled positions) but its loss was thrown away: the
+    # reference holds rank 0's positions only, the capture both ranks'
+    got = r0["3"]
+    assert got["headwatch/debug/capture/labelled_positions"] == 2 * 4 * 11
+    assert got["headwatch/debug/check/reference_positions"] == 4 * 11
+    assert got["headwatch/check/mismatch"] == 1.0 and math.isfinite(got["headwatch/debug/check/reference_nll"])
+    assert not [k for k in got if k.startswith("headwatch/logits/")] and got["headwatch/check/withheld"] > 10
+
+
+CADENCE_WORKER = r'''
+import json, os, sys
+from pathlib import Path
+
+rank, port, root, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4])
+sys.path.insert(0, root)
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+import headwatch
+from headwatch.errors import HeadwatchError
+from tests.helpers import TinyCausalLM
+
+V = 64
+torch.manual_seed(0)
+model = TinyCausalLM(vocab_size=V, d_model=16, tie_weights=False)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+# the user's mistake: each process logs at its own interval
+hw = headwatch.Headwatch(model, log_every_n_steps=1 + rank, figure_every_n_steps=0, summary=False)
+g = torch.Generator().manual_seed(100 + rank)
+said = {"published": []}
+for step in range(4):
+    ids = torch.randint(0, V, (4, 12), generator=g)
+    hw.step_start({"input_ids": ids, "labels": ids}, step)
+    logits = model(ids)
+    F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1)).backward()  # no collective of its own
+    hw.before_optimizer_step()
+    optimizer.step()
+    hw.after_optimizer_step()
+    optimizer.zero_grad()
+    try:
+        if hw.step_end(loss=None):
+            said["published"].append(step)
+    except HeadwatchError as err:
+        said.update(step=step, error=str(err))
+        break
+(out / f"rank{rank}.json").write_text(json.dumps(said))
+os._exit(0)  # the processes are out of step: no collective of the run's end
+'''
+
+
+def test_processes_logging_at_different_intervals_raise_on_every_rank(tmp_path):
+    """Rank 0 logs every step, rank 1 every 2: their first logging steps' reductions pair step 0 with step 1. The
+    logging interval rides with the reduced sums (no collective of its own): each rank sees the sum is not twice
+    its own, and raises before publishing anything."""
+    r0, r1 = run_gloo_workers(CADENCE_WORKER, tmp_path, 43000, timeout=120.0)
+    assert (r0["step"], r1["step"]) == (0, 1) and r0["published"] == r1["published"] == []
+    for said, own in ((r0, 1), (r1, 2)):
+        assert "log_every_n_steps" in said["error"] and "logging_steps" in said["error"]
+        assert f"logs every {own} step(s), the mean over the 2 processes is 1.5" in said["error"]

@@ -2,8 +2,8 @@
 the kept positions cannot be told apart from the logits' shape, so every door refuses the logits statistics with
 one warning naming the cause and the fix, and measures the gradients, exact against an untied twin's autograd
 through the same loss on the batches the door trained on. Under Lightning with ``compare_loss=`` the self-check
-then compares the NaN target NLL with the logged loss and warns "self-check FAILED" (``check/mismatch = 1``) with
-a wrong cause: a false alarm, asserted here as it is until the self-check skips a refused step.
+has a reference but nothing measured to compare it with (``logits/positions`` 0, the refusal said once): no
+``check/mismatch``, no second warning.
 """
 
 from __future__ import annotations
@@ -52,21 +52,15 @@ def test_logits_to_keep_as_indices_is_refused_with_the_cause_gradients_exact(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         values, seen, _ = door_run(door, model, tmp_path, loss=kept_loss)
-    said = headwatch_warnings(caught)
+    # the overhead budget's note depends on the machine's load: not what this row is about
+    said = [m for m in headwatch_warnings(caught) if "overhead_budget" not in m]
     assert (
         "logits_to_keep given as indices" in said[0] and "hidden_module=" in said[0]
     ), said
-    if (
-        door == "lightning"
-    ):  # compare_loss= gives a reference: the NaN gap is flagged, a false alarm (docs/supported.md)
-        assert (
-            len(said) == 2
-            and "self-check FAILED" in said[1]
-            and "saw no labels" in said[1]
-        ), said
-        assert all(values[s][f"{H}/check/mismatch"] == 1 for s in range(STEPS))
-    else:
-        assert len(said) == 1, said
+    assert len(said) == 1, said  # under Lightning's compare_loss= too: no self-check alarm on a refused step
+    if door == "lightning":  # compare_loss= gives a reference; the capture measured 0 positions: nothing compared
+        assert all(values[s][f"{H}/check/mismatch"] == 0 for s in range(STEPS))
+        assert all(math.isfinite(values[s][f"{H}/debug/check/reference_nll"]) for s in range(STEPS))
     assert len(values) == STEPS
     for step in range(STEPS):
         got = values[step]

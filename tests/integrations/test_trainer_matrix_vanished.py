@@ -40,7 +40,7 @@ def test_a_zeroed_head_gradient_is_flagged_through_each_door(tmp_path, door):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         values, seen, logits = door_run(door, model, tmp_path)
-    said = headwatch_warnings(caught)
+    said = [m for m in headwatch_warnings(caught) if "overhead_budget" not in m]  # that note follows the load
     assert len(said) == 1 and "output head's gradient VANISHED" in said[0], said
     assert len(values) == STEPS
     for step in range(STEPS):

@@ -160,7 +160,24 @@ class LogitStats(Monitor):
             self.source, self._head_module, self.head_name = source, source.head, source.head_name
         self.model = model
         self._format = self.batch_format.for_alignment(source.alignment)
+        weight = getattr(source.head, "weight", None)
+        if isinstance(weight, Tensor) and weight.dim() == 2:
+            self._check_vocab_size(weight.shape[0], f"the head `{source.head_name}`")
         self.info_once(f"headwatch: LogitStats measures {source.describe()}")
+
+    def _check_vocab_size(self, rows: int, what: str) -> None:
+        """A tokenizer vocabulary larger than the head's ``rows`` is refused: no column of the head would be padding
+        (``padded_mass`` a false 0), and the labels and the head disagree on the vocabulary.
+
+        Raises:
+            HeadwatchError: ``vocab_size`` is larger than ``rows``.
+        """
+        known = self._known_vocab_size()
+        if known is not None and known > rows:
+            raise HeadwatchError(
+                f"`vocab_size={known}` is larger than {what} ({rows} rows): the tokenizer and the model disagree on "
+                "the vocabulary; pass the tokenizer's vocabulary size (at most the head's rows)"
+            )
 
     def detach(self) -> None:
         if self._capturer is not None:
@@ -246,6 +263,7 @@ class LogitStats(Monitor):
                 )
         V = captured.logits.shape[-1] if captured.logits is not None else captured.weight.shape[0]  # type: ignore[union-attr]
         self.vocab_size = V
+        self._check_vocab_size(V, "the measured logits' columns")  # a source whose head holds no weight
         known = self._known_vocab_size()
         padded_v = known if known is not None and known < V else None
         out = captured_statistics(

@@ -146,7 +146,7 @@ class Orchestrator:
         """Each monitor measures every ``every_factor * every`` steps (0: never); ``figure_every_n_steps`` for
         the monitors built from names (None: leave them)."""
         check_int("every", every, minimum=0)
-        self.every = every
+        self.every = self.check.interval = every  # the check verifies it is the same on every process
         if reducer is not None:
             self.reducer = self.check.reducer = self.val_check.reducer = reducer
         for m in self.monitors:

@@ -91,7 +91,9 @@ def withhold(numbers: dict[str, float], parts: Sequence[Any], check_prefix: str)
     for part in parts:
         try:
             withheld.update(part.withheld(numbers))
-        except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
+        except Exception as err:  # a monitoring failure never stops training
+            if getattr(err, "strict", False) is True:  # a misconfigured run (the processes disagree): raised on purpose
+                raise
             part.fail(err, "deciding which figures to withhold")
     kept = {k: v for k, v in numbers.items() if k not in withheld}
     if f"{check_prefix}/debug/capture/positions" in numbers:

@@ -15,8 +15,8 @@ training logging step it adds, on the device and before the step's one host tran
   ``mean_token_accuracy`` of the step, when a door hands them (:meth:`SelfCheck.trainer_metrics`);
 - ``check/mismatch``: 1 when a gap is beyond its tolerance (:data:`TOLERANCES`) or not finite while the
   reference is, else 0;
-- ``check/vanished_gradient``: 1 when the head's gradient is all zero (row density 0), or an untied softmax
-  head's row density is below 1, next to a finite positive loss; else 0.
+- ``check/vanished_gradient``: 1 when the head's gradient is all zero (row density 0) next to a finite positive
+  loss; else 0 (a row density below 1 alone is not: a masked vocabulary column has no gradient).
 
 After the transfer, :meth:`SelfCheck.published` warns once per kind, naming the likely cause. See
 ``docs/self_check.md`` for the formulas, the tolerances and where each reference comes from.
@@ -26,103 +26,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from headwatch.core.capture_tally import CaptureTally
 from headwatch.core.monitor import FailurePolicy
+from headwatch.core.tolerance import (  # noqa: F401 - their home before
+    EPS,
+    TOLERANCES,
+    Tolerance,
+    dtype_tolerance,
+    scored_dtype,
+)
 from headwatch.distributed.reduce import NoReducer, Reducer, collective_device
-from headwatch.errors import check_prefix
+from headwatch.errors import HeadwatchError, check_prefix
 from headwatch.model.hooks import ModelHook
 
-
-class Tolerance(NamedTuple):
-    """``|gap| <= atol + rtol * |reference|``."""
-
-    atol: float
-    rtol: float
-
-
-TOLERANCES: dict[str, Tolerance] = {
-    "nll": Tolerance(1e-3, 1e-2),
-    "entropy": Tolerance(1e-3, 1e-2),
-    "accuracy": Tolerance(2e-2, 0.0),
-}
-"""Per compared figure, when the dtype the loss scored is not known (about bf16's at ``V = 2^16``). A near-tie
-argmax flips under bf16 (2 points of accuracy). A broken capture (other positions, other labels, another forward)
-moves NLL and entropy by tenths of a nat. With the dtype known, :func:`dtype_tolerance` (``docs/self_check.md``)."""
-
-EPS: dict[torch.dtype, float] = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
-"""Machine epsilon (the gap from 1 to the next number) of each floating dtype a loss can score in."""
-
-
-def dtype_tolerance(key: str, dtype: torch.dtype | None, vocab_size: int) -> Tolerance:
-    """The tolerance of ``key`` (``"nll"``, ``"entropy"``, ``"accuracy"``) for a loss that scored logits of ``dtype``
-    over ``vocab_size`` columns: ``atol = max(eps log V / 8, floor)``, ``rtol = max(1.28 eps, 1e-4)``, ``floor``
-    ``1e-5`` nats for NLL, ``5e-4`` for entropy (TRL's chunked kernel); ``eps`` of :data:`EPS`. Derivation in
-    ``docs/self_check.md``. Accuracy, an unknown dtype or ``vocab_size < 2``: :data:`TOLERANCES`.
-
-    Raises:
-        KeyError: ``key`` is not a compared figure.
-    """
-    base = TOLERANCES[key]
-    eps = EPS.get(dtype) if dtype is not None else None
-    if key == "accuracy" or eps is None or vocab_size < 2:
-        return base
-    floor = 1e-5 if key == "nll" else 5e-4
-    return Tolerance(max(eps * math.log(vocab_size) / 8, floor), max(1.28 * eps, 1e-4))
-
-
-TOTALS = 6
+TOTALS = 10
 """Leading entries of the self-check's summed counts (:meth:`SelfCheck.local_sums`), before the per-forward slots."""
 
 MAX_PAIRED = 64
 """Loss forwards per logging step whose positions are summed over processes to weigh TRL's per-micro-batch
 entries (more: the entries are averaged unweighted)."""
-
-
-def scored_dtype(captured: Any) -> torch.dtype | None:
-    """The dtype of the logits the loss scored, for its tolerance: the captured logits' own (the loss's tensor), or the
-    coarser of a reproduced projection's ``precision``; None where the hidden path recomputes them in float32 (the
-    model's own rounding is not known)."""
-    if getattr(captured, "logits", None) is not None:
-        return captured.logits.dtype
-    precision = getattr(captured, "precision", None)
-    return max(precision, key=lambda d: EPS.get(d, 0.0)) if precision else None
-
-
-class CaptureTally:
-    """What :class:`~headwatch.core.logits.LogitStats` measured on the current training logging step.
-
-    ``forwards``: measured forwards on this process (a Python int); ``labelled``: positions of their
-    targets ``(B, T)`` that predict a label (``target != ignore_index``), summed on the device (no sync);
-    ``dtype``: the coarsest dtype the measured forwards' logits were scored in (None: unknown); ``vocab_size``:
-    their columns ``V``.
-    """
-
-    def __init__(self) -> None:
-        self.forwards = 0
-        self.labelled: Tensor | None = None
-        self.dtype: torch.dtype | None = None
-        self.vocab_size = 0
-
-    def add(self, targets: Tensor | None, ignore_index: int, dtype: torch.dtype | None = None, vocab_size: int = 0) -> None:
-        """One measured forward with its (aligned) ``targets`` ``(B, T)`` or None (no labels), scored in ``dtype``
-        over ``vocab_size`` columns."""
-        self.forwards += 1
-        if dtype is not None and (self.dtype is None or EPS.get(dtype, 0.0) > EPS.get(self.dtype, 0.0)):
-            self.dtype = dtype
-        self.vocab_size = max(self.vocab_size, vocab_size)
-        if targets is not None:
-            n = (targets != ignore_index).sum()
-            self.labelled = n if self.labelled is None else self.labelled + n.to(self.labelled.device)
-
-    def take(self) -> tuple[int, Tensor | None]:
-        """``(forwards, labelled)`` of the step, and reset (read ``dtype`` and ``vocab_size`` before)."""
-        out = (self.forwards, self.labelled)
-        self.forwards, self.labelled, self.dtype, self.vocab_size = 0, None, None, 0
-        return out
 
 
 def _labelled_count(kwargs: dict[str, Any], output: Any, module: nn.Module) -> Tensor | None:
@@ -192,6 +119,10 @@ class SelfCheck(FailurePolicy):
         """The forward hook on the model whose ``outputs.loss`` is read (:meth:`attach`)."""
         """The module whose ``outputs.loss`` is read (None: not attached)."""
         self._taken: tuple | None = None  # what local_sums took for extend
+        self._optional: list[str] = []  # the step's reference keys, dropped after the transfer where none exists
+        self.interval = 0
+        """The run's logging interval in steps (the door's ``log_every_n_steps`` / ``logging_steps``), checked against
+        its sum over processes on each training logging step (:meth:`withheld`)."""
         self._reset()
 
     @property
@@ -262,7 +193,7 @@ class SelfCheck(FailurePolicy):
                 return
             items = kwargs.get("num_items_in_batch")  # the loss is the sum over the step's items / N
             weight = items if items is not None else count
-            self.add_nll_sum(loss.detach().double() * weight, count)
+            self.add_nll_sum(_weighted(loss.detach().double(), weight, count), count)
         except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
             self.fail(err, "reading the model's loss")
 
@@ -286,7 +217,7 @@ class SelfCheck(FailurePolicy):
         weighted by its labelled positions ``count`` (a device tensor; None: every call weighs the same)."""
         if isinstance(loss, Tensor):
             loss = loss.detach().double().reshape(())
-        self._sums.append(loss * count if count is not None else loss)  # type: ignore[arg-type]
+        self._sums.append(_weighted(loss, count, count) if count is not None else loss)  # type: ignore[arg-type]
         self._weights.append(count if count is not None else 1.0)
         self._counted = self._counted and count is not None
 
@@ -321,9 +252,11 @@ class SelfCheck(FailurePolicy):
     # ---------------------------------------------------------------- compute (on the device)
     def local_sums(self, monitors: Sequence[Any], device: torch.device | None = None) -> dict[str, Tensor]:
         """Phase one of :meth:`extend` with several processes: this step's counts on this process, taken (the step's
-        records start empty) and kept for :meth:`extend`; ``{"totals": (4 + MAX_PAIRED,) float64}`` (labelled
-        positions, the loss forwards' NLL sum and positions, whether some forward's positions are unknown, each
-        forward's positions), to be summed over processes with the step's other sums. No collective. ``device``:
+        records start empty) and kept for :meth:`extend`; ``{"totals": (TOTALS + MAX_PAIRED,) float64}`` (labelled
+        positions, the loss forwards' NLL sum and positions, whether some forward's positions are unknown, the step
+        loss weighted by its positions and their weight, the loss forwards, whether a step loss was handed, whether
+        the capture's labels are unknown, the logging interval, each forward's positions), to be summed over processes
+        with the step's other sums. No collective. ``device``:
         where to build it (default: where this step's tensors are, else where collectives run).
 
         A failure warns once (raises when strict) and gives zeros of the same layout: no check value this step."""
@@ -365,8 +298,12 @@ class SelfCheck(FailurePolicy):
             torch.stack([dev(s) for s in sums]).sum() if sums else zero,
             w.sum() if w is not None else zero,
             dev(0.0 if counted else 1.0),
-            dev(step_loss) * weight if step_loss is not None else zero,
+            _weighted(dev(step_loss), weight, weight) if step_loss is not None else zero,
             weight if step_loss is not None else zero,
+            dev(float(len(sums))),  # the reference's forwards: whether a reference exists anywhere, from the sum
+            dev(1.0 if step_loss is not None else 0.0),
+            dev(1.0 if labelled is None else 0.0),  # the capture's labelled positions are not known here
+            dev(float(self.interval)),  # the same on every process, or the reductions pair different steps
         ]), slots])  # fmt: skip
 
     def extend(self, scalars: dict[str, Any], monitors: Sequence[Any], reduced: Mapping[str, Tensor] | None = None) -> dict[str, Any]:
@@ -388,7 +325,7 @@ class SelfCheck(FailurePolicy):
         taken, self._taken = self._taken, None
         if taken is None:  # local_sums failed (said there)
             return out
-        (forwards, labelled), sums, weights, counted, step_loss, trl, skipped, _ = taken
+        (forwards, _), sums, weights, counted, step_loss, trl, skipped, _ = taken
 
         def dev(x: Tensor | float) -> Tensor:
             return _on(x, device)
@@ -400,34 +337,38 @@ class SelfCheck(FailurePolicy):
         if isinstance(positions, Tensor):
             out[f"{p}/debug/capture/forwards"] = float(forwards)
             out[f"{p}/debug/capture/positions"] = positions
-            out[f"{p}/debug/capture/labelled_positions"] = total[0] if labelled is not None else 0.0
+            out[f"{p}/debug/capture/labelled_positions"] = total[0]
             if not self.evaluation:
                 out[f"{p}/debug/capture/generation_forwards"] = float(skipped.get("generation", 0))
                 out[f"{p}/debug/capture/no_grad_forwards"] = float(skipped.get("no_grad", 0))
-        reference: Tensor | None = None
-        if step_loss is not None:
-            reference = total[4] / total[5]  # the processes' step losses, weighted by their labelled positions
-        elif sums:
-            reference = total[1] / total[2]
+        # whether a reference exists, and which, is decided from the sums over processes (a rank whose loss forward
+        # raised has none of its own): the keys are added on every rank and dropped after the transfer where no
+        # process had a reference (:meth:`withheld`)
+        by_step = total[7] > 0
+        exists = (total[6] + total[7]) > 0
+        reference = torch.where(by_step, total[4] / total[5], total[1] / total[2])  # step losses weighted by positions
+        reference = torch.where(exists, reference, float("nan"))
         gaps: list[Tensor] = []
-        if reference is None and isinstance(positions, Tensor) and not self.evaluation:
-            self.note_once(  # a figure left out (check/nll_gap): a warning, never raised
-                "no_reference",
-                "headwatch self-check: no trainer loss to compare target_nll with on this run (no training forward "
-                "returned `outputs.loss`: the trainer computes the loss outside the model, e.g. label smoothing or "
-                "`compute_loss_func`, or the model is compiled), so check/nll_gap is not published; pass "
-                "step_end(loss=...) (plain loop) or compare_loss=<logged key> (Lightning) to compare. The "
-                "debug/capture/* counts are still published. (said once)",
-            )
-        if reference is not None and isinstance(positions, Tensor):  # no logit statistics (refused): nothing to compare
+        self._optional = []
+        if not self.evaluation and self.reducer.world_size > 1:  # checked after the transfer (withheld)
+            out[f"{p}/debug/check/_interval"] = total[9]
+        if isinstance(positions, Tensor):  # no logit statistics (no monitor): nothing to compare
+            measured = positions.to(device) > 0  # 0: the logit statistics were refused (said once): nothing to compare
+            out[f"{p}/debug/check/_references"] = total[6] + total[7]
             out[f"{p}/debug/check/reference_nll"] = reference
-            out[f"{p}/debug/check/reference_forwards"] = float(len(sums)) if step_loss is None else float("nan")
-            out[f"{p}/debug/check/reference_positions"] = total[2] if step_loss is None and counted else float("nan")
+            out[f"{p}/debug/check/reference_forwards"] = torch.where(by_step, dev(float("nan")), dev(float(len(sums))))
+            # position counts agree exactly, or fail, where every process knows its capture's labelled positions: the
+            # forwards' own counts, or those of the step losses (each weighted by its process's labelled positions; a
+            # process whose loss was thrown away after its forward is measured by the capture, absent from the loss)
+            exact = (total[8] == 0) & (by_step | (total[3] == 0))
+            positions_ref = torch.where(by_step, total[5], total[2])
+            out[f"{p}/debug/check/reference_positions"] = torch.where(exact, positions_ref, float("nan"))
             own = own_nll.double() if isinstance(own_nll, Tensor) else dev(float("nan"))
             out[f"{p}/check/nll_gap"] = gap = own - reference
-            gaps.append(self._beyond(gap, reference, "nll"))
-            if step_loss is None and counted and labelled is not None:  # position counts agree exactly, or fail
-                gaps.append((total[0] != total[2]) & torch.isfinite(reference))  # NaN: no comparable reference
+            gaps.append(self._beyond(gap, reference, "nll") & measured)
+            gaps.append(exact & measured & (total[0] != positions_ref) & torch.isfinite(reference))  # NaN: not comparable
+            self._optional = [f"{p}/debug/check/{k}" for k in ("reference_nll", "reference_forwards", "reference_positions")]
+            self._optional.append(f"{p}/check/nll_gap")
         for key, name in (("entropy", "logits/entropy"), ("accuracy", "logits/target_argmax_rate")):
             values, mine = trl.get(key), scalars.get(f"{p}/{name}")
             if not values or not isinstance(mine, Tensor):
@@ -439,7 +380,13 @@ class SelfCheck(FailurePolicy):
             gaps.append(self._beyond(gap, ref, key))
         if gaps:
             out[f"{p}/check/mismatch"] = torch.stack(gaps).any().double()
-        loss = reference if reference is not None else own_nll
+            if len(gaps) == 2 and self._optional:  # the NLL's alone: dropped with them
+                self._optional.append(f"{p}/check/mismatch")
+        loss: Tensor | None = None  # from reduced values: the same flag on every process
+        if isinstance(own_nll, Tensor):
+            loss = torch.where(exists, reference, own_nll.to(device).double())
+        elif self.reducer.world_size == 1 and (sums or step_loss is not None):  # no logit statistics: the reference
+            loss = reference
         vanished = self._vanished(scalars, loss, device)
         if vanished is not None:
             out[f"{p}/check/vanished_gradient"] = vanished
@@ -464,15 +411,15 @@ class SelfCheck(FailurePolicy):
         if self.policy_gradient:  # zero advantages (every completion of a group rewarded alike) give zero gradient
             return None
         p = self.prefix
-        head, shared, tied = (scalars.get(f"{p}/grad/{k}") for k in ("head_row_density", "shared_row_density", "tied"))
+        head, shared = (scalars.get(f"{p}/grad/{k}") for k in ("head_row_density", "shared_row_density"))
         if not isinstance(loss, Tensor) or not (isinstance(head, Tensor) or isinstance(shared, Tensor)):
             return None
+        # all zero: no row of the head has a gradient. A row density below 1 is no sign of it: a column the model
+        # masks (logits -inf: a padding token) gives its row no gradient, and a row's gradient can underflow
         flag = torch.zeros((), dtype=torch.bool, device=device)
         for density in (head, shared):
             if isinstance(density, Tensor):
                 flag = flag | (density.to(device) == 0)
-        if isinstance(head, Tensor) and isinstance(tied, Tensor):  # the softmax touches every row of an untied head
-            flag = flag | ((tied.to(device) == 0) & (head.to(device) < 1))
         loss = loss.to(device=device, dtype=torch.float64)
         return (flag & torch.isfinite(loss) & (loss > 0)).double()
 
@@ -484,12 +431,52 @@ class SelfCheck(FailurePolicy):
         which would read as a measured 0. The flags and the gaps themselves are published."""
         p = self.prefix
         out: dict[str, str] = {}
+        interval = numbers.pop(f"{p}/debug/check/_interval", None)
+        if interval is not None:
+            self.same_interval(interval)
+        references = numbers.pop(f"{p}/debug/check/_references", None)  # the loss forwards over processes
+        if references == 0:  # no process had a reference: its keys are not published (on every rank alike)
+            for key in self._optional:
+                numbers.pop(key, None)
+            self._no_reference()
         if numbers.get(f"{p}/check/mismatch", 0.0) > 0:  # reduced values: every process withholds alike
             out.update(dict.fromkeys((k for k in numbers if k.startswith(f"{p}/logits/")), "the self-check failed"))
         if numbers.get(f"{p}/check/vanished_gradient", 0.0) > 0:
             cause = "the head's gradient vanished"
             out.update({k: cause for k in numbers if k.startswith(f"{p}/grad/") and k.endswith(("head_row_density", "shared_row_density"))})
         return out
+
+    def same_interval(self, total: float) -> None:
+        """``total``: the logging interval summed over processes, from a logging step's reduced sums.
+
+        Raises:
+            HeadwatchError: the processes log at different intervals (``total`` is not ``world_size`` times this
+                process's): their reductions paired different steps' values, so nothing of the step is published;
+                marked ``strict`` (raised through a door's guard, on every process).
+        """
+        world = self.reducer.world_size
+        if total == world * self.interval:
+            return
+        error = HeadwatchError(
+            f"headwatch: the processes log at different intervals: this process (rank {self.rank}) logs every "
+            f"{self.interval} step(s), the mean over the {world} processes is {total / world:g}. Their reductions "
+            "paired different steps' values (wrong numbers, then a hang), so nothing is published. Pass the same "
+            "log_every_n_steps (plain loop, Lightning's Trainer) or logging_steps (Hugging Face TrainingArguments) "
+            "on every process."
+        )
+        error.strict = True  # type: ignore[attr-defined]  # not a monitoring failure: the run is misconfigured
+        raise error
+
+    def _no_reference(self) -> None:
+        if not self.evaluation:
+            self.note_once(  # a figure left out (check/nll_gap): a note, never raised
+                "no_reference",
+                "headwatch self-check: no trainer loss to compare target_nll with on this run (no training forward "
+                "returned `outputs.loss`: the trainer computes the loss outside the model, e.g. label smoothing or "
+                "`compute_loss_func`, or the model is compiled), so check/nll_gap is not published; pass "
+                "step_end(loss=...) (plain loop) or compare_loss=<logged key> (Lightning) to compare. The "
+                "debug/capture/* counts are still published. (said once)",
+            )
 
     def published(self, numbers: dict[str, float]) -> None:
         """Warn once per kind (rank zero) from the published floats: a gap beyond tolerance, a vanished gradient."""
@@ -533,7 +520,8 @@ class SelfCheck(FailurePolicy):
                          "the loss was pooled (a second pass for metrics, generation, a reference model) or the loss's forward was missed")  # fmt: skip
             elif not math.isnan(ref_pos) and lab != ref_pos:
                 cause = (f"headwatch's forwards hold {lab:.0f} labelled positions, the loss counts {ref_pos:.0f}: other positions "
-                         "(prompt tokens, `logits_to_keep`, a different label shift)")  # fmt: skip
+                         "(prompt tokens, `logits_to_keep`, a different label shift), or a measured forward whose loss was "
+                         "thrown away on some process (an exception after the forward, a skipped batch)")  # fmt: skip
             else:
                 cause = ("same positions, different values: the labels changed after the forward, the loss is not plain "
                          "cross-entropy (label smoothing, an auxiliary loss, a temperature), or it comes from a different forward")  # fmt: skip
@@ -578,3 +566,12 @@ def _on(x: Tensor | float, device: torch.device) -> Tensor:
     if isinstance(x, Tensor):
         return x.to(device=device, dtype=torch.float64).reshape(())
     return torch.full((), float(x), dtype=torch.float64, device=device)
+
+
+def _weighted(loss: Tensor | float, weight: Tensor | float, count: Tensor) -> Tensor:
+    """``loss * weight`` (float64), 0 where the forward has no labelled position (``count`` 0): the model's loss of
+    such a forward is NaN (0 / 0), and it holds no position of the reference (``docs/self_check.md``)."""
+    if not isinstance(loss, Tensor):
+        loss = torch.full((), float(loss), dtype=torch.float64, device=count.device)
+    product = loss.double() * (weight.double() if isinstance(weight, Tensor) else float(weight))
+    return torch.where((count > 0).to(product.device), product, 0.0)
