@@ -40,12 +40,13 @@ class Layout(NamedTuple):
 
 def layout(model: nn.Module) -> Layout | None:
     """The :class:`Layout` of ``model`` as the default search finds it (:func:`find_output_head`,
-    :func:`find_input_embedding`); None when it cannot be resolved (the monitors then say why at attach)."""
+    :func:`find_input_embedding`); None when it cannot be resolved (the monitors then say why at attach; a weight
+    partitioned outside a gathering context, as DeepSpeed ZeRO-3 holds it between steps, is not read here)."""
     try:
         head_name, head = find_output_head(model)
         rows = (declared_shape(head) or (None, None))[0]
         emb_name, emb = find_input_embedding(model, vocab_size=rows)
-    except HeadwatchError:
+    except (HeadwatchError, AttributeError, RuntimeError):
         return None
     weight = getattr(head, "weight", None)
     tied = weight is not None and weight is getattr(emb, "weight", None)
@@ -75,10 +76,10 @@ class VocabularyWatch:
         if self.model is None or self.layout is None or self.again is None:
             return False
         now = layout(self.model)
-        if now == self.layout:
+        if now is None or now == self.layout:  # None: not resolvable now (a partitioned weight), not a change
             return False
         before = self.layout
-        what = now.describe() if now is not None else "a head and embedding headwatch can no longer resolve"
+        what = now.describe()
         warn_once(
             f"vocabulary:{before}->{now}",
             f"headwatch: the model's vocabulary-sized matrices changed after attach ({before.describe()} -> {what}: "
