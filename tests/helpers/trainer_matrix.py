@@ -179,11 +179,12 @@ def assert_grads(
 
 
 NO_REFERENCE = "no trainer loss to compare target_nll with"  # check/nll_gap left out where no loss is read: said once
+OVER_BUDGET = "its logging statistics alone take"  # tiny models logged every step exceed overhead_budget: said once
 
 
 def headwatch_warnings(caught) -> list[str]:
     said = [str(w.message) for w in caught if "/headwatch/" in w.filename.replace("\\", "/")]
-    return [m for m in said if NO_REFERENCE not in m]
+    return [m for m in said if NO_REFERENCE not in m and OVER_BUDGET not in m]
 
 
 # ====================================================================================== HF Trainer
