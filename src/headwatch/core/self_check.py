@@ -354,6 +354,8 @@ class SelfCheck(FailurePolicy):
             out[f"{p}/debug/check/_interval"] = total[9]
         if isinstance(positions, Tensor):  # no logit statistics (no monitor): nothing to compare
             measured = positions.to(device) > 0  # 0: the logit statistics were refused (said once): nothing to compare
+            if any(getattr(m, "temperature", None) not in (None, 1.0) for m in monitors):
+                measured = measured & False  # a sampling temperature: the loss scores another distribution (by configuration)
             out[f"{p}/debug/check/_references"] = total[6] + total[7]
             out[f"{p}/debug/check/reference_nll"] = reference
             out[f"{p}/debug/check/reference_forwards"] = torch.where(by_step, dev(float("nan")), dev(float(len(sums))))
