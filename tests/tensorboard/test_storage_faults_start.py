@@ -220,8 +220,8 @@ def test_lightning_with_headwatchs_logger_starts_on_an_unwritable_save_dir_and_l
         rows = [r for r in csv.DictReader(f) if r.get(ENTROPY)]
     in_csv = {int(r["step"]): float(r[ENTROPY]) for r in rows}
     assert len(in_csv) == steps, in_csv  # every step's values reached the other logger
-    messages = [str(w.message) for w in caught if "headwatch" in str(w.message)]
-    assert len(messages) == 2, messages  # the fault, then writing resumed
+    messages = [str(w.message) for w in caught if str(w.message).startswith("headwatch: TensorBoard events")]
+    assert len(messages) == 2, "\n".join(m[:200] for m in messages)  # the fault, then writing resumed
     assert "cannot be written" in messages[0] and "again" in messages[1], messages
     log_dir = Path(logger.log_dir)
     assert log_dir.parent.parent == tmpfs / "logs"
@@ -267,5 +267,7 @@ def test_lightning_with_headwatchs_logger_on_writable_storage_writes_what_lightn
     assert sorted(ours[0]) == sorted(theirs[0])
     for tag, points in theirs[0].items():
         assert [s for s, _ in ours[0][tag]] == [s for s, _ in points], tag
+        if "/overhead/" in tag:  # headwatch's own timings: each run its own
+            continue
         assert [v for _, v in ours[0][tag]] == pytest.approx([v for _, v in points], rel=1e-5, nan_ok=True), tag
     assert ours[1] == theirs[1] and "vocab_size: 64" in ours[1]
