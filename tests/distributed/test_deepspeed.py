@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from headwatch.distributed.zero import full_gradient, full_weight, gathered, zero_stage
+from tests.helpers.distributed import read_measured, unexpected
 from tests.helpers.paths import WORKERS
 
 SCRIPT = WORKERS / "deepspeed_plain.py"
@@ -41,7 +42,7 @@ def _run(tmp_path: Path, *args: str) -> tuple[dict, dict]:
     cmd = [sys.executable, str(SCRIPT), str(tmp_path), _free_port(), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return tuple(json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))  # type: ignore[return-value]
+    return tuple(read_measured(tmp_path / f"rank{r}.json") for r in (0, 1))  # type: ignore[return-value]
 
 
 def _close(a: float, b: float, abs_tol: float = 1e-8) -> bool:
@@ -66,7 +67,7 @@ def _compare(rank0: dict, rank1: dict, run: str, tying: str) -> tuple[list[dict]
 
 def _assert_equal_to_one_process(rank0: dict, rank1: dict, run: str, tying: str) -> None:
     got, single = _compare(rank0, rank1, run, tying)
-    assert rank0[run]["warnings"] == [], (run, rank0[run]["warnings"])
+    assert unexpected(rank0[run]["warnings"]) == [], (run, rank0[run]["warnings"])
     # said once, on rank 0, with the cost
     assert len(rank0[run]["info"]) == 1 and "safe_get_full_grad" in rank0[run]["info"][0], rank0[run]["info"]
     assert rank1[run]["info"] == []
@@ -107,9 +108,9 @@ def test_gradient_read_after_engine_step_is_refused_once(tmp_path):
     for run in ("zero2/tied", "zero2/untied", "zero3/tied", "zero3/untied"):
         tying = run.split("/")[1]
         got, single = _compare(rank0, rank1, run, tying)
-        warned = rank0[run]["warnings"]
+        warned = unexpected(rank0[run]["warnings"])
         assert len(warned) == 1 and "`engine.step()` already ran" in warned[0] and "before `engine.step()`" in warned[0], warned
-        assert rank1[run]["warnings"] == []  # said on rank 0 only; rank 1 took the same path, silently
+        assert unexpected(rank1[run]["warnings"]) == []  # said on rank 0 only; rank 1 took the same path, silently
         for expected, values in zip(single, got):
             assert not any(k.startswith("headwatch/grad/") for k in values)  # skipped, on both ranks
             assert "headwatch/logits/entropy" in values
@@ -142,12 +143,12 @@ def test_hugging_face_trainer_under_zero3_refuses_gradients_once_and_measures_th
     main(str(tmp_path / "single"))  # meanwhile, in this process: no DeepSpeed, the same global batches
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
-    single = json.loads((tmp_path / "single" / "rank0.json").read_text())
-    ranks = [json.loads((tmp_path / "zero" / f"rank{r}.json").read_text()) for r in range(2)]
+    single = read_measured(tmp_path / "single" / "rank0.json")
+    ranks = [read_measured(tmp_path / "zero" / f"rank{r}.json") for r in range(2)]
     assert ranks[0] == ranks[1] and sorted(ranks[0]) == sorted(single) == ["2", "4"]
-    warned = json.loads((tmp_path / "zero" / "warnings0.json").read_text())
+    warned = unexpected(json.loads((tmp_path / "zero" / "warnings0.json").read_text()))
     assert len(warned) == 1 and "inside `accelerator.backward`" in warned[0], warned
-    assert json.loads((tmp_path / "zero" / "warnings1.json").read_text()) == []  # said on rank 0 only
+    assert unexpected(json.loads((tmp_path / "zero" / "warnings1.json").read_text())) == []  # said on rank 0 only
     for step, values in ranks[0].items():
         missing = set(single[step]) - set(values)
         # the gradient statistics, and the self-check made from them, are refused under ZeRO-3

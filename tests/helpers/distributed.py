@@ -124,3 +124,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def read_measured(path) -> Any:
+    """A worker's JSON results without headwatch's own timings (``overhead/*``: each process's wall-clock share, never
+    equal between processes or runs), so that N processes are compared with one on what was measured."""
+
+    def strip(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items() if not (isinstance(k, str) and "/overhead/" in k)}
+        if isinstance(obj, list):
+            return [strip(v) for v in obj]
+        return obj
+
+    import json
+    from pathlib import Path
+
+    return strip(json.loads(Path(path).read_text()))
+
+
+NOTES = ("no trainer loss to compare", "overhead_budget")
+"""Words of the notes a run may say whatever it tests: no loss to compare the NLL with (a loop that passes none), and
+the overhead budget's (the cost of a measurement against a step: it depends on the machine's load)."""
+
+
+def unexpected(said: list[str]) -> list[str]:
+    """The warnings of ``said`` that are not one of the :data:`NOTES`."""
+    return [w for w in said if not any(note in w for note in NOTES)]

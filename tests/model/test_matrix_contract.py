@@ -24,6 +24,7 @@ from torch import nn
 
 from headwatch.core.gradients import GradientDensity
 from headwatch.integrations.loop import Headwatch
+from tests.helpers.distributed import read_measured
 from tests.helpers.matrices import D, V, tiny, twin_grads, untied_twin
 from tests.helpers.paths import WORKERS
 
@@ -269,8 +270,8 @@ def test_fused_loss_hidden_path_under_every_fsdp2_resharding_setting(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(FSDP_WORKER), str(tmp_path), _free_port()], env=env, capture_output=True, text=True, timeout=540, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rank0 = json.loads((tmp_path / "fused_rank0.json").read_text())
-    rank1 = json.loads((tmp_path / "fused_rank1.json").read_text())
+    rank0 = read_measured(tmp_path / "fused_rank0.json")
+    rank1 = read_measured(tmp_path / "fused_rank1.json")
     assert len(rank0) == 10
     for run, other in zip(rank0, rank1):
         setting = {k: run[k] for k in ("tied", "root", "layer", "before")}

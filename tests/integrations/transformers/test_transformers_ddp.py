@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 
+from tests.helpers.distributed import read_measured
 from tests.helpers.paths import WORKERS
 from tests.workers.hf_ddp import T, main
 
@@ -36,8 +37,8 @@ def test_two_processes_equal_one_process(tmp_path):
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=30)
     assert proc.returncode == 0, log.read_text()[-4000:]
-    single = json.loads((tmp_path / "single" / "rank0.json").read_text())
-    ranks = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text()) for r in range(2)]
+    single = read_measured(tmp_path / "single" / "rank0.json")
+    ranks = [read_measured(tmp_path / "ddp" / f"rank{r}.json") for r in range(2)]
     assert ranks[0] == ranks[1], "every rank logs the same synchronised values"
     assert sorted(single) == sorted(ranks[0]) == ["2", "4"]
     for step, values in single.items():
