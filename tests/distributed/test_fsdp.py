@@ -111,8 +111,12 @@ def test_sharded_functions_equal_one_process_functions_on_a_dtensor(tmp_path):
     # zero rows, gathered rows, synonym pairs and the compact lookup flow (padding, two micro-batches)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(OPS), str(tmp_path), _free_port()], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (tmp_path / "ops.txt").read_text() == "ok"
+    ok = (tmp_path / "ops.txt").exists() and (tmp_path / "ops.txt").read_text() == "ok"  # written after both ranks' checks
+    # gloo now and then aborts a worker at interpreter exit ("terminate called without an active exception"), after the
+    # checks and the barrier that follows them: that exit is not a failed comparison
+    aborted_at_exit = ok and "terminate called without an active exception" in proc.stderr and "AssertionError" not in proc.stderr
+    assert proc.returncode == 0 or aborted_at_exit, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ok
 
 
 def test_every_monitor_under_lightning_fsdp1_equals_one_process(lightning_runs):
