@@ -46,6 +46,32 @@ CASES = {
         "token_indices": [1, 2, 3],
     },
 }
+# PEFT methods other than LoRA, on the head or the embedding: their matrix is not the base (IA3 scales, OFT rotates,
+# DoRA rescales columns) and headwatch does not compute it: refused at attach, the method named in one warning
+OTHER = {
+    "ia3_head": (
+        lambda: peft.IA3Config(target_modules=["lm_head"], feedforward_modules=[]),
+        "PEFT ia3",
+    ),
+    "dora_both": (
+        lambda: peft.LoraConfig(
+            r=4, use_dora=True, target_modules=["embed_tokens", "lm_head"]
+        ),
+        "DoRA",
+    ),
+    "oft_embedding": (
+        lambda: peft.OFTConfig(target_modules=["embed_tokens"]),
+        "PEFT oft",
+    ),
+    "vera_head": (
+        lambda: peft.VeraConfig(r=4, target_modules=["lm_head"]),
+        "PEFT vera",
+    ),
+    "boft_head": (
+        lambda: peft.BOFTConfig(boft_block_size=4, target_modules=["lm_head"]),
+        "PEFT boft",
+    ),
+}
 # TRL refuses an adapter on the head itself (its fused head reads ``lm_head.weight``; trainable tokens on a tied
 # model adapt the head too): the embedding's LoRA there
 RUNS = [
@@ -65,6 +91,11 @@ RUNS += [
         "trainable_tokens",
     ),  # on the untied family: TRL refuses it on a tied head
 ]  # refused: the gradient statistics
+RUNS += [
+    ("hf_trainer", "ia3_head"),
+    ("lightning", "dora_both"),
+    ("sft_trainer", "oft_embedding"),  # TRL refuses an adapter on the head
+]  # refused at attach: the gradient statistics
 
 
 UNTIED = "gemma2_softcap"
@@ -81,12 +112,16 @@ def adapted(case: str, door: str = ""):
                 if door == "sft_trainer" and case == "trainable_tokens"
                 else "llama_tied"
             ),
-            peft.TrainableTokensConfig(**CASES[case])
+            OTHER[case][0]()
+            if case in OTHER
+            else peft.TrainableTokensConfig(**CASES[case])
             if case == "trainable_tokens"
             else peft.LoraConfig(
                 r=4, lora_alpha=8, init_lora_weights=False, **CASES[case]
             ),
         )
+    if case in OTHER:
+        return model, None
     if case == "modules_to_save":
         with torch.no_grad():  # the trained copy differs from the frozen embedding
             model.get_output_embeddings().modules_to_save["default"].weight.mul_(1.5)
@@ -111,6 +146,19 @@ def test_peft_on_a_tied_model_through_each_door(tmp_path, door, case):
         warnings.simplefilter("always")
         values, seen, logits = door_run(door, model, tmp_path)
     said = headwatch_warnings(caught)
+    if (
+        case in OTHER
+    ):  # refused at attach, the method named; the logits still exact, no gradient figure
+        assert (
+            len(said) == 1 and OTHER[case][1] in said[0] and "cannot measure" in said[0]
+        ), said
+        assert len(values) == STEPS and len(logits) == STEPS
+        for step in range(STEPS):
+            assert_logits(values[step], logits_reference([logits[step]], [seen[step]]))
+            assert not any(
+                k.startswith((f"{H}/grad/", f"{H}/update/")) for k in values[step]
+            ), values[step]
+        return
     expected = twin_grads(twin, seen[:STEPS])
     trains = {"embedding": case != "modules_to_save", "head": case != "lora_embedding"}
     if (
@@ -143,3 +191,14 @@ def test_peft_on_a_tied_model_through_each_door(tmp_path, door, case):
                 assert got[f"{H}/grad/{key}"] == pytest.approx(
                     want, rel=1e-4, abs=1e-7
                 ), (role, key)
+
+
+@pytest.mark.parametrize("case", ["vera_head", "boft_head"])
+def test_the_plain_loop_refuses_other_adapters_at_construction_naming_the_method(case):
+    """``Headwatch(model)`` is not a trainer hook: it raises, the method named, rather than measure the base."""
+    from headwatch import Headwatch
+    from headwatch.errors import HeadwatchError
+
+    model, _ = adapted(case)
+    with pytest.raises(HeadwatchError, match=OTHER[case][1]):
+        Headwatch(model, monitors=["tokens", "logits", "gradients"])
