@@ -82,7 +82,9 @@ class LogitsRecorder:
         self.handle = model.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
-        if module.training and torch.is_grad_enabled():
+        if (
+            module.training and torch.is_grad_enabled() and output.logits is not None
+        ):  # a fused loss returns none
             self.logits.append(output.logits.detach().clone())
 
     def remove(self) -> None:
@@ -183,7 +185,9 @@ OVER_BUDGET = "its logging statistics alone take"  # tiny models logged every st
 
 
 def headwatch_warnings(caught) -> list[str]:
-    said = [str(w.message) for w in caught if "/headwatch/" in w.filename.replace("\\", "/")]
+    said = [
+        str(w.message) for w in caught if "/headwatch/" in w.filename.replace("\\", "/")
+    ]
     return [m for m in said if NO_REFERENCE not in m and OVER_BUDGET not in m]
 
 
