@@ -50,7 +50,7 @@ MIX = Rows(
 SMOOTHING = 0.1
 # the logged train_loss is the cross-entropy headwatch measures: the self-check compares them
 COMPARED = {"automatic", "manual", "two_val_dataloaders", "second_fit", "gradient_accumulation", "logits_to_keep",
-            "r_drop", "bf16", "neftune"}  # fmt: skip
+            "r_drop", "bf16", "neftune", "compile"}  # fmt: skip
 # no forward returns the loss and no loss is compared: no check/* at all
 UNCHECKED = {"label_smoothing", "no_labels"}
 
@@ -151,10 +151,24 @@ class Unlabelled(torch.utils.data.Dataset):
 # The strict self-check compares the position count of Lightning's logged loss (`compare_loss=`) with the capture's:
 # a loss on `logits_to_keep`'s positions (8 labelled against the batch's 13) and two pooled forwards (R-Drop) count
 # differently, so the check fails and withholds the logits/* figures: a false alarm, listed in docs/supported.md
-FALSE_ALARM = pytest.mark.xfail(strict=True, reason="the strict self-check's position count under compare_loss= (docs/supported.md)")
+FALSE_ALARM = pytest.mark.xfail(
+    strict=True,
+    reason="the strict self-check's position count under compare_loss= (docs/supported.md)",
+)
 LIGHTNING_FEATURES = ["automatic", "manual", "two_val_dataloaders", "second_fit", "gradient_accumulation", "label_smoothing",
                       pytest.param("logits_to_keep", marks=FALSE_ALARM), "no_labels", pytest.param("r_drop", marks=FALSE_ALARM),
                       "own_labels", "bf16", "neftune"]  # fmt: skip
+# compiled in place before fit: the tied Llama only (a compile costs seconds; the tied split through the probe is
+# what compiled code changes, and the plain loop's and the Trainer's compile rows run the three families)
+CASES = [
+    pytest.param(name, f, id=f"{name}-{f}")
+    for f in LIGHTNING_FEATURES
+    if isinstance(f, str)
+    for name in FAMILIES
+]
+CASES += [pytest.param(name, f.values[0], marks=f.marks, id=f"{name}-{f.values[0]}") for f in LIGHTNING_FEATURES
+          if not isinstance(f, str) for name in FAMILIES]  # fmt: skip
+CASES += [pytest.param("llama_tied", "compile", id="llama_tied-compile")]
 
 
 def twin_grads(
@@ -178,8 +192,7 @@ def twin_grads(
     return out
 
 
-@pytest.mark.parametrize("feature", LIGHTNING_FEATURES)
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name, feature", CASES)
 def test_lightning(tmp_path, name, feature):
     from transformers.integrations.neftune import activate_neftune
 
@@ -201,6 +214,10 @@ def test_lightning(tmp_path, name, feature):
         train_rows = Unlabelled(train_rows)
     micro = [data[s * per_step : (s + 1) * per_step] for s in range(STEPS)]
     twins = twin_grads(twin, micro, feature) if twin is not None else None
+    if (
+        feature == "compile"
+    ):  # compiled in place before fit (aot_eager: AOTAutograd without inductor's C++ build)
+        model.compile(backend="aot_eager")
     logger, grads = StepLogger(), LitGradRecorder()
     compare = "train_loss" if feature in COMPARED else None
     callbacks = [TokenFrequency(), LogitStatsMonitor(log_every_n_steps=1, figure_every_n_steps=0, compare_loss=compare),
