@@ -157,12 +157,9 @@ def adapted(case: str, door: str = ""):
 @pytest.mark.parametrize("door, case", RUNS)
 def test_peft_on_a_tied_model_through_each_door(tmp_path, door, case):
     model, twin = adapted(case, door)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            values, seen, logits = door_run(door, model, tmp_path)
-    finally:
-        torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        values, seen, logits = door_run(door, model, tmp_path)
     said = headwatch_warnings(caught)
     if (
         case in OTHER
