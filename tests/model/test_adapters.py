@@ -393,6 +393,31 @@ def test_other_peft_adapters_are_refused_naming_the_method(method):
         resolve_matrices(model)
 
 
+def test_lora_over_another_method_in_a_mixed_model_is_refused():
+    """A PEFT mixed model stacks LoRA over LoHa on the head: the LoRA layer's base is adapted too. Was: measured as
+    the stored base plus the LoRA delta, the LoHa part left out (rows off by 0.08 from what the head computes)."""
+    from headwatch.errors import HeadwatchError
+    from headwatch.model.find import resolve_matrices
+
+    loha = peft.LoHaConfig(r=4, target_modules=["lm_head"], init_weights=False)
+    model = peft.get_peft_model(tiny_llama(), loha, mixed=True)
+    model.add_adapter(
+        "lora",
+        peft.LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False),
+    )
+    model.set_adapter(["default", "lora"])
+    head = model.get_output_embeddings()
+    lora_only = (
+        head.get_base_layer().weight
+        + head.scaling["lora"] * head.lora_B["lora"].weight @ head.lora_A["lora"].weight
+    )
+    assert not torch.allclose(
+        head_rows_by_forward(head), lora_only, atol=1e-3
+    )  # the LoHa part counts
+    with pytest.raises(HeadwatchError, match=r"PEFT loha .* under PEFT lora"):
+        resolve_matrices(model)
+
+
 def test_find_head_and_embedding_reports_the_effective_tie():
     from headwatch.model.find import find_head_and_embedding
 

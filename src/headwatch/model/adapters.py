@@ -151,6 +151,20 @@ def adapter_kind(module: nn.Module) -> str:
     if _token_layer(module) is not None:
         return "trainable_tokens"
     if _is_lora(module):
+        inner = getattr(
+            module, "base_layer", None
+        )  # PEFT mixed models stack methods: LoRA over another adapter
+        if (
+            isinstance(inner, nn.Module)
+            and hasattr(inner, "get_base_layer")
+            and inner.get_base_layer() is not inner
+        ):
+            raise HeadwatchError(
+                f"{adapter_name(inner)} under {adapter_name(module)} (a PEFT mixed model): the LoRA layer's base is "
+                "itself adapted, so its effective weight is not the stored base plus s * B @ A, and headwatch does "
+                "not compute it; this matrix's gradient, update and collision statistics are refused (the logits "
+                "are still measured); to measure them, adapt this matrix with LoRA alone"
+            )
         if getattr(module, "disable_adapters", False):
             return "plain"
         return "lora_merged" if getattr(module, "merged", False) else "lora"
