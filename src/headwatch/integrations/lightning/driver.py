@@ -271,6 +271,17 @@ class HeadwatchDriver(Driver, Callback):
         with self.run.guard("ending the run"):
             self.run.end_run(max(lightning_step(trainer) - 1, 0))
 
+    def state_dict(self) -> dict[str, Any]:
+        """The end-of-training summary's figures, in Lightning's checkpoint (the monitors keep their own): a resumed
+        ``fit`` summarises the whole run."""
+        return {"version": 1, "summary": self.summary.sink_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; an invalid part is said once and the summary starts from empty."""
+        part = state_dict.get("summary") if isinstance(state_dict, dict) else None
+        if part is not None and (problem := self.summary.load_sink_state(part)) is not None:
+            self.run.state_problem(any(m.strict for m in self.run.monitors), problem)
+
     # ---------------------------------------------------------------- validation
     def measuring(self, trainer: pl.Trainer) -> list[Monitor]:
         return [cb._core() for cb in self.registered if cb._measuring_validation(trainer) and cb._core() in self.run.monitors]
