@@ -11,7 +11,8 @@ recorded by the patch itself (the scaled hidden states ``e``, the head's weight)
 own per-token values (``reduction="none"`` on the same ``e`` under the same autocast) and the other statistics equal
 float64 statistics of the product as the loss's ``torch_compile`` implementation forms it (bf16 operands, a bf16
 result); the gradients of an identical copy (the same patch,
-the same autocast) by autograd on the batches the door trained on.
+the same autocast) by autograd on the batches the door trained on; the HF door's ``evaluate()`` (the patch's unfused
+path): float64 statistics of a fresh forward of the evaluation rows under the same autocast.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from headwatch import GradientDensityMonitor, LogitStatsMonitor, TokenFrequency
 from headwatch.integrations.loop import Headwatch
 from headwatch.integrations.transformers import HeadwatchCallback
 from headwatch.model.at_loss import LossCalls
+from tests.helpers.capture import assert_published, reference
 from tests.helpers.lightning_runs import StepLogger
 from tests.helpers.matrices import D, V
 from tests.helpers.trainer_matrix import (
@@ -51,6 +53,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("cut_cross_entropy")
 
 SCALING = 4.0
+EVALUATIONS: list[dict] = []  # the HF door's evaluate() metrics, newest last
 
 # Cut Cross-Entropy's Granite patch (``cut_cross_entropy/transformers/granite.py`` in its repository): the hidden
 # states divided by ``logits_scaling`` "in place of the logits", then ``linear_cross_entropy``. The release on the
@@ -148,9 +151,9 @@ def run(door: str, model, out, bf16: bool) -> tuple[list[dict], list[dict]]:
     seen = SeenCollator(trainer.data_collator)
     trainer.data_collator = seen
     trainer.train()
-    return [
-        r for r in trainer.state.log_history if f"{H}/logits/entropy" in r
-    ], seen.seen
+    logged = [r for r in trainer.state.log_history if f"{H}/logits/entropy" in r]
+    EVALUATIONS.append(trainer.evaluate(Rows(4, seed=5)))
+    return logged, seen.seen
 
 
 def twin_grads(twin, batches, bf16: bool) -> list[dict[str, torch.Tensor]]:
@@ -185,6 +188,12 @@ def test_a_scaled_family_under_a_fused_linear_cross_entropy(
         warnings.simplefilter("always")
         values, seen = run(door, model, tmp_path, bf16)
     calls = list(cce_granite.CALLS)
+    if (
+        door == "hf_trainer"
+    ):  # evaluate(): the patch's unfused path, the logits over logits_scaling, under autocast
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            want = reference(model, Rows(4, seed=5).batch())
+        assert_published(EVALUATIONS[-1], f"eval_{H}/val/logits", want)
     assert headwatch_warnings(caught) == []
     assert (
         len(values) == STEPS and len(calls) == STEPS
