@@ -131,8 +131,9 @@ def fabric_loop(model, rows) -> tuple[list[dict], list[dict], list[dict]]:
     return values, grads, seen
 
 
-@pytest.mark.parametrize("name", ["llama_tied", "gemma2_softcap"])
-@pytest.mark.parametrize("driver", ["accelerate", "fabric"])
+@pytest.mark.parametrize(
+    "driver, name", [("accelerate", "llama_tied"), ("fabric", "gemma2_softcap")]
+)  # a tied matrix under accumulation; an untied, soft-capped one
 def test_a_loop_driven_by_accelerate_or_fabric_is_measured_exactly(driver, name):
     pytest.importorskip(driver if driver == "accelerate" else "lightning")
     model = family(name)
@@ -169,7 +170,7 @@ def test_a_loop_driven_by_accelerate_or_fabric_is_measured_exactly(driver, name)
             want["nll"], abs=2e-5
         )
         assert_grads(got, grads[step], expected[step] if expected else None, pad)
-    if not tied:  # the premise (tied: assert_grads checks it): the real gradients are the loss's, divided by MICRO
+    if not tied:  # the premise (tied: assert_grads checks it): the real gradients are the loss's (over MICRO)
         plain = twin_grads(copy.deepcopy(model), micro)
         for step in range(STEPS):
             torch.testing.assert_close(
