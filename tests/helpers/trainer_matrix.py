@@ -4,6 +4,7 @@ recorders of what the loss used, and the float64 references each published figur
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import lightning.pytorch as pl
 import numpy as np
@@ -183,7 +184,9 @@ OVER_BUDGET = "its logging statistics alone take"  # tiny models logged every st
 
 
 def headwatch_warnings(caught) -> list[str]:
-    said = [str(w.message) for w in caught if "/headwatch/" in w.filename.replace("\\", "/")]
+    said = [
+        str(w.message) for w in caught if "/headwatch/" in w.filename.replace("\\", "/")
+    ]
     return [m for m in said if NO_REFERENCE not in m and OVER_BUDGET not in m]
 
 
@@ -244,7 +247,7 @@ def check_hf_door(
 ) -> None:  # fmt: skip
     """Every logging step of a Hugging Face door's run against its references: ``logits`` the ``(B, L, V)`` logits
     of each forward the loss used, ``seen`` the collated batches, ``grads`` / ``twin_grads`` the real and the untied
-    twin's ``.grad`` at each optimizer step (``per_step`` forwards each); ``self_check``: whether a forward returns
+    twin's ``.grad`` at each optimizer step (``per_step`` forwards each, or a list: each step's micro-batches); ``self_check``: whether a forward returns
     the loss (``check/*``); ``smoothed``: the logged loss is not the cross-entropy; ``split_refused_first``: the
     tied split refused on the first logging step (a model compiled from outside); ``forwards``: the forwards
     with gradient per step (default ``per_step``), ``scored`` the batch each scored (default ``seen``);
@@ -252,24 +255,29 @@ def check_hf_door(
     the callback's ``latest`` just after that ``evaluate()``."""
     from tests.helpers.capture import reference as eval_reference
 
-    f = forwards or per_step
+    # micro-batches of each step
+    micro = per_step if isinstance(per_step, list) else [per_step] * STEPS
+    fwd = [forwards] * STEPS if forwards else micro
+    ends, micro_ends = list(accumulate(fwd)), list(accumulate(micro))
     scored = seen if scored is None else scored
-    assert len(logits) == STEPS * f and len(scored) >= len(
-        logits
-    )  # the dataloader may fetch one batch ahead
+    # the dataloader may fetch one batch ahead
+    assert len(logits) == ends[-1] and len(scored) >= len(logits)
     logged = [r for r in trainer.state.log_history if f"{H}/logits/entropy" in r]
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
     for step, values in enumerate(logged):
-        want = logits_reference(
-            logits[step * f : (step + 1) * f], scored[step * f : (step + 1) * f]
-        )
+        lo, hi = ends[step] - fwd[step], ends[step]
+        want = logits_reference(logits[lo:hi], scored[lo:hi])
         assert_logits(values, want)
-        assert values[f"{H}/debug/capture/forwards"] == f
+        assert values[f"{H}/debug/capture/forwards"] == fwd[step]
         assert values[f"{H}/debug/capture/positions"] == want["positions"]
-        counted = seen[: (step + 1) * per_step]  # the run's total so far
+        # the run's total so far (a padding-free batch has no attention mask)
+        counted = seen[: micro_ends[step]]
         assert values[f"{H}/tokens/total"] == sum(
-            b["attention_mask"].sum().item() for b in counted
+            b["attention_mask"].sum().item()
+            if "attention_mask" in b
+            else b["input_ids"].numel()
+            for b in counted
         )
         if (
             not smoothed
