@@ -13,10 +13,11 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 
 from headwatch.integrations.transformers import HeadwatchCallback
 from tests.helpers.capture import causal_ce
-from tests.helpers.matrices import untied_twin
+from tests.helpers.matrices import V, untied_twin
 from tests.helpers.trainer_matrix import (
     FAMILIES,
     STEPS,
@@ -42,6 +43,8 @@ datasets = pytest.importorskip("datasets")
 # there), then two micro-batches per step, then ``train()`` again on the same Trainer and callback (a new run)
 # ``r_drop``: TRL's loss twice over the batch, averaged; ``own_labels``: TRL's loss plus TRL's loss of a second
 # batch with labels of its own (a pretraining mix)
+# ``assistant_only``: ``assistant_only_loss=True`` on two-turn conversations through a chat template with
+# ``{% generation %}`` markers (two masked spans per row)
 SFT_FEATURES = [
     "evaluate",
     "neftune",
@@ -49,8 +52,43 @@ SFT_FEATURES = [
     "logits_to_keep",
     "r_drop",
     "own_labels",
+    "assistant_only",
 ]
 MIX = Rows(B, seed=21).batch()
+# the user's turn opens with w2, the assistant's with w3; the assistant's words and its end of turn are trained
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}w2 {{ m['content'] }} {% else %}w3 "
+    "{% generation %}{{ m['content'] }} <eos>{% endgeneration %} {% endif %}{% endfor %}"
+)
+
+
+def chat_tokenizer():
+    """A word-level tokenizer of ``V`` ids (``<pad>`` 0, ``<eos>`` 1, words ``w2``...) with :data:`CHAT_TEMPLATE`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1} | {f"w{i}": i for i in range(2, V)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>"
+    )
+    out.chat_template = CHAT_TEMPLATE
+    return out
+
+
+def chat_rows(n: int, seed: int):
+    """``n`` conversations of two user and two assistant turns (random words ``w4``...)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def words(k: int) -> str:
+        return " ".join(
+            f"w{i}" for i in torch.randint(4, V, (k,), generator=g).tolist()
+        )
+
+    turns = [("user", 3), ("assistant", 2), ("user", 2), ("assistant", 3)]
+    messages = [[{"role": r, "content": words(k)} for r, k in turns] for _ in range(n)]
+    return datasets.Dataset.from_dict({"messages": messages})
 
 
 class KeepLastSFT(KeepLastLogitsLoss, trl.SFTTrainer):
@@ -87,7 +125,11 @@ def sft_run(model, out, feature: str, headwatch: bool):
         "neftune": {"neftune_noise_alpha": 5.0},
         "evaluate": {"gradient_accumulation_steps": 2},
     }.get(feature, {})
-    config = hf_args(out, trl.SFTConfig, completion_only_loss=True, bf16=False, **kw)
+    chat = feature == "assistant_only"
+    mask = {"assistant_only_loss": True} if chat else {"completion_only_loss": True}
+    config = hf_args(out, trl.SFTConfig, bf16=False, **mask, **kw)
+    rows = chat_rows(B * STEPS, seed=3) if chat else sft_rows(B * STEPS * 2, seed=3)
+    tokenizer = chat_tokenizer() if chat else word_ids_tokenizer()
     extra = {"compute_loss_func": causal_ce} if feature == "compute_loss_func" else {}
     if (
         feature == "evaluate" and headwatch
@@ -111,7 +153,7 @@ def sft_run(model, out, feature: str, headwatch: bool):
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = cls(model=model, args=config, train_dataset=sft_rows(B * STEPS * 2, seed=3), processing_class=word_ids_tokenizer(),
+        trainer = cls(model=model, args=config, train_dataset=rows, processing_class=tokenizer,
                       callbacks=[c for c in (cb, grads) if c], **extra)  # fmt: skip
         seen: list[dict] = []
         collate = trainer.data_collator
@@ -139,7 +181,13 @@ def sft_run(model, out, feature: str, headwatch: bool):
 
 # the door's own mechanics (a custom loss, two forwards): on the tied and the untied family, not the third (its
 # scaled embedding is covered by the other features), to keep the suite's time
-DOOR_ONLY = ("compute_loss_func", "logits_to_keep", "r_drop", "own_labels")
+DOOR_ONLY = (
+    "compute_loss_func",
+    "logits_to_keep",
+    "r_drop",
+    "own_labels",
+    "assistant_only",
+)
 CASES = [
     (n, f)
     for f in SFT_FEATURES
@@ -171,7 +219,12 @@ def test_sft_trainer(tmp_path, name, feature):
         assert len(said) == 1 and "more than once with gradient" in said[0], said
     else:
         assert said == [], said
-    assert all(b["input_ids"].shape == (B, T) for b in seen)
+    if (
+        feature == "assistant_only"
+    ):  # the premise: each row's labels are two spans, the assistant's turns
+        assert all(starts(b["labels"][i]) == 2 for b in seen for i in range(B)), seen
+    else:
+        assert all(b["input_ids"].shape == (B, T) for b in seen)
     logits = hidden.logits(
         model, keep=KeepLastSFT.K if feature == "logits_to_keep" else 0
     )
@@ -186,7 +239,8 @@ def test_sft_trainer(tmp_path, name, feature):
         twin_grads,
         model,
         per_step=per_step,
-        self_check=feature in ("evaluate", "neftune", "r_drop", "own_labels"),
+        self_check=feature
+        in ("evaluate", "neftune", "r_drop", "own_labels", "assistant_only"),
         smoothed=feature == "own_labels",  # the logged loss is the sum of the two
         forwards=2 if feature in ("r_drop", "own_labels") else None,
         scored=[
@@ -195,3 +249,9 @@ def test_sft_trainer(tmp_path, name, feature):
         if feature in ("r_drop", "own_labels")
         else None,
     )
+
+
+def starts(labels) -> int:
+    """The number of labelled spans in one row's labels (``-100`` outside them)."""
+    kept = (labels != -100).long()
+    return int(kept[0]) + int((kept[1:] - kept[:-1] == 1).sum())
