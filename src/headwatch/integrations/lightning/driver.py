@@ -251,7 +251,7 @@ class HeadwatchDriver(Driver, Callback):
         manual optimization) ends the step; its values are published on every rank."""
         with self.run.guard("ending a batch"):
             if self.run.logging:
-                hand_logged_loss(trainer, self.run, batch, self.registered)
+                hand_logged_loss(trainer, self.run, self.registered)
             self.run.batch_end()
         stepped = (
             not pl_module.automatic_optimization
