@@ -4,6 +4,7 @@ recorders of what the loss used, and the float64 references each published figur
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import lightning.pytorch as pl
 import numpy as np
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from headwatch import GradientDensityMonitor, LogitStatsMonitor, TokenFrequency
+from headwatch.core import LogitStats, TokenCounts
 from headwatch.integrations.loop import Headwatch
 from headwatch.integrations.transformers import HeadwatchCallback
 from tests.helpers.lightning_runs import StepLogger
@@ -47,11 +49,12 @@ def is_tied(model: torch.nn.Module) -> bool:
 
 
 class Rows(torch.utils.data.Dataset):
-    """``n`` rows of ``T`` tokens; row ``i`` masks its first ``i % 3 + 1`` labels (rows of different label counts)."""
+    """``n`` rows of ``T`` tokens below ``vocab``; row ``i`` masks its first ``i % 3 + 1`` labels (rows of different
+    label counts)."""
 
-    def __init__(self, n: int, seed: int):
+    def __init__(self, n: int, seed: int, vocab: int = V):
         g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, V, (n, T), generator=g)
+        self.ids = torch.randint(0, vocab, (n, T), generator=g)
         self.labels = self.ids.clone()
         for i in range(n):
             self.labels[i, : i % 3 + 1] = -100
@@ -131,13 +134,13 @@ def assert_logits(
 
 
 def grad_reference(
-    flows: dict[str, torch.Tensor], padding_idx: int | None
+    flows: dict[str, torch.Tensor], padding_idx: int | None, real: int = V
 ) -> dict[str, float]:
-    """float64 row statistics of each ``(V, d_model)`` gradient over the rows that can train (all but the
-    embedding's ``padding_idx``, which never gets a gradient): density (rows with a non-zero gradient / rows),
-    mean and max row norm."""
+    """float64 row statistics of each ``(V, d_model)`` gradient over the rows that can train (the first ``real``,
+    the tokenizer's, all but the embedding's ``padding_idx``, which never gets a gradient): density (rows with a
+    non-zero gradient / rows), mean and max row norm."""
     out = {}
-    rows = torch.ones(V, dtype=torch.bool)
+    rows = torch.arange(V) < real
     if padding_idx is not None:
         rows[padding_idx] = False
     for name, grad in flows.items():
@@ -248,7 +251,7 @@ def check_hf_door(
 ) -> None:  # fmt: skip
     """Every logging step of a Hugging Face door's run against its references: ``logits`` the ``(B, L, V)`` logits
     of each forward the loss used, ``seen`` the collated batches, ``grads`` / ``twin_grads`` the real and the untied
-    twin's ``.grad`` at each optimizer step (``per_step`` forwards each); ``self_check``: whether a forward returns
+    twin's ``.grad`` at each optimizer step (``per_step`` forwards each, or a list: each step's micro-batches); ``self_check``: whether a forward returns
     the loss (``check/*``); ``smoothed``: the logged loss is not the cross-entropy; ``split_refused_first``: the
     tied split refused on the first logging step (a model compiled from outside); ``forwards``: the forwards
     with gradient per step (default ``per_step``), ``scored`` the batch each scored (default ``seen``);
@@ -256,24 +259,29 @@ def check_hf_door(
     the callback's ``latest`` just after that ``evaluate()``."""
     from tests.helpers.capture import reference as eval_reference
 
-    f = forwards or per_step
+    # micro-batches of each step
+    micro = per_step if isinstance(per_step, list) else [per_step] * STEPS
+    fwd = [forwards] * STEPS if forwards else micro
+    ends, micro_ends = list(accumulate(fwd)), list(accumulate(micro))
     scored = seen if scored is None else scored
-    assert len(logits) == STEPS * f and len(scored) >= len(
-        logits
-    )  # the dataloader may fetch one batch ahead
+    # the dataloader may fetch one batch ahead
+    assert len(logits) == ends[-1] and len(scored) >= len(logits)
     logged = [r for r in trainer.state.log_history if f"{H}/logits/entropy" in r]
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
     for step, values in enumerate(logged):
-        want = logits_reference(
-            logits[step * f : (step + 1) * f], scored[step * f : (step + 1) * f]
-        )
+        lo, hi = ends[step] - fwd[step], ends[step]
+        want = logits_reference(logits[lo:hi], scored[lo:hi])
         assert_logits(values, want)
-        assert values[f"{H}/debug/capture/forwards"] == f
+        assert values[f"{H}/debug/capture/forwards"] == fwd[step]
         assert values[f"{H}/debug/capture/positions"] == want["positions"]
-        counted = seen[: (step + 1) * per_step]  # the run's total so far
+        # the run's total so far (a padding-free batch has no attention mask)
+        counted = seen[: micro_ends[step]]
         assert values[f"{H}/tokens/total"] == sum(
-            b["attention_mask"].sum().item() for b in counted
+            b["attention_mask"].sum().item()
+            if "attention_mask" in b
+            else b["input_ids"].numel()
+            for b in counted
         )
         if (
             not smoothed
@@ -405,25 +413,24 @@ class HiddenRecorder:
             ]
 
 
-def sft_rows(n: int, seed: int):
+def sft_rows(n: int, seed: int, vocab: int = V):
     """:class:`Rows` as TRL takes them: token ids and a ``completion_mask`` (TRL builds the ``-100`` labels)."""
     import datasets
 
-    rows = Rows(n, seed)
+    rows = Rows(n, seed, vocab)
     keep = (rows.labels != -100).long()
     return datasets.Dataset.from_dict(
         {"input_ids": rows.ids.tolist(), "completion_mask": keep.tolist()}
     )
 
 
-def word_ids_tokenizer():
-    """A tokenizer for rows that come tokenized: TRL reads only its pad and end ids."""
+def word_ids_tokenizer(words: int = V):
+    """A tokenizer of ``words`` words for rows that come tokenized: TRL reads only its pad and end ids (and its
+    length, the run's vocabulary, headwatch)."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {
-        f"w{i}": i for i in range(V)
-    }  # the rows come tokenized; only the pad and end ids are read
+    vocab = {f"w{i}": i for i in range(words)}
     return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")),
         pad_token="w0",
@@ -463,20 +470,27 @@ def model_loss(model, batch: dict) -> torch.Tensor:
 
 
 def door_run(
-    door: str, model, out, loss=None, rows=None
+    door: str, model, out, loss=None, rows=None, vocab: int | None = None
 ) -> tuple[list[dict], list[dict], list[torch.Tensor]]:
     """One run of ``door`` (``hf_trainer``, ``sft_trainer``, ``lightning``, ``loop``) of ``model`` on :class:`Rows`
     (lr 0, ``STEPS`` steps, every one a logging step), each step's loss ``loss(model, batch)`` (default
     ``model(**batch).loss``; the Trainers through their ``compute_loss``): (published values per step, batches
-    trained on, logits per forward). ``rows``: the training rows (a Dataset of dicts; not for ``sft_trainer``)."""
+    trained on, logits per forward). ``rows``: the training rows (a Dataset of dicts; not for ``sft_trainer``);
+    ``vocab``: the tokenizer's size, the model's rows padded beyond it (the rows drawn below it; ``vocab_size=`` of
+    the loop's and Lightning's monitors, TRL's ``processing_class``; not for ``hf_trainer``)."""
+    if vocab is not None and rows is None and door != "sft_trainer":
+        rows = Rows(B * STEPS, seed=3, vocab=vocab)
     if door == "loop":
         data = list(
             torch.utils.data.DataLoader(rows or Rows(B * STEPS, seed=3), batch_size=B)
         )
         recorder, values = LogitsRecorder(model), []
+        names = ["tokens", "logits", "gradients"]
+        if vocab is not None:
+            names[:2] = [TokenCounts(vocab_size=vocab), LogitStats(vocab_size=vocab)]
         with Headwatch(
             model,
-            monitors=["tokens", "logits", "gradients"],
+            monitors=names,
             log_every_n_steps=1,
             figure_every_n_steps=0,
         ) as hw:
@@ -491,8 +505,8 @@ def door_run(
         return values, data, recorder.logits
     if door == "lightning":
         logger = StepLogger()
-        callbacks = [TokenFrequency(), LogitStatsMonitor(log_every_n_steps=1, figure_every_n_steps=0, compare_loss="train_loss"),
-                     GradientDensityMonitor(log_every_n_steps=1)]  # fmt: skip
+        callbacks = [TokenFrequency(vocab_size=vocab), LogitStatsMonitor(log_every_n_steps=1, figure_every_n_steps=0, compare_loss="train_loss",
+                     vocab_size=vocab), GradientDensityMonitor(log_every_n_steps=1)]  # fmt: skip
         trainer = pl.Trainer(default_root_dir=out, max_steps=STEPS, log_every_n_steps=1, logger=logger, callbacks=callbacks, enable_progress_bar=False,
                              enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1, limit_val_batches=0)  # fmt: skip
         data = torch.utils.data.DataLoader(
@@ -525,8 +539,8 @@ def door_run(
             if loss is not None
             else trl.SFTTrainer
         )
-        trainer = cls(model=model, args=config, train_dataset=sft_rows(B * STEPS, seed=3), processing_class=word_ids_tokenizer(),
-                                 callbacks=[cb])  # fmt: skip
+        trainer = cls(model=model, args=config, train_dataset=sft_rows(B * STEPS, seed=3, vocab=vocab or V),
+                      processing_class=word_ids_tokenizer(vocab or V), callbacks=[cb])  # fmt: skip
         recorder = HiddenRecorder(base(model))
     seen = SeenCollator(trainer.data_collator)
     trainer.data_collator = seen

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import math
 import warnings
+from itertools import accumulate
 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Trainer
+from transformers import DataCollatorWithFlattening, Trainer
 
 from headwatch.integrations.loop import Headwatch
 from headwatch.integrations.transformers import HeadwatchCallback
@@ -101,7 +102,21 @@ HF_FEATURES = [
     "evaluate_before_train",
     "second_train",
     "torch_compile",
+    "padding_free",
+    "gradient_checkpointing",
+    "short_last_window",
 ]
+# the door's own mechanics (a collator, checkpointing, an accumulation window): on the tied and the untied family,
+# not the third (its scaled embedding is covered by the other features), to keep the suite's time
+DOOR_ONLY = ("padding_free", "gradient_checkpointing", "short_last_window")
+HF_CASES = [
+    (n, f)
+    for f in HF_FEATURES
+    for n in FAMILIES
+    if not (n == "gemma_scaled" and f in DOOR_ONLY)
+]
+# micro-batches per optimizer step: 6 rows in batches of 2, two per window, so the last window holds one
+WINDOWS = {"gradient_accumulation": [2] * STEPS, "short_last_window": [2, 1]}
 
 
 def hf_run(model, out, feature: str, headwatch: bool):
@@ -109,6 +124,9 @@ def hf_run(model, out, feature: str, headwatch: bool):
     kw = {
         "label_smoothing": {"label_smoothing_factor": 0.1},
         "gradient_accumulation": {"gradient_accumulation_steps": 2},
+        "short_last_window": {"gradient_accumulation_steps": 2},
+        # transformers 5's name of gradient_checkpointing
+        "gradient_checkpointing": {"activation_checkpointing": True},
         "neftune": {"neftune_noise_alpha": 5.0},
         "torch_compile": {
             "torch_compile": True,
@@ -122,6 +140,9 @@ def hf_run(model, out, feature: str, headwatch: bool):
         extra["eval_dataset"] = {"wiki": Rows(5, seed=11), "code": Rows(6, seed=12)}
     if feature == "evaluate_before_train":
         extra["eval_dataset"] = Rows(5, seed=11)
+    # each batch one row of B sequences, position_ids restarting at each
+    if feature == "padding_free":
+        extra["data_collator"] = DataCollatorWithFlattening()
     cls = KeepLastLogits if feature == "logits_to_keep" else Trainer
     grads = GradRecorder()
     cb = (
@@ -136,7 +157,7 @@ def hf_run(model, out, feature: str, headwatch: bool):
         trainer = cls(
             model=model,
             args=hf_args(out, **kw),
-            train_dataset=Rows(8, seed=3),
+            train_dataset=Rows(6 if feature == "short_last_window" else 8, seed=3),
             callbacks=[c for c in (cb, grads) if c],
             **extra,
         )
@@ -168,11 +189,17 @@ def hf_run(model, out, feature: str, headwatch: bool):
     )
 
 
-@pytest.mark.parametrize("feature", HF_FEATURES)
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize(
+    "name, feature", HF_CASES, ids=[f"{n}-{f}" for n, f in HF_CASES]
+)
 def test_hf_trainer(tmp_path, name, feature):
     model = family(name)
     twin = untied_twin(model) if is_tied(model) else None
+    # the first layer's attention calls: its recomputation in the backward too, under checkpointing
+    layer_calls = []
+    counter = model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda *a: layer_calls.append(1)
+    )
     trainer, cb, seen, grads, logits, said, metrics = hf_run(
         model, tmp_path / "run", feature, headwatch=True
     )
@@ -202,7 +229,26 @@ def test_hf_trainer(tmp_path, name, feature):
         "logits_to_keep",
         "torch_compile",
     )  # no eager forward returns the loss
-    per_step = 2 if feature == "gradient_accumulation" else 1
+    counter.remove()
+    # the premise: the layer ran again in the backward, the head once
+    if feature == "gradient_checkpointing":
+        assert len(layer_calls) == 2 * STEPS and len(logits) == STEPS
+    per_step = WINDOWS.get(feature, [1] * STEPS)
+    # the premise: the micro-batches of a window hold different label counts
+    if feature in WINDOWS:
+        counts = [
+            int((b["labels"][:, 1:] != -100).sum()) for b in seen[: sum(per_step)]
+        ]
+        assert len(set(counts[:2])) == 2, counts
+    # one row of B sequences, the second's first label the separator
+    if feature == "padding_free":
+        assert all(
+            b["input_ids"].shape == (1, B * T) and "attention_mask" not in b
+            for b in seen
+        )
+        assert all(
+            b["position_ids"][0, T] == 0 and b["labels"][0, T] == -100 for b in seen
+        )
     check_hf_door(trainer, cb.latest, seen, grads, logits, metrics, twin_grads, model, per_step, self_check,
                   smoothed=feature == "label_smoothing", split_refused_first=feature == "torch_compile")  # fmt: skip
 
@@ -214,6 +260,15 @@ LOOP_FEATURES = [
     "no_labels",
     "logits_to_keep",
     "compile",
+    "padding_free",
+    "gradient_checkpointing",
+    "short_last_window",
+]
+LOOP_CASES = [
+    (n, f)
+    for f in LOOP_FEATURES
+    for n in FAMILIES
+    if not (n == "gemma_scaled" and f in DOOR_ONLY)
 ]
 KEEP = 5
 
@@ -263,26 +318,36 @@ def loop_twin_grads(
     return out
 
 
-@pytest.mark.parametrize("feature", LOOP_FEATURES)
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize(
+    "name, feature", LOOP_CASES, ids=[f"{n}-{f}" for n, f in LOOP_CASES]
+)
 def test_plain_loop(name, feature):
     """``plain``: ``model(**batch).loss``; ``gradient_accumulation``: two micro-batches per optimizer step;
     ``no_labels``: the model gets no labels (the loss is computed outside from the logits): target statistics
     NaN, entropy over every attended position, said once, nothing else; ``logits_to_keep``: the loss uses the
     last ``KEEP`` positions, those only are measured, said once; ``compile``: ``model.compile()`` (aot_eager)
-    before headwatch attaches."""
+    before headwatch attaches; ``padding_free``: each batch one row of ``B`` sequences with ``position_ids``
+    (``DataCollatorWithFlattening``); ``gradient_checkpointing``: ``model.activation_checkpointing_enable()``
+    (transformers 5's name of ``gradient_checkpointing_enable``); ``short_last_window``: three micro-batches, two
+    in the first optimizer step, one in the last, each loss over its window's micro-batches."""
     model = family(name)
     twin = untied_twin(model) if is_tied(model) else None
-    per_step = 2 if feature == "gradient_accumulation" else 1
-    data = list(
-        torch.utils.data.DataLoader(
-            Rows(B * STEPS * per_step, seed=3), batch_size=B, shuffle=False
-        )
-    )
-    micro = [data[s * per_step : (s + 1) * per_step] for s in range(STEPS)]
+    windows = WINDOWS.get(feature, [1] * STEPS)  # micro-batches per optimizer step
+    collate = DataCollatorWithFlattening() if feature == "padding_free" else None
+    rows = Rows(B * sum(windows), seed=3)
+    data = list(torch.utils.data.DataLoader(rows, batch_size=B, collate_fn=collate))
+    ends = list(accumulate(windows))
+    micro = [data[end - n : end] for n, end in zip(windows, ends, strict=True)]
     twin_grads = loop_twin_grads(twin, micro, feature) if twin is not None else None
     if feature == "compile":
         model.compile(backend="aot_eager")
+    if feature == "gradient_checkpointing":
+        model.activation_checkpointing_enable()
+    # the first layer's attention calls: its recomputation in the backward too, under checkpointing
+    layer_calls = []
+    counter = model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda *a: layer_calls.append(1)
+    )
     recorder = LogitsRecorder(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     values, grads = [], []
@@ -302,7 +367,7 @@ def test_plain_loop(name, feature):
                     else batch,
                     step,
                 )
-                (loop_loss(model, batch, feature) / per_step).backward()
+                (loop_loss(model, batch, feature) / len(group)).backward()
             hw.before_optimizer_step()
             grads.append(
                 {
@@ -315,16 +380,18 @@ def test_plain_loop(name, feature):
             opt.zero_grad()
             values.append(hw.step_end())
         hw.close()
-    recorder.remove()
+    recorder.remove(), counter.remove()
     said = headwatch_warnings(caught)
     pad = model.get_input_embeddings().padding_idx
+    checkpointed = 2 if feature == "gradient_checkpointing" else 1
+    assert len(layer_calls) == checkpointed * len(data) == checkpointed * ends[-1]
     for step, group in enumerate(micro):
         got, logits = (
             values[step],
-            recorder.logits[step * per_step : (step + 1) * per_step],
+            recorder.logits[ends[step] - len(group) : ends[step]],
         )
-        assert got[f"{H}/debug/capture/forwards"] == per_step
-        assert got[f"{H}/tokens/total"] == B * T * per_step * (step + 1)
+        assert got[f"{H}/debug/capture/forwards"] == len(group)
+        assert got[f"{H}/tokens/total"] == B * T * ends[step]
         assert_grads(got, grads[step], twin_grads[step] if twin_grads else None, pad)
         if feature == "no_labels":
             ref = float64_stats(

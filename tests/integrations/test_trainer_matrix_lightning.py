@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 import warnings
+from itertools import accumulate
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import DataCollatorWithFlattening
 
 from headwatch import GradientDensityMonitor, LogitStatsMonitor, TokenFrequency
 from tests.helpers.capture import reference as eval_reference
@@ -50,7 +52,8 @@ MIX = Rows(
 SMOOTHING = 0.1
 # the logged train_loss is the cross-entropy headwatch measures: the self-check compares them
 COMPARED = {"automatic", "manual", "two_val_dataloaders", "second_fit", "gradient_accumulation", "logits_to_keep",
-            "r_drop", "bf16", "neftune", "compile"}  # fmt: skip
+            "r_drop", "bf16", "neftune", "padding_free", "gradient_checkpointing", "short_last_window",
+            "compile"}  # fmt: skip
 # no forward returns the loss and no loss is compared: no check/* at all
 UNCHECKED = {"label_smoothing", "no_labels"}
 
@@ -148,40 +151,35 @@ class Unlabelled(torch.utils.data.Dataset):
         return {k: v for k, v in self.rows[i].items() if k != "labels"}
 
 
-# The strict self-check compares the position count of Lightning's logged loss (`compare_loss=`) with the capture's:
-# a loss on `logits_to_keep`'s positions (8 labelled against the batch's 13) and two pooled forwards (R-Drop) count
-# differently, so the check fails and withholds the logits/* figures: a false alarm, listed in docs/supported.md
-FALSE_ALARM = pytest.mark.xfail(
-    strict=True,
-    reason="the strict self-check's position count under compare_loss= (docs/supported.md)",
-)
 LIGHTNING_FEATURES = ["automatic", "manual", "two_val_dataloaders", "second_fit", "gradient_accumulation", "label_smoothing",
-                      pytest.param("logits_to_keep", marks=FALSE_ALARM), "no_labels", pytest.param("r_drop", marks=FALSE_ALARM),
-                      "own_labels", "bf16", "neftune"]  # fmt: skip
+                      "logits_to_keep", "no_labels", "r_drop", "own_labels", "bf16", "neftune", "padding_free",
+                      "gradient_checkpointing", "short_last_window"]  # fmt: skip
+# the door's own mechanics (a collator, checkpointing, an accumulation window): on the tied and the untied family
+DOOR_ONLY = ("padding_free", "gradient_checkpointing", "short_last_window")
+CASES = [
+    pytest.param(n, feature, id=f"{n}-{feature}")
+    for feature in LIGHTNING_FEATURES
+    for n in FAMILIES
+    if not (n == "gemma_scaled" and feature in DOOR_ONLY)
+]
 # compiled in place before fit: the tied Llama only (a compile costs seconds; the tied split through the probe is
 # what compiled code changes, and the plain loop's and the Trainer's compile rows run the three families)
-CASES = [
-    pytest.param(name, f, id=f"{name}-{f}")
-    for f in LIGHTNING_FEATURES
-    if isinstance(f, str)
-    for name in FAMILIES
-]
-CASES += [pytest.param(name, f.values[0], marks=f.marks, id=f"{name}-{f.values[0]}") for f in LIGHTNING_FEATURES
-          if not isinstance(f, str) for name in FAMILIES]  # fmt: skip
 CASES += [pytest.param("llama_tied", "compile", id="llama_tied-compile")]
+# micro-batches per optimizer step (``accumulate_grad_batches=2``): 3 batches, so the epoch's last window holds one
+WINDOWS = {"gradient_accumulation": [2] * STEPS, "short_last_window": [2, 1]}
 
 
 def twin_grads(
-    twin, micro: list[list[dict]], feature: str
+    twin, micro: list[list[dict]], feature: str, accumulate: int
 ) -> list[dict[str, torch.Tensor]]:
     """Autograd on the untied twin through the same loss (under the same autocast), accumulated over each step's
-    micro-batches as Lightning does (each loss over the number of micro-batches)."""
+    micro-batches as Lightning does (each loss over ``accumulate_grad_batches``, a shorter last window too)."""
     out = []
     for step, group in enumerate(micro):
         for batch in group:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=feature == "bf16"):
                 loss = lit_loss(twin, batch, feature, step)
-            (loss / len(group)).backward()
+            (loss / accumulate).backward()
         out.append(
             {
                 "embedding": twin.get_input_embeddings().weight.grad.clone(),
@@ -202,22 +200,38 @@ def test_lightning(tmp_path, name, feature):
         feature == "neftune"
     ):  # a Lightning user's NEFTune: Hugging Face's hook on the embedding
         activate_neftune(model, 5.0), twin is not None and activate_neftune(twin, 5.0)
-    per_step = 2 if feature == "gradient_accumulation" else 1
-    train_rows = Rows(B * STEPS * per_step, seed=3)
+    windows = WINDOWS.get(feature, [1] * STEPS)
+    per_step = windows[0]  # accumulate_grad_batches
+    train_rows = Rows(B * sum(windows), seed=3)
+    collate = DataCollatorWithFlattening() if feature == "padding_free" else None
     val_sets = (
         [Rows(5, seed=11), Rows(6, seed=12)]
         if feature == "two_val_dataloaders"
         else [Rows(5, seed=11)]
     )
-    data = list(torch.utils.data.DataLoader(train_rows, batch_size=B, shuffle=False))
+    data = list(
+        torch.utils.data.DataLoader(
+            train_rows, batch_size=B, shuffle=False, collate_fn=collate
+        )
+    )
     if feature == "no_labels":
         train_rows = Unlabelled(train_rows)
-    micro = [data[s * per_step : (s + 1) * per_step] for s in range(STEPS)]
-    twins = twin_grads(twin, micro, feature) if twin is not None else None
+    ends = list(accumulate(windows))
+    micro = [data[end - n : end] for n, end in zip(windows, ends, strict=True)]
+    twins = twin_grads(twin, micro, feature, per_step) if twin is not None else None
     if (
         feature == "compile"
     ):  # compiled in place before fit (aot_eager: AOTAutograd without inductor's C++ build)
         model.compile(backend="aot_eager")
+    if (
+        feature == "gradient_checkpointing"
+    ):  # transformers 5's name of gradient_checkpointing_enable
+        model.activation_checkpointing_enable()
+    # the first layer's attention calls: its recomputation in the backward too, under checkpointing
+    layer_calls = []
+    counter = model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda *a: layer_calls.append(1)
+    )
     logger, grads = StepLogger(), LitGradRecorder()
     compare = "train_loss" if feature in COMPARED else None
     callbacks = [TokenFrequency(), LogitStatsMonitor(log_every_n_steps=1, figure_every_n_steps=0, compare_loss=compare),
@@ -229,7 +243,7 @@ def test_lightning(tmp_path, name, feature):
             enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1, num_sanity_val_steps=0,
             accumulate_grad_batches=per_step, precision="bf16-mixed" if feature == "bf16" else "32-true",
         )  # fmt: skip
-        trainer.fit(LitModel(model, feature), torch.utils.data.DataLoader(train_rows, batch_size=B),
+        trainer.fit(LitModel(model, feature), torch.utils.data.DataLoader(train_rows, batch_size=B, collate_fn=collate),
                     [torch.utils.data.DataLoader(r, batch_size=8) for r in val_sets])  # fmt: skip
         return trainer
 
@@ -242,7 +256,7 @@ def test_lightning(tmp_path, name, feature):
             fit(StepLogger())
             recorder.logits.clear(), grads.grads.clear()
         trainer = fit(logger)
-    recorder.remove()
+    recorder.remove(), counter.remove()
     said = headwatch_warnings(caught)
     if feature == "logits_to_keep":
         assert len(said) == 1 and f"last {KEEP} positions of each row" in said[0], said
@@ -255,8 +269,12 @@ def test_lightning(tmp_path, name, feature):
         assert len(said) == 1 and "more than once with gradient" in said[0], said
     else:
         assert said == [], said
-    forwards = 2 if feature in ("r_drop", "own_labels") else per_step
-    assert len(recorder.logits) == STEPS * forwards and len(grads.grads) == STEPS
+    forwards = [2] * STEPS if feature in ("r_drop", "own_labels") else windows
+    assert len(recorder.logits) == sum(forwards) and len(grads.grads) == STEPS
+    if (
+        feature == "gradient_checkpointing"
+    ):  # the layer ran again in the backward; validation's forwards once
+        assert len(layer_calls) - len(val_sets) == 2 * STEPS
     values = [
         {
             k: v[i]
@@ -266,10 +284,8 @@ def test_lightning(tmp_path, name, feature):
         for i in range(STEPS)
     ]
     for step in range(STEPS):
-        got, logits = (
-            values[step],
-            recorder.logits[step * forwards : (step + 1) * forwards],
-        )
+        done = sum(forwards[: step + 1])
+        got, logits = values[step], recorder.logits[done - forwards[step] : done]
         batches = (
             [data[step], MIX]
             if feature == "own_labels"
@@ -277,8 +293,8 @@ def test_lightning(tmp_path, name, feature):
             if feature == "r_drop"
             else micro[step]
         )
-        assert got[f"{H}/debug/capture/forwards"] == forwards
-        assert got[f"{H}/tokens/total"] == B * T * per_step * (step + 1)
+        assert got[f"{H}/debug/capture/forwards"] == forwards[step]
+        assert got[f"{H}/tokens/total"] == B * T * ends[step]
         assert_grads(
             got,
             grads.grads[step],
@@ -315,6 +331,12 @@ def test_lightning(tmp_path, name, feature):
         if feature in COMPARED:
             assert got[f"{H}/debug/check/reference_nll"] == pytest.approx(
                 want["nll"], abs=ATOL
+            )
+            # the logged loss's positions are those its batch's forwards scored (only the kept ones, both R-Drop passes)
+            assert (
+                got[f"{H}/debug/check/reference_positions"]
+                == got[f"{H}/debug/capture/labelled_positions"]
+                == want["positions"]
             )
         if feature in UNCHECKED:
             assert f"{H}/check/nll_gap" not in got

@@ -231,3 +231,28 @@ def test_the_plain_loop_refuses_other_adapters_at_construction_naming_the_method
     model, _ = adapted(case)
     with pytest.raises(HeadwatchError, match=OTHER[case][1]):
         Headwatch(model, monitors=["tokens", "logits", "gradients"])
+
+
+@pytest.mark.parametrize("name", ["llama_tied", UNTIED])
+def test_sft_trainer_refuses_lora_on_the_head_compiled_or_not(tmp_path, name):
+    """LoRA on the embedding and the head under TRL's ``SFTTrainer`` with ``torch_compile=True``: TRL itself raises
+    at construction, on the tied and the untied family (its fused head multiplies by ``lm_head.weight``, so the
+    head's adapter would never train); nothing for headwatch to measure."""
+    from headwatch.integrations.transformers import HeadwatchCallback
+    from tests.helpers.trainer_matrix import hf_args, sft_rows, word_ids_tokenizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's own warnings about tied layers
+        model = peft.get_peft_model(
+            family(name), peft.LoraConfig(r=4, **CASES["lora_both"])
+        )
+    config = hf_args(tmp_path, trl.SFTConfig, completion_only_loss=True, bf16=False, torch_compile=True,
+                     torch_compile_backend="aot_eager")  # fmt: skip
+    cb = HeadwatchCallback(
+        monitors=["tokens", "logits", "gradients"], figure_every_n_steps=0
+    )
+    with pytest.raises(
+        ValueError, match="Applying a PEFT adapter to `lm_head` is not supported"
+    ):
+        trl.SFTTrainer(model=model, args=config, train_dataset=sft_rows(STEPS * 2, seed=3),
+                       processing_class=word_ids_tokenizer(), callbacks=[cb])  # fmt: skip
