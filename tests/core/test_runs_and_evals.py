@@ -3,8 +3,9 @@ starts fresh, no monitoring limitation aborts training.
 
 Evaluation figures are compared with float64 statistics of the model's own ``outputs.logits`` and labels
 over the real rows. ``python -m torch.distributed.run --nproc_per_node 2 tests/core/test_runs_and_evals.py OUT``
-runs the distributed evaluation (gloo, CPU) that :func:`test_hf_two_process_evaluation_counts_real_rows_once`
-compares with one process.
+runs the distributed evaluation (gloo, CPU) that :func:`test_hf_two_process_evaluation_counts_real_rows_once` and
+:func:`test_sft_two_process_evaluation_counts_real_rows_once` compare with one process (the Trainer, then TRL's
+``SFTTrainer``, in one launch).
 """
 
 from __future__ import annotations

@@ -234,7 +234,7 @@ def test_the_plain_loop_refuses_other_adapters_at_construction_naming_the_method
 
 
 @pytest.mark.parametrize("name", ["llama_tied", UNTIED])
-def test_sft_trainer_refuses_lora_on_the_head_compiled_or_not(tmp_path, name):
+def test_sft_trainer_refuses_lora_on_both_compiled_at_construction(tmp_path, name):
     """LoRA on the embedding and the head under TRL's ``SFTTrainer`` with ``torch_compile=True``: TRL itself raises
     at construction, on the tied and the untied family (its fused head multiplies by ``lm_head.weight``, so the
     head's adapter would never train); nothing for headwatch to measure."""

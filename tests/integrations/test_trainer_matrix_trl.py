@@ -44,8 +44,7 @@ datasets = pytest.importorskip("datasets")
 # there), then two micro-batches per step, then ``train()`` again on the same Trainer and callback (a new run)
 # ``r_drop``: TRL's loss twice over the batch, averaged; ``own_labels``: TRL's loss plus TRL's loss of a second
 # batch with labels of its own (a pretraining mix); ``torch_compile``: ``SFTConfig(torch_compile=True)`` (the
-# Trainer wraps the model; aot_eager); ``compiled_generate``: the model compiled in place before the Trainer, an
-# evaluation that generates; ``compute_loss_func`` evaluates with ``prediction_loss_only=False`` too (TRL's loss
+# Trainer wraps the model; aot_eager); ``compute_loss_func`` evaluates with ``prediction_loss_only=False`` too (TRL's loss
 # forward, its no-grad fused metrics pass and the logits' recomputation for ``compute_metrics``); every evaluation
 # step generates before and after its loss forward
 # ``assistant_only``: ``assistant_only_loss=True`` on two-turn conversations through a chat template with
@@ -59,7 +58,6 @@ SFT_FEATURES = [
     "own_labels",
     "assistant_only",
     "torch_compile",
-    "compiled_generate",
 ]
 NEW = 3  # max_new_tokens of each generate() of an evaluation step
 MIX = Rows(B, seed=21).batch()
@@ -155,11 +153,6 @@ def sft_run(model, out, feature: str, headwatch: bool):
     }.get(feature, {})
     if not headwatch:  # the twin's reference gradients: eager autograd is the reference
         kw.pop("torch_compile", None), kw.pop("torch_compile_backend", None)
-    elif (
-        feature == "compiled_generate"
-    ):  # in place: evaluate() and generate() run it compiled too
-        torch._dynamo.reset()
-        model.compile(backend="eager")
     chat = feature == "assistant_only"
     mask = {"assistant_only_loss": True} if chat else {"completion_only_loss": True}
     config = hf_args(out, trl.SFTConfig, bf16=False, **mask, **kw)
@@ -173,7 +166,7 @@ def sft_run(model, out, feature: str, headwatch: bool):
             "wiki": sft_rows(5, seed=11),
             "code": sft_rows(6, seed=12),
         }
-    elif feature in ("compute_loss_func", "compiled_generate") and headwatch:
+    elif feature == "compute_loss_func" and headwatch:
         extra["eval_dataset"] = sft_rows(5, seed=11)
     cls = {
         "logits_to_keep": KeepLastSFT,
@@ -228,7 +221,6 @@ DOOR_ONLY = (
     "own_labels",
     "assistant_only",
     "torch_compile",
-    "compiled_generate",
 )
 CASES = [
     (n, f)
@@ -383,3 +375,42 @@ def starts(labels) -> int:
     """The number of labelled spans in one row's labels (``-100`` outside them)."""
     kept = (labels != -100).long()
     return int(kept[0]) + int((kept[1:] - kept[:-1] == 1).sum())
+
+
+def test_sft_trainer_evaluation_of_a_compiled_model_that_generates(tmp_path):
+    """The model compiled in place before the ``SFTTrainer`` (``evaluate()`` and ``generate()`` run it compiled):
+    each evaluation step generates before and after its loss forward; the figures are the loss forward's, against a
+    fresh float64 forward and TRL's own evaluation metrics."""
+    from tests.helpers.capture import reference as eval_reference
+    from tests.helpers.trainer_matrix import ATOL, rows_batch
+
+    model = family("llama_tied")
+    traced: list[bool] = []
+    model.register_forward_hook(
+        lambda m, a, o: traced.append(torch.compiler.is_compiling())
+    )
+    torch._dynamo.reset()
+    model.compile(backend="eager")
+    config = hf_args(tmp_path, trl.SFTConfig, completion_only_loss=True, bf16=False)
+    cb = HeadwatchCallback(monitors=["tokens", "logits"], figure_every_n_steps=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = GenerateSFT(model=model, args=config, train_dataset=sft_rows(B, seed=3), eval_dataset=sft_rows(5, seed=11),
+                              processing_class=word_ids_tokenizer(), callbacks=[cb])  # fmt: skip
+        metrics = trainer.evaluate()
+    assert headwatch_warnings(caught) == []
+    assert traced and all(traced)  # every forward ran compiled, generate()'s too
+    trainer.evaluated = list(trainer.state.log_history)
+    want = eval_reference(model, rows_batch(trainer.eval_dataset))
+    assert metrics[f"eval_{H}/val/logits/positions"] == want["positions"]
+    for key in (
+        "entropy",
+        "max_prob",
+        "kl_to_uniform",
+        "target_nll",
+        "target_argmax_rate",
+    ):
+        assert metrics[f"eval_{H}/val/logits/{key}"] == pytest.approx(
+            want[key], abs=ATOL
+        ), key
+    trls_own_evaluation_metrics(trainer, metrics, "compiled")
