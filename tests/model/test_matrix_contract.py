@@ -397,3 +397,39 @@ def test_lora_under_compile_embedding_measured_head_refused_with_the_cause():
     assert len(said) == 1 and "torch.compile" in said[0] and "head's gradient statistics are not reported" in said[0], said
     torch.testing.assert_close(rec.recorded[0]["embedding"], expected["embedding"], rtol=1e-5, atol=1e-6)
     assert "head" not in rec.recorded[0] and "headwatch/grad/head_row_density" not in values[0]
+
+
+def test_lora_dropout_on_the_head_refuses_its_gradient_statistics_with_the_cause():
+    """LoRA with ``lora_dropout > 0`` on the head: in training the adapter branch sees ``dropout(h)`` and the base
+    ``h``, so no one matrix's gradient is what the loss trained; the head's gradient statistics are refused with one
+    warning naming the fix. The embedding (PEFT's LoRA embedding applies no dropout) is exact against an untied twin
+    of the effective matrices; without dropout the head is measured (the premise: the refusal is the dropout's)."""
+    peft = pytest.importorskip("peft")
+
+    def adapted(dropout: float):
+        base = tiny("llama")
+        twin = untied_twin(base)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
+                                     target_modules=["embed_tokens", "lm_head"])  # fmt: skip
+            model = peft.get_peft_model(base, config)
+        with torch.no_grad():
+            twin.get_input_embeddings().weight.copy_(model.get_input_embeddings()(torch.arange(V)))
+            twin.lm_head.weight.copy_(model.get_output_embeddings()(torch.eye(D)).T)
+        return model, twin
+
+    data = batches(1)
+    model, twin = adapted(0.5)
+    expected = twin_grads(twin, data)[0]  # the twin's embedding gradient does not depend on the head's dropout mask
+    torch.manual_seed(0)
+    rec, values, _, said = train(model, data)
+    assert len(said) == 1 and "lora_dropout=0.5" in said[0] and "head's gradient statistics are not reported" in said[0]
+    assert "head" not in rec.recorded[0] and "headwatch/grad/head_row_density" not in values[0]
+    assert "headwatch/grad/embedding_row_density" in values[0]
+    # the embedding's flow: only the head's dropout mask differs from the twin, which reaches the embedding through h
+    model, twin = adapted(0.0)
+    rec, values, _, said = train(model, data)
+    assert said == [] and "headwatch/grad/head_row_density" in values[0]
+    torch.testing.assert_close(rec.recorded[0]["head"], twin_grads(twin, data)[0]["head"], rtol=1e-5, atol=1e-6)
+    assert expected["embedding"].shape == rec.recorded[0]["embedding"].shape

@@ -301,7 +301,7 @@ class GradientDensity(Monitor):
         (a collective with several processes; nothing with one): name -> ``(on every process, on some process)``.
 
         ``lookup_ok``: the tied lookup flow is not refused (:meth:`_lookup_cause`); ``lookup`` / ``head_flow``: the
-        captured flows are there; ``head_compiled``: the head capture ran under ``torch.compile``; ``ready:<role>``:
+        captured flows are there; ``head_compiled``: the head capture ran under ``torch.compile`` or LoRA dropout; ``ready:<role>``:
         DeepSpeed still holds the gradient (:func:`~headwatch.distributed.zero.gradient_ready`); ``grad:<role>``: the
         Parameter has a gradient here (a process may have skipped its backward)."""
         hc = self._head_capture
@@ -309,7 +309,7 @@ class GradientDensity(Monitor):
             "lookup_ok": self._lookup_cause() is None,
             "lookup": self._available(self._lookup_capture),
             "head_flow": self._available(hc),
-            "head_compiled": hc is not None and hc.compiled,
+            "head_compiled": hc is not None and (hc.compiled or hc.dropout > 0.0),
         }
         for role, p in param.items():
             local[f"ready:{role}"] = gradient_ready(p)
@@ -342,6 +342,15 @@ class GradientDensity(Monitor):
                 "logits statistics still are). They are measured when the head runs outside the compiled "
                 "region, or with the adapter merged. (warned once)",
             )
+        if isinstance(capture, HeadFlowCapture) and capture.dropout and capture.gradient is None:
+            self.warn_once(
+                "lora_dropout_head",
+                f"GradientDensityMonitor: the head `{self.matrices.head_name}` is a LoRA layer with lora_dropout="  # type: ignore[union-attr]
+                f"{capture.dropout:g}: in training its adapter sees dropout(h) while the base sees h, so no one matrix's "
+                "gradient is what the loss trained, and the head's gradient statistics are not reported (the logits "
+                "and the update statistics still are). Set lora_dropout=0 (or leave lm_head out of target_modules) "
+                "to measure them. (warned once)",
+            )
         if not everywhere:
             return None  # every process takes the same path
         sharded = getattr(capture, "sharded", None)
@@ -363,7 +372,7 @@ class GradientDensity(Monitor):
         refused = self._lookup_refused(agreed["lookup_ok"][0])
         lookup = None if refused else self._captured(self._lookup_capture, loss_scale, agreed["lookup"][0])
         head_eff = self._captured(self._head_capture, loss_scale, agreed["head_flow"][0])
-        # a LoRA head inside torch.compile: refused in _captured, said once there
+        # a LoRA head inside torch.compile or under LoRA dropout: refused in _captured, said once there
         head_refused = agreed["head_compiled"][0] and head_eff is None
 
         def gradient(role: str) -> Tensor | None:  # ZeRO: DeepSpeed holds it (a collective), agreed ready or refused alike

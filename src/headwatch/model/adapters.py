@@ -134,6 +134,19 @@ def _lora_factors(
     return None
 
 
+def lora_dropout(module: nn.Module) -> float:
+    """The largest dropout probability an active LoRA adapter of the ``nn.Linear`` layer ``module`` applies to the
+    adapter branch's input in the module's current mode (0.0: none, in evaluation, merged or disabled).
+
+    In training, such a layer computes ``W h + s B A dropout(h)``: the base and the adapter see different inputs, so
+    no one matrix's gradient is what the loss trained (PEFT's embedding layers apply no dropout)."""
+    drops = getattr(module, "lora_dropout", None)
+    if (not module.training or not hasattr(module, "lora_A") or not isinstance(drops, nn.ModuleDict)
+            or getattr(module, "disable_adapters", False) or getattr(module, "merged", False)):  # fmt: skip
+        return 0.0
+    return max((float(getattr(drops[a], "p", 0.0)) for a in _active(module) if a in drops), default=0.0)
+
+
 def _saved_active(wrapper: nn.Module) -> nn.Module:
     """The module a ``modules_to_save`` wrapper runs: the active adapter's copy, else the original."""
     active = [a for a in _active(wrapper) if a in wrapper.modules_to_save]

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from headwatch.errors import HeadwatchError
 from headwatch.functional.adapters import head_weight_gradient
 from headwatch.functional.rows import lookup_gradient
+from headwatch.model.adapters import lora_dropout
 from headwatch.model.hooks import CopySafeHook
 from headwatch.model.weights import EmbeddingGroup
 
@@ -246,6 +247,7 @@ class HeadFlowCapture(_Capture):
         if not isinstance(head, nn.Module):
             raise HeadwatchError(f"`head` must be an nn.Module, got {type(head).__name__}")
         self.head = head
+        self.dropout = 0.0  # a LoRA dropout probability seen in training: the gradient is not captured
 
     def attach(self) -> HeadFlowCapture:
         """Register the forward hook; returns self."""
@@ -257,6 +259,9 @@ class HeadFlowCapture(_Capture):
         if self.active:
             if torch.compiler.is_compiling():  # a disabled function would break fullgraph=True
                 self.compiled = True
+                return
+            if (p := lora_dropout(module)) > 0.0:  # the adapter saw dropout(h), the base h: no one gradient
+                self.dropout = p
                 return
             self._watch(args, kwargs, output)
 
