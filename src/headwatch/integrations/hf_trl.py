@@ -55,6 +55,12 @@ def sampling_temperature(trainer: Any) -> float | None:
     )
 
 
+def rows_per_example(trainer: Any) -> int:
+    """How many rows of a collated batch each example of the data set becomes: 2 under ``DPOTrainer`` (its collator
+    puts the chosen completions, then the rejected ones), else 1."""
+    return 2 if trl_trainer(trainer) == "DPOTrainer" else 1
+
+
 def refuse_unknown_trainer(run: Any, trainer: Any) -> None:
     """Under a TRL trainer the door does not understand (``KTOTrainer``, ``RewardTrainer``, ...), refuse the logit
     statistics with ONE message (:meth:`Orchestrator.refuse`): their forwards score mismatched completions ahead of
