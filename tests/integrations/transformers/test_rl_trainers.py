@@ -224,3 +224,44 @@ def test_the_refusal_is_said_once_at_construction(tmp_path, recwarn):
     assert (
         "never fires" in said[0] and "update" in said[0]
     )  # what else it means for the user
+
+
+def test_an_evaluations_repeated_rows_under_two_rows_an_example():
+    """The rows a distributed sampler repeats in an evaluation's last batch: one process has none (every row kept,
+    DPO's two rows an example included); several processes and one row an example: the first ``remainder`` kept;
+    several processes under ``DPOTrainer``: they cannot be told apart, so all are kept and it is said once."""
+    import weakref
+    from types import SimpleNamespace
+
+    cb = HeadwatchCallback(monitors=["logits"], figure_every_n_steps=0)
+    dpo = type("DPOTrainer", (), {"__module__": "trl.trainer.dpo_trainer"})()
+    sft = type("SFTTrainer", (), {"__module__": "trl.trainer.sft_trainer"})()
+    state = SimpleNamespace(end_of_dataloader=True, remainder=3)
+    batch = {"input_ids": torch.zeros(8, 4, dtype=torch.long)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for trainer, processes, want in (
+            (dpo, 1, None),
+            (sft, 1, None),
+            (sft, 2, 3),
+            (dpo, 2, None),
+            (dpo, 2, None),
+        ):
+            trainer.accelerator = SimpleNamespace(
+                num_processes=processes, process_index=0, gradient_state=state
+            )
+            cb._trainer = weakref.ref(trainer)  # as set_trainer holds it
+            assert cb.real_rows(batch, training=False) == want, (
+                type(trainer).__name__,
+                processes,
+            )
+    said = [
+        str(w.message)
+        for w in caught
+        if "collates several rows per example" in str(w.message)
+    ]
+    assert (
+        len(said) == 1
+        and "DPOTrainer" in said[0]
+        and "multiple of the processes" in said[0]
+    )
