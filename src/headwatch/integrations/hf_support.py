@@ -19,7 +19,11 @@ from headwatch.alerts.wiring import wire_alert as wire_engine
 from headwatch.core.driver import Driver
 from headwatch.core.vocabulary import set_vocab_size
 from headwatch.integrations.hf_publish import TB_PREFIX
-from headwatch.integrations.hf_trl import understand_trainer
+from headwatch.integrations.hf_trl import (
+    rows_per_example,
+    trl_trainer,
+    understand_trainer,
+)
 from headwatch.model.capture import called_from
 from headwatch.model.hooks import InputsHook
 from headwatch.model.weights import declared_shape
@@ -56,7 +60,9 @@ def find_trainer(callback: TrainerCallback) -> Trainer | None:
     try:
         while frame is not None:
             owner = frame.f_locals.get("self")
-            if isinstance(owner, Trainer) and any(cb is callback for cb in owner.callback_handler.callbacks):
+            if isinstance(owner, Trainer) and any(
+                cb is callback for cb in owner.callback_handler.callbacks
+            ):
                 return owner
             frame = frame.f_back
     finally:
@@ -184,15 +190,23 @@ class TrainerLink(Driver):
         ``on_train_begin`` no longer stops the run: ``docs/faults.md``)."""
         self._trainer = weakref.ref(trainer)
         hand_loss_inputs(trainer, self.run)
-        for cb in trainer.callback_handler.callbacks:  # its writer, made at on_train_begin, survives an unwritable log dir
+        for cb in (
+            trainer.callback_handler.callbacks
+        ):  # its writer, made at on_train_begin, survives an unwritable log dir
             if isinstance(cb, TensorBoardCallback):
-                cb._SummaryWriter = tb.guarded_writer_class(cb._SummaryWriter)  # noqa: SLF001 - docs/faults.md
+                cb._SummaryWriter = tb.guarded_writer_class(
+                    cb._SummaryWriter
+                )  # docs/faults.md
                 batch_scalars_of(cb)
 
     @staticmethod
     def logging_every(args: Any, state: Any) -> int:
         """The Trainer's logging interval in steps (0: not by steps)."""
-        return int(getattr(state, "logging_steps", 0) or args.logging_steps) if args.logging_strategy == "steps" else 0
+        return (
+            int(getattr(state, "logging_steps", 0) or args.logging_steps)
+            if args.logging_strategy == "steps"
+            else 0
+        )
 
     def write_layout(self) -> None:
         """The Custom Scalars layout, once per TensorBoard writer of the Trainer (rank zero): called at
@@ -200,18 +214,26 @@ class TrainerLink(Driver):
         later (callbacks in any order, an evaluation-only script) gets it too."""
         if self.reducer.rank == 0:
             try:
-                tb.write_layout(self.writers(), TB_PREFIX + self.prefix, category=self.prefix)
+                tb.write_layout(
+                    self.writers(), TB_PREFIX + self.prefix, category=self.prefix
+                )
             except Exception as err:  # noqa: BLE001
                 self.run.fail(err, "writing the TensorBoard dashboard layout")
 
     def attach_model(self, model: nn.Module, every: int) -> None:
         """Configure every monitor (schedule ``every`` steps), attach it and hook the model's forward."""
         self.run.configure(every, figure_every_n_steps=self.figure_every_n_steps)
-        if self.figure_every_n_steps == "auto":  # drawn on the probe steps under a budget
+        if (
+            self.figure_every_n_steps == "auto"
+        ):  # drawn on the probe steps under a budget
             self.run.cost.follow_figures(self.run.named)
         self.use_vocabulary(unwrap(model))
-        self.run.attach(unwrap(model), root=model, refuse=True)  # FSDP1 (accelerate): summoned from the wrapped model
-        self.run.vocabulary.again = lambda: self.attach_model(model, every)  # resized after attach: the tokenizer again
+        self.run.attach(
+            unwrap(model), root=model, refuse=True
+        )  # FSDP1 (accelerate): summoned from the wrapped model
+        self.run.vocabulary.again = lambda: self.attach_model(
+            model, every
+        )  # resized after attach: the tokenizer again
         self.understand_trainer()
         self.inputs.watch(unwrap(model))
 
@@ -220,7 +242,11 @@ class TrainerLink(Driver):
         to the token counts and the logit statistics not given one (:func:`set_vocab_size`): the model's rows beyond it
         are left out of the row figures and ``logits/padded_mass`` is published. A tokenizer larger than the model's
         embedding is not used (one warning: its ids past the rows cannot be looked up)."""
-        size = self.vocab_size if self.vocab_size is not None else tokenizer_size(self.trainer or find_trainer(self))
+        size = (
+            self.vocab_size
+            if self.vocab_size is not None
+            else tokenizer_size(self.trainer or find_trainer(self))
+        )
         if size is None:
             return
         getter = getattr(model, "get_input_embeddings", None)
@@ -259,7 +285,11 @@ class TrainerLink(Driver):
         trainer = self.trainer
         if trainer is None or self.reducer.rank != 0:
             return []
-        return [cb.tb_writer for cb in trainer.callback_handler.callbacks if isinstance(cb, TensorBoardCallback) and cb.tb_writer]
+        return [
+            cb.tb_writer
+            for cb in trainer.callback_handler.callbacks
+            if isinstance(cb, TensorBoardCallback) and cb.tb_writer
+        ]
 
     def real_rows(self, batch: dict, training: bool) -> int | None:
         """Evaluation: how many rows of this batch ``gather_for_metrics`` keeps (the last batch of an even
@@ -269,15 +299,37 @@ class TrainerLink(Driver):
         accelerator = getattr(self.trainer, "accelerator", None)
         state = getattr(accelerator, "gradient_state", None)
         ids = batch.get("input_ids")
-        if state is None or not state.end_of_dataloader or ids is None or not hasattr(ids, "shape"):
+        if (
+            state is None
+            or not state.end_of_dataloader
+            or ids is None
+            or not hasattr(ids, "shape")
+        ):
             return None
-        return eval_rows_kept(int(ids.shape[0]), int(accelerator.process_index), int(state.remainder))
+        if int(getattr(accelerator, "num_processes", 1)) <= 1:
+            return None  # one process: no sampler repeats a row, whatever rows the collator made of each example
+        if rows_per_example(self.trainer) != 1:
+            self.run.warn_once(
+                "repeated_rows_per_example",
+                f"headwatch: {trl_trainer(self.trainer)} collates several rows per example (DPO: the chosen and "
+                "the rejected completion), so the rows the distributed sampler repeats in an evaluation's last "
+                "batch cannot be told apart and are counted in val/logits. To leave none, make the evaluation "
+                "set a multiple of the processes times the evaluation batch size. (warned once)",
+            )
+            return None
+        return eval_rows_kept(
+            int(ids.shape[0]), int(accelerator.process_index), int(state.remainder)
+        )
 
     def flow_decided(self) -> bool:
         """Whether the Trainer's ``DefaultFlowCallback`` (which sets ``control.should_log``) ran before this
         callback at each event (it does unless this callback was put ahead of it)."""
-        callbacks = self.trainer.callback_handler.callbacks if self.trainer is not None else []
-        flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
+        callbacks = (
+            self.trainer.callback_handler.callbacks if self.trainer is not None else []
+        )
+        flow = [
+            i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)
+        ]
         mine = [i for i, cb in enumerate(callbacks) if cb is self]
         return not flow or not mine or flow[0] < mine[0]
 

@@ -19,7 +19,12 @@ from headwatch.errors import HeadwatchError
 RL_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
 """TRL trainers whose training forward headwatch measures as an RL policy's (``docs/rl.md``): TRL's fused LM head
 with ``labels`` = the sampled completion tokens (prompt and padding ``-100``), logits divided by ``temperature``."""
-UNDERSTOOD_TRL = ("SFTTrainer", *RL_TRAINERS)
+PREFERENCE_TRAINERS = ("DPOTrainer",)
+"""TRL preference trainers whose policy forward headwatch measures (``docs/rl.md``): one forward with gradient through
+TRL's fused LM head over the chosen and rejected completions, ``labels`` = their tokens (prompt and padding
+``-100``): the per-token log-probabilities the loss sums; the reference model's pass runs without gradient (in
+evaluation it comes after the policy's, or in a model of its own) and is never measured."""
+UNDERSTOOD_TRL = ("SFTTrainer", *RL_TRAINERS, *PREFERENCE_TRAINERS)
 """TRL trainers the door understands (``docs/capture.md``, ``docs/rl.md``); any other TRL trainer is refused."""
 
 
@@ -27,7 +32,11 @@ def trl_trainer(trainer: Any) -> str | None:
     """The name of the first TRL trainer class in ``trainer``'s class hierarchy (a user's subclass of
     ``GRPOTrainer`` is a ``GRPOTrainer``), or None when none comes from the ``trl`` package."""
     for cls in type(trainer).__mro__:
-        if cls.__module__.split(".")[0] == "trl" and cls.__name__.endswith("Trainer") and cls.__name__ != "_BaseTrainer":
+        if (
+            cls.__module__.split(".")[0] == "trl"
+            and cls.__name__.endswith("Trainer")
+            and cls.__name__ != "_BaseTrainer"
+        ):
             return cls.__name__
     return None
 
@@ -39,13 +48,24 @@ def sampling_temperature(trainer: Any) -> float | None:
     if trl_trainer(trainer) not in RL_TRAINERS:
         return None
     value = getattr(trainer, "temperature", None)
-    return value if value is not None else getattr(getattr(trainer, "args", None), "temperature", None)
+    return (
+        value
+        if value is not None
+        else getattr(getattr(trainer, "args", None), "temperature", None)
+    )
+
+
+def rows_per_example(trainer: Any) -> int:
+    """How many rows of a collated batch each example of the data set becomes: 2 under ``DPOTrainer`` (its collator
+    puts the chosen completions, then the rejected ones), else 1."""
+    return 2 if trl_trainer(trainer) == "DPOTrainer" else 1
 
 
 def refuse_unknown_trainer(run: Any, trainer: Any) -> None:
-    """Under a TRL trainer the door does not understand (``DPOTrainer``, ``KTOTrainer``, ``RewardTrainer``, ...),
-    refuse the logit statistics with ONE message (:meth:`Orchestrator.refuse`): their forwards score pairs of
-    completions, a reference model or a reward head, and the figures would silently mean something else."""
+    """Under a TRL trainer the door does not understand (``KTOTrainer``, ``RewardTrainer``, ...), refuse the logit
+    statistics with ONE message (:meth:`Orchestrator.refuse`): their forwards score mismatched completions ahead of
+    the loss's (KTO's KL pass, first in evaluation, where no gradient tells them apart) or a reward head, and the
+    figures would silently mean something else."""
     from headwatch.core.logits import LogitStats
 
     name = trl_trainer(trainer)
@@ -55,9 +75,10 @@ def refuse_unknown_trainer(run: Any, trainer: Any) -> None:
     if not logits:
         return
     cause = HeadwatchError(
-        f"TRL's {name} is not supported by the logit statistics: its training forward does not score one completion "
-        f"against its labels as the statistics assume (DPO concatenates chosen and rejected completions and compares "
-        f"them with a reference model), so they would mean something else. Supported TRL trainers: "
+        f"TRL's {name} is not supported by the logit statistics: its forwards do not score one completion against its "
+        f"labels as the statistics assume (KTO scores mismatched completions for its KL term before the loss's, and "
+        f"in evaluation no gradient tells that pass apart; a reward model has no language-model head), so they would "
+        f"mean something else. Supported TRL trainers: "
         f"{', '.join(UNDERSTOOD_TRL)} (docs/rl.md). The gradient, update, frequency, token and collision statistics "
         f"do not depend on it; an alert on the entropy (CollapseRules, rl_collapse_rules) has nothing to read and never "
         f"fires, and the self-check has no NLL to compare"
@@ -71,22 +92,31 @@ def understand_trainer(run: Any, trainer: Any) -> None:
     an RL trainer's policy is measured at its sampling temperature (:meth:`Orchestrator.sample_at`). Any other
     trainer: nothing."""
     refuse_unknown_trainer(run, trainer)
-    if trl_trainer(trainer) in UNDERSTOOD_TRL:  # its fused head projects in float32 when asked to (GRPO, RLOO)
+    if (
+        trl_trainer(trainer) in UNDERSTOOD_TRL
+    ):  # its fused head projects in float32 when asked to (GRPO, RLOO)
         from headwatch.core.logits import LogitStats
 
-        fp32 = bool(getattr(getattr(trainer, "args", None), "cast_lm_head_to_fp32", False))
+        fp32 = bool(
+            getattr(getattr(trainer, "args", None), "cast_lm_head_to_fp32", False)
+        )
         for m in run.all_monitors:
             if isinstance(m, LogitStats):
                 m.fused_head_in_float32 = fp32
     temperature = sampling_temperature(trainer)
     if temperature is not None:
-        run.sample_at(temperature, f"{type(trainer).__name__}.temperature, from its args.temperature")
+        run.sample_at(
+            temperature,
+            f"{type(trainer).__name__}.temperature, from its args.temperature",
+        )
 
 
 def fused_head_note(run: Any, kwargs: Mapping[str, Any]) -> None:
     """Warn once when a forward runs TRL's fused LM head (``fused_lm_head=True`` among its keyword inputs) while a
     monitor counts synonym confusion at the head: the fused path never calls the head."""
-    if kwargs.get("fused_lm_head") and any(getattr(m, "synonym_groups", None) for m in run.monitors):
+    if kwargs.get("fused_lm_head") and any(
+        getattr(m, "synonym_groups", None) for m in run.monitors
+    ):
         run.warn_once(
             "fused_confusion",
             "HeadwatchCallback: TRL's fused LM head never calls the head, so collision/synonym_confusion_rate is "
@@ -118,7 +148,9 @@ def trl_step_values(trainer: Any, marks: dict[str, int]) -> dict[str, list[float
     for ours, theirs in TRL_METRICS.items():
         values = list(train.get(theirs, ()))
         start = marks.get(ours, 0)
-        new = values[start:] if start <= len(values) else values  # cleared since (TRL's log): all of them
+        new = (
+            values[start:] if start <= len(values) else values
+        )  # cleared since (TRL's log): all of them
         if new and all(isinstance(v, (int, float)) for v in new):
             out[ours] = [float(v) for v in new]
     return out
