@@ -200,6 +200,11 @@ CASES = [
 def test_sft_trainer(tmp_path, name, feature):
     model = family(name)
     twin = untied_twin(model) if is_tied(model) else None
+    # the first layer's attention calls: TRL's default gradient checkpointing runs it again in the backward
+    layer_calls = []
+    counter = model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args: layer_calls.append(module.training)
+    )
     trainer, latest, seen, grads, hidden, said, metrics = sft_run(
         model, tmp_path / "run", feature, headwatch=True
     )
@@ -208,6 +213,12 @@ def test_sft_trainer(tmp_path, name, feature):
         if twin is not None
         else None
     )
+    counter.remove()
+    # each forward with gradient ran the layer twice (``evaluate``: two runs; ``compute_loss_func``: TRL's no-grad
+    # metrics pass once a step); the loss's forward was measured once (``debug/capture/forwards``, check_hf_door)
+    runs = 2 if feature == "evaluate" else 1
+    no_grad = STEPS if feature == "compute_loss_func" else 0
+    assert sum(layer_calls) == 2 * runs * len(hidden.hidden) + no_grad, layer_calls
     if feature == "logits_to_keep":
         assert (
             len(said) == 1 and f"last {KeepLastSFT.K} positions of each row" in said[0]
@@ -219,9 +230,12 @@ def test_sft_trainer(tmp_path, name, feature):
         assert len(said) == 1 and "more than once with gradient" in said[0], said
     else:
         assert said == [], said
-    if (
-        feature == "assistant_only"
-    ):  # the premise: each row's labels are two spans, the assistant's turns
+    # uneven accumulation: the second window's two micro-batches hold different label counts
+    if feature == "evaluate":
+        counts = [int((b["labels"][:, 1:] != -100).sum()) for b in seen[: 2 * STEPS]]
+        assert counts[2] != counts[3], counts
+    # the premise: each row's labels are two spans, the assistant's turns
+    if feature == "assistant_only":
         assert all(starts(b["labels"][i]) == 2 for b in seen for i in range(B)), seen
     else:
         assert all(b["input_ids"].shape == (B, T) for b in seen)
