@@ -1,51 +1,42 @@
-"""What watching costs a training step, on each front door, side by side.
+"""What watching costs a training run, on each front door at its defaults, priced and checked.
 
-One tiny causal LM (a Hugging Face ``LlamaForCausalLM`` built from a config: V 32000, d_model 256, 2 layers,
-untied, batch 8 x 128 tokens, AdamW; see ``--help``) trains on the CPU through each of headwatch's three
-front doors, bare (no headwatch) and watched (headwatch with its default monitors), in one process:
+Point 5 of the cost work: per front door (plain loop, Hugging Face ``Trainer``, Lightning), at the door's
+defaults (the plain loop logs every 50 steps, the Hugging Face ``TrainingArguments.logging_steps`` default of
+500, Lightning's ``log_every_n_steps`` of 50; ``overhead_budget=0.01`` and its probe cadence as headwatch
+decides it; figures at their default), for two shapes of a ``LlamaForCausalLM`` built from a config (untied,
+AdamW, CPU):
 
-- plain loop: ``headwatch.Headwatch(model, writer=SummaryWriter(...))`` with ``step_start`` /
-  ``before_optimizer_step`` / ``after_optimizer_step`` / ``step_end``; bare: the same loop without it;
-- Hugging Face: ``transformers.Trainer`` (``report_to=["tensorboard"]``) with
-  ``HeadwatchCallback()``; bare: the same Trainer without it;
-- Lightning: ``lightning.pytorch.Trainer`` with a ``TensorBoardLogger`` and the callbacks
-  ``TokenFrequency, LogitStatsMonitor, GradientDensityMonitor, SynonymCollisionMonitor``; bare: none.
+- ``logits``: V 32000, d_model 256, 2 layers, batch 8 x 128 (the worst case: the head and the logits are about
+  80% of a step's arithmetic);
+- ``quarter``: V 8000, d_model 512, 4 layers, batch 4 x 128: the head is about a quarter of the arithmetic
+  (as in Llama 3.2 1B, where it is 21%); the printed header gives the share computed from the shapes.
 
-Every door logs every ``--log-every`` steps (10: the plain loop's default; the Trainers are set to it,
-their own defaults being 500 and 50); collision measures every 10 logging intervals and figures are
-drawn then too (their defaults). The model logs its loss on the same steps in the Trainers, bare or not.
+**Pricing.** A bare run (no headwatch) and a watched run of the door (logging every ``--price-every`` steps, to
+collect many logging steps; everything else at the defaults) train in one process, in two threads that take
+turns of one step (set-up and teardown untimed), so the two never compete for the cores and a shared machine's
+drift cancels. Each watched step is divided by the bare step nearest in time, and headwatch says which steps
+were logging and which probe steps (``Overhead.begin``). From the medians of those ratios (quiet, logging,
+probe) and headwatch's own probe decisions (:class:`headwatch.core.overhead.Overhead` fed with the priced
+costs), a ``--run-steps`` (2000) run at the door's default is priced: the whole run over the same steps bare, and
+a 95% upper bound for it (bootstrap: the ratios of each kind resampled, 2000 times, one-sided).
 
-**Method.** The six trainings (3 doors x bare/watched) run in six threads that take turns: one thread
-runs at a time, for one turn of ``--block`` steps (default 1), then hands over. Every round has a watched
-turn of each door, and every other round (``--steps / --bare-steps``) a bare turn of that door too, just
-before or after it (alternately); set-up and teardown take turns as well and are not timed, so no two
-runs ever compete for the cores. A step is timed from one step boundary to the next, as seen from outside
-headwatch: the start of an iteration (loop), ``on_step_begin`` (Hugging Face, a callback before
-headwatch's), ``on_train_batch_start`` (Lightning, a callback before headwatch's); so a step includes the
-door's logging after the optimizer step. The watched runs time ``--steps`` steps (default 100: one
-collision step), the bare runs ``--bare-steps`` (default 50: their steps are all alike but for the
-Trainers' own loss logging), then each run takes one more untimed step and ends. The first ``--warmup``
-steps of each run are left out. About 6 minutes on 2 quiet cores (0.8 s a step).
+**Checked by one real run.** A bare and a watched run of ``--real-steps`` (at most 300) at the door's defaults,
+in turns of one step as above, timed whole (the end of training, with its end probe, included): the measured
+ratio beside the priced one for the same number of steps. headwatch's own ``overhead/fraction`` (per window, on
+logging steps) and ``overhead/fraction_run`` are compared with the bench's: on logging steps, headwatch's seconds
+of a window (``fraction`` x the window's wall time) against the bench's watched-minus-bare time of the logging
+step (medians); over the run, ``fraction_run`` against ``(watched - bare) / watched``.
 
-**Figures** (per door). Each watched step is divided by the bare step of the same door nearest in time
-(a few seconds apart: the speed of a shared machine drifts by +-20% over tens of seconds, which pairing
-cancels and global medians do not; pairing single steps gave a 95% interval 4x narrower than pairing
-10-step turns). Per kind of step: ``quiet`` (no logging), ``logging`` (headwatch measures; not collision),
-``collision`` (the logging step where collision, and the figures, also run): the median of those ratios
-and a distribution-free 95% interval for it; the whole run at the default cadence, the medians weighted
-by the count of each kind in one collision interval (90, 9, 1 per 100 steps); and the measured whole run,
-the watched steps' total time over their paired bare steps'. The bare step paired with a logging step
-includes the Trainers' own loss logging only when it falls on a logging step (a scalar and a flush:
-milliseconds). Targets: quiet <= 1.01x, logging <= 1.15x, whole run <= 1.01x, on 2 quiet CPU
-cores. The load average, torch's thread count, and the share of the CPU used by other processes while
-measuring (from ``/proc/stat``) are printed: on a busy machine the timings do not mean much.
+**Pass** (printed per criterion): a logging step <= 1.12x bare; quiet steps <= 1.005x; the priced whole run
+<= 1.01x with its 95% upper bound <= 1.02x; headwatch's seconds on logging steps within 20% of the bench's;
+``fraction_run`` within 0.5 points of the bench's. The load average, torch's thread count and the share of the
+CPU used by other processes while measuring (``/proc/stat``) are printed: on a busy machine the timings do
+not mean much.
 
-``--contended``: ``--spinners`` (default 1) other processes run ``while True: pass`` during the whole
-measurement (started and killed by the script, as ``bench/logit_stats.py --contended`` does).
-``--quick``: 20 watched and 10 bare steps (about 1.5 minutes), a smoke run (no collision step: the whole-run ratio then
-leaves collision out). ``--json PATH`` writes every step time.
+``--quick``: the ``logits`` shape, 12 pricing steps (logging every 4), real runs of 50 steps: a smoke run.
+About 25 minutes on 2 quiet cores with the defaults. ``--json PATH`` writes every step time.
 
-Run: ``python bench/overhead.py [--quick] [--contended] [--steps 100] [--doors loop hf lightning]``.
+Run: ``python bench/overhead.py [--quick] [--doors loop hf lightning] [--shapes logits quarter]``.
 """
 
 from __future__ import annotations
@@ -53,11 +44,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import platform
+import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -71,9 +61,14 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from logit_stats import _system_busy_seconds, other_cpu_share  # noqa: E402  (the load measurement, one copy)
+from logit_stats import _system_busy_seconds, other_cpu_share
 
 DOORS = {"loop": "plain loop", "hf": "Hugging Face", "lightning": "Lightning"}
+DEFAULT_LOG_EVERY = {"loop": 50, "hf": 500, "lightning": 50}
+"""Each door's logging interval when nobody sets one: ``Headwatch(log_every_n_steps=50)``,
+``TrainingArguments.logging_steps`` (500), ``lightning.Trainer(log_every_n_steps=50)``."""
+BUDGET = 0.01
+"""``overhead_budget``'s default on every door."""
 
 
 # ----------------------------------------------------------------------------- turn-taking
@@ -82,14 +77,14 @@ class Baton:
 
     def __init__(self, schedule: list[str]) -> None:
         self.schedule, self.pos = schedule, 0
-        self.last_door = ""
-        """Progress is printed (stderr) when this door's watched run ends a turn."""
         self.cond = threading.Condition()
         self.error: BaseException | None = None
 
     def wait(self, name: str) -> None:
         with self.cond:
-            self.cond.wait_for(lambda: self.error is not None or (self.pos < len(self.schedule) and self.schedule[self.pos] == name))
+            self.cond.wait_for(
+                lambda: self.error is not None or (self.pos < len(self.schedule) and self.schedule[self.pos] == name)
+            )
             if self.error is not None:
                 raise RuntimeError(f"{name}: stopped, another run failed") from self.error
 
@@ -112,39 +107,79 @@ class Run:
 
     door: str
     watched: bool
-    timed: int
-    """Steps timed; the run trains ``timed + 1`` steps."""
-    block: int
-    """Steps per turn."""
+    steps: int
+    log_every: int
     baton: Baton
-    figures: bool = True
-    """Watched: headwatch's figures at their default (``"auto"``); False: none."""
     times: list[float] = field(default_factory=list)
     starts: list[float] = field(default_factory=list)
-    """``time.perf_counter()`` at the start of each timed step (pairs bare and watched steps in time)."""
+    """``time.perf_counter()`` at the start of each step (pairs bare and watched steps in time)."""
+    end: float = 0.0
+    """Seconds from the last step's end to the end of training (the door's end event: the end probe)."""
+    flags: dict[int, tuple[bool, bool]] = field(default_factory=dict)
+    """headwatch's step -> (logging step, probe step), from ``Overhead.begin``."""
+    published: list[dict[str, float]] = field(default_factory=list)
+    """``Overhead.publishable``'s values and window, each logging step."""
     error: BaseException | None = None
     _i: int = 0
     _start: float = 0.0
 
     @property
     def name(self) -> str:
-        return f"{DOORS[self.door]} {'watched' if self.watched else 'bare'}"
+        return f"{self.door} {'watched' if self.watched else 'bare'}"
 
     def boundary(self) -> None:
-        """A step starts (or the training ends): time the previous step; hand over at block ends."""
+        """A step starts (or the last one ended): time the previous step, then hand over to the other run."""
         now = time.perf_counter()
-        i = self._i
-        if 0 < i <= self.timed:
+        if 0 < self._i <= self.steps:
             self.times.append(now - self._start)
-        if i == 0 or (i % self.block == 0 and i <= self.timed):  # end of set-up, of a block, of the timed steps
-            if i % 10 == 0 and i and self.watched and self.door == self.baton.last_door:
-                print(f"  {self.name}: {i} of {self.timed} steps, median {statistics.median(self.times):.2f} s", file=sys.stderr)
+        if self._i <= self.steps:
             self.baton.release(self.name)
             self.baton.wait(self.name)
         self._i += 1
         self._start = time.perf_counter()
-        if i < self.timed:
+        if self._i <= self.steps:
             self.starts.append(self._start)
+
+    def finished(self) -> None:
+        """Training returned: the time since the last boundary (the end of training) is :attr:`end`."""
+        self.end = time.perf_counter() - self._start
+
+    def kinds(self) -> list[str]:
+        """``quiet``, ``logging`` or ``probe`` for each timed step (headwatch's steps in order)."""
+        ordered = [self.flags[s] for s in sorted(self.flags)][: len(self.times)]
+        return ["probe" if p else "logging" if lg else "quiet" for lg, p in ordered] + ["quiet"] * (
+            len(self.times) - len(ordered)
+        )
+
+
+_RUNS: dict[str, Run] = {}
+"""The watched run of each thread (by thread name): what headwatch's ``Overhead`` records into."""
+
+
+def record_overhead() -> None:
+    """Wrap ``Overhead.begin`` and ``Overhead.publishable`` to record, for the calling thread's run, which steps log
+    and probe and what headwatch publishes as its overhead (the values themselves are untouched)."""
+    from headwatch.core.overhead import Overhead
+
+    begin, publishable = Overhead.begin, Overhead.publishable
+
+    def begin_recorded(self: Overhead, step: int, logging: bool, first: bool) -> None:
+        begin(self, step, logging, first)
+        run = _RUNS.get(threading.current_thread().name)
+        if run is not None:
+            run.flags[step] = (logging, self.probing)
+
+    def publishable_recorded(self: Overhead) -> dict[str, float]:
+        out = publishable(self)
+        run = _RUNS.get(threading.current_thread().name)
+        if run is not None:
+            fraction = next(v for k, v in out.items() if k.endswith("overhead/fraction"))
+            run_fraction = next(v for k, v in out.items() if k.endswith("overhead/fraction_run"))
+            run.published.append({"fraction": fraction, "fraction_run": run_fraction, "spent": self.window[0] + self.window[1],
+                                  "wall": self.window[2], "probe": self.window[1], "at": len(run.times)})  # fmt: skip
+        return out
+
+    Overhead.begin, Overhead.publishable = begin_recorded, publishable_recorded  # type: ignore[method-assign]
 
 
 # ----------------------------------------------------------------------------- the model and data
@@ -157,13 +192,25 @@ class Shapes:
     batch: int
     seq: int
 
-    def describe(self) -> str:
-        return (f"LlamaForCausalLM V={self.vocab}, d_model={self.d_model}, {self.layers} layers, {self.heads} heads, "
-                f"d_ff={self.d_ff}, untied; batch {self.batch} x {self.seq} tokens; AdamW lr 1e-4")  # fmt: skip
-
     @property
     def d_ff(self) -> int:
-        return 64 * math.ceil(8 * self.d_model / 3 / 64)  # Llama's ~8/3 d_model, a multiple of 64
+        return 64 * -(-8 * self.d_model // 3 // 64)  # Llama's ~8/3 d_model, a multiple of 64
+
+    def head_share(self) -> float:
+        """The head's share of a step's matrix arithmetic (per token: head ``2 d V``; a layer ``8 d^2`` projections,
+        ``6 d d_ff`` MLP, ``4 T d`` attention scores)."""
+        d = self.d_model
+        head = 2 * d * self.vocab
+        layer = 8 * d * d + 6 * d * self.d_ff + 4 * self.seq * d
+        return head / (head + self.layers * layer)
+
+    def describe(self) -> str:
+        return (f"LlamaForCausalLM V={self.vocab}, d_model={self.d_model}, {self.layers} layers, {self.heads} heads, "
+                f"d_ff={self.d_ff}, untied; batch {self.batch} x {self.seq} tokens; AdamW lr 1e-4; "
+                f"head {100 * self.head_share():.0f}% of the matrix arithmetic")  # fmt: skip
+
+
+SHAPES = {"logits": Shapes(32000, 256, 2, 4, 8, 128), "quarter": Shapes(8000, 512, 4, 8, 4, 128)}
 
 
 def build_model(shapes: Shapes, seed: int) -> Any:
@@ -196,16 +243,15 @@ class Rows(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-# ----------------------------------------------------------------------------- the doors
-def train_loop(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, log_every: int, out: Path) -> None:
+# ----------------------------------------------------------------------------- the doors, at their defaults
+def train_loop(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, out: Path) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     import headwatch
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     writer = SummaryWriter(str(out))
-    figures = "auto" if run.figures else 0
-    hw = headwatch.Headwatch(model, writer=writer, log_every_n_steps=log_every, figure_every_n_steps=figures) if run.watched else None
+    hw = headwatch.Headwatch(model, writer=writer, log_every_n_steps=run.log_every) if run.watched else None
     for step, rows in enumerate(ids.split(shapes.batch)):
         run.boundary()
         batch = {"input_ids": rows, "labels": rows}
@@ -221,10 +267,13 @@ def train_loop(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, log_ever
         if hw is not None:
             hw.step_end()
     run.boundary()
+    if hw is not None:
+        hw.close()
     writer.close()
+    run.finished()
 
 
-def train_hf(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, log_every: int, out: Path) -> None:
+def train_hf(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, out: Path) -> None:
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     from headwatch.integrations.transformers import HeadwatchCallback
@@ -236,18 +285,20 @@ def train_hf(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, log_every:
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             run.boundary()
 
+    every = {} if run.log_every == DEFAULT_LOG_EVERY["hf"] else {"logging_steps": run.log_every}
     args = TrainingArguments(
-        output_dir=str(out), max_steps=ids.shape[0] // shapes.batch, logging_steps=log_every, per_device_train_batch_size=shapes.batch,
+        output_dir=str(out), max_steps=ids.shape[0] // shapes.batch, per_device_train_batch_size=shapes.batch,
         learning_rate=1e-4, report_to=["tensorboard"], use_cpu=True, save_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0,
+        dataloader_num_workers=0, **every,
     )  # fmt: skip
-    callbacks = [Boundaries()] + ([HeadwatchCallback(figure_every_n_steps="auto" if run.figures else 0)] if run.watched else [])
+    callbacks = [Boundaries()] + ([HeadwatchCallback()] if run.watched else [])
     trainer = Trainer(model=model, args=args, train_dataset=Rows(ids), callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # the logged dicts on stdout (disable_tqdm), in both runs alike
     trainer.train()
+    run.finished()
 
 
-def train_lightning(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, log_every: int, out: Path) -> None:
+def train_lightning(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, out: Path) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -273,54 +324,36 @@ def train_lightning(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, log
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             run.boundary()
 
-    every = "auto" if run.figures else 0
-    watch = [headwatch.TokenFrequency(), headwatch.LogitStatsMonitor(figure_every_n_steps=every),
-             headwatch.GradientDensityMonitor(figure_every_n_steps=every),
-             headwatch.SynonymCollisionMonitor(figures="auto" if run.figures else False)] if run.watched else []  # fmt: skip
+    watch = [headwatch.TokenFrequency(), headwatch.LogitStatsMonitor(), headwatch.GradientDensityMonitor(),
+             headwatch.SynonymCollisionMonitor()] if run.watched else []  # fmt: skip
     trainer = pl.Trainer(
-        default_root_dir=str(out), max_steps=ids.shape[0] // shapes.batch, log_every_n_steps=log_every,
+        default_root_dir=str(out), max_steps=ids.shape[0] // shapes.batch, log_every_n_steps=run.log_every,
         logger=TensorBoardLogger(str(out)), callbacks=[Boundaries(), *watch], enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, accelerator="cpu", devices=1,
     )  # fmt: skip
     trainer.fit(Module(), torch.utils.data.DataLoader(Rows(ids), batch_size=shapes.batch))
+    run.finished()
 
 
 TRAIN: dict[str, Callable[..., None]] = {"loop": train_loop, "hf": train_hf, "lightning": train_lightning}
 
 
-# ----------------------------------------------------------------------------- measuring
-
-
-def measure(
-    doors: list[str], shapes: Shapes, steps: int, bare_steps: int, block: int, log_every: int, seed: int, figures: bool = True
-) -> list[Run]:
-    """Train the bare and watched runs of ``doors`` in turns of ``block`` steps; returns the runs with their
-    step times. Every round has a watched turn per door; every ``steps // bare_steps``-th round a bare turn
-    too, before or after it (alternately)."""
-    rounds, every = steps // block, steps // bare_steps
-    runs = {}
-    for door in doors:
-        for watched in (False, True):
-            r = Run(door, watched, steps if watched else bare_steps, block, Baton([]), figures)
-            runs[r.name] = r
-    schedule = list(runs)  # set-up turns
-    for k in range(rounds):
-        for door in doors:
-            pair = [f"{DOORS[door]} bare", f"{DOORS[door]} watched"]
-            if k % every:
-                schedule.append(pair[1])
-            else:
-                schedule += pair if (k // every) % 2 == 0 else pair[::-1]
-    schedule += list(runs)  # one more step and the teardown
+def interleaved(door: str, shapes: Shapes, steps: int, log_every: int, seed: int) -> tuple[Run, Run]:
+    """A bare and a watched run of ``door``, ``steps`` steps each, in turns of one step (set-up and teardown in
+    turns too, untimed, but for the end of training: :attr:`Run.end`). Returns ``(bare, watched)``."""
+    bare, watched = (Run(door, w, steps, log_every, Baton([])) for w in (False, True))
+    schedule = [bare.name, watched.name]  # set-up
+    for k in range(steps):
+        schedule += [bare.name, watched.name] if k % 2 == 0 else [watched.name, bare.name]
+    schedule += [bare.name, watched.name]  # the end of training and teardown
     baton = Baton(schedule)
-    baton.last_door = doors[-1]
-    ids = token_ids(shapes, steps + 1, seed)
+    ids = token_ids(shapes, steps, seed)
 
     def main(run: Run, out: Path) -> None:
         try:
             baton.wait(run.name)
             model = build_model(shapes, seed)
-            TRAIN[run.door](run, model, ids[: (run.timed + 1) * shapes.batch], shapes, log_every, out)
+            TRAIN[run.door](run, model, ids, shapes, out)
             baton.release(run.name)
         except BaseException as err:  # noqa: BLE001 - reported by the main thread
             run.error = err
@@ -328,113 +361,180 @@ def measure(
 
     with tempfile.TemporaryDirectory() as tmp:
         threads = []
-        for run in runs.values():
+        for run in (bare, watched):
             run.baton = baton
             threads.append(threading.Thread(target=main, args=(run, Path(tmp) / run.name.replace(" ", "_")), name=run.name))
+        _RUNS[watched.name] = watched
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-    failed = [r for r in runs.values() if r.error is not None and not isinstance(r.error, RuntimeError)]
-    failed = failed or [r for r in runs.values() if r.error is not None]
-    if failed:
-        raise RuntimeError(f"{failed[0].name} failed") from failed[0].error
-    return list(runs.values())
+        _RUNS.pop(watched.name, None)
+    for run in (watched, bare):
+        if run.error is not None and not isinstance(run.error, RuntimeError):
+            raise RuntimeError(f"{run.name} failed") from run.error
+    for run in (watched, bare):
+        if run.error is not None:
+            raise RuntimeError(f"{run.name} failed") from run.error
+    return bare, watched
 
 
-DEFAULT_LOG_EVERY = {"loop": 10, "hf": 500, "lightning": 50}
-"""Each door's logging interval when nobody sets one: ``Headwatch(log_every_n_steps=10)``, ``TrainingArguments.logging_steps``
-(500), ``lightning.Trainer(log_every_n_steps=50)``; collision every 10 of them."""
-
-
-def kind(step: int, log_every: int) -> str:
-    if (step + 1) % (10 * log_every) == 0:
-        return "collision"
-    return "logging" if (step + 1) % log_every == 0 else "quiet"
-
-
+# ----------------------------------------------------------------------------- figures
 def median_ci(values: list[float]) -> tuple[float, float, float]:
     """The median and a distribution-free 95% interval for it (order statistics ``n/2 -+ 0.98 sqrt(n)``)."""
     v = sorted(values)
     n = len(v)
-    half = 0.98 * math.sqrt(n)
-    return statistics.median(v), v[max(0, math.floor(n / 2 - half))], v[min(n - 1, math.ceil(n / 2 + half) - 1)]
+    half = 0.98 * n**0.5
+    return statistics.median(v), v[max(0, int(n / 2 - half))], v[min(n - 1, -int(-(n / 2 + half)) - 1)]
 
 
-def paired(bare: Run, watched: Run, log_every: int, warmup: int) -> dict[str, list[tuple[float, float]]]:
-    """Each watched step with the bare step of the same door nearest in time: ``{kind: [(watched s, bare s), ...]}``."""
-    out: dict[str, list[tuple[float, float]]] = {"quiet": [], "logging": [], "collision": []}
+def paired(bare: Run, watched: Run, warmup: int) -> dict[str, list[tuple[float, float]]]:
+    """Each watched step with the bare step nearest in time: ``{kind: [(watched s, bare s), ...]}`` (the first
+    ``warmup`` steps of each run left out, but for probe steps: the first logging step is one)."""
+    out: dict[str, list[tuple[float, float]]] = {"quiet": [], "logging": [], "probe": []}
     bare_steps = [(s, t) for i, (s, t) in enumerate(zip(bare.starts, bare.times)) if i >= warmup]
-    for i, (start, t) in enumerate(zip(watched.starts, watched.times)):
-        if i >= warmup:
-            _, b = min(bare_steps, key=lambda st: abs(st[0] - start))
-            out[kind(i, log_every)].append((t, b))
+    for i, (start, t, k) in enumerate(zip(watched.starts, watched.times, watched.kinds())):
+        if i >= warmup or k == "probe":
+            out[k].append((t, min(bare_steps, key=lambda st: abs(st[0] - start))[1]))
     return out
 
 
-def report(runs: list[Run], doors: list[str], log_every: int, warmup: int) -> None:
-    cycle = 10 * log_every
-    counts = {"quiet": cycle - 10, "logging": 9, "collision": 1}  # per collision interval, at log_every 10
-    targets = {"quiet": "<= 1.01x", "logging": "<= 1.15x", "collision": "", "whole run": "<= 1.01x"}
-    print(f"{'door':<13} {'step':<28} {'n':>3} {'bare ms':>8} {'watched ms':>10} {'ratio':>7}  {'95% interval':<13}  target")
-    for door in doors:
-        bare = next(r for r in runs if r.door == door and not r.watched)
-        watched = next(r for r in runs if r.door == door and r.watched)
-        pairs = paired(bare, watched, log_every, warmup)
-        name, used = DOORS[door], {}
-        for k in counts:
-            if not pairs[k]:
-                print(f"{name:<13} {k:<28} {0:>3}  (not reached: needs --steps >= {cycle})")
-                name = ""
-                continue
-            med, lo, hi = median_ci([w / b for w, b in pairs[k]])
-            used[k] = med
-            interval = f"{lo:.3f}-{hi:.3f}" if len(pairs[k]) > 1 else ""
-            print(f"{name:<13} {k:<28} {len(pairs[k]):>3} {1e3 * statistics.median(b for _, b in pairs[k]):>8.0f} "
-                  f"{1e3 * statistics.median(w for w, _ in pairs[k]):>10.0f} {med:>6.3f}x  {interval:<13}  {targets[k]}")  # fmt: skip
-            name = ""
-        n = {k: counts[k] for k in used}
-        whole = sum(n[k] * used[k] for k in used) / sum(n.values())
-        label = f"whole run ({'/'.join(str(n[k]) for k in used)} per {sum(n.values())})"
-        print(f"{'':<13} {label:<28} {'':>3} {'':>8} {'':>10} {whole:>6.3f}x  {'':<13}  {targets['whole run']}")
-        if len(used) == 3:  # the same medians at the cadence the door has when nobody sets it
-            own = DEFAULT_LOG_EVERY[door]
-            n = {"quiet": 10 * own - 10, "logging": 9, "collision": 1}
-            whole = sum(n[k] * used[k] for k in used) / sum(n.values())
-            label = f"whole run, logging every {own}"
-            print(f"{'':<13} {label:<28} {'':>3} {'':>8} {'':>10} {whole:>6.3f}x  {'':<13}  (the door's default)")
-        everything = [p for k in pairs for p in pairs[k]]
-        measured = sum(w for w, _ in everything) / sum(b for _, b in everything)
-        print(f"{'':<13} {'measured (sum of the pairs)':<28} {len(everything):>3} {'':>8} {'':>10} {measured:>6.3f}x")
+def probe_steps(steps: int, every: int, cost: dict[str, float], bare_s: float) -> set[int]:
+    """The steps headwatch probes in a run of ``steps`` steps logging every ``every``, its decisions fed with the
+    priced costs (``cost``: seconds over bare per kind): its own :class:`Overhead`, and the end of training."""
+    from headwatch.core.overhead import Overhead
+
+    over = Overhead(BUDGET, "bench")
+    over.configure(every, [])
+    probes, last = set(), -1
+    for step in range(every - 1, steps, every):
+        probing = over.is_probe_step(step)
+        if over.first is None:
+            over.first = step
+        if probing:
+            probes.add(step)
+        statistics_s = cost["logging"]
+        probe_s = cost["probe"] - cost["logging"] if probing else 0.0
+        over.decide(statistics_s, probe_s, every * bare_s + statistics_s + probe_s, 1.0 if probing else 0.0)
+        last = step
+    if steps - 1 not in probes:
+        probes.add(steps - 1)  # the end of training probes the last step (Orchestrator.end_run)
+    return probes if last >= -1 else set()
+
+
+def price(ratios: dict[str, float], steps: int, every: int, bare_s: float) -> float:
+    """A ``steps``-step run at logging interval ``every`` over the same run bare, from per-kind step ratios. The end
+    of training's probe, when the last step is not a logging step, is one probe's work over a quiet step."""
+    cost = {k: (r - 1) * bare_s for k, r in ratios.items()}
+    probes = probe_steps(steps, every, cost, bare_s)
+    logging_steps = {s for s in range(every - 1, steps, every)}
+    total = 0.0
+    for k, n in (("probe", len(probes & logging_steps)), ("logging", len(logging_steps - probes))):
+        total += n * ratios[k]
+    total += (steps - len(logging_steps)) * ratios["quiet"]
+    if steps - 1 not in logging_steps:
+        total += ratios["probe"] - ratios["logging"]
+    return total / steps
+
+
+def bootstrap_upper(pairs: dict[str, list[tuple[float, float]]], steps: int, every: int, bare_s: float, seed: int) -> float:
+    """One-sided 95% upper bound of :func:`price` (each kind's ratios resampled with replacement, 2000 times)."""
+    rng = random.Random(seed)
+    ratios = {k: [w / b for w, b in v] for k, v in pairs.items()}
+    priced = []
+    for _ in range(2000):
+        draw = {k: statistics.median(rng.choices(v, k=len(v))) for k, v in ratios.items()}
+        priced.append(price(draw, steps, every, bare_s))
+    priced.sort()
+    return priced[int(0.95 * len(priced))]
+
+
+@dataclass
+class Verdict:
+    rows: list[tuple[str, str, str, bool]] = field(default_factory=list)
+
+    def check(self, what: str, value: str, target: str, ok: bool) -> None:
+        self.rows.append((what, value, target, ok))
+        print(f"    {'PASS' if ok else 'FAIL'}  {what:<58} {value:<34} target {target}")
+
+
+def door_report(
+    door: str, shape: str, price_runs: tuple[Run, Run], real_runs: tuple[Run, Run], args: Any, verdict: Verdict
+) -> dict[str, Any]:
+    bare, watched = price_runs
+    pairs = paired(bare, watched, args.warmup)
+    missing = [k for k, v in pairs.items() if not v]
+    print(f"  {DOORS[door]} ({shape}): priced from a run logging every {watched.log_every}; "
+          + ", ".join(f"{k} {len(v)}" for k, v in pairs.items()) + " paired steps")  # fmt: skip
+    if missing:
+        print(f"    no {', '.join(missing)} step: nothing priced (more --price-steps)")
+        return {}
+    bare_s = statistics.median(bare.times[args.warmup :])
+    med = {}
+    for k, v in pairs.items():
+        m, lo, hi = median_ci([w / b for w, b in v])
+        med[k] = m
+        print(
+            f"    {k:<8} {m:.4f}x ({lo:.3f}-{hi:.3f}), bare {1e3 * bare_s:.0f} ms, watched {1e3 * statistics.median(w for w, _ in v):.0f} ms"
+        )
+    every = DEFAULT_LOG_EVERY[door]
+    whole = price(med, args.run_steps, every, bare_s)
+    upper = bootstrap_upper(pairs, args.run_steps, every, bare_s, args.seed)
+    probes = sorted(probe_steps(args.run_steps, every, {k: (r - 1) * bare_s for k, r in med.items()}, bare_s))
+    print(f"    {args.run_steps} steps logging every {every}: probes at steps {probes}")
+    verdict.check(f"{door}/{shape}: logging step", f"{med['logging']:.4f}x", "<= 1.12x", med["logging"] <= 1.12)
+    verdict.check(f"{door}/{shape}: quiet steps", f"{med['quiet']:.4f}x", "<= 1.005x", med["quiet"] <= 1.005)
+    verdict.check(f"{door}/{shape}: whole run ({args.run_steps} steps), priced", f"{whole:.4f}x", "<= 1.01x", whole <= 1.01)
+    verdict.check(f"{door}/{shape}: whole run, 95% upper bound", f"{upper:.4f}x", "<= 1.02x", upper <= 1.02)
+    # headwatch's own timing on logging steps (the pricing run's windows that held no probe)
+    own = [p["spent"] for p in watched.published if p["probe"] == 0]
+    bench = statistics.median(w - b for w, b in pairs["logging"])
+    if own:
+        mine = statistics.median(own)
+        verdict.check(f"{door}/{shape}: headwatch's seconds on a logging step vs bench", f"{1e3 * mine:.0f} ms vs {1e3 * bench:.0f} ms",
+                      "within 20%", abs(mine - bench) <= 0.2 * abs(bench))  # fmt: skip
+    # the real run at the door's default
+    rb, rw = real_runs
+    wall_w, wall_b = sum(rw.times) + rw.end, sum(rb.times) + rb.end
+    measured = wall_w / wall_b
+    priced_real = price(med, args.real_steps, every, bare_s)
+    kinds = rw.kinds()
+    print(f"    real run, {args.real_steps} steps at the default: {kinds.count('logging')} logging, {kinds.count('probe')} probe "
+          f"steps, end {rw.end:.1f} s (bare {rb.end:.1f} s); measured {measured:.4f}x, priced {priced_real:.4f}x")  # fmt: skip
+    result = {
+        "ratios": med,
+        "bare_s": bare_s,
+        "whole": whole,
+        "upper": upper,
+        "measured_real": measured,
+        "priced_real": priced_real,
+    }
+    if rw.published:
+        hw_run = rw.published[-1]["fraction_run"]
+        bench_run = (wall_w - wall_b) / wall_w
+        verdict.check(f"{door}/{shape}: fraction_run vs bench (real run)", f"{100 * hw_run:.2f}% vs {100 * bench_run:.2f}%",
+                      "within 0.5 points", abs(hw_run - bench_run) <= 0.005)  # fmt: skip
+        result.update(fraction_run=hw_run, bench_fraction_run=bench_run)
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--doors", nargs="+", choices=list(DOORS), default=list(DOORS))
-    parser.add_argument("--steps", type=int, default=100, help="timed steps of each watched run (default 100: one collision step)")
-    parser.add_argument("--bare-steps", type=int, default=50, help="timed steps of each bare run (default 50)")
-    parser.add_argument("--block", type=int, default=1, help="steps per turn (default 1: finest pairing)")
-    parser.add_argument("--log-every", type=int, default=10, help="logging interval of every door (default 10)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--price-steps", type=int, default=40, help="steps of each pricing run (default 40)")
+    parser.add_argument("--price-every", type=int, default=5, help="logging interval of the pricing runs (default 5)")
+    parser.add_argument("--real-steps", type=int, default=100, help="steps of each real run, at most 300 (default 100)")
+    parser.add_argument("--run-steps", type=int, default=2000, help="the run priced (default 2000 steps)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out (default 2)")
-    parser.add_argument("--quick", action="store_true", help="20 watched steps: a smoke run (no collision step)")
-    parser.add_argument("--contended", action="store_true", help="run --spinners busy processes during the measurement")
-    parser.add_argument("--spinners", type=int, default=1)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="the logits shape, 12 pricing steps, real runs of 50: a smoke run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-figures", action="store_true", help="watched runs draw no figures (default: theirs, 'auto')")
-    parser.add_argument("--json", type=Path, help="also write every run's step times (seconds) to this file")
+    parser.add_argument("--json", type=Path, help="also write every step time (seconds) and the figures to this file")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.bare_steps = 20, 10
-    if args.steps % args.block or args.bare_steps % args.block or args.steps % args.bare_steps or args.bare_steps <= args.warmup:
-        parser.error("--steps and --bare-steps must be multiples of --block, --steps a multiple of --bare-steps, and "
-                     f"--bare-steps above --warmup; got {args.steps}, {args.bare_steps}, {args.block}, {args.warmup}")  # fmt: skip
-    bare_steps = args.bare_steps
+        args.shapes, args.price_steps, args.price_every, args.real_steps = ["logits"], 12, 4, 50
+    if not 0 < args.real_steps <= 300:
+        parser.error(f"--real-steps must be in 1..300, got {args.real_steps}")
 
     warnings.filterwarnings("ignore")
     import lightning
@@ -442,48 +542,41 @@ def main() -> None:
     import transformers
 
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("lightning")]:
-        logging.getLogger(name).setLevel(logging.ERROR)  # set-up lines and "`Trainer.fit` stopped", six times
-
+        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("headwatch").setLevel(logging.ERROR)  # the over-budget notes of the pricing runs
     transformers.logging.set_verbosity_error()
     import headwatch
 
-    shapes = Shapes(args.vocab, args.d_model, args.layers, args.heads, args.batch, args.seq)
-    params = sum(p.numel() for p in build_model(shapes, args.seed).parameters())
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    record_overhead()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (os.cpu_count: {os.cpu_count()}), "
           f"{platform.machine()}; python {platform.python_version()}, transformers {transformers.__version__}, "
           f"lightning {lightning.__version__}, headwatch {headwatch.__version__}")  # fmt: skip
-    print(f"model: {shapes.describe()}; {params / 1e6:.1f}M parameters")
-    print(f"cadence: every door logs every {args.log_every} steps, collision and figures every {10 * args.log_every}; "
-          f"{args.steps} timed steps per watched run, {bare_steps} per bare run, in turns of {args.block} "
-          f"(a bare turn every {args.steps // bare_steps} watched turns); first {args.warmup} steps left out; "
-          f"figures {'none' if args.no_figures else 'at their default'}")  # fmt: skip
-    print(f"load average before: {load}")
-
-    procs = []
-    if args.contended:
-        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.spinners)]
-        time.sleep(0.5)  # let the spinners get scheduled
-        print(f"contended: {args.spinners} other process(es) running `while True: pass` during the measurement")
+    for s in args.shapes:
+        print(f"shape {s}: {SHAPES[s].describe()}")
+    print(f"doors at their defaults (logging every {', '.join(f'{DOORS[d]} {DEFAULT_LOG_EVERY[d]}' for d in args.doors)}; "
+          f"overhead_budget {BUDGET}); pricing runs {args.price_steps} steps logging every {args.price_every}, real runs "
+          f"{args.real_steps} steps; priced run {args.run_steps} steps")  # fmt: skip
+    print(f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     busy0, own0, wall0 = _system_busy_seconds(), sum(os.times()[:2]), time.perf_counter()
-    try:
-        runs = measure(args.doors, shapes, args.steps, bare_steps, args.block, args.log_every, args.seed, not args.no_figures)
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+    verdict, results, times = Verdict(), {}, {}
+    for shape in args.shapes:
+        for door in args.doors:
+            pricing = interleaved(door, SHAPES[shape], args.price_steps, args.price_every, args.seed)
+            real = interleaved(door, SHAPES[shape], args.real_steps, DEFAULT_LOG_EVERY[door], args.seed)
+            results[f"{door}/{shape}"] = door_report(door, shape, pricing, real, args, verdict)
+            times[f"{door}/{shape}"] = {f"{kind} {r.name}": {"times": r.times, "end": r.end, "kinds": r.kinds(), "published": r.published}
+                                        for kind, runs in (("pricing", pricing), ("real", real)) for r in runs}  # fmt: skip
+            print(f"    (load {os.getloadavg()[0]:.2f}, {time.perf_counter() - wall0:.0f} s so far)", flush=True)
+            if args.json is not None:  # after every door: a run cut short keeps what it measured
+                args.json.write_text(json.dumps({"results": results, "times": times, "criteria": verdict.rows}, indent=1))
     contention = other_cpu_share(busy0, own0, wall0)
-    wall = time.perf_counter() - wall0
-    if args.json is not None:
-        args.json.write_text(json.dumps({r.name: r.times for r in runs}, indent=1))
-    print()
-    report(runs, args.doors, args.log_every, args.warmup)
     print()
     print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; CPU used by other processes while "
-          f"measuring: {contention}; {wall:.0f} s")  # fmt: skip
-    print("ratio: median of (watched step / the bare step of the same door nearest in time), with its 95% interval;\n"
-          "whole run: those medians weighted by the count of each kind of step in one collision interval;\n"
-          "measured: the watched steps' total time over their paired bare steps' (collision included when reached).")
+          f"measuring: {contention}; {time.perf_counter() - wall0:.0f} s")  # fmt: skip
+    failed = [r for r in verdict.rows if not r[3]]
+    print(f"{len(verdict.rows) - len(failed)} of {len(verdict.rows)} criteria pass")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"results": results, "times": times, "criteria": verdict.rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@ starts fresh, no monitoring limitation aborts training.
 
 Evaluation figures are compared with float64 statistics of the model's own ``outputs.logits`` and labels
 over the real rows. ``python -m torch.distributed.run --nproc_per_node 2 tests/core/test_runs_and_evals.py OUT``
-runs the distributed evaluation (gloo, CPU) that :func:`test_hf_two_process_evaluation_counts_real_rows_once`
-compares with one process.
+runs the distributed evaluation (gloo, CPU) that :func:`test_hf_two_process_evaluation_counts_real_rows_once` and
+:func:`test_sft_two_process_evaluation_counts_real_rows_once` compare with one process (the Trainer, then TRL's
+``SFTTrainer``, in one launch).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -70,13 +72,13 @@ def reference(model: nn.Module, rows: Rows) -> dict[str, float]:
     return {"entropy": entropy[valid].mean().item(), "target_nll": nll[valid].mean().item(), "positions": float(valid.sum())}
 
 
-def args(out: Path | str, **kw) -> TrainingArguments:
+def args(out: Path | str, cls: type = TrainingArguments, **kw) -> TrainingArguments:
     opts = dict(
         output_dir=str(out), max_steps=2, logging_steps=1, per_device_train_batch_size=4, per_device_eval_batch_size=2,
         learning_rate=0.0, max_grad_norm=0.0, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
     )  # fmt: skip
     opts.update(kw)
-    return TrainingArguments(**opts)
+    return cls(**opts)
 
 
 def assert_matches(values: dict[str, float], ref: dict[str, float], suffix: str = "", key: str = VAL) -> None:
@@ -144,24 +146,53 @@ def test_hf_layout_whatever_the_callbacks_order(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ distributed
+KINDS = ("hf", "sft")  # the Hugging Face Trainer; TRL's SFTTrainer (its fused head, completion-only labels)
+
+
+def sft_trainer(model: nn.Module, rows: Rows, out: str, world: int, cb: HeadwatchCallback) -> Trainer:
+    """TRL's ``SFTTrainer`` evaluating ``rows`` as TRL takes them (token ids and a ``completion_mask``: TRL builds
+    the same ``-100`` labels); float32 (TRL's default ``bf16=True`` would score bf16 logits)."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    data = Dataset.from_dict({"input_ids": rows.ids.tolist(), "completion_mask": (rows.labels != -100).long().tolist()})
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))  # the rows come tokenized
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="w0", eos_token="w1")
+    config = args(out, cls=SFTConfig, ddp_backend="gloo" if world > 1 else None, bf16=False, completion_only_loss=True)
+    return SFTTrainer(model=model, args=config, train_dataset=data, eval_dataset=data, processing_class=tokenizer,
+                      callbacks=[cb])  # fmt: skip
+
+
 def main(out: str) -> None:
-    """One evaluation of 5 rows, 2 per process and batch: under 2 processes the sampler repeats 3 rows."""
+    """One evaluation of 5 rows, 2 per process and batch, by each trainer of :data:`KINDS` (TRL's when installed):
+    under 2 processes the sampler repeats 3 rows. Writes ``<kind>-rank<r>.json``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    model, rows = tiny_llama(), Rows(5, seed=5)
-    cb = HeadwatchCallback(figure_every_n_steps=0)
-    trainer = Trainer(model=model, args=args(out, ddp_backend="gloo" if world > 1 else None), eval_dataset=rows, callbacks=[cb])
-    metrics = trainer.evaluate()
-    Path(out).mkdir(parents=True, exist_ok=True)
-    keep = {k: v for k, v in metrics.items() if VAL in k}
-    (Path(out) / f"rank{trainer.args.process_index}.json").write_text(json.dumps({"metrics": keep, "ref": reference(model, rows)}))
+    for kind in KINDS:
+        if kind == "sft" and importlib.util.find_spec("trl") is None:
+            continue
+        model, rows = tiny_llama(), Rows(5, seed=5)
+        cb = HeadwatchCallback(figure_every_n_steps=0)
+        if kind == "sft":
+            trainer = sft_trainer(model, rows, out, world, cb)
+        else:
+            trainer = Trainer(model=model, args=args(out, ddp_backend="gloo" if world > 1 else None), eval_dataset=rows,
+                              callbacks=[cb])  # fmt: skip
+        metrics = trainer.evaluate()
+        Path(out).mkdir(parents=True, exist_ok=True)
+        keep = {k: v for k, v in metrics.items() if VAL in k}
+        result = {"metrics": keep, "ref": reference(model, rows)}
+        (Path(out) / f"{kind}-rank{trainer.args.process_index}.json").write_text(json.dumps(result))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
-def test_hf_two_process_evaluation_counts_real_rows_once(tmp_path):
-    """torchrun, 2 CPU processes (gloo): the figures of one process over the 5 real rows, not over the 8 the
-    sampler hands out (the Trainer's ``gather_for_metrics`` drops the same 3)."""
+@pytest.fixture(scope="module")
+def two_process_evaluations(tmp_path_factory) -> Path:
+    """One torchrun of :func:`main` (2 CPU processes, gloo; both trainers in one launch), and one process."""
+    tmp_path = tmp_path_factory.mktemp("evaluations")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -172,7 +203,7 @@ def test_hf_two_process_evaluation_counts_real_rows_once(tmp_path):
         proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
         try:
             main(str(tmp_path / "single"))
-            proc.wait(timeout=240)
+            proc.wait(timeout=300)
         except subprocess.TimeoutExpired:
             pass
         finally:
@@ -180,12 +211,33 @@ def test_hf_two_process_evaluation_counts_real_rows_once(tmp_path):
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=30)
     assert proc.returncode == 0, log.read_text()[-4000:]
-    single = json.loads((tmp_path / "single" / "rank0.json").read_text())
-    ranks = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text()) for r in range(2)]
+    return tmp_path
+
+
+def assert_real_rows_once(out: Path, kind: str) -> None:
+    single = json.loads((out / "single" / f"{kind}-rank0.json").read_text())
+    ranks = [json.loads((out / "ddp" / f"{kind}-rank{r}.json").read_text()) for r in range(2)]
     ref = single["ref"]
     assert ref["positions"] == sum(8 - 1 - (i % 3) for i in range(5))  # the 5 real rows' predicting positions
     for got in [single] + ranks:
         assert_matches(got["metrics"], ref, key=f"eval_{VAL}")
+    for got in ranks:  # 1 process = 2 processes, every mean published (none withheld as NaN)
+        for key in ("kl_to_uniform", "kl_from_uniform", "max_prob", "renyi2_entropy", "target_argmax_rate", "ece"):
+            one, two = single["metrics"][f"eval_{VAL}/{key}"], got["metrics"][f"eval_{VAL}/{key}"]
+            assert math.isfinite(one) and math.isclose(two, one, rel_tol=1e-5, abs_tol=1e-6), (kind, key, one, two)
+
+
+def test_hf_two_process_evaluation_counts_real_rows_once(two_process_evaluations):
+    """torchrun, 2 CPU processes (gloo): the figures of one process over the 5 real rows, not over the 8 the
+    sampler hands out (the Trainer's ``gather_for_metrics`` drops the same 3)."""
+    assert_real_rows_once(two_process_evaluations, "hf")
+
+
+def test_sft_two_process_evaluation_counts_real_rows_once(two_process_evaluations):
+    """The same under TRL's ``SFTTrainer``: its fused head scores the hidden states, never builds the logits;
+    the figures of each process are those of one process over the 5 real rows."""
+    pytest.importorskip("trl")
+    assert_real_rows_once(two_process_evaluations, "sft")
 
 
 # ------------------------------------------------------------------------------------------------ point 4

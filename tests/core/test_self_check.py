@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,8 +21,9 @@ import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
 from headwatch import GradientDensityMonitor, LogitStatsMonitor, names
+from headwatch.core.capture_tally import CaptureTally
 from headwatch.core.logits import LogitStats
-from headwatch.core.self_check import TOLERANCES
+from headwatch.core.self_check import TOLERANCES, SelfCheck
 from headwatch.integrations.loop import Headwatch
 from headwatch.integrations.transformers import HeadwatchCallback
 from tests.helpers import TinyCausalLM, loader
@@ -189,6 +191,52 @@ def test_lightning_compare_loss_agrees_under_gradient_accumulation(tmp_path):
         assert values[f"{P}/debug/check/reference_positions"][i] == values[f"{P}/debug/capture/labelled_positions"][i] == (labels != -100).sum()
         assert abs(values[f"{P}/check/nll_gap"][i]) < 1e-5
         assert values[f"{P}/check/mismatch"][i] == 0 and values[f"{P}/check/vanished_gradient"][i] == 0
+
+
+def logged_loss_checked(batches: list[tuple[list[int], float | None]], own: float) -> tuple[dict[str, float], list[str]]:
+    """A Lightning logging step checked against its logged ``train_loss`` (``compare_loss=``), without a trainer: each
+    micro-batch measures forwards of the given labelled positions, then hands its logged mean (None: not logged);
+    headwatch's own pooled mean is ``own`` (float32 logits over 64 columns). The published floats, the warnings."""
+    check, tally = SelfCheck(P), CaptureTally()
+    check.begin(True)
+    for forwards, logged in batches:
+        for n in forwards:
+            tally.add(torch.zeros(n, dtype=torch.long), -100, torch.float32, 64)
+        metrics = {} if logged is None else {"train_loss": torch.tensor(logged)}
+        check.add_logged_loss("train_loss", metrics, tally, "the LightningModule", "self.log")
+    labelled = float(sum(sum(f) for f, _ in batches))
+    scalars = {f"{P}/logits/target_nll": torch.tensor(own, dtype=torch.float64), f"{P}/logits/positions": torch.tensor(labelled)}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        numbers = {k: float(v) for k, v in check.extend(scalars, [SimpleNamespace(capture_tally=tally)]).items()}
+        check.published(numbers)
+    return numbers, [str(w.message) for w in record]
+
+
+@pytest.mark.parametrize(
+    ("batches", "own", "mismatch"),
+    [
+        ([([8], 2.5)], 2.5, 0),  # logits_to_keep: the loss over the 8 kept positions (the batch holds 13 labels)
+        ([([13, 13], 2.5)], 2.5, 0),  # R-Drop: one logged mean of two passes over the batch, both measured
+        ([([13], 2.0), ([9], 3.0)], (13 * 2.0 + 9 * 3.0) / 22, 0),  # accumulation: each micro-batch by its positions
+        ([([13], 2.5), ([9], None)], 2.5, 1),  # a measured micro-batch without a logged loss: 13 counted of 22
+        ([([8], 2.5)], 2.6, 1),  # the same positions, another mean
+    ],
+    ids=["kept_positions", "r_drop", "accumulation", "unlogged_micro_batch", "other_values"],
+)
+def test_a_logged_loss_counts_the_positions_its_batch_measured(batches, own, mismatch):
+    numbers, said = logged_loss_checked(batches, own)
+    logged = [(sum(f), v) for f, v in batches if v is not None]
+    positions = sum(n for n, _ in logged)
+    reference = sum(n * v for n, v in logged) / positions  # float64, by hand
+    assert numbers[f"{P}/debug/check/reference_nll"] == pytest.approx(reference, rel=1e-6)
+    assert numbers[f"{P}/debug/check/reference_positions"] == positions
+    assert numbers[f"{P}/check/mismatch"] == mismatch
+    failed = [m for m in said if "self-check FAILED" in m]
+    assert len(failed) == mismatch
+    if batches[-1][1] is None:  # the count fails although the means agree, and the warning says why
+        assert numbers[f"{P}/check/nll_gap"] == pytest.approx(0.0, abs=1e-7)
+        assert "hold 22 labelled positions, the loss counts 13" in failed[0] and "`compare_loss=`" in failed[0]
 
 
 # ---------------------------------------------------------------- broken captures

@@ -85,7 +85,9 @@ class LogitsRecorder:
         self.handle = model.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
-        if module.training and torch.is_grad_enabled():
+        if (
+            module.training and torch.is_grad_enabled() and output.logits is not None
+        ):  # a fused loss returns none
             self.logits.append(output.logits.detach().clone())
 
     def remove(self) -> None:

@@ -150,24 +150,14 @@ class Unlabelled(torch.utils.data.Dataset):
         return {k: v for k, v in self.rows[i].items() if k != "labels"}
 
 
-# The strict self-check compares the position count of Lightning's logged loss (`compare_loss=`) with the capture's:
-# a loss on `logits_to_keep`'s positions (8 labelled against the batch's 13) and two pooled forwards (R-Drop) count
-# differently, so the check fails and withholds the logits/* figures: a false alarm, listed in docs/supported.md
-FALSE_ALARM = pytest.mark.xfail(
-    strict=True,
-    reason="the strict self-check's position count under compare_loss= (docs/supported.md)",
-)
 LIGHTNING_FEATURES = ["automatic", "manual", "two_val_dataloaders", "second_fit", "gradient_accumulation", "label_smoothing",
-                      pytest.param("logits_to_keep", marks=FALSE_ALARM), "no_labels", pytest.param("r_drop", marks=FALSE_ALARM),
-                      "own_labels", "bf16", "neftune", "padding_free", "gradient_checkpointing", "short_last_window"]  # fmt: skip
+                      "logits_to_keep", "no_labels", "r_drop", "own_labels", "bf16", "neftune", "padding_free",
+                      "gradient_checkpointing", "short_last_window"]  # fmt: skip
 # the door's own mechanics (a collator, checkpointing, an accumulation window): on the tied and the untied family
 DOOR_ONLY = ("padding_free", "gradient_checkpointing", "short_last_window")
 CASES = [
-    pytest.param(n, feature, marks=marks, id=f"{n}-{feature}")
-    for feature, marks in (
-        (f.values[0], f.marks) if hasattr(f, "values") else (f, ())
-        for f in LIGHTNING_FEATURES
-    )
+    pytest.param(n, feature, id=f"{n}-{feature}")
+    for feature in LIGHTNING_FEATURES
     for n in FAMILIES
     if not (n == "gemma_scaled" and feature in DOOR_ONLY)
 ]
@@ -333,6 +323,12 @@ def test_lightning(tmp_path, name, feature):
         if feature in COMPARED:
             assert got[f"{H}/debug/check/reference_nll"] == pytest.approx(
                 want["nll"], abs=ATOL
+            )
+            # the logged loss's positions are those its batch's forwards scored (only the kept ones, both R-Drop passes)
+            assert (
+                got[f"{H}/debug/check/reference_positions"]
+                == got[f"{H}/debug/capture/labelled_positions"]
+                == want["positions"]
             )
         if feature in UNCHECKED:
             assert f"{H}/check/nll_gap" not in got

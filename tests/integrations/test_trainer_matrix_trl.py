@@ -23,6 +23,7 @@ from tests.helpers.trainer_matrix import (
     STEPS,
     B,
     GradRecorder,
+    H,
     HiddenRecorder,
     KeepLastLogitsLoss,
     Rows,
@@ -42,7 +43,10 @@ datasets = pytest.importorskip("datasets")
 # ``evaluate``: a dict of two evaluation sets evaluated before any training (an evaluation-only script up to
 # there), then two micro-batches per step, then ``train()`` again on the same Trainer and callback (a new run)
 # ``r_drop``: TRL's loss twice over the batch, averaged; ``own_labels``: TRL's loss plus TRL's loss of a second
-# batch with labels of its own (a pretraining mix)
+# batch with labels of its own (a pretraining mix); ``torch_compile``: ``SFTConfig(torch_compile=True)`` (the
+# Trainer wraps the model; aot_eager); ``compute_loss_func`` evaluates with ``prediction_loss_only=False`` too (TRL's loss
+# forward, its no-grad fused metrics pass and the logits' recomputation for ``compute_metrics``); every evaluation
+# step generates before and after its loss forward
 # ``assistant_only``: ``assistant_only_loss=True`` on two-turn conversations through a chat template with
 # ``{% generation %}`` markers (two masked spans per row)
 SFT_FEATURES = [
@@ -53,7 +57,9 @@ SFT_FEATURES = [
     "r_drop",
     "own_labels",
     "assistant_only",
+    "torch_compile",
 ]
+NEW = 3  # max_new_tokens of each generate() of an evaluation step
 MIX = Rows(B, seed=21).batch()
 # the user's turn opens with w2, the assistant's with w3; the assistant's words and its end of turn are trained
 CHAT_TEMPLATE = (
@@ -120,11 +126,33 @@ class MixSFT(TwoLossesSFT):
     mix = True
 
 
+class GenerateSFT(trl.SFTTrainer):
+    """An evaluation step that samples with ``generate()`` (prompt pass and decoding steps) before its loss forward
+    and again after it (``predict_with_generate``-style)."""
+
+    generated = 0
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        self.sample(model, inputs)
+        out = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        self.sample(model, inputs)
+        return out
+
+    def sample(self, model, inputs) -> None:
+        prompt = {k: inputs[k][:, :6] for k in ("input_ids", "attention_mask")}
+        model.generate(**prompt, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        self.generated += 1
+
+
 def sft_run(model, out, feature: str, headwatch: bool):
     kw = {
         "neftune": {"neftune_noise_alpha": 5.0},
         "evaluate": {"gradient_accumulation_steps": 2},
+        "compute_loss_func": {"prediction_loss_only": False},
+        "torch_compile": {"torch_compile": True, "torch_compile_backend": "aot_eager"},
     }.get(feature, {})
+    if not headwatch:  # the twin's reference gradients: eager autograd is the reference
+        kw.pop("torch_compile", None), kw.pop("torch_compile_backend", None)
     chat = feature == "assistant_only"
     mask = {"assistant_only_loss": True} if chat else {"completion_only_loss": True}
     config = hf_args(out, trl.SFTConfig, bf16=False, **mask, **kw)
@@ -138,11 +166,13 @@ def sft_run(model, out, feature: str, headwatch: bool):
             "wiki": sft_rows(5, seed=11),
             "code": sft_rows(6, seed=12),
         }
+    elif feature == "compute_loss_func" and headwatch:
+        extra["eval_dataset"] = sft_rows(5, seed=11)
     cls = {
         "logits_to_keep": KeepLastSFT,
         "r_drop": TwoLossesSFT,
         "own_labels": MixSFT,
-    }.get(feature, trl.SFTTrainer)
+    }.get(feature, GenerateSFT)
     grads = GradRecorder()
     cb = (
         HeadwatchCallback(
@@ -159,6 +189,9 @@ def sft_run(model, out, feature: str, headwatch: bool):
         collate = trainer.data_collator
         trainer.data_collator = lambda rows: seen.append(collate(rows)) or seen[-1]
         metrics = trainer.evaluate() if "eval_dataset" in extra else None
+        trainer.evaluated = list(
+            trainer.state.log_history
+        )  # train() starts a new history
         latest = dict(cb.latest) if cb is not None else None
         seen.clear()  # the evaluation's batches went through the collator too
         hidden = HiddenRecorder(model)
@@ -187,6 +220,7 @@ DOOR_ONLY = (
     "r_drop",
     "own_labels",
     "assistant_only",
+    "torch_compile",
 )
 CASES = [
     (n, f)
@@ -228,6 +262,14 @@ def test_sft_trainer(tmp_path, name, feature):
         "own_labels",
     ):  # each forward against its own labels, pooled: said once
         assert len(said) == 1 and "more than once with gradient" in said[0], said
+    elif (
+        feature == "torch_compile" and twin is not None
+    ):  # learned inside the first compiled forward: refused once
+        assert (
+            len(said) == 1
+            and "torch.compile" in said[0]
+            and "from the next logging step on" in said[0]
+        ), said
     else:
         assert said == [], said
     # uneven accumulation: the second window's two micro-batches hold different label counts
@@ -255,6 +297,7 @@ def test_sft_trainer(tmp_path, name, feature):
         per_step=per_step,
         self_check=feature
         in ("evaluate", "neftune", "r_drop", "own_labels", "assistant_only"),
+        split_refused_first=feature == "torch_compile",
         smoothed=feature == "own_labels",  # the logged loss is the sum of the two
         forwards=2 if feature in ("r_drop", "own_labels") else None,
         scored=[
@@ -263,9 +306,125 @@ def test_sft_trainer(tmp_path, name, feature):
         if feature in ("r_drop", "own_labels")
         else None,
     )
+    if metrics is not None:
+        trls_own_evaluation_metrics(trainer, metrics, feature)
+
+
+def trls_own_evaluation_metrics(trainer, metrics: dict, feature: str) -> None:
+    """TRL's ``eval_entropy`` and ``eval_mean_token_accuracy`` of each set (one batch per set: a token mean over its
+    rows) equal headwatch's; under ``compute_loss_func`` its ``eval_loss`` (the causal cross-entropy) equals the
+    target NLL. Each set's one batch generated twice (before and after its loss forward)."""
+    # TRL logs its own metrics as eval_entropy whatever the set's name: each set's record says which set (its loss)
+    records = [r for r in trainer.evaluated if "eval_entropy" in r]
+    prefixes = [
+        next(k for k in r if k.endswith("loss")).removesuffix("loss") for r in records
+    ]
+    assert sorted(prefixes) == sorted({k.split(H)[0] for k in metrics if H in k}), (
+        prefixes
+    )
+    assert trainer.generated == 2 * len(prefixes)
+    for prefix, trls in zip(prefixes, records, strict=True):
+        got = {
+            k.removeprefix(prefix + H): v
+            for k, v in metrics.items()
+            if k.startswith(prefix + H)
+        }
+        assert got["/val/logits/entropy"] == pytest.approx(
+            trls["eval_entropy"], rel=1e-5
+        ), prefix
+        assert got["/val/logits/target_argmax_rate"] == pytest.approx(
+            trls["eval_mean_token_accuracy"], abs=1e-6
+        )
+        if feature == "compute_loss_func":
+            assert got["/val/logits/target_nll"] == pytest.approx(
+                trls[f"{prefix}loss"], abs=1e-6
+            )
+
+
+def test_sft_trainer_model_without_a_head_headwatch_finds_trains_with_one_warning_strict_raises(
+    tmp_path,
+):
+    """A model whose head is held outside its module tree: its forward and ``get_output_embeddings()`` (which TRL's
+    fused head reads) reach it, ``named_modules()`` does not list it. The logit and gradient statistics are refused
+    with one warning naming the cause; TRL trains on, the token counts are measured; ``strict=True`` raises."""
+    from headwatch import HeadwatchError
+
+    def headless():
+        model = family("gemma2_softcap")
+        model.__dict__["lm_head"] = model._modules.pop(
+            "lm_head"
+        )  # reached, not registered
+        return model
+
+    config = hf_args(tmp_path, trl.SFTConfig, completion_only_loss=True, bf16=False)
+    cb = HeadwatchCallback(
+        monitors=["tokens", "logits", "gradients"], figure_every_n_steps=0
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = trl.SFTTrainer(model=headless(), args=config, train_dataset=sft_rows(B * STEPS, seed=3),
+                                 processing_class=word_ids_tokenizer(), callbacks=[cb])  # fmt: skip
+        trainer.train()
+    said = [m for m in headwatch_warnings(caught) if "headwatch cannot measure" in m]
+    assert (
+        len(said) == 1
+        and "could not find the output head" in said[0]
+        and "Still measured: tokens" in said[0]
+    ), said
+    trls = [r["entropy"] for r in trainer.state.log_history if "entropy" in r]
+    assert (
+        trainer.state.global_step == STEPS and len(trls) == STEPS
+    )  # TRL trained, through the head
+    assert cb.latest[f"{H}/tokens/total"] == STEPS * B * T
+    assert not any(k.startswith((f"{H}/logits/", f"{H}/grad/")) for k in cb.latest)
+    strict = HeadwatchCallback(
+        monitors=["tokens", "logits"], figure_every_n_steps=0, strict=True
+    )
+    with pytest.raises(HeadwatchError, match="could not find the output head"):
+        trl.SFTTrainer(model=headless(), args=config, train_dataset=sft_rows(B * STEPS, seed=3),
+                       processing_class=word_ids_tokenizer(), callbacks=[strict]).train()  # fmt: skip
 
 
 def starts(labels) -> int:
     """The number of labelled spans in one row's labels (``-100`` outside them)."""
     kept = (labels != -100).long()
     return int(kept[0]) + int((kept[1:] - kept[:-1] == 1).sum())
+
+
+def test_sft_trainer_evaluation_of_a_compiled_model_that_generates(tmp_path):
+    """The model compiled in place before the ``SFTTrainer`` (``evaluate()`` and ``generate()`` run it compiled):
+    each evaluation step generates before and after its loss forward; the figures are the loss forward's, against a
+    fresh float64 forward and TRL's own evaluation metrics."""
+    from tests.helpers.capture import reference as eval_reference
+    from tests.helpers.trainer_matrix import ATOL, rows_batch
+
+    model = family("llama_tied")
+    traced: list[bool] = []
+    model.register_forward_hook(
+        lambda m, a, o: traced.append(torch.compiler.is_compiling())
+    )
+    torch._dynamo.reset()
+    model.compile(backend="eager")
+    config = hf_args(tmp_path, trl.SFTConfig, completion_only_loss=True, bf16=False)
+    cb = HeadwatchCallback(monitors=["tokens", "logits"], figure_every_n_steps=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = GenerateSFT(model=model, args=config, train_dataset=sft_rows(B, seed=3), eval_dataset=sft_rows(5, seed=11),
+                              processing_class=word_ids_tokenizer(), callbacks=[cb])  # fmt: skip
+        metrics = trainer.evaluate()
+    assert headwatch_warnings(caught) == []
+    assert traced and all(traced)  # every forward ran compiled, generate()'s too
+    trainer.evaluated = list(trainer.state.log_history)
+    want = eval_reference(model, rows_batch(trainer.eval_dataset))
+    assert metrics[f"eval_{H}/val/logits/positions"] == want["positions"]
+    for key in (
+        "entropy",
+        "max_prob",
+        "kl_to_uniform",
+        "target_nll",
+        "target_argmax_rate",
+    ):
+        assert metrics[f"eval_{H}/val/logits/{key}"] == pytest.approx(
+            want[key], abs=ATOL
+        ), key
+    trls_own_evaluation_metrics(trainer, metrics, "compiled")

@@ -65,6 +65,27 @@ def test_hidden_capture_with_padded_columns_equals_float64_logits(weight_dtype):
     assert_matches(plain.statistics, ref64(logits, targets), mask)
 
 
+def test_values_a_loss_gave_leave_out_the_rows_the_door_marked():
+    """The loss's own per-position values (TRL's fused head) keep positions in rows the door marked as no prediction
+    (the repeats of a distributed evaluation: targets ``-100`` there): those rows are left out, and the figures
+    reproduced from the hidden states stay published (a float64 recomputation of the real rows)."""
+    from headwatch.model.at_loss import LossValues
+
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(3, 5, D, generator=g), torch.randn(V, D, generator=g)
+    targets = torch.randint(0, V, (3, 5), generator=g)
+    logits = hidden.double() @ weight.double().T  # (3, 5, V)
+    want = ref64(logits, targets)
+    given = LossValues(nll=want["nll"].float(), valid=torch.ones(3, 5, dtype=torch.bool), entropy=want["entropy"].float())
+    marked = targets.clone()
+    marked[2] = -100  # the row a distributed sampler repeated
+    captured = Captured("hidden", hidden=hidden, weight=weight, source="trl_fused_head", targets=marked, given=given)
+    got = captured_statistics(captured, None, marked)
+    real = torch.ones(3, 5, dtype=torch.bool)
+    real[2] = False
+    assert_matches(got.statistics, want, real)
+
+
 def test_logits_capture_statistics_and_padded_mass():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 6, V, generator=g) * 2

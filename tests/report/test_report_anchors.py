@@ -72,3 +72,15 @@ def test_the_training_nll_is_not_called_validation_loss():
     assert "target NLL (train), nats" in text and "validation loss" not in text
     with_val = verdicts({"run": {"run": RunData({NLL: [(0, 6.0), (10, 5.0)], VAL: [(10, 5.5)]})}})
     assert row(with_val, "validation_loss")["question"] == "validation loss"
+
+
+def test_runs_that_share_no_logged_step_are_not_read_at_a_step_every_run_logged():
+    short = RunData({NLL: [(0, 6.0), (1, 5.9)]})
+    long = RunData({NLL: [(s, 5.0) for s in range(4, 60, 5)]})
+    data = verdicts({"short": {"short": short}, "long": {"long": long}})
+    anchor = row(data, "validation_loss")["anchor"]
+    assert anchor["step"] == 1 and "share no logged step" in anchor["rule"]
+    text = render_answer(data)
+    assert "the last step every run logged" not in text and "the runs share no logged step" in text
+    overlapping = verdicts({"short": {"short": RunData({NLL: [(0, 6.0), (9, 5.9)]})}, "long": {"long": long}})
+    assert row(overlapping, "validation_loss")["anchor"]["rule"] == "the last step every run logged"

@@ -38,3 +38,37 @@ def test_after_an_untie_the_tied_values_are_not_said():
     # a tied run keeps them
     text = said([(9, tied), (19, tied)])
     assert "shared 1" in text and "0.56 of the rows pulled both ways" in text
+
+
+def test_a_resumed_run_summarises_the_whole_run(tmp_path):
+    """The summary's first figures are saved with the run's state: after a resume from a checkpoint the summary
+    starts at the first logging step of the whole run (the entropy then, as published), not of the resume."""
+    import torch
+
+    from headwatch import Headwatch
+    from tests.helpers.loop import Tiny, train_step
+
+    torch.manual_seed(0)
+    model, out = Tiny(), []
+    hw = Headwatch(model, monitors=["logits"], log_every_n_steps=1, figure_every_n_steps=None, overhead_budget=None)
+    first = train_step(hw, model, 0)["headwatch/logits/entropy"]
+    for step in (1, 2):
+        train_step(hw, model, step)
+    torch.save(hw.state_dict(), tmp_path / "state.pt")
+    hw.close()
+    resumed = Headwatch(model, monitors=["logits"], log_every_n_steps=1, figure_every_n_steps=None, overhead_budget=None)
+    resumed.summary.out = out.append
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    last = [train_step(resumed, model, step)["headwatch/logits/entropy"] for step in (3, 4)][-1]
+    resumed.close()
+    assert len(out) == 1 and "since step 0" in out[0], out
+    assert resumed.summary.figures["entropy_first"] == float(first)
+    assert resumed.summary.figures["entropy_last"] == float(last)
+
+
+def test_a_damaged_summary_state_is_said_and_starts_empty():
+    sink = SummarySink()
+    assert sink.load_sink_state({"first": {}, "last": {}, "val_last": {}}) is None
+    problem = sink.load_sink_state({"first": {"headwatch/logits/entropy": (0, float("nan"))}, "last": {}, "val_last": {}})
+    assert problem is not None and "invalid first entry" in problem and sink.first == {}
+    assert "must be a dict" in sink.load_sink_state(["first"])

@@ -17,8 +17,7 @@ events into calls here. The orchestrator owns:
 - publishing: one :func:`to_host` transfer per logging step (the one host-device sync), then every :class:`Sink`;
 - the self-check (:class:`~headwatch.core.self_check.SelfCheck`, :attr:`Orchestrator.check`): what was captured on each
   training logging step and its gaps to the trainer's own figures, added before the one transfer, warned about after;
-- the vocabulary-sized matrices as attached (:class:`~headwatch.core.vocabulary.VocabularyWatch`), resolved again;
-- state (:meth:`state_dict` / :meth:`load_state_dict`).
+- the vocabulary-sized matrices (:class:`~headwatch.core.vocabulary.VocabularyWatch`); state (:meth:`state_dict`).
 """
 
 from __future__ import annotations
@@ -583,13 +582,14 @@ class Orchestrator:
         return {
             "version": 2, "names": [type(m).__name__ for m in self.all_monitors], "monitors": [m.state_dict() for m in self.all_monitors],
             "check": self.check.state_dict(), "rl_start": self.rl_start, "overhead": self.cost.state_dict(),
+            "sinks": {type(s).__name__: s.sink_state() for s in self.sinks if callable(getattr(s, "sink_state", None))},
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Give each monitor its part of ``state`` (matched by class name; a state without names, by position), each
-        checked by the monitor (an invalid part restarts that monitor from empty with one warning). A state that is
-        not a dict of parts, or that lacks a monitor's part, is said once; ``strict`` raises instead
-        (:func:`headwatch.core.run_state.restore_run`)."""
+        checked by the monitor (an invalid part restarts that monitor from empty with one warning), and each sink
+        with a ``load_sink_state`` its part. A state that is not a dict of parts, or that lacks a monitor's part, is
+        said once; ``strict`` raises instead (:func:`headwatch.core.run_state.restore_run`)."""
         restore_run(self, state)
 
     def state_problem(self, strict: bool, problem: str) -> None:

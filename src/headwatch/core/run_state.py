@@ -25,6 +25,12 @@ def restore_run(run: Any, state: dict[str, Any]) -> None:
     problem = run.cost.load_state_dict(state.get("overhead") if isinstance(state, dict) else None)
     if problem is not None:
         run.state_problem(strict, problem)
+    sinks = state.get("sinks") if isinstance(state, dict) else None
+    for sink in run.sinks:  # a sink's state is its own (the summary's first figures); a state without it: empty
+        load = getattr(sink, "load_sink_state", None)
+        part = sinks.get(type(sink).__name__) if isinstance(sinks, dict) else None
+        if callable(load) and part is not None and (problem := load(part)) is not None:
+            run.state_problem(strict, problem)
     parts = state.get("monitors") if isinstance(state, dict) else None
     if not isinstance(parts, (list, tuple)):
         run.state_problem(strict, f"the state must be a dict with a `monitors` list, got {type(state).__name__}")

@@ -139,6 +139,7 @@ class SelfCheck(FailurePolicy):
         self._weights: list[Tensor | float] = []  # its labelled positions (1.0 when unknown)
         self._counted = True  # every forward's labelled positions are known
         self._step_loss: Tensor | float | None = None
+        self._logged_upto: Tensor | None = None  # the capture's labelled positions when a logged loss was last handed
         self._trl: dict[str, list[float]] = {}
         self._skipped: dict[str, int] = {"generation": 0, "no_grad": 0}  # forwards of the step not measured, by kind
 
@@ -221,12 +222,18 @@ class SelfCheck(FailurePolicy):
         self._weights.append(count if count is not None else 1.0)
         self._counted = self._counted and count is not None
 
-    def add_logged_loss(self, key: str, logged: Mapping[str, Any], batch: Any, batch_format: Any, by: str, how: str) -> None:
-        """The trainer's logged metric ``key`` of this step (``logged``: its logged metrics by name) as one loss
-        forward's token-mean cross-entropy (:meth:`add_loss`), weighted by ``batch``'s labelled positions (read with
-        ``batch_format``). A ``key`` not logged is warned about once, naming who logs it (``by``) and ``how``; any
-        failure follows the failure policy."""
+    def add_logged_loss(self, key: str, logged: Mapping[str, Any], tally: CaptureTally | None, by: str, how: str) -> None:
+        """The trainer's logged metric ``key`` of this (micro-)batch (``logged``: its logged metrics by name) as one loss
+        figure's token-mean cross-entropy (:meth:`add_loss`) over the labelled positions the capture ``tally`` counted
+        since the last call of the step (this batch's measured forwards; None: unknown, unweighted and not counted).
+
+        A logged mean says nothing of which positions it averaged: the loss a user logs is over the logits this batch's
+        forwards returned (only the kept ones under ``logits_to_keep``, every forward of R-Drop pooled), not over the
+        batch's labels. The position count still fails where a measured batch handed no value (a process or micro-batch
+        that did not log ``key``). A ``key`` not logged is warned about once, naming who logs it (``by``) and ``how``;
+        any failure follows the failure policy."""
         try:
+            upto, self._logged_upto = self._logged_upto, tally.labelled if tally is not None else None
             value = logged.get(key)
             if value is None:
                 self.warn_once(
@@ -235,8 +242,10 @@ class SelfCheck(FailurePolicy):
                     f"step (logged: {sorted(logged)}); log it with {how}. No check/nll_gap. (warned once)",
                 )
                 return
-            targets = batch_format.read(batch).targets
-            self.add_loss(value, (targets != batch_format.ignore_index).sum() if targets is not None else None)
+            count = self._logged_upto
+            if count is not None and upto is not None:
+                count = count - upto.to(count.device)
+            self.add_loss(value, count)
         except Exception as err:  # noqa: BLE001 - a monitoring failure never stops training
             self.fail(err, f"reading the logged metric {key!r}")
 
@@ -510,7 +519,8 @@ class SelfCheck(FailurePolicy):
             if not math.isnan(ref_pos) and lab != ref_pos:  # values agree, positions do not: counted exactly
                 parts.append(f"headwatch's forwards hold {lab:.0f} labelled positions, the loss counts {ref_pos:.0f} (position "
                              "counts must match exactly); likely cause: other positions (prompt tokens, `logits_to_keep`, a "
-                             "different label shift) whose mean happens to agree")  # fmt: skip
+                             "different label shift) whose mean happens to agree, or a measured batch that handed no loss (a process "
+                             "or micro-batch that logged no `compare_loss=` metric)")  # fmt: skip
         elif nll_gap is not None:
             own, ref = get(f"{p}/logits/target_nll", nan), get(f"{p}/debug/check/reference_nll", nan)
             fw, ref_fw = get(f"{p}/debug/capture/forwards", nan), get(f"{p}/debug/check/reference_forwards", nan)
@@ -523,7 +533,8 @@ class SelfCheck(FailurePolicy):
             elif not math.isnan(ref_pos) and lab != ref_pos:
                 cause = (f"headwatch's forwards hold {lab:.0f} labelled positions, the loss counts {ref_pos:.0f}: other positions "
                          "(prompt tokens, `logits_to_keep`, a different label shift), or a measured forward whose loss was "
-                         "thrown away on some process (an exception after the forward, a skipped batch)")  # fmt: skip
+                         "thrown away on some process (an exception after the forward, a skipped batch, a batch that logged no "
+                         "`compare_loss=` metric)")  # fmt: skip
             else:
                 cause = ("same positions, different values: the labels changed after the forward, the loss is not plain "
                          "cross-entropy (label smoothing, an auxiliary loss, a temperature), or it comes from a different forward")  # fmt: skip

@@ -19,7 +19,19 @@ from headwatch.functional.adapters import add_low_rank_
 
 # ---------------------------------------------------------------- storage and kinds
 def _is_lora(module: nn.Module) -> bool:
-    return hasattr(module, "get_base_layer") and (hasattr(module, "lora_A") or hasattr(module, "lora_embedding_A"))
+    # AdaLoRA's layers carry `lora_A` too, but its delta is B @ (A * E) / ranknum: not the LoRA this module computes
+    lora = hasattr(module, "lora_A") or hasattr(module, "lora_embedding_A")
+    return hasattr(module, "get_base_layer") and lora and not hasattr(module, "lora_E")
+
+
+def adapter_name(module: nn.Module) -> str:
+    """The PEFT method of an adapter layer, from where its class lives (``peft.tuners.ia3.layer.Linear``: ``ia3``;
+    every PEFT method's layers are named ``Linear``/``Embedding``, so the class name alone does not say)."""
+    where = type(module).__module__
+    parts = where.split(".")
+    method = parts[2] if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else None
+    described = f"{where}.{type(module).__qualname__}"
+    return f"PEFT {method} ({described})" if method else type(module).__name__
 
 
 def is_saved_copy(module: nn.Module) -> bool:
@@ -32,7 +44,11 @@ def _token_layer(module: nn.Module) -> nn.Module | None:
     if hasattr(module, "trainable_tokens_delta") and hasattr(module, "base_layer"):
         return module
     inner = getattr(module, "token_adapter", None)
-    if isinstance(inner, nn.Module) and hasattr(inner, "trainable_tokens_delta") and hasattr(inner, "base_layer"):
+    if (
+        isinstance(inner, nn.Module)
+        and hasattr(inner, "trainable_tokens_delta")
+        and hasattr(inner, "base_layer")
+    ):
         return inner
     return None
 
@@ -42,7 +58,9 @@ def _token_deltas(layer: nn.Module) -> list[tuple[list[int], Tensor]]:
     if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
         return []
     deltas = layer.trainable_tokens_delta
-    return [(list(layer.token_indices[a]), deltas[a]) for a in _active(layer) if a in deltas]
+    return [
+        (list(layer.token_indices[a]), deltas[a]) for a in _active(layer) if a in deltas
+    ]
 
 
 def trainable_token_count(module: nn.Module) -> int | None:
@@ -65,7 +83,9 @@ def storage_weight(module: nn.Module) -> Tensor | None:
         if is_saved_copy(module):
             module = module.original_module
         elif _token_layer(module) is not None and _token_layer(module) is not module:
-            module = _token_layer(module)  # a TrainableTokensWrapper: its layer, then that layer's base
+            module = _token_layer(
+                module
+            )  # a TrainableTokensWrapper: its layer, then that layer's base
         elif hasattr(module, "get_base_layer") and hasattr(module, "base_layer"):
             base = module.get_base_layer()
             if base is module:
@@ -85,18 +105,32 @@ def _active(module: nn.Module) -> list[str]:
     return [active] if isinstance(active, str) else list(active)
 
 
-def _lora_factors(module: nn.Module, adapter: str) -> tuple[Tensor, Tensor, float] | None:
+def _lora_factors(
+    module: nn.Module, adapter: str
+) -> tuple[Tensor, Tensor, float] | None:
     """``(left (V, r), right (r, d), scaling)`` of one adapter, or None if the layer lacks it."""
-    if adapter in getattr(module, "lora_variant", {}):
+    variant = getattr(module, "lora_variant", {}).get(adapter)
+    if variant is not None:
         raise HeadwatchError(
-            f"adapter {adapter!r} of {type(module).__name__} is a LoRA variant (DoRA or similar): its effective "
-            "weight is not base + s * B @ A, and headwatch does not compute it; measure the merged model instead"
+            f"adapter {adapter!r} of {type(module).__name__} is a LoRA variant (DoRA or similar: "
+            f"{type(variant).__name__}): its effective weight is not base + s * B @ A (DoRA rescales each column "
+            "by a trained magnitude), and headwatch does not compute it, so this matrix's gradient, update and "
+            "collision statistics are refused (the logits are still measured); to measure them, adapt it with "
+            "plain LoRA (use_dora=False) or measure the merged model"
         )
     # an adapter can be active on a layer it does not target (PEFT activates names model-wide): no scaling there
     if hasattr(module, "lora_embedding_A") and adapter in module.lora_embedding_A:
-        return module.lora_embedding_A[adapter].T, module.lora_embedding_B[adapter].T, float(module.scaling[adapter])  # (V, r), (r, d)
+        return (
+            module.lora_embedding_A[adapter].T,
+            module.lora_embedding_B[adapter].T,
+            float(module.scaling[adapter]),
+        )  # (V, r), (r, d)
     if hasattr(module, "lora_A") and adapter in module.lora_A:
-        return module.lora_B[adapter].weight, module.lora_A[adapter].weight, float(module.scaling[adapter])  # (out, r), (r, in)
+        return (
+            module.lora_B[adapter].weight,
+            module.lora_A[adapter].weight,
+            float(module.scaling[adapter]),
+        )  # (out, r), (r, in)
     return None
 
 
@@ -122,8 +156,11 @@ def adapter_kind(module: nn.Module) -> str:
         return "lora_merged" if getattr(module, "merged", False) else "lora"
     if hasattr(module, "get_base_layer") and module.get_base_layer() is not module:
         raise HeadwatchError(
-            f"{type(module).__name__} is an adapter layer headwatch does not know (only LoRA and modules_to_save); "
-            "its effective weight cannot be computed"
+            f"{adapter_name(module)}: {type(module).__name__} is an adapter layer headwatch does not know (it "
+            "computes LoRA, modules_to_save and trainable tokens only); its effective weight is not the base "
+            "weight (IA3 scales it, BOFT and OFT rotate it, VeRA and AdaLoRA add deltas of their own), so this "
+            "matrix's gradient, update and collision statistics are refused (the logits are still measured); to "
+            "measure them, adapt this matrix with LoRA or leave it out of target_modules"
         )
     return "plain"
 
@@ -149,18 +186,24 @@ def effective_weight(module: nn.Module, copy: bool = False) -> Tensor:
     if kind == "modules_to_save":
         chosen = _saved_active(module)
         return effective_weight(chosen, copy)
-    if kind == "trainable_tokens":  # the base with the trained rows written over it (PEFT get_merged_weights)
+    if (
+        kind == "trainable_tokens"
+    ):  # the base with the trained rows written over it (PEFT get_merged_weights)
         layer = _token_layer(module)
         out = layer.base_layer.weight.detach().to(torch.float32, copy=True)  # type: ignore[union-attr]
         for indices, delta in _token_deltas(layer):  # type: ignore[arg-type]
             out[torch.tensor(indices, device=out.device)] = delta.detach().float()
         return out
     if kind == "plain" and not _is_lora(module):
-        from headwatch.distributed.zero import full_weight  # DeepSpeed ZeRO-3: the partitioned weight's full value
+        from headwatch.distributed.zero import (
+            full_weight,  # DeepSpeed ZeRO-3: the partitioned weight's full value
+        )
 
         weight = full_weight(getattr(module, "weight", None))
         if not isinstance(weight, Tensor) or weight.ndim != 2:
-            raise HeadwatchError(f"{type(module).__name__} has no 2-D `weight`; expected a head or an embedding")
+            raise HeadwatchError(
+                f"{type(module).__name__} has no 2-D `weight`; expected a head or an embedding"
+            )
         return weight.detach().to(torch.float32, copy=copy)
     base = module.get_base_layer().weight
     rows = base.T if getattr(module, "fan_in_fan_out", False) else base
@@ -193,10 +236,19 @@ def _forward_parameters(module: nn.Module) -> list[Tensor]:
     params = [module.get_base_layer().weight]
     if kind == "lora":
         for adapter in _active(module):
-            if hasattr(module, "lora_embedding_A") and adapter in module.lora_embedding_A:
-                params += [module.lora_embedding_A[adapter], module.lora_embedding_B[adapter]]
+            if (
+                hasattr(module, "lora_embedding_A")
+                and adapter in module.lora_embedding_A
+            ):
+                params += [
+                    module.lora_embedding_A[adapter],
+                    module.lora_embedding_B[adapter],
+                ]
             elif hasattr(module, "lora_A") and adapter in module.lora_A:
-                params += [*module.lora_A[adapter].parameters(), *module.lora_B[adapter].parameters()]
+                params += [
+                    *module.lora_A[adapter].parameters(),
+                    *module.lora_B[adapter].parameters(),
+                ]
     return params
 
 
@@ -212,7 +264,9 @@ class Trainability(NamedTuple):
     :func:`headwatch.functional.adapters.head_weight_gradient`)."""
 
 
-def trainable_matrices(head: nn.Module, embedding: nn.Module) -> dict[str, Trainability]:
+def trainable_matrices(
+    head: nn.Module, embedding: nn.Module
+) -> dict[str, Trainability]:
     """Which of the head and the embedding train at all, and where their gradient is.
 
     A matrix whose ``trains`` is False has no gradient: say so once, and do not log zeros as
@@ -229,7 +283,9 @@ def trainable_matrices(head: nn.Module, embedding: nn.Module) -> dict[str, Train
     for role, module in (("head", head), ("embedding", embedding)):
         params = _forward_parameters(module)
         trains = any(p.requires_grad for p in params)
-        holder = params[0] if params[0].requires_grad else None  # W_eff = base + delta: same gradient
+        holder = (
+            params[0] if params[0].requires_grad else None
+        )  # W_eff = base + delta: same gradient
         result[role] = Trainability(trains, adapter_kind(module), holder)
     return result
 
@@ -252,14 +308,18 @@ def matrix_signature(module: nn.Module) -> tuple:
     if kind == "modules_to_save":
         chosen = _saved_active(module)
         return matrix_signature(chosen)
-    if kind == "trainable_tokens":  # a tied head's layer shares the embedding's deltas (PEFT tied_adapter)
+    if (
+        kind == "trainable_tokens"
+    ):  # a tied head's layer shares the embedding's deltas (PEFT tied_adapter)
         layer = _token_layer(module)
         rows = [(tuple(i), _key(d.detach())) for i, d in _token_deltas(layer)]  # type: ignore[arg-type]
         return (_key(layer.base_layer.weight.detach()), *sorted(rows, key=repr))  # type: ignore[union-attr]
     if not _is_lora(module):
         return (_key(module.weight.detach()),)
     base = module.get_base_layer().weight.detach()
-    parts: list[tuple] = [_key(base.T if getattr(module, "fan_in_fan_out", False) else base)]
+    parts: list[tuple] = [
+        _key(base.T if getattr(module, "fan_in_fan_out", False) else base)
+    ]
     if kind == "lora":
         for adapter in _active(module):
             factors = _lora_factors(module, adapter)

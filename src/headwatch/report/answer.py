@@ -13,6 +13,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from headwatch.report.headlines import END_FIRST
 from headwatch.report.safe import column_labels, printable, shorten
 from headwatch.report.text import MISSING, format_number
 from headwatch.report.verdict import BETTER, NO_DIFFERENCE, WORSE
@@ -159,7 +160,7 @@ def _anchor_line(rows: Sequence[Mapping[str, Any]]) -> str:
         a = row.get("anchor") or {}
         if row["key"] in ("alerts_fired", "untying_cost") or "step" not in a:
             continue
-        if a["rule"] in ("the end of training", "the last step every run logged"):
+        if a["rule"] in ("the end of training", "the last step every run logged", END_FIRST):
             if end is None:
                 end = (a["rule"], a["step"])
                 parts.insert(0, f"values at step {format_number(a['step'])}, {a['rule']}")

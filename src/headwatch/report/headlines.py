@@ -144,6 +144,10 @@ def _gap(pts: Points, step: float, ended: str = "another run") -> str:
     return f"no finite value at step {step:g}"
 
 
+END_FIRST = "the end of the run that ended first (the runs share no logged step)"
+"""The anchor's rule when a run began logging after another had ended."""
+
+
 def _read_series(
     headline: Headline, series: Mapping[str, Points], ends: Mapping[str, float | None] | None = None
 ) -> tuple[dict[str, float | None], dict[str, Any], dict[str, str]]:
@@ -200,7 +204,8 @@ def _read_series(
         out[run] = value_at(pts, last) if pts else None
         if out[run] is None and pts:
             gaps[run] = _gap(pts, last, shortest)
-    rule = "the end of training" if ends_together else "the last step every run logged"
+    apart = any(pts[0][0] > last for pts in logged.values())  # a run began after another ended: no common step
+    rule = "the end of training" if ends_together else (END_FIRST if apart else "the last step every run logged")
     return out, {"rule": rule, "step": last}, gaps
 
 

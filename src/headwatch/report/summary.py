@@ -45,6 +45,27 @@ class SummarySink:
         """A new run with the same door: forget the figures."""
         self.first, self.last, self.val_last, self.text, self.figures = {}, {}, {}, None, {}
 
+    def sink_state(self) -> dict[str, Any]:
+        """The figures kept so far (saved with the run's state, so that a resumed run's summary starts at the
+        first step of the whole run, not of the resume)."""
+        return {"version": 1, "first": dict(self.first), "last": dict(self.last), "val_last": dict(self.val_last)}
+
+    def load_sink_state(self, state: Any) -> str | None:
+        """Take the figures of :meth:`sink_state`; returns the problem (and keeps nothing) when ``state`` is not one."""
+        parts = ("first", "last", "val_last")
+        if not isinstance(state, dict) or not all(isinstance(state.get(p), dict) for p in parts):
+            return f"the summary's state must be a dict of {', '.join(parts)}, got {type(state).__name__}"
+        kept = {}
+        for part in parts:
+            kept[part] = {}
+            for name, pair in state[part].items():
+                if not (isinstance(name, str) and isinstance(pair, (tuple, list)) and len(pair) == 2
+                        and isinstance(pair[0], int) and not isinstance(pair[0], bool) and _finite(pair[1])):
+                    return f"the summary's state holds an invalid {part} entry {name!r}: {pair!r}; it starts from empty"
+                kept[part][name] = (pair[0], float(pair[1]))
+        self.first, self.last, self.val_last = kept["first"], kept["last"], kept["val_last"]
+        return None
+
     def publish(self, numbers: dict[str, float], media: Any, step: int, val: bool) -> None:
         kept = self.val_last if val else self.last
         for name, value in numbers.items():

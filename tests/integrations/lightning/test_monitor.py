@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from headwatch import HeadwatchError, LogitStatsMonitor
+from headwatch.integrations.lightning.driver import drivers
 from headwatch.core.metrics import LogitStatsMetric
 from tests.helpers import TinyCausalLM, loader
 from tests.helpers.events import read_events
@@ -133,7 +134,7 @@ def test_every_logger_receives_scalars(tmp_path):
 def test_checkpoint_round_trip(tmp_path):
     ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     monitor = LogitStatsMonitor(validation=False, log_every_n_steps=1)
-    trainer = make_trainer(tmp_path, [monitor, ckpt_cb], enable_checkpointing=True, max_steps=3)
+    trainer = first_trainer = make_trainer(tmp_path, [monitor, ckpt_cb], enable_checkpointing=True, max_steps=3)
     trainer.fit(TinyCausalLM(), loader())
     saved = monitor.state_dict()
     assert saved["logged_steps"] == 3 and saved["total_positions"] > 0
@@ -144,6 +145,10 @@ def test_checkpoint_round_trip(tmp_path):
     trainer.fit(TinyCausalLM(), loader(), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     assert resumed.state_dict()["logged_steps"] == 5
     assert resumed.state_dict()["total_positions"] > saved["total_positions"]
+    # the end-of-training summary covers the whole run: its first entropy is the first fit's first logged value
+    first_fit, resumed_fit = (drivers(t.callbacks)[0].summary for t in (first_trainer, trainer))
+    assert resumed_fit.first["headwatch/logits/entropy"] == first_fit.first["headwatch/logits/entropy"]
+    assert resumed_fit.first["headwatch/logits/entropy"][0] == 0 and "since step 0" in resumed_fit.text
     # two monitors with different prefixes coexist in one checkpoint
     assert LogitStatsMonitor(prefix="a").state_key != LogitStatsMonitor(prefix="b").state_key
     # an old or partial state loads with defaults

@@ -40,6 +40,9 @@ def test_resumed_counts_equal_uninterrupted(tmp_path, resume):
     assert c_resumed[1:] == c_whole[1:] == (4 * 4 * 9, 4)  # positions (shifted labels), logging steps
     assert resumed.latest["headwatch/tokens/total"] == whole.latest["headwatch/tokens/total"] == 160
     assert (tmp_path / "cut" / "checkpoint-4" / "headwatch_state.pt").is_file()
+    # the end-of-training summary covers the whole run: its first entropy is the uninterrupted run's first
+    assert resumed.summary.first["headwatch/logits/entropy"] == whole.summary.first["headwatch/logits/entropy"]
+    assert "since step 1" in resumed.summary.text
 
 
 def test_resume_without_state_warns(tmp_path):

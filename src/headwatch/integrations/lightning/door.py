@@ -129,14 +129,16 @@ def validation_rows(trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_
     return loader_rows_kept(loaders[dataloader_idx] if isinstance(loaders, (list, tuple)) else loaders, batch, batch_idx)
 
 
-def hand_logged_loss(trainer: pl.Trainer, run: Any, batch: Any, callbacks: Sequence[Any]) -> None:
+def hand_logged_loss(trainer: pl.Trainer, run: Any, callbacks: Sequence[Any]) -> None:
     """On a logging step, the metric named by a callback's ``compare_loss=`` (this batch's value, in
-    ``trainer.callback_metrics``) to the self-check, weighted by the batch's labelled positions."""
+    ``trainer.callback_metrics``) to the self-check, weighted by the labelled positions its monitor measured in
+    this batch's forwards (:meth:`~headwatch.core.self_check.SelfCheck.add_logged_loss`)."""
     cb = next((cb for cb in callbacks if getattr(cb, "compare_loss", None)), None)
     if cb is not None:
         key = cb.compare_loss
+        tally = getattr(cb._core(), "capture_tally", None)
         run.check.add_logged_loss(
-            key, trainer.callback_metrics, batch, cb._core().batch_format, "the LightningModule", f"self.log({key!r}, loss) in training_step"
+            key, trainer.callback_metrics, tally, "the LightningModule", f"self.log({key!r}, loss) in training_step"
         )
 
 

@@ -251,7 +251,7 @@ class HeadwatchDriver(Driver, Callback):
         manual optimization) ends the step; its values are published on every rank."""
         with self.run.guard("ending a batch"):
             if self.run.logging:
-                hand_logged_loss(trainer, self.run, batch, self.registered)
+                hand_logged_loss(trainer, self.run, self.registered)
             self.run.batch_end()
         stepped = (
             not pl_module.automatic_optimization
@@ -270,6 +270,17 @@ class HeadwatchDriver(Driver, Callback):
         """Training ended: the end-of-training summary (rank zero) and the alerts' last deliveries (bounded)."""
         with self.run.guard("ending the run"):
             self.run.end_run(max(lightning_step(trainer) - 1, 0))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The end-of-training summary's figures, in Lightning's checkpoint (the monitors keep their own): a resumed
+        ``fit`` summarises the whole run."""
+        return {"version": 1, "summary": self.summary.sink_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; an invalid part is said once and the summary starts from empty."""
+        part = state_dict.get("summary") if isinstance(state_dict, dict) else None
+        if part is not None and (problem := self.summary.load_sink_state(part)) is not None:
+            self.run.state_problem(any(m.strict for m in self.run.monitors), problem)
 
     # ---------------------------------------------------------------- validation
     def measuring(self, trainer: pl.Trainer) -> list[Monitor]:
