@@ -77,6 +77,20 @@ class Rows(torch.utils.data.Dataset):
         }
 
 
+def packed(batch: dict) -> bool:
+    """A padding-free batch of :class:`Rows`: one row of ``B`` sequences, ``position_ids`` restarting at each, no
+    attention mask, ``B`` labelled spans (each sequence's labels after its masked prefix, as a multi-turn mask)."""
+    kept = (batch["labels"][0] != -100).long()
+    spans = int(kept[0]) + int((kept[1:] - kept[:-1] == 1).sum())
+    restart = int(batch["position_ids"][0, T]) == 0
+    return (
+        batch["input_ids"].shape == (1, B * T)
+        and "attention_mask" not in batch
+        and restart
+        and spans == B
+    )
+
+
 class LogitsRecorder:
     """The model's own ``outputs.logits`` of every training forward with gradient (the forwards a loss uses)."""
 

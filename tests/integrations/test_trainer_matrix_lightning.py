@@ -41,6 +41,7 @@ from tests.helpers.trainer_matrix import (
     headwatch_warnings,
     is_tied,
     logits_reference,
+    packed,
 )  # fmt: skip
 
 transformers = pytest.importorskip("transformers")
@@ -218,6 +219,7 @@ def test_lightning(tmp_path, name, feature):
         train_rows = Unlabelled(train_rows)
     ends = list(accumulate(windows))
     micro = [data[end - n : end] for n, end in zip(windows, ends, strict=True)]
+    assert feature != "padding_free" or all(packed(b) for b in data)
     twins = twin_grads(twin, micro, feature, per_step) if twin is not None else None
     if (
         feature == "compile"

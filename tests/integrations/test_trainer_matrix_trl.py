@@ -58,6 +58,7 @@ SFT_FEATURES = [
     "own_labels",
     "assistant_only",
     "torch_compile",
+    "short_last_window",
 ]
 NEW = 3  # max_new_tokens of each generate() of an evaluation step
 MIX = Rows(B, seed=21).batch()
@@ -148,6 +149,7 @@ def sft_run(model, out, feature: str, headwatch: bool):
     kw = {
         "neftune": {"neftune_noise_alpha": 5.0},
         "evaluate": {"gradient_accumulation_steps": 2},
+        "short_last_window": {"gradient_accumulation_steps": 2},
         "compute_loss_func": {"prediction_loss_only": False},
         "torch_compile": {"torch_compile": True, "torch_compile_backend": "aot_eager"},
     }.get(feature, {})
@@ -156,7 +158,9 @@ def sft_run(model, out, feature: str, headwatch: bool):
     chat = feature == "assistant_only"
     mask = {"assistant_only_loss": True} if chat else {"completion_only_loss": True}
     config = hf_args(out, trl.SFTConfig, bf16=False, **mask, **kw)
-    rows = chat_rows(B * STEPS, seed=3) if chat else sft_rows(B * STEPS * 2, seed=3)
+    # short_last_window: 6 rows in batches of 2, two per window: the last window holds one
+    n = 6 if feature == "short_last_window" else B * STEPS * 2
+    rows = chat_rows(B * STEPS, seed=3) if chat else sft_rows(n, seed=3)
     tokenizer = chat_tokenizer() if chat else word_ids_tokenizer()
     extra = {"compute_loss_func": causal_ce} if feature == "compute_loss_func" else {}
     if (
@@ -227,6 +231,8 @@ CASES = [
     for f in SFT_FEATURES
     for n in FAMILIES
     if not (n == "gemma_scaled" and f in DOOR_ONLY)
+    # a shorter last window: the untied family only (the other windows run on all three under ``evaluate``)
+    and not (n != "gemma2_softcap" and f == "short_last_window")
 ]
 
 
@@ -234,6 +240,11 @@ CASES = [
 def test_sft_trainer(tmp_path, name, feature):
     model = family(name)
     twin = untied_twin(model) if is_tied(model) else None
+    # the first layer's attention calls: TRL's default gradient checkpointing runs it again in the backward
+    layer_calls = []
+    counter = model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args: layer_calls.append(module.training)
+    )
     trainer, latest, seen, grads, hidden, said, metrics = sft_run(
         model, tmp_path / "run", feature, headwatch=True
     )
@@ -242,6 +253,12 @@ def test_sft_trainer(tmp_path, name, feature):
         if twin is not None
         else None
     )
+    counter.remove()
+    # each forward with gradient ran the layer twice (``evaluate``: two runs; ``compute_loss_func``: TRL's no-grad
+    # metrics pass once a step); the loss's forward was measured once (``debug/capture/forwards``, check_hf_door)
+    runs = 2 if feature == "evaluate" else 1
+    no_grad = STEPS if feature == "compute_loss_func" else 0
+    assert sum(layer_calls) == 2 * runs * len(hidden.hidden) + no_grad, layer_calls
     if feature == "logits_to_keep":
         assert (
             len(said) == 1 and f"last {KeepLastSFT.K} positions of each row" in said[0]
@@ -261,16 +278,19 @@ def test_sft_trainer(tmp_path, name, feature):
         ), said
     else:
         assert said == [], said
-    if (
-        feature == "assistant_only"
-    ):  # the premise: each row's labels are two spans, the assistant's turns
+    # uneven accumulation: a window's two micro-batches hold different label counts
+    if feature in ("evaluate", "short_last_window"):
+        counts = [int((b["labels"][:, 1:] != -100).sum()) for b in seen[:4]]
+        assert counts[0] != counts[1] or counts[2] != counts[3], counts
+    # the premise: each row's labels are two spans, the assistant's turns
+    if feature == "assistant_only":
         assert all(starts(b["labels"][i]) == 2 for b in seen for i in range(B)), seen
     else:
         assert all(b["input_ids"].shape == (B, T) for b in seen)
     logits = hidden.logits(
         model, keep=KeepLastSFT.K if feature == "logits_to_keep" else 0
     )
-    per_step = 2 if feature == "evaluate" else 1
+    per_step = {"evaluate": 2, "short_last_window": [2, 1]}.get(feature, 1)
     check_hf_door(
         trainer,
         latest,
@@ -282,7 +302,14 @@ def test_sft_trainer(tmp_path, name, feature):
         model,
         per_step=per_step,
         self_check=feature
-        in ("evaluate", "neftune", "r_drop", "own_labels", "assistant_only"),
+        in (
+            "evaluate",
+            "neftune",
+            "r_drop",
+            "own_labels",
+            "assistant_only",
+            "short_last_window",
+        ),
         split_refused_first=feature == "torch_compile",
         smoothed=feature == "own_labels",  # the logged loss is the sum of the two
         forwards=2 if feature in ("r_drop", "own_labels") else None,
