@@ -1,8 +1,10 @@
 """The trainer matrix's row for a forward hook that changes the embedding's output and runs before headwatch's
-(docs/supported.md, docs/matrices.md), through the Hugging Face ``Trainer``, TRL's ``SFTTrainer`` and Lightning:
+(docs/supported.md, docs/matrices.md), through the Hugging Face ``Trainer``, TRL's ``SFTTrainer``, Lightning and the
+plain loop:
 registered on the model before the door attaches (so it runs first), adding a shift to the looked-up rows. The
 shift leaves the lookup flow's Jacobian as it is: the tied split is exact, no warning. (A hook prepended after
-headwatch attached, in the plain loop, is refused: tests/model/test_matrix_contract.py.)
+headwatch attached runs before headwatch's too, but headwatch cannot know it: refused with the cause,
+tests/model/test_matrix_contract.py.)
 
 References: float64 statistics of the model's own ``outputs.logits``; the two ``.grad`` of an untied twin with the
 same hook, by autograd on the batches the door trained on (their sum: the tied ``shared`` gradient).
@@ -30,7 +32,7 @@ def shifted(module, args, output):
     return output + 0.1
 
 
-@pytest.mark.parametrize("door", ["hf_trainer", "sft_trainer", "lightning"])
+@pytest.mark.parametrize("door", ["hf_trainer", "sft_trainer", "lightning", "loop"])
 def test_a_hook_that_changes_the_embedding_output_before_headwatch_attaches(
     tmp_path, door
 ):
