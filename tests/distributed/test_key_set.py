@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from tests.helpers import run_gloo_workers
 from tests.helpers.distributed import run_ranks
@@ -258,3 +259,54 @@ def test_the_intervals_are_compared_at_construction_on_every_rank(intervals):
         assert errors == [None, None, None]
     else:
         assert all(f"logs every {n} step(s), by rank: 1, 2, 3." in e for n, e in zip(intervals, errors, strict=True))
+
+
+class _OtherInterval:
+    """The reducer of rank 0 of 2 processes whose other process logs at another interval (one more step): what every
+    door's one gather before the first step sees. Its other collectives are those of equal processes."""
+
+    world_size, rank = 2, 0
+
+    def all_gather(self, tensor):
+        return torch.stack([tensor, tensor + 1])
+
+    def gather(self, tensor):
+        return list(self.all_gather(tensor).unbind(0))
+
+    def sum(self, tensor):
+        return tensor * 2
+
+    def mean(self, tensor):
+        return tensor.clone()
+
+    def all(self, flag):
+        return bool(flag)
+
+
+@pytest.mark.parametrize("door", ["loop", "hf_trainer", "lightning"])
+def test_every_door_compares_the_intervals_before_the_first_step(tmp_path, monkeypatch, door):
+    """The plain loop at construction, the Hugging Face callback at ``on_train_begin``, Lightning at
+    ``on_train_start``: the error names the setting and each rank's interval, and no step was taken."""
+    from headwatch import Headwatch, LogitStatsMonitor
+    from headwatch.errors import HeadwatchError
+    from headwatch.integrations.transformers import HeadwatchCallback
+    from tests.helpers import TinyCausalLM, loader
+    from tests.helpers.hf import Rows, hf_args, one_batch, tiny_llama
+    from tests.helpers.lightning_runs import make_trainer
+
+    with pytest.raises(HeadwatchError, match=r"logs every (\d+) step\(s\), by rank: \1, .*log_every_n_steps.*logging_steps") as raised:
+        if door == "loop":
+            Headwatch(TinyCausalLM(vocab_size=32, d_model=8), log_every_n_steps=3, reducer=_OtherInterval(), summary=False)
+        elif door == "hf_trainer":
+            from transformers import Trainer
+
+            callback = HeadwatchCallback(monitors=["logits"], figure_every_n_steps=None, reducer=_OtherInterval())
+            trainer = Trainer(model=tiny_llama(tie=False), args=hf_args(tmp_path), train_dataset=Rows(one_batch()), callbacks=[callback])
+            trainer.train()
+        else:
+            monkeypatch.setattr("headwatch.integrations.lightning.driver.LightningReducer", lambda strategy: _OtherInterval())
+            trainer = make_trainer(tmp_path, [LogitStatsMonitor(figure_every_n_steps=None)], max_steps=1, limit_val_batches=0)
+            trainer.fit(TinyCausalLM(), loader(n=8))
+    if door != "loop":
+        assert (trainer.global_step if door == "lightning" else trainer.state.global_step) == 0  # before the first step
+    assert "by rank: 3, 4." in str(raised.value) if door == "loop" else "by rank:" in str(raised.value)
