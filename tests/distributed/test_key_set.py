@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
+import torch
+
 from tests.helpers import run_gloo_workers
+from tests.helpers.distributed import run_ranks
 
 WORKER = r'''
 import json, sys
@@ -165,7 +169,7 @@ def test_a_rank_whose_loss_was_thrown_away_fails_the_check_on_every_rank(tmp_pat
     assert not [k for k in got if k.startswith("headwatch/logits/")] and got["headwatch/check/withheld"] > 10
 
 
-CADENCE_WORKER = r'''
+CADENCE_WORKER = r"""
 import json, os, sys
 from pathlib import Path
 
@@ -175,45 +179,134 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 import headwatch
 from headwatch.errors import HeadwatchError
 from tests.helpers import TinyCausalLM
 
 V = 64
 torch.manual_seed(0)
+said = {"late": {"published": []}}
 model = TinyCausalLM(vocab_size=V, d_model=16, tie_weights=False)
+# the user's mistake: each process logs at its own interval. Constructed before the process group exists, the check
+# waits for the logging steps
+late = headwatch.Headwatch(model, log_every_n_steps=1 + rank, figure_every_n_steps=0, summary=False)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+wrapped = TinyCausalLM(vocab_size=V, d_model=16, tie_weights=False)
+ddp = torch.nn.parallel.DistributedDataParallel(wrapped)
+try:  # in the group, DDP-wrapped: every process constructs it at the same point, the intervals are compared there
+    headwatch.Headwatch(wrapped, log_every_n_steps=1 + rank, figure_every_n_steps=0, summary=False)
+except HeadwatchError as err:
+    said["ddp"] = str(err)
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-# the user's mistake: each process logs at its own interval
-hw = headwatch.Headwatch(model, log_every_n_steps=1 + rank, figure_every_n_steps=0, summary=False)
 g = torch.Generator().manual_seed(100 + rank)
-said = {"published": []}
 for step in range(4):
     ids = torch.randint(0, V, (4, 12), generator=g)
-    hw.step_start({"input_ids": ids, "labels": ids}, step)
+    late.step_start({"input_ids": ids, "labels": ids}, step)
     logits = model(ids)
     F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1)).backward()  # no collective of its own
-    hw.before_optimizer_step()
+    late.before_optimizer_step()
     optimizer.step()
-    hw.after_optimizer_step()
+    late.after_optimizer_step()
     optimizer.zero_grad()
     try:
-        if hw.step_end(loss=None):
-            said["published"].append(step)
+        if late.step_end(loss=None):
+            said["late"]["published"].append(step)
     except HeadwatchError as err:
-        said.update(step=step, error=str(err))
+        said["late"].update(step=step, error=str(err))
         break
 (out / f"rank{rank}.json").write_text(json.dumps(said))
 os._exit(0)  # the processes are out of step: no collective of the run's end
-'''
+"""
 
 
 def test_processes_logging_at_different_intervals_raise_on_every_rank(tmp_path):
-    """Rank 0 logs every step, rank 1 every 2: their first logging steps' reductions pair step 0 with step 1. The
-    logging interval rides with the reduced sums (no collective of its own): each rank sees the sum is not twice
-    its own, and raises before publishing anything."""
+    """Rank 0 logs every step, rank 1 every 2. Constructed in the process group (every process at the same point),
+    ``Headwatch`` gathers the intervals and both processes raise there, before any step: with the model DDP-wrapped, a
+    first logging step on rank 0 alone would pair headwatch's reduction with rank 1's DDP gradient all-reduce (a hang).
+    Constructed before the group exists, the check waits for the logging steps: the interval rides with the reduced
+    sums (no collective of its own), their first logging steps' reductions pair step 0 with step 1, and each rank sees
+    the sum is not twice its own and raises before publishing anything."""
     r0, r1 = run_gloo_workers(CADENCE_WORKER, tmp_path, 43000, timeout=120.0)
-    assert (r0["step"], r1["step"]) == (0, 1) and r0["published"] == r1["published"] == []
+    assert (r0["late"]["step"], r1["late"]["step"]) == (0, 1) and r0["late"]["published"] == r1["late"]["published"] == []
     for said, own in ((r0, 1), (r1, 2)):
-        assert "log_every_n_steps" in said["error"] and "logging_steps" in said["error"]
-        assert f"logs every {own} step(s), the mean over the 2 processes is 1.5" in said["error"]
+        for error in (said["ddp"], said["late"]["error"]):
+            assert "log_every_n_steps" in error and "logging_steps" in error
+            assert f"this process (rank {own - 1}) logs every {own} step(s)" in error
+        assert "by rank: 1, 2." in said["ddp"] and "the mean over the 2 processes is 1.5" in said["late"]["error"]
+
+
+def _started(rank: int, reducer, intervals: tuple[int, ...]) -> str | None:
+    """A plain-loop ``Headwatch`` constructed on ``rank`` with its own interval; the error it raised (None: none)."""
+    from headwatch import Headwatch
+    from headwatch.errors import HeadwatchError
+    from tests.helpers import TinyCausalLM
+
+    try:
+        Headwatch(TinyCausalLM(vocab_size=32, d_model=8), log_every_n_steps=intervals[rank], reducer=reducer, summary=False)
+    except HeadwatchError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("intervals", [(2, 2, 2), (1, 2, 3)])
+def test_the_intervals_are_compared_at_construction_on_every_rank(intervals):
+    """3 ranks (threads): one gather at construction, on no step. Every rank sees every interval, so every rank takes
+    the same decision (a sum over processes would let rank 1 pass: 1 + 2 + 3 is 3 times its 2)."""
+    results = run_ranks(3, lambda rank, reducer: (_started(rank, reducer, intervals), reducer))
+    errors = [e for e, _ in results]
+    assert results[0][1].world.calls == 1
+    if len(set(intervals)) == 1:
+        assert errors == [None, None, None]
+    else:
+        assert all(f"logs every {n} step(s), by rank: 1, 2, 3." in e for n, e in zip(intervals, errors, strict=True))
+
+
+class _OtherInterval:
+    """The reducer of rank 0 of 2 processes whose other process logs at another interval (one more step): what every
+    door's one gather before the first step sees. Its other collectives are those of equal processes."""
+
+    world_size, rank = 2, 0
+
+    def all_gather(self, tensor):
+        return torch.stack([tensor, tensor + 1])
+
+    def gather(self, tensor):
+        return list(self.all_gather(tensor).unbind(0))
+
+    def sum(self, tensor):
+        return tensor * 2
+
+    def mean(self, tensor):
+        return tensor.clone()
+
+    def all(self, flag):
+        return bool(flag)
+
+
+@pytest.mark.parametrize("door", ["loop", "hf_trainer", "lightning"])
+def test_every_door_compares_the_intervals_before_the_first_step(tmp_path, monkeypatch, door):
+    """The plain loop at construction, the Hugging Face callback at ``on_train_begin``, Lightning at
+    ``on_train_start``: the error names the setting and each rank's interval, and no step was taken."""
+    from headwatch import Headwatch, LogitStatsMonitor
+    from headwatch.errors import HeadwatchError
+    from headwatch.integrations.transformers import HeadwatchCallback
+    from tests.helpers import TinyCausalLM, loader
+    from tests.helpers.hf import Rows, hf_args, one_batch, tiny_llama
+    from tests.helpers.lightning_runs import make_trainer
+
+    with pytest.raises(HeadwatchError, match=r"logs every (\d+) step\(s\), by rank: \1, .*log_every_n_steps.*logging_steps") as raised:
+        if door == "loop":
+            Headwatch(TinyCausalLM(vocab_size=32, d_model=8), log_every_n_steps=3, reducer=_OtherInterval(), summary=False)
+        elif door == "hf_trainer":
+            from transformers import Trainer
+
+            callback = HeadwatchCallback(monitors=["logits"], figure_every_n_steps=None, reducer=_OtherInterval())
+            trainer = Trainer(model=tiny_llama(tie=False), args=hf_args(tmp_path), train_dataset=Rows(one_batch()), callbacks=[callback])
+            trainer.train()
+        else:
+            monkeypatch.setattr("headwatch.integrations.lightning.driver.LightningReducer", lambda strategy: _OtherInterval())
+            trainer = make_trainer(tmp_path, [LogitStatsMonitor(figure_every_n_steps=None)], max_steps=1, limit_val_batches=0)
+            trainer.fit(TinyCausalLM(), loader(n=8))
+    if door != "loop":
+        assert (trainer.global_step if door == "lightning" else trainer.state.global_step) == 0  # before the first step
+    assert "by rank: 3, 4." in str(raised.value) if door == "loop" else "by rank:" in str(raised.value)

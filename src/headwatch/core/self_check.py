@@ -40,7 +40,7 @@ from headwatch.core.tolerance import (  # noqa: F401 - their home before
     dtype_tolerance,
     scored_dtype,
 )
-from headwatch.distributed.reduce import NoReducer, Reducer, collective_device
+from headwatch.distributed.reduce import NoReducer, Reducer, collective_device, stacked
 from headwatch.errors import HeadwatchError, check_prefix
 from headwatch.model.hooks import ModelHook
 
@@ -461,22 +461,31 @@ class SelfCheck(FailurePolicy):
         """``total``: the logging interval summed over processes, from a logging step's reduced sums.
 
         Raises:
-            HeadwatchError: the processes log at different intervals (``total`` is not ``world_size`` times this
-                process's): their reductions paired different steps' values, so nothing of the step is published;
-                marked ``strict`` (raised through a door's guard, on every process).
+            HeadwatchError: ``total`` is not ``world_size`` times this process's interval (nothing of the step is
+                published); marked ``strict`` (raised through a door's guard).
         """
         world = self.reducer.world_size
-        if total == world * self.interval:
-            return
+        if total != world * self.interval:
+            raise self._interval_error(f"the mean over the {world} processes is {total / world:g}")
+
+    def agree_interval(self) -> None:
+        """Before the first step (a door's start: every process at the same point), every process's logging interval,
+        gathered (one collective, on no step), so that different ones raise (as :meth:`same_interval`) before a step
+        pairs its reductions with another step's or, DDP-wrapped, with DDP's gradient all-reduce (a hang)."""
+        if self.reducer.world_size > 1:
+            every = stacked(self.reducer, torch.tensor([float(self.interval)], dtype=torch.float64, device=collective_device()))
+            if len(set(every := [float(x) for x in every.flatten().tolist()])) > 1:  # a host read at start-up
+                raise self._interval_error("by rank: " + ", ".join(f"{x:g}" for x in every))
+
+    def _interval_error(self, others: str) -> HeadwatchError:
         error = HeadwatchError(
             f"headwatch: the processes log at different intervals: this process (rank {self.rank}) logs every "
-            f"{self.interval} step(s), the mean over the {world} processes is {total / world:g}. Their reductions "
-            "paired different steps' values (wrong numbers, then a hang), so nothing is published. Pass the same "
-            "log_every_n_steps (plain loop, Lightning's Trainer) or logging_steps (Hugging Face TrainingArguments) "
-            "on every process."
+            f"{self.interval} step(s), {others}. Their reductions pair different steps' values (wrong numbers, then a "
+            "hang), so nothing is published. Pass the same log_every_n_steps (plain loop, Lightning's Trainer) or "
+            "logging_steps (Hugging Face TrainingArguments) on every process."
         )
         error.strict = True  # type: ignore[attr-defined]  # not a monitoring failure: the run is misconfigured
-        raise error
+        return error
 
     def _no_reference(self) -> None:
         if not self.evaluation:

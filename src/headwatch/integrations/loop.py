@@ -86,7 +86,8 @@ class Headwatch(Driver):
     Raises:
         HeadwatchError: a bad argument (``figure_every_n_steps`` > 0 without matplotlib, ``overhead_budget`` not
             None nor in (0, 1)), or the
-            head/embedding cannot be found in ``model``.
+            head/embedding cannot be found in ``model``; in a process group, another process passed another
+            ``log_every_n_steps`` (compared here, one gather: every process constructs it; ``docs/distributed.md``).
     """
 
     def __init__(
@@ -127,6 +128,7 @@ class Headwatch(Driver):
         if summary:
             self.run.sinks.append(self.summary)
         self.run.configure(log_every_n_steps)
+        self.run.check.agree_interval()  # every process constructs it: different intervals raise here, not at a step
         self.run.attach(model)  # FSDP1 / DeepSpeed ZeRO-3: full shapes while resolving (a collective)
         self.figure_every_n_steps = figure_every_n_steps
         set_figures(self.run.named, figure_every_n_steps)

@@ -109,7 +109,8 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
     Raises:
         HeadwatchError: a bad argument. No trainer hook raises: a monitor that cannot measure the model
             (no head or embedding found) is left out with one warning naming the cause and what is still
-            measured; with ``strict=True`` that, and any other monitoring failure, raises instead.
+            measured; with ``strict=True`` that, and any other monitoring failure, raises instead. The one
+            exception: ``on_train_begin`` raises on every process when the processes' ``logging_steps`` differ.
     """
 
     def __init__(
@@ -189,6 +190,7 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
             )
         self._first = bool(args.logging_first_step)
         self.attach_model(model, every)
+        self.run.check.agree_interval()  # every process, before the first step: different logging_steps raise here
         self._control = control
         wire_alert(self, args)
         restore_state(self, args, state)  # the monitors' and the alert's state of the checkpoint's step

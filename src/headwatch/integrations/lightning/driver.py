@@ -170,7 +170,7 @@ class HeadwatchDriver(Driver, Callback):
         every = 0
         for n in intervals:
             every = math.gcd(every, n)
-        self.run.every = every
+        self.run.every = self.run.check.interval = every  # checked the same on every process (agree_interval, sums)
         for m in self.run.all_monitors:
             m.clock = self.run.cost.clock
         self.run.cost.configure(every, self.run.all_monitors, self.run.policy)
@@ -234,6 +234,11 @@ class HeadwatchDriver(Driver, Callback):
             write_layout(trainer, prefix, self.run.policy)
 
     # ---------------------------------------------------------------- training: one step-end rule
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Every process, before the first batch: a different ``log_every_n_steps`` on some process raises here."""
+        with self.run.guard("starting training"):
+            self.run.check.agree_interval()
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         with self.run.guard("starting a batch"):
             self._step, self._optimizer_steps = lightning_step(trainer), trainer.global_step
