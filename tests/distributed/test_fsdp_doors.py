@@ -1,0 +1,81 @@
+"""Under FSDP2 (``fully_shard``, 2 CPU processes, gloo), a fused loss (the hidden-state path: the model returns no
+logits and never calls its head) is measured through every door, for each ``reshard_after_forward`` of the root and
+of the decoder layer, given as bools and as ints: each published figure equals one process's on the same global
+batches, and the logits statistics equal float64 ones of the hidden states the loss scored, at forward time
+(docs/supported.md). The Trainers are handed a model already sharded (accelerate runs FSDP on accelerators only)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.distributed import read_measured
+from tests.helpers.paths import WORKERS
+
+pytest.importorskip("trl")
+
+SCRIPT = WORKERS / "fsdp_doors.py"
+ATOL = 2e-5  # the trainer matrix's: float32 statistics against float64 ones (measured below 2e-7)
+
+
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list]:
+    """The one-process runs of every door and the 2-process runs of every setting, started together."""
+    out = tmp_path_factory.mktemp("fsdp_doors")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, str(SCRIPT), mode, str(out), _free_port()], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for mode in ("single", "sharded")
+    ]
+    for proc in procs:
+        text, _ = proc.communicate(timeout=540)
+        assert proc.returncode == 0, text[-4000:]
+    return {name: read_measured(out / f"{name}.json") for name in ("single_rank0", "sharded_rank0", "sharded_rank1")}
+
+
+def _same(key: str, a: float, b: float) -> bool:
+    """Equal to 1e-5 relative; the self-check's gaps (differences of two ~5-nat float32 means: rounding ~5e-7) to 1e-5."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    if key.startswith("headwatch/check/") and key.endswith("_gap"):
+        return abs(a - b) <= 1e-5
+    return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-8)
+
+
+SETTINGS = [("hf_trainer", True, True), ("hf_trainer", False, False), ("hf_trainer", 2, 1), ("hf_trainer", False, True),
+            ("sft_trainer", True, True), ("sft_trainer", False, False), ("sft_trainer", 2, 1), ("sft_trainer", False, True),
+            ("lightning", True, True), ("lightning", False, False), ("lightning", 2, 1), ("lightning", False, True),
+            ("loop", 2, 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("door", "root", "layer"), SETTINGS)
+def test_fused_loss_under_fsdp2_through_each_door_equals_one_process(runs, door, root, layer):
+    single = next(r for r in runs["single_rank0"] if r["door"] == door)
+    index = SETTINGS.index((door, root, layer))
+    got0, got1 = runs["sharded_rank0"][index], runs["sharded_rank1"][index]
+    assert (got0["door"], got0["root"], got0["layer"]) == (door, root, layer)
+    assert len(single["values"]) == len(got0["values"]) == len(got1["values"]) == 2
+    for step, (expected, a, b) in enumerate(zip(single["values"], got0["values"], got1["values"], strict=True)):
+        assert set(a) == set(b) == set(expected), (step, set(a) ^ set(expected))
+        assert "headwatch/grad/shared_row_density" in a and "headwatch/logits/entropy" in a
+        wrong = {k: (expected[k], a[k], b[k]) for k in expected if not (_same(k, expected[k], a[k]) and _same(k, expected[k], b[k]))}
+        assert not wrong, (step, wrong)
+        reference = single["reference"][step]  # float64, from the hidden states and the weight the loss used
+        assert a["headwatch/logits/positions"] == reference["positions"]
+        for key, col in (("entropy", "entropy"), ("kl_to_uniform", "kl_to_uniform"), ("max_prob", "max_prob"), ("target_nll", "nll")):
+            assert a[f"headwatch/logits/{key}"] == pytest.approx(reference[col], abs=ATOL), key
+    # what headwatch said: the same as on one process (the hidden-state path's note; rank 0 says it), no failure
+    assert got0["warnings"] == single["warnings"] and set(got1["warnings"]) <= set(got0["warnings"]), (got0["warnings"], single["warnings"])
+    assert not any("FAILED" in w or "failed" in w or "no gradient" in w or "sharded" in w for w in got0["warnings"])
