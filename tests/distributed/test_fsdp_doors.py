@@ -32,17 +32,18 @@ def _free_port() -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list]:
-    """The one-process runs of every door and the 2-process runs of every setting, started together."""
+    """The one-process runs of every door, the 2-process runs of every setting and the 4-process run, started together."""
     out = tmp_path_factory.mktemp("fsdp_doors")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen([sys.executable, str(SCRIPT), mode, str(out), _free_port()], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for mode in ("single", "sharded")
+        for mode in ("single", "sharded", "sharded4")
     ]
     for proc in procs:
         text, _ = proc.communicate(timeout=540)
         assert proc.returncode == 0, text[-4000:]
-    return {name: read_measured(out / f"{name}.json") for name in ("single_rank0", "sharded_rank0", "sharded_rank1")}
+    names = ["single_rank0", "sharded_rank0", "sharded_rank1"] + [f"sharded4_rank{r}" for r in range(4)]
+    return {name: read_measured(out / f"{name}.json") for name in names}
 
 
 def _same(key: str, a: float, b: float) -> bool:
@@ -79,3 +80,21 @@ def test_fused_loss_under_fsdp2_through_each_door_equals_one_process(runs, door,
     # what headwatch said: the same as on one process (the hidden-state path's note; rank 0 says it), no failure
     assert got0["warnings"] == single["warnings"] and set(got1["warnings"]) <= set(got0["warnings"]), (got0["warnings"], single["warnings"])
     assert not any("FAILED" in w or "failed" in w or "no gradient" in w or "sharded" in w for w in got0["warnings"])
+
+
+def test_an_int_below_the_world_size_reshards_to_a_smaller_group_and_equals_one_process(runs):
+    """``reshard_after_forward=2`` on 4 processes (root and layer): after the forward each Parameter is held by groups
+    of 2 (FSDP2's post-forward mesh), not by all 4; the plain loop, 4 rows a step."""
+    single = next(r for r in runs["single_rank0"] if r["door"] == "loop4")
+    ranks = [runs[f"sharded4_rank{r}"][0] for r in range(4)]
+    assert [(r["door"], r["root"], r["layer"]) for r in ranks] == [("loop4", 2, 2)] * 4
+    for step, expected in enumerate(single["values"]):
+        got = [r["values"][step] for r in ranks]
+        assert all(set(g) == set(expected) for g in got), [set(g) ^ set(expected) for g in got]
+        assert "headwatch/grad/shared_row_density" in expected and "headwatch/logits/entropy" in expected
+        wrong = {k: [expected[k]] + [g[k] for g in got] for k in expected if not all(_same(k, expected[k], g[k]) for g in got)}
+        assert not wrong, (step, wrong)
+        reference = single["reference"][step]
+        assert got[0]["headwatch/logits/entropy"] == pytest.approx(reference["entropy"], abs=ATOL)
+        assert got[0]["headwatch/logits/target_nll"] == pytest.approx(reference["nll"], abs=ATOL)
+    assert ranks[0]["warnings"] == single["warnings"]

@@ -7,7 +7,7 @@ without sharding, on the same global batches, with the float64 reference of what
 The Trainers are handed a model already sharded by ``fully_shard``: accelerate runs FSDP on accelerators only (on a
 CPU its ``fsdp_config`` trains under DDP), so its own ``fsdp=`` cannot run here.
 
-usage: python tests/workers/fsdp_doors.py {single,sharded} OUT_DIR PORT
+usage: python tests/workers/fsdp_doors.py {single,sharded,sharded4} OUT_DIR PORT
 """
 
 from __future__ import annotations
@@ -28,9 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 # (door, root reshard_after_forward, layer reshard_after_forward): the Trainers and Lightning under each pair, the
 # plain loop under ints (its bool pairs: tests/model/test_matrix_contract.py). On 2 processes FSDP2 takes the int 2
-# (the world size) as True and 1 as False: (2, 1) is the pair (True, False), given as ints.
+# (the world size) as True and 1 as False: (2, 1) is the pair (True, False), given as ints. On 4 processes
+# (``loop4``: 4 rows a step) the int 2 reshards to groups of 2 after the forward (FSDP2's post-forward mesh).
 DOORS = ("hf_trainer", "sft_trainer", "lightning", "loop")
 SETTINGS = [(d, r, l) for d in DOORS[:3] for r, l in ((True, True), (False, False), (2, 1), (False, True))] + [("loop", 2, 1)]
+SETTINGS4 = [("loop4", 2, 2)]
+WORLD = {"single": 1, "sharded": 2, "sharded4": 4}
 STEPS, B = 2, 2  # global batch: B rows a step
 
 
@@ -103,8 +106,8 @@ def run_door(door: str, root, layer, rank: int, world: int, out: str) -> tuple[l
         shard(model, root, layer)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if door == "loop":
-            values, batches = loop(model, rank, world)
+        if door in ("loop", "loop4"):
+            values, batches = loop(model, rank, world, 4 if door == "loop4" else B)
         elif door == "lightning":
             values, batches = lightning(model, root, layer, world, out)
         else:
@@ -113,13 +116,13 @@ def run_door(door: str, root, layer, rank: int, world: int, out: str) -> tuple[l
     return values, headwatch_warnings(caught), reference
 
 
-def loop(model, rank: int, world: int) -> tuple[list[dict], list[dict]]:
+def loop(model, rank: int, world: int, rows: int) -> tuple[list[dict], list[dict]]:
     from headwatch.core import NoReducer
     from headwatch.integrations.loop import Headwatch
     from tests.helpers.trainer_matrix import Rows
 
-    rows = Rows(B * STEPS, seed=3).batch()
-    batches = [{k: v[s * B : (s + 1) * B] for k, v in rows.items()} for s in range(STEPS)]
+    full = Rows(rows * STEPS, seed=3).batch()
+    batches = [{k: v[s * rows : (s + 1) * rows] for k, v in full.items()} for s in range(STEPS)]
     extra = {} if world > 1 else {"reducer": NoReducer()}
     values = []
     with Headwatch(model, monitors=["tokens", "logits", "gradients"], log_every_n_steps=1, figure_every_n_steps=0, **extra) as hw:
@@ -211,14 +214,14 @@ def lightning(model, root, layer, world: int, out: str) -> tuple[list[dict], lis
 
 
 def work(rank: int, mode: str, out: str, port: str) -> None:
-    world = 2 if mode == "sharded" else 1
+    world = WORLD[mode]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world))  # fmt: skip
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     result = []
-    for door, root, layer in SETTINGS if world > 1 else [(d, None, None) for d in DOORS]:
+    for door, root, layer in {"single": [(d, None, None) for d in (*DOORS, "loop4")], "sharded": SETTINGS, "sharded4": SETTINGS4}[mode]:
         values, said, reference = run_door(door, root, layer, rank, world, str(Path(out, f"{mode}{rank}-{door}")))
         result.append({"door": door, "root": root, "layer": layer, "values": values, "warnings": said, "reference": reference})
     Path(out, f"{mode}_rank{rank}.json").write_text(json.dumps(result))
@@ -229,4 +232,4 @@ def work(rank: int, mode: str, out: str, port: str) -> None:
 
 if __name__ == "__main__":
     mode, out, port = sys.argv[1], sys.argv[2], sys.argv[3]
-    mp.spawn(work, args=(mode, out, port), nprocs=2 if mode == "sharded" else 1)
+    mp.spawn(work, args=(mode, out, port), nprocs=WORLD[mode])
