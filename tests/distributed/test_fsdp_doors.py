@@ -68,6 +68,8 @@ def test_fused_loss_under_fsdp2_through_each_door_equals_one_process(runs, door,
     got0, got1 = runs["sharded_rank0"][index], runs["sharded_rank1"][index]
     assert (got0["door"], got0["root"], got0["layer"]) == (door, root, layer)
     assert len(single["values"]) == len(got0["values"]) == len(got1["values"]) == 2
+    if door != "lightning":  # the root's post-forward mesh: both processes (True, or the int 2) or none (False)
+        assert got0["held"] == ([2] if root else None)
     for step, (expected, a, b) in enumerate(zip(single["values"], got0["values"], got1["values"], strict=True)):
         assert set(a) == set(b) == set(expected), (step, set(a) ^ set(expected))
         assert "headwatch/grad/shared_row_density" in a and "headwatch/logits/entropy" in a
@@ -88,6 +90,7 @@ def test_an_int_below_the_world_size_reshards_to_a_smaller_group_and_equals_one_
     single = next(r for r in runs["single_rank0"] if r["door"] == "loop4")
     ranks = [runs[f"sharded4_rank{r}"][0] for r in range(4)]
     assert [(r["door"], r["root"], r["layer"]) for r in ranks] == [("loop4", 2, 2)] * 4
+    assert ranks[0]["held"] == [2, 2]  # after the forward: 2 groups of 2 processes, each holding every row
     for step, expected in enumerate(single["values"]):
         got = [r["values"][step] for r in ranks]
         assert all(set(g) == set(expected) for g in got), [set(g) ^ set(expected) for g in got]

@@ -90,8 +90,9 @@ class HiddenReference:
             self.logits.append(output.last_hidden_state.detach().double() @ w.detach().double().T)
 
 
-def run_door(door: str, root, layer, rank: int, world: int, out: str) -> tuple[list[dict], list[str], dict | None]:
-    """(values published on each step, headwatch's warnings, the float64 reference on one process)."""
+def run_door(door: str, root, layer, rank: int, world: int, out: str) -> tuple[list[dict], list[str], list | None, list | None]:
+    """(values published on each step, headwatch's warnings, the float64 reference on one process, the shape of the
+    root's post-forward mesh under FSDP2)."""
     from tests.helpers.matrices import tiny
     from tests.helpers.trainer_matrix import (
         SeenCollator,
@@ -102,8 +103,13 @@ def run_door(door: str, root, layer, rank: int, world: int, out: str) -> tuple[l
     torch.manual_seed(0)
     model = fused_model() if door != "sft_trainer" else tiny("llama", tied=True)  # TRL: its own fused head
     recorder = HiddenReference(model) if world == 1 else None
+    held_after_forward = None
     if world > 1 and door != "lightning":
         shard(model, root, layer)
+        # the root's post-forward mesh: the processes that hold a Parameter between forward and backward
+        group = model._get_fsdp_state()._fsdp_param_groups[0]
+        info = group.post_forward_mesh_info
+        held_after_forward = list(info.mesh.mesh.shape) if info is not None else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if door in ("loop", "loop4"):
@@ -113,7 +119,7 @@ def run_door(door: str, root, layer, rank: int, world: int, out: str) -> tuple[l
         else:
             values, batches = trainer(door, model, world, out, SeenCollator)
     reference = [logits_reference([x], [b]) for x, b in zip(recorder.logits, batches[:STEPS], strict=True)] if recorder else None
-    return values, headwatch_warnings(caught), reference
+    return values, headwatch_warnings(caught), reference, held_after_forward
 
 
 def loop(model, rank: int, world: int, rows: int) -> tuple[list[dict], list[dict]]:
@@ -222,8 +228,8 @@ def work(rank: int, mode: str, out: str, port: str) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     result = []
     for door, root, layer in {"single": [(d, None, None) for d in (*DOORS, "loop4")], "sharded": SETTINGS, "sharded4": SETTINGS4}[mode]:
-        values, said, reference = run_door(door, root, layer, rank, world, str(Path(out, f"{mode}{rank}-{door}")))
-        result.append({"door": door, "root": root, "layer": layer, "values": values, "warnings": said, "reference": reference})
+        values, said, reference, held = run_door(door, root, layer, rank, world, str(Path(out, f"{mode}{rank}-{door}")))
+        result.append({"door": door, "root": root, "layer": layer, "values": values, "warnings": said, "reference": reference, "held": held})
     Path(out, f"{mode}_rank{rank}.json").write_text(json.dumps(result))
     if world > 1:
         dist.barrier()
