@@ -238,4 +238,10 @@ def work(rank: int, mode: str, out: str, port: str) -> None:
 
 if __name__ == "__main__":
     mode, out, port = sys.argv[1], sys.argv[2], sys.argv[3]
-    mp.spawn(work, args=(mode, out, port), nprocs=WORLD[mode])
+    # the processes are forked from this one once it imported the heavy modules (spawned, each would import them:
+    # most of the run's time on 4 processes)
+    import tests.helpers.trainer_matrix  # noqa: F401 - Lightning, transformers, headwatch
+
+    if mode != "sharded4":
+        import trl  # noqa: F401
+    mp.start_processes(work, args=(mode, out, port), nprocs=WORLD[mode], start_method="fork")
