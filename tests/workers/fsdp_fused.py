@@ -155,4 +155,6 @@ def work(rank: int, out_dir: str, port: str) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(work, args=(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "29541"), nprocs=2)
+    import headwatch  # noqa: F401 - imported once, before the processes are forked (spawned, each would import it)
+
+    mp.start_processes(work, args=(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "29541"), nprocs=2, start_method="fork")
