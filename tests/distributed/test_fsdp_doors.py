@@ -1,4 +1,4 @@
-"""Under FSDP2 (``fully_shard``, 2 CPU processes, gloo), a fused loss (the hidden-state path: the model returns no
+"""Under FSDP2 (``fully_shard``, 2 CPU processes, gloo; 4 for an int below the world size), a fused loss (the hidden-state path: the model returns no
 logits and never calls its head) is measured through every door, for each ``reshard_after_forward`` of the root and
 of the decoder layer, given as bools and as ints: each published figure equals one process's on the same global
 batches, and the logits statistics equal float64 ones of the hidden states the loss scored, at forward time
@@ -84,13 +84,16 @@ def test_fused_loss_under_fsdp2_through_each_door_equals_one_process(runs, door,
     assert not any("FAILED" in w or "failed" in w or "no gradient" in w or "sharded" in w for w in got0["warnings"])
 
 
-def test_an_int_below_the_world_size_reshards_to_a_smaller_group_and_equals_one_process(runs):
+@pytest.mark.parametrize("door", ["hf_trainer", "sft_trainer", "lightning", "loop"])
+def test_an_int_below_the_world_size_reshards_to_a_smaller_group_and_equals_one_process(runs, door):
     """``reshard_after_forward=2`` on 4 processes (root and layer): after the forward each Parameter is held by groups
-    of 2 (FSDP2's post-forward mesh), not by all 4; the plain loop, 4 rows a step."""
-    single = next(r for r in runs["single_rank0"] if r["door"] == "loop4")
-    ranks = [runs[f"sharded4_rank{r}"][0] for r in range(4)]
-    assert [(r["door"], r["root"], r["layer"]) for r in ranks] == [("loop4", 2, 2)] * 4
-    assert ranks[0]["held"] == [2, 2]  # after the forward: 2 groups of 2 processes, each holding every row
+    of 2 (FSDP2's post-forward mesh), not by all 4; 4 rows a step."""
+    single = next(r for r in runs["single_rank0"] if r["door"] == f"{door}4")
+    ranks = [next(r for r in runs[f"sharded4_rank{rank}"] if r["door"] == f"{door}4") for rank in range(4)]
+    assert [(r["root"], r["layer"]) for r in ranks] == [(2, 2)] * 4
+    if door != "lightning":  # sharded in configure_model there
+        assert ranks[0]["held"] == [2, 2]  # after the forward: 2 groups of 2 processes, each holding every row
+    assert len(single["values"]) == 2 and all(len(r["values"]) == 2 for r in ranks)
     for step, expected in enumerate(single["values"]):
         got = [r["values"][step] for r in ranks]
         assert all(set(g) == set(expected) for g in got), [set(g) ^ set(expected) for g in got]
@@ -98,6 +101,7 @@ def test_an_int_below_the_world_size_reshards_to_a_smaller_group_and_equals_one_
         wrong = {k: [expected[k]] + [g[k] for g in got] for k in expected if not all(_same(k, expected[k], g[k]) for g in got)}
         assert not wrong, (step, wrong)
         reference = single["reference"][step]
+        assert got[0]["headwatch/logits/positions"] == reference["positions"]
         assert got[0]["headwatch/logits/entropy"] == pytest.approx(reference["entropy"], abs=ATOL)
         assert got[0]["headwatch/logits/target_nll"] == pytest.approx(reference["nll"], abs=ATOL)
-    assert ranks[0]["warnings"] == single["warnings"]
+    assert ranks[0]["warnings"] == single["warnings"] and all(set(r["warnings"]) <= set(single["warnings"]) for r in ranks)

@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 # (door, root reshard_after_forward, layer reshard_after_forward): the Trainers and Lightning under each pair, the
 # plain loop under ints (its bool pairs: tests/model/test_matrix_contract.py). On 2 processes FSDP2 takes the int 2
 # (the world size) as True and 1 as False: (2, 1) is the pair (True, False), given as ints. On 4 processes
-# (``loop4``: 4 rows a step) the int 2 reshards to groups of 2 after the forward (FSDP2's post-forward mesh).
+# (``<door>4``: 4 rows a step) the int 2 reshards to groups of 2 after the forward (FSDP2's post-forward mesh).
 DOORS = ("hf_trainer", "sft_trainer", "lightning", "loop")
 SETTINGS = [(d, r, l) for d in DOORS[:3] for r, l in ((True, True), (False, False), (2, 1), (False, True))] + [("loop", 2, 1)]
-SETTINGS4 = [("loop4", 2, 2)]
+SETTINGS4 = [(f"{d}4", 2, 2) for d in DOORS]
 WORLD = {"single": 1, "sharded": 2, "sharded4": 4}
 STEPS, B = 2, 2  # global batch: B rows a step
 
@@ -100,6 +100,7 @@ def run_door(door: str, root, layer, rank: int, world: int, out: str) -> tuple[l
         logits_reference,
     )
 
+    door, rows = door.rstrip("4"), 4 if door.endswith("4") else B  # "<door>4": 4 rows a step (for 4 processes)
     torch.manual_seed(0)
     model = fused_model() if door != "sft_trainer" else tiny("llama", tied=True)  # TRL: its own fused head
     recorder = HiddenReference(model) if world == 1 else None
@@ -112,12 +113,12 @@ def run_door(door: str, root, layer, rank: int, world: int, out: str) -> tuple[l
         held_after_forward = list(info.mesh.mesh.shape) if info is not None else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if door in ("loop", "loop4"):
-            values, batches = loop(model, rank, world, 4 if door == "loop4" else B)
+        if door == "loop":
+            values, batches = loop(model, rank, world, rows)
         elif door == "lightning":
-            values, batches = lightning(model, root, layer, world, out)
+            values, batches = lightning(model, root, layer, world, out, rows)
         else:
-            values, batches = trainer(door, model, world, out, SeenCollator)
+            values, batches = trainer(door, model, world, out, SeenCollator, rows)
     reference = [logits_reference([x], [b]) for x, b in zip(recorder.logits, batches[:STEPS], strict=True)] if recorder else None
     return values, headwatch_warnings(caught), reference, held_after_forward
 
@@ -155,7 +156,7 @@ class Presharded:
         self.accelerator.prepare_model = lambda m, *a, **k: m if isinstance(m, FSDPModule) else prepare(m, *a, **k)
 
 
-def trainer(door: str, model, world: int, out: str, seen_collator) -> tuple[list[dict], list[dict]]:
+def trainer(door: str, model, world: int, out: str, seen_collator, rows: int) -> tuple[list[dict], list[dict]]:
     from headwatch.integrations.transformers import HeadwatchCallback
     from tests.helpers.trainer_matrix import (
         H,
@@ -166,16 +167,16 @@ def trainer(door: str, model, world: int, out: str, seen_collator) -> tuple[list
     )
 
     cb = HeadwatchCallback(monitors=["tokens", "logits", "gradients"], figure_every_n_steps=0)
-    kw = {"per_device_train_batch_size": B // world, "ddp_backend": "gloo" if world > 1 else None}
+    kw = {"per_device_train_batch_size": rows // world, "ddp_backend": "gloo" if world > 1 else None}
     if door == "hf_trainer":
         from transformers import Trainer
 
-        run = type("PreshardedTrainer", (Presharded, Trainer), {})(model=model, args=hf_args(out, **kw), train_dataset=Rows(B * STEPS, seed=3), callbacks=[cb])
+        run = type("PreshardedTrainer", (Presharded, Trainer), {})(model=model, args=hf_args(out, **kw), train_dataset=Rows(rows * STEPS, seed=3), callbacks=[cb])
     else:
         import trl
 
         config = hf_args(out, trl.SFTConfig, completion_only_loss=True, bf16=False, **kw)
-        run = type("PreshardedSFT", (Presharded, trl.SFTTrainer), {})(model=model, args=config, train_dataset=sft_rows(B * STEPS, seed=3),
+        run = type("PreshardedSFT", (Presharded, trl.SFTTrainer), {})(model=model, args=config, train_dataset=sft_rows(rows * STEPS, seed=3),
                              processing_class=word_ids_tokenizer(), callbacks=[cb])  # fmt: skip
     seen = seen_collator(run.data_collator)
     run.data_collator = seen
@@ -184,7 +185,7 @@ def trainer(door: str, model, world: int, out: str, seen_collator) -> tuple[list
     return logged, seen.seen
 
 
-def lightning(model, root, layer, world: int, out: str) -> tuple[list[dict], list[dict]]:
+def lightning(model, root, layer, world: int, out: str, rows: int) -> tuple[list[dict], list[dict]]:
     import lightning.pytorch as pl
 
     from headwatch import GradientDensityMonitor, LogitStatsMonitor, TokenFrequency
@@ -208,15 +209,17 @@ def lightning(model, root, layer, world: int, out: str) -> tuple[list[dict], lis
     if world > 1:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        kw = {"devices": world, "strategy": ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)}
+        kw = {"devices": world, "strategy": ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1), "use_distributed_sampler": False}
     else:
         kw = {"devices": 1}
     run = pl.Trainer(default_root_dir=out, max_steps=STEPS, log_every_n_steps=1, logger=False, callbacks=callbacks, enable_progress_bar=False,
                      enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", limit_val_batches=0, **kw)  # fmt: skip
-    rows = Rows(B * STEPS, seed=3)
-    run.fit(Sharded(model, global_mean_loss), torch.utils.data.DataLoader(rows, batch_size=B // world))
-    full = rows.batch()
-    return values.values, [{k: v[s * B : (s + 1) * B] for k, v in full.items()} for s in range(STEPS)]
+    data = Rows(rows * STEPS, seed=3)
+    # rank r takes rows r, r + world, ...: a step's local batches are one process's batch, in order
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=False) if world > 1 else None
+    run.fit(Sharded(model, global_mean_loss), torch.utils.data.DataLoader(data, batch_size=rows // world, sampler=sampler))
+    full = data.batch()
+    return values.values, [{k: v[s * rows : (s + 1) * rows] for k, v in full.items()} for s in range(STEPS)]
 
 
 def work(rank: int, mode: str, out: str, port: str) -> None:
@@ -227,7 +230,7 @@ def work(rank: int, mode: str, out: str, port: str) -> None:
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     result = []
-    for door, root, layer in {"single": [(d, None, None) for d in (*DOORS, "loop4")], "sharded": SETTINGS, "sharded4": SETTINGS4}[mode]:
+    for door, root, layer in {"single": [(d, None, None) for d in (*DOORS, *(f"{d}4" for d in DOORS))], "sharded": SETTINGS, "sharded4": SETTINGS4}[mode]:
         values, said, reference, held = run_door(door, root, layer, rank, world, str(Path(out, f"{mode}{rank}-{door}")))
         result.append({"door": door, "root": root, "layer": layer, "values": values, "warnings": said, "reference": reference, "held": held})
     Path(out, f"{mode}_rank{rank}.json").write_text(json.dumps(result))
@@ -240,8 +243,7 @@ if __name__ == "__main__":
     mode, out, port = sys.argv[1], sys.argv[2], sys.argv[3]
     # the processes are forked from this one once it imported the heavy modules (spawned, each would import them:
     # most of the run's time on 4 processes)
-    import tests.helpers.trainer_matrix  # noqa: F401 - Lightning, transformers, headwatch
+    import trl  # noqa: F401
 
-    if mode != "sharded4":
-        import trl  # noqa: F401
+    import tests.helpers.trainer_matrix  # noqa: F401 - Lightning, transformers, headwatch
     mp.start_processes(work, args=(mode, out, port), nprocs=WORLD[mode], start_method="fork")
