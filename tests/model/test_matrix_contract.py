@@ -266,15 +266,17 @@ def _free_port() -> str:
 
 def test_fused_loss_hidden_path_under_every_fsdp2_resharding_setting(tmp_path):
     """2 CPU processes (gloo): every value equals one process's on the same global batches, and the logits
-    statistics equal float64 ones recomputed from the fused loss's own hidden states and weight at forward time."""
+    statistics equal float64 ones recomputed from the fused loss's own hidden states and weight at forward time,
+    with the fused loss named by ``hidden_module=`` and without it (a Hugging Face-shaped model: its base model's
+    ``last_hidden_state``, measured before the root's resharding frees the whole head weight)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(FSDP_WORKER), str(tmp_path), _free_port()], env=env, capture_output=True, text=True, timeout=540, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rank0 = read_measured(tmp_path / "fused_rank0.json")
     rank1 = read_measured(tmp_path / "fused_rank1.json")
-    assert len(rank0) == 10
+    assert len(rank0) == 20
     for run, other in zip(rank0, rank1):
-        setting = {k: run[k] for k in ("tied", "root", "layer", "before")}
+        setting = {k: run[k] for k in ("named", "tied", "root", "layer", "before")}
         for s in range(len(run["single"])):
             single, got0, got1 = run["single"][s], run["sharded"][s], other["sharded"][s]
             assert set(single) == set(got0) == set(got1), (setting, set(single) ^ set(got0))

@@ -149,7 +149,9 @@ class GradientDensity(Monitor):
 
     # ---------------------------------------------------------------- protocol
     def _parameters_replaced(self) -> bool:
-        """A module's ``weight`` is no longer the Parameter resolved at attach (``fully_shard`` after attach)."""
+        """A module's ``weight`` is no longer the Parameter resolved at attach (``fully_shard`` after attach). The whole
+        Parameter FSDP2 registers in place of the sharded one during its forward (a door whose step starts inside the
+        forward: the Hugging Face Trainer's) is no replacement: it holds no gradient after the backward."""
         m = self.matrices
         if m is None:
             return False
@@ -157,7 +159,8 @@ class GradientDensity(Monitor):
         return any(
             state.kind == "plain"
             and state.gradient_parameter is not None
-            and getattr(modules[role], "weight", None) is not state.gradient_parameter
+            and (now := getattr(modules[role], "weight", None)) is not state.gradient_parameter
+            and not (is_sharded(state.gradient_parameter) and isinstance(now, Tensor) and not is_sharded(now))
             for role, state in m.trains.items()
         )
 
@@ -183,7 +186,8 @@ class GradientDensity(Monitor):
             capture.active = self._active
         lookup = self._lookup_capture
         # row-sharded (FSDP2: a DTensor between steps): keep the tied lookup flow compact
-        if self._active and self.tied and lookup is not None and lookup.sharded is None and is_sharded(self._head.weight):  # type: ignore[union-attr]
+        held = self.matrices.trains["head"].gradient_parameter if self.matrices is not None else None  # not FSDP2's whole one
+        if self._active and self.tied and lookup is not None and lookup.sharded is None and is_sharded(held if held is not None else self._head.weight):  # type: ignore[union-attr]
             lookup.sharded = ShardedLookup()
         if self._active and lookup is not None and lookup.compiled and lookup.sharded is None:
             lookup.arm_probe()  # torch.compile: the lookup flow through a probe input of the graph
@@ -343,14 +347,11 @@ class GradientDensity(Monitor):
                 "region, or with the adapter merged. (warned once)",
             )
         if isinstance(capture, HeadFlowCapture) and capture.dropout and capture.gradient is None:
-            self.warn_once(
-                "lora_dropout_head",
-                f"GradientDensityMonitor: the head `{self.matrices.head_name}` is a LoRA layer with lora_dropout="  # type: ignore[union-attr]
-                f"{capture.dropout:g}: in training its adapter sees dropout(h) while the base sees h, so no one matrix's "
-                "gradient is what the loss trained, and the head's gradient statistics are not reported (the logits "
-                "and the update statistics still are). Set lora_dropout=0 (or leave lm_head out of target_modules) "
-                "to measure them. (warned once)",
-            )
+            self.warn_once("lora_dropout_head", f"GradientDensityMonitor: the head `{self.matrices.head_name}` is a LoRA "  # type: ignore[union-attr]
+                f"layer with lora_dropout={capture.dropout:g}: in training its adapter sees dropout(h) while the base sees h, "
+                "so no one matrix's gradient is what the loss trained, and the head's gradient statistics are not reported "
+                "(the logits and the update statistics still are). Set lora_dropout=0 (or leave lm_head out of "
+                "target_modules) to measure them. (warned once)")  # fmt: skip
         if not everywhere:
             return None  # every process takes the same path
         sharded = getattr(capture, "sharded", None)

@@ -178,7 +178,9 @@ class LogitsCapture:
         self.detach()
         s = self.source
         self._unwatch = generation.watch_generate(self.model if self.model is not None else s.owner)
-        self._handles.append(s.owner.register_forward_hook(CopySafeHook(self._on_owner), with_kwargs=True))
+        # first under FSDP2: its own forward hook frees the whole head weight that the hidden-state path projects with
+        first = fully_sharded(self.model if self.model is not None else s.owner)
+        self._handles.append(s.owner.register_forward_hook(CopySafeHook(self._on_owner), with_kwargs=True, prepend=first))
         if s.kind == "model_logits":  # measured at the loss where the loss is code headwatch knows (docs/sources.md)
             undo = watch_loss_function(s.owner, self.heard, lambda: self.listening)
             self._undo.extend([*([undo] if undo is not None else []), LossCalls.listen(self)])
@@ -207,7 +209,7 @@ class LogitsCapture:
         """Arm for one step. ``positions_shape``: the batch's ``(B, T)`` of targets or mask, if known."""
         self._reset_step()
         self._reference = tuple(positions_shape) if positions_shape is not None else None
-        # FSDP2 frees the unsharded head weight after the forward: the hidden path keeps a copy read during it
+        # FSDP2 frees the whole head weight after the forward: hidden_module= (measured at the step's end) keeps a copy
         self._copy_weight = self.model is not None and fully_sharded(self.model)
         self._armed = True
         LossCalls.wrap_loaded()  # a fused loss's patch imported since attach
@@ -281,9 +283,7 @@ class LogitsCapture:
             self._events.append(("head_out", (rows, tuple(raw.shape[:-1]) if raw is not None else None)))
 
     def _head_weight_now(self, copy: bool) -> None:
-        """Record the head's weight as the forward sees it. Under FSDP2 it is an unsharded tensor whose memory is
-        freed after the forward: ``copy`` it (a ``(V, d_model)`` copy, kept until the step is measured) where the
-        hidden states are those of a module named by ``hidden_module=`` (a fused loss: the head never runs)."""
+        """The head's weight as the forward sees it; ``copy``: a ``(V, d_model)`` copy under FSDP2 (see :meth:`begin`)."""
         weight = getattr(self.source.head, "weight", None)
         if isinstance(weight, Tensor) and not torch.compiler.is_compiling():
             self._events.append(("head_weight", weight.detach().clone() if copy and self._copy_weight else weight))
