@@ -34,7 +34,8 @@ CPU used by other processes while measuring (``/proc/stat``) are printed: on a b
 not mean much.
 
 ``--quick``: the ``logits`` shape, 12 pricing steps (logging every 4), real runs of 50 steps: a smoke run.
-About 25 minutes on 2 quiet cores with the defaults. ``--json PATH`` writes every step time.
+About 25 minutes on 2 quiet cores with the defaults (from the step times: 30 + 60 steps a door and shape, bare
+and watched, and 3 probes). ``--json PATH`` writes every step time.
 
 Run: ``python bench/overhead.py [--quick] [--doors loop hf lightning] [--shapes logits quarter]``.
 """
@@ -541,9 +542,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--doors", nargs="+", choices=list(DOORS), default=list(DOORS))
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    parser.add_argument("--price-steps", type=int, default=40, help="steps of each pricing run (default 40)")
+    parser.add_argument("--price-steps", type=int, default=30, help="steps of each pricing run (default 30)")
     parser.add_argument("--price-every", type=int, default=5, help="logging interval of the pricing runs (default 5)")
-    parser.add_argument("--real-steps", type=int, default=100, help="steps of each real run, at most 300 (default 100)")
+    parser.add_argument("--real-steps", type=int, default=60, help="steps of each real run, at most 300 (default 60)")
     parser.add_argument("--run-steps", type=int, default=2000, help="the run priced (default 2000 steps)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out (default 2)")
     parser.add_argument("--quick", action="store_true", help="the logits shape, 12 pricing steps, real runs of 50: a smoke run")
