@@ -1,6 +1,6 @@
 """What watching costs a training run, on each front door at its defaults, priced and checked.
 
-Point 5 of the cost work: per front door (plain loop, Hugging Face ``Trainer``, Lightning), at the door's
+Per front door (plain loop, Hugging Face ``Trainer``, Lightning), at the door's
 defaults (the plain loop logs every 50 steps, the Hugging Face ``TrainingArguments.logging_steps`` default of
 500, Lightning's ``log_every_n_steps`` of 50; ``overhead_budget=0.01`` and its probe cadence as headwatch
 decides it; figures at their default), for two shapes of a ``LlamaForCausalLM`` built from a config (untied,
@@ -34,7 +34,8 @@ CPU used by other processes while measuring (``/proc/stat``) are printed: on a b
 not mean much.
 
 ``--quick``: the ``logits`` shape, 12 pricing steps (logging every 4), real runs of 50 steps: a smoke run.
-About 25 minutes on 2 quiet cores with the defaults. ``--json PATH`` writes every step time.
+About 25 minutes on 2 quiet cores with the defaults (from the step times: 30 + 60 steps a door and shape, bare
+and watched, and 3 probes). ``--json PATH`` writes every step time.
 
 Run: ``python bench/overhead.py [--quick] [--doors loop hf lightning] [--shapes logits quarter]``.
 """
@@ -111,6 +112,8 @@ class Run:
     log_every: int
     baton: Baton
     times: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    """The same steps in CPU seconds of the process (``time.process_time``: one run works at a time)."""
     starts: list[float] = field(default_factory=list)
     """``time.perf_counter()`` at the start of each step (pairs bare and watched steps in time)."""
     end: float = 0.0
@@ -119,9 +122,15 @@ class Run:
     """headwatch's step -> (logging step, probe step), from ``Overhead.begin``."""
     published: list[dict[str, float]] = field(default_factory=list)
     """``Overhead.publishable``'s values and window, each logging step."""
+    wall: tuple[list[float], float] | None = None
+    """The wall-clock step times and end when the figures are in CPU seconds (``--clock cpu``)."""
+    overhead: Any = None
+    """The watched run's ``Overhead`` (its ``run_seconds`` after training: headwatch's seconds over the run)."""
     error: BaseException | None = None
     _i: int = 0
     _start: float = 0.0
+    _cpu: float = 0.0
+    cpu_end: float = 0.0
 
     @property
     def name(self) -> str:
@@ -132,17 +141,18 @@ class Run:
         now = time.perf_counter()
         if 0 < self._i <= self.steps:
             self.times.append(now - self._start)
+            self.cpu.append(time.process_time() - self._cpu)
         if self._i <= self.steps:
             self.baton.release(self.name)
             self.baton.wait(self.name)
         self._i += 1
-        self._start = time.perf_counter()
+        self._start, self._cpu = time.perf_counter(), time.process_time()
         if self._i <= self.steps:
             self.starts.append(self._start)
 
     def finished(self) -> None:
         """Training returned: the time since the last boundary (the end of training) is :attr:`end`."""
-        self.end = time.perf_counter() - self._start
+        self.end, self.cpu_end = time.perf_counter() - self._start, time.process_time() - self._cpu
 
     def kinds(self) -> list[str]:
         """``quiet``, ``logging`` or ``probe`` for each timed step (headwatch's steps in order)."""
@@ -173,6 +183,7 @@ def record_overhead() -> None:
         out = publishable(self)
         run = _RUNS.get(threading.current_thread().name)
         if run is not None:
+            run.overhead = self
             fraction = next(v for k, v in out.items() if k.endswith("overhead/fraction"))
             run_fraction = next(v for k, v in out.items() if k.endswith("overhead/fraction_run"))
             run.published.append({"fraction": fraction, "fraction_run": run_fraction, "spent": self.window[0] + self.window[1],
@@ -406,7 +417,7 @@ def probe_steps(steps: int, every: int, cost: dict[str, float], bare_s: float) -
 
     over = Overhead(BUDGET, "bench")
     over.configure(every, [])
-    probes, last = set(), -1
+    probes: set[int] = set()
     for step in range(every - 1, steps, every):
         probing = over.is_probe_step(step)
         if over.first is None:
@@ -416,10 +427,9 @@ def probe_steps(steps: int, every: int, cost: dict[str, float], bare_s: float) -
         statistics_s = cost["logging"]
         probe_s = cost["probe"] - cost["logging"] if probing else 0.0
         over.decide(statistics_s, probe_s, every * bare_s + statistics_s + probe_s, 1.0 if probing else 0.0)
-        last = step
     if steps - 1 not in probes:
         probes.add(steps - 1)  # the end of training probes the last step (Orchestrator.end_run)
-    return probes if last >= -1 else set()
+    return probes
 
 
 def price(ratios: dict[str, float], steps: int, every: int, bare_s: float) -> float:
@@ -488,7 +498,12 @@ def door_report(
     verdict.check(f"{door}/{shape}: whole run, 95% upper bound", f"{upper:.4f}x", "<= 1.02x", upper <= 1.02)
     # headwatch's own timing on logging steps (the pricing run's windows that held no probe)
     own = [p["spent"] for p in watched.published if p["probe"] == 0]
-    bench = statistics.median(w - b for w, b in pairs["logging"])
+    logging_wall = pairs["logging"]
+    if watched.wall is not None and bare.wall is not None:  # headwatch times itself in wall seconds
+        kept, (bare.times, watched.times) = (bare.times, watched.times), (bare.wall[0], watched.wall[0])
+        logging_wall = paired(bare, watched, args.warmup)["logging"]
+        bare.times, watched.times = kept
+    bench = statistics.median(w - b for w, b in logging_wall)
     if own:
         mine = statistics.median(own)
         verdict.check(f"{door}/{shape}: headwatch's seconds on a logging step vs bench", f"{1e3 * mine:.0f} ms vs {1e3 * bench:.0f} ms",
@@ -509,12 +524,17 @@ def door_report(
         "measured_real": measured,
         "priced_real": priced_real,
     }
-    if rw.published:
-        hw_run = rw.published[-1]["fraction_run"]
-        bench_run = (wall_w - wall_b) / wall_w
+    if rw.overhead is not None:
+        # headwatch's wall time also holds the bare run's turns (the runs alternate): its fraction_run is read as
+        # its own seconds over the run (run_seconds, the probes' publishing included) over the watched run's time
+        # in wall seconds, as headwatch times itself
+        (tw, ew), (tb, eb) = rw.wall or (rw.times, rw.end), rb.wall or (rb.times, rb.end)
+        own_w, own_b = sum(tw) + ew, sum(tb) + eb
+        hw_run = rw.overhead.run_seconds[0] / own_w
+        bench_run = (own_w - own_b) / own_w
         verdict.check(f"{door}/{shape}: fraction_run vs bench (real run)", f"{100 * hw_run:.2f}% vs {100 * bench_run:.2f}%",
                       "within 0.5 points", abs(hw_run - bench_run) <= 0.005)  # fmt: skip
-        result.update(fraction_run=hw_run, bench_fraction_run=bench_run)
+        result.update(fraction_run=hw_run, published_fraction_run=rw.published[-1]["fraction_run"], bench_fraction_run=bench_run)
     return result
 
 
@@ -522,13 +542,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--doors", nargs="+", choices=list(DOORS), default=list(DOORS))
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    parser.add_argument("--price-steps", type=int, default=40, help="steps of each pricing run (default 40)")
+    parser.add_argument("--price-steps", type=int, default=30, help="steps of each pricing run (default 30)")
     parser.add_argument("--price-every", type=int, default=5, help="logging interval of the pricing runs (default 5)")
-    parser.add_argument("--real-steps", type=int, default=100, help="steps of each real run, at most 300 (default 100)")
+    parser.add_argument("--real-steps", type=int, default=60, help="steps of each real run, at most 300 (default 60)")
     parser.add_argument("--run-steps", type=int, default=2000, help="the run priced (default 2000 steps)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out (default 2)")
     parser.add_argument("--quick", action="store_true", help="the logits shape, 12 pricing steps, real runs of 50: a smoke run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time steps in wall seconds (default) or in the process's CPU seconds (less moved by other jobs)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write every step time (seconds) and the figures to this file")
     args = parser.parse_args()
     if args.quick:
@@ -555,7 +577,7 @@ def main() -> None:
         print(f"shape {s}: {SHAPES[s].describe()}")
     print(f"doors at their defaults (logging every {', '.join(f'{DOORS[d]} {DEFAULT_LOG_EVERY[d]}' for d in args.doors)}; "
           f"overhead_budget {BUDGET}); pricing runs {args.price_steps} steps logging every {args.price_every}, real runs "
-          f"{args.real_steps} steps; priced run {args.run_steps} steps")  # fmt: skip
+          f"{args.real_steps} steps; priced run {args.run_steps} steps; steps timed in {args.clock} seconds")  # fmt: skip
     print(f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     busy0, own0, wall0 = _system_busy_seconds(), sum(os.times()[:2]), time.perf_counter()
     verdict, results, times = Verdict(), {}, {}
@@ -563,9 +585,14 @@ def main() -> None:
         for door in args.doors:
             pricing = interleaved(door, SHAPES[shape], args.price_steps, args.price_every, args.seed)
             real = interleaved(door, SHAPES[shape], args.real_steps, DEFAULT_LOG_EVERY[door], args.seed)
-            results[f"{door}/{shape}"] = door_report(door, shape, pricing, real, args, verdict)
-            times[f"{door}/{shape}"] = {f"{kind} {r.name}": {"times": r.times, "end": r.end, "kinds": r.kinds(), "published": r.published}
+            times[f"{door}/{shape}"] = {f"{kind} {r.name}": {"wall": r.times, "cpu": r.cpu, "end": r.end, "cpu_end": r.cpu_end,
+                                                             "kinds": r.kinds(), "published": r.published}
                                         for kind, runs in (("pricing", pricing), ("real", real)) for r in runs}  # fmt: skip
+            if args.clock == "cpu":  # the figures from CPU seconds; the pairing stays in wall time
+                for r in (*pricing, *real):
+                    r.wall = (r.times, r.end)
+                    r.times, r.end = r.cpu, r.cpu_end
+            results[f"{door}/{shape}"] = door_report(door, shape, pricing, real, args, verdict)
             print(f"    (load {os.getloadavg()[0]:.2f}, {time.perf_counter() - wall0:.0f} s so far)", flush=True)
             if args.json is not None:  # after every door: a run cut short keeps what it measured
                 args.json.write_text(json.dumps({"results": results, "times": times, "criteria": verdict.rows}, indent=1))

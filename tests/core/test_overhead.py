@@ -184,6 +184,33 @@ def test_end_probe_not_repeated_on_a_probe_step():
     assert rec.steps_with("/collision/") == [1]
 
 
+def test_a_probe_steps_publishing_is_the_probes_cost():
+    """A probe step's sinks (its figures and histograms written after the window closed) count as the probe's
+    seconds, not as the next window's logging statistics."""
+    import time
+
+    class SlowOnProbes:
+        def __init__(self, cost):
+            self.cost, self.windows = cost, []
+
+        def publish(self, numbers, media, step, val):
+            if any("/collision/" in k for k in numbers):
+                time.sleep(0.3)  # a figure drawn and written
+            self.windows.append((step, list(self.cost.window)))
+
+    torch.manual_seed(0)
+    model = Tiny()
+    hw = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False)
+    slow = SlowOnProbes(hw.run.cost)
+    hw.run.sinks.append(slow)
+    for s in range(4):  # step 1: the first logging step, a probe; step 3: a logging step
+        train_step(hw, model, s)
+    assert [s for s, _ in slow.windows] == [1, 3]
+    statistics, probe, wall, probed = slow.windows[1][1]  # the window of steps 2-3, closed at step 3
+    assert probe == 0.0 and probed == 0.0 and statistics < 0.3 and wall < 0.3 + statistics, slow.windows
+    assert hw.run.cost.probe_seconds >= 0.3  # the decision at step 3 read step 1's window with its sinks
+
+
 def test_explicit_cadence_wins_with_a_note():
     collision = SynonymCollision()
     collision.every_n_steps = 4

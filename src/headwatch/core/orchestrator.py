@@ -530,7 +530,7 @@ class Orchestrator:
         media = [m.media for m in ok if not val or m.validation_media]
         published = named_evaluation(numbers, media, name, self.prefix)
         self.latest.update(published)
-        with self.cost.clock.kind("publish"):
+        with self.cost.publishing(val):  # a probe step's drawing and writing are the probe's cost
             self.each_sink("publish", lambda sink: sink.publish(published, media, step, val))
         return numbers
 

@@ -383,6 +383,26 @@ class Overhead:
         }
         return dict(self.last)
 
+    @contextmanager
+    def publishing(self, val: bool = False) -> Iterator[None]:
+        """The sinks publish a step's values inside (timed as ``publish``). A probe step's sinks draw and write its
+        figures and histograms after its window closed (:meth:`publishable`): that time is the probe's, so it is
+        moved into the window just closed (its probe seconds and wall time, and the run's totals), where the next
+        decision reads it as the probe's cost; else the next window would count it as its logging statistics."""
+        with self.clock.kind("publish"):
+            yield
+        if not self.on or val or not self.probing:
+            return
+        self.clock.read()  # spans not complete yet (a GPU stream behind) stay with the next window
+        tail, self.clock.seconds["publish"] = self.clock.seconds["publish"], 0.0
+        if tail <= 0:
+            return
+        self.window = [self.window[0], self.window[1] + tail, self.window[2] + tail, 1.0]
+        self.run_seconds = [self.run_seconds[0] + tail, self.run_seconds[1] + tail]
+        if self.window_start is not None:
+            self.window_start += tail  # the next window's wall time starts after it
+        self.last_probe = getattr(self, "last_probe", 0.0) + tail
+
     def follow_figures(self, monitors: Sequence[Any]) -> None:
         """Under a budget, ``monitors`` that draw figures (``figure_every`` > 0) draw them on probe steps only
         (:meth:`begin` sets their ``figure_every`` each step)."""
