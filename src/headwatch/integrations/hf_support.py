@@ -150,6 +150,41 @@ def loss_scale(trainer: Trainer | None, args: Any) -> Tensor | None:
     return scaler.get_scale()
 
 
+def watch_clipping(trainer: Trainer) -> None:
+    """Keep the coefficient of the Trainer's gradient clipping, which runs before ``on_pre_optimizer_step``: its
+    accelerator's ``clip_grad_norm_`` is wrapped once, and the coefficient torch applies to every gradient,
+    ``min(1, max_norm / (total_norm + 1e-6))``, is kept as a device tensor (no host sync) until
+    :func:`gradient_scale` reads it. Without it the tied split would set the captured lookup flow (unclipped)
+    against the clipped ``.grad`` (docs/matrices.md)."""
+    accelerator = getattr(trainer, "accelerator", None)
+    clip = getattr(accelerator, "clip_grad_norm_", None)
+    if clip is None or getattr(clip, "headwatch_clip", False):
+        return
+
+    def clipped(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        norm = clip(parameters, max_norm, *args, **kwargs)
+        if isinstance(norm, Tensor):  # DeepSpeed clips inside its engine and returns None: nothing known
+            accelerator.headwatch_clip = (float(max_norm) / (norm.detach().float() + 1e-6)).clamp(max=1.0)
+        return norm
+
+    clipped.headwatch_clip = True  # type: ignore[attr-defined]
+    accelerator.clip_grad_norm_ = clipped
+
+
+def gradient_scale(trainer: Trainer | None, args: Any) -> Tensor | float | None:
+    """What the captured gradient flows are divided by to equal this step's final ``.grad``: the fp16 loss scale
+    (:func:`loss_scale`) over the step's clip coefficient (:func:`watch_clipping`), or None when neither applies.
+    Reads (and forgets) the step's clip coefficient, so call it on every optimizer step."""
+    accelerator = getattr(trainer, "accelerator", None)
+    clip = getattr(accelerator, "headwatch_clip", None)
+    if clip is not None:
+        accelerator.headwatch_clip = None  # type: ignore[union-attr]
+    scale = loss_scale(trainer, args)
+    if clip is None:
+        return scale
+    return (scale if scale is not None else 1.0) / clip
+
+
 def wire_alert(callback: Any, args: Any) -> None:
     """Build the ``AlertEngine`` of a callback's ``CollapseRules`` (standard actions: console, a marker in the
     Trainer's TensorBoard, ``<output_dir>/headwatch_alerts.jsonl``); decisions through its reducer, rank zero
@@ -190,6 +225,7 @@ class TrainerLink(Driver):
         ``on_train_begin`` no longer stops the run: ``docs/faults.md``)."""
         self._trainer = weakref.ref(trainer)
         hand_loss_inputs(trainer, self.run)
+        watch_clipping(trainer)
         for cb in (
             trainer.callback_handler.callbacks
         ):  # its writer, made at on_train_begin, survives an unwritable log dir

@@ -195,7 +195,9 @@ class Headwatch(Driver):
         self.run.step_start(batch)
 
     def before_optimizer_step(self, loss_scale: float | Tensor | None = None) -> None:
-        """Gradients are final (after accumulation and ``scaler.unscale_``; pass ``scaler.get_scale()`` then)."""
+        """Gradients are final (after accumulation and ``scaler.unscale_``; pass ``scaler.get_scale()`` then), before
+        clipping: the tied split sets the lookup flow captured in the backward against ``.grad``, so a ``.grad``
+        scaled since (``clip_grad_norm_``) needs ``loss_scale=1 / coefficient``."""
         self._gradients_read = True
         self.run.gradients_ready(loss_scale)
 

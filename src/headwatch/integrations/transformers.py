@@ -32,8 +32,8 @@ from headwatch.integrations.hf_support import (
     TrainerLink,
     evaluation_prefix,
     find_trainer,
+    gradient_scale,
     in_evaluation,
-    loss_scale,
     wire_alert,
 )
 from headwatch.integrations.hf_trl import fused_head_note, trl_marks, trl_step_values
@@ -218,7 +218,8 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         with self.run.guard("reading the gradients"):
-            self.run.gradients_ready(loss_scale(self.trainer, args) if self.run.logging else None)
+            scale = gradient_scale(self.trainer, args)  # read on every step: the step's clip coefficient is forgotten
+            self.run.gradients_ready(scale if self.run.logging else None)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.run.optimizer_stepped()
