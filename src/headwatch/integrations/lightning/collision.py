@@ -105,8 +105,10 @@ class SynonymCollisionMonitor(SynonymCollision, MonitorCallback):
         super()._attach(trainer, pl_module, stage)
         self.frequency = TokenFrequency.of_trainer(trainer, pl_module, self.embedding)
         where = "the tied matrix" if self.tied else "head and embedding"
+        # a cadence of the user's is kept; else the overhead budget spaces the probes (overhead/probe_interval)
+        when = "" if self.log_every_n_steps else ", or further apart as the overhead budget sets (overhead/probe_interval)"
         self._info_once(
-            f"headwatch: synonym collision of rare tokens in {where}, tau={self.tau}, every {self.schedule.every} steps"
+            f"headwatch: synonym collision of rare tokens in {where}, tau={self.tau}, every {self.schedule.every} steps{when}"
         )
 
     # ---------------------------------------------------------------- validation (synonym confusion)
