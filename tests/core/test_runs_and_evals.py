@@ -344,7 +344,7 @@ def test_hf_unexpected_error_in_a_hook_warns_once_strict_raises(tmp_path, monkey
     def boom(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(door, "loss_scale", boom)
+    monkeypatch.setattr(door, "gradient_scale", boom)
     cb = HeadwatchCallback(figure_every_n_steps=0)
     trainer = Trainer(model=tiny_llama(), args=args(tmp_path), train_dataset=Rows(8, seed=4), callbacks=[cb])
     with warnings.catch_warnings(record=True) as caught:
