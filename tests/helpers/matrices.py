@@ -23,6 +23,23 @@ def tiny(family: str, tied: bool = True) -> nn.Module:
     return transformers.Gemma2ForCausalLM(config).float()
 
 
+GRANITE_SCALING = 4.0  # Granite divides its head's output by ``logits_scaling``
+
+
+def granite() -> nn.Module:
+    """A tiny untied Granite (``logits_scaling`` 4, ``embedding_multiplier`` 2), its head scaled up so that the
+    logits are far from uniform: the scaling then moves every statistic."""
+    torch.manual_seed(0)
+    config = transformers.GraniteConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        tie_word_embeddings=False, logits_scaling=GRANITE_SCALING, embedding_multiplier=2.0,
+    )  # fmt: skip
+    model = transformers.GraniteForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
 def untied_twin(model: nn.Module) -> nn.Module:
     """The same values, the head a Parameter of its own: its two ``.grad`` are the tied matrix's two flows."""
     twin = copy.deepcopy(model)

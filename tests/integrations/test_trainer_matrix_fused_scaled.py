@@ -33,7 +33,8 @@ from headwatch.integrations.transformers import HeadwatchCallback
 from headwatch.model.at_loss import LossCalls
 from tests.helpers.capture import assert_published, reference
 from tests.helpers.lightning_runs import StepLogger
-from tests.helpers.matrices import D, V
+from tests.helpers.matrices import GRANITE_SCALING as SCALING
+from tests.helpers.matrices import granite
 from tests.helpers.trainer_matrix import (
     STEPS,
     B,
@@ -52,7 +53,6 @@ from tests.helpers.trainer_matrix import (
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("cut_cross_entropy")
 
-SCALING = 4.0
 EVALUATIONS: list[dict] = []  # the HF door's evaluate() metrics, newest last
 
 # Cut Cross-Entropy's Granite patch (``cut_cross_entropy/transformers/granite.py`` in its repository): the hidden
@@ -95,18 +95,6 @@ def cce_granite(monkeypatch):
     LossCalls.restore()
 
 
-def granite() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GraniteConfig(
-        vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-        tie_word_embeddings=False, logits_scaling=SCALING, embedding_multiplier=2.0,
-    )  # fmt: skip
-    model = transformers.GraniteForCausalLM(config)
-    with (
-        torch.no_grad()
-    ):  # logits far from uniform: the scaling then moves every statistic
-        model.lm_head.weight.mul_(20.0)
-    return model
 
 
 def run(door: str, model, out, bf16: bool) -> tuple[list[dict], list[dict]]:

@@ -15,7 +15,8 @@ import warnings
 import pytest
 import torch
 
-from tests.helpers.matrices import D, V, twin_grads
+from tests.helpers.matrices import GRANITE_SCALING as SCALING
+from tests.helpers.matrices import granite, twin_grads
 from tests.helpers.trainer_matrix import (
     STEPS,
     H,
@@ -28,21 +29,8 @@ from tests.helpers.trainer_matrix import (
 
 transformers = pytest.importorskip("transformers")
 
-SCALING = 4.0
 
 
-def granite() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GraniteConfig(
-        vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-        tie_word_embeddings=False, logits_scaling=SCALING, embedding_multiplier=2.0,
-    )  # fmt: skip
-    model = transformers.GraniteForCausalLM(config)
-    with (
-        torch.no_grad()
-    ):  # logits far from uniform: the scaling then moves every statistic
-        model.lm_head.weight.mul_(20.0)
-    return model
 
 
 @pytest.mark.parametrize("door", ["hf_trainer", "lightning", "loop"])
