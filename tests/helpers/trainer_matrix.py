@@ -131,20 +131,23 @@ def logits_reference(
     return out
 
 
-def assert_logits(
-    values: dict[str, float],
-    want: dict[str, float],
-    group: str = f"{H}/logits",
-    suffix: str = "",
-) -> None:
+def assert_logits(values: dict[str, float], want: dict[str, float], group: str = f"{H}/logits", suffix: str = "") -> None:
     assert values[f"{group}/positions{suffix}"] == want["positions"]
     pairs = {"entropy": "entropy", "kl_to_uniform": "kl_to_uniform", "max_prob": "max_prob", "target_nll": "nll",
              "target_argmax_rate": "argmax"}  # fmt: skip
     for key, col in pairs.items():
-        assert values[f"{group}/{key}{suffix}"] == pytest.approx(want[col], abs=ATOL), (
-            key
-        )
+        assert values[f"{group}/{key}{suffix}"] == pytest.approx(want[col], abs=ATOL), key
     assert math.isfinite(values[f"{group}/ece{suffix}"])
+
+
+def assert_unlabelled(got: dict[str, float], logits: torch.Tensor) -> None:
+    """No labels in the batch: the target statistics refused (NaN); entropy and max-probability over every attended
+    position equal float64 statistics of the forward's ``logits`` (B, T, V)."""
+    ref = float64_stats(logits, None, None)
+    assert got[f"{H}/logits/positions"] == B * T and got[f"{H}/debug/capture/labelled_positions"] == 0
+    assert got[f"{H}/logits/entropy"] == pytest.approx(ref["entropy"].mean(), abs=ATOL)
+    assert got[f"{H}/logits/max_prob"] == pytest.approx(ref["max_prob"].mean(), abs=ATOL)
+    assert math.isnan(got[f"{H}/logits/target_nll"]) and math.isnan(got[f"{H}/logits/ece"])
 
 
 def grad_reference(

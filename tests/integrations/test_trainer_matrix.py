@@ -29,7 +29,6 @@ gives no headwatch warning at all. docs/supported.md holds the table these tests
 
 from __future__ import annotations
 
-import math
 import warnings
 from itertools import accumulate
 
@@ -42,7 +41,6 @@ from headwatch.integrations.loop import Headwatch
 from headwatch.integrations.transformers import HeadwatchCallback
 from tests.helpers.capture import causal_ce
 from tests.helpers.matrices import D, V, untied_twin
-from tests.helpers.references import reference as float64_stats
 from tests.helpers.trainer_matrix import (
     ATOL,
     FAMILIES,
@@ -57,6 +55,7 @@ from tests.helpers.trainer_matrix import (
     T,
     assert_grads,
     assert_logits,
+    assert_unlabelled,
     check_hf_door,
     family,
     headwatch_warnings,
@@ -392,22 +391,7 @@ def test_plain_loop(name, feature):
         assert got[f"{H}/tokens/total"] == B * T * ends[step]
         assert_grads(got, grads[step], twin_grads[step] if twin_grads else None, pad)
         if feature == "no_labels":
-            ref = float64_stats(
-                logits[0], None, None
-            )  # every attended position: no labels to select them
-            assert (
-                got[f"{H}/logits/positions"] == B * T
-                and got[f"{H}/debug/capture/labelled_positions"] == 0
-            )
-            assert got[f"{H}/logits/entropy"] == pytest.approx(
-                ref["entropy"].mean(), abs=ATOL
-            )
-            assert got[f"{H}/logits/max_prob"] == pytest.approx(
-                ref["max_prob"].mean(), abs=ATOL
-            )
-            assert math.isnan(got[f"{H}/logits/target_nll"]) and math.isnan(
-                got[f"{H}/logits/ece"]
-            )
+            assert_unlabelled(got, logits[0])  # every attended position: no labels select them
             assert (
                 f"{H}/check/nll_gap" not in got
             )  # no reference loss from the model: nothing compared

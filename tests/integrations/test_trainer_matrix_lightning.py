@@ -11,7 +11,6 @@ float64 forward of each validation set.
 
 from __future__ import annotations
 
-import math
 import warnings
 from itertools import accumulate
 
@@ -25,7 +24,6 @@ from headwatch import GradientDensityMonitor, LogitStatsMonitor, TokenFrequency
 from tests.helpers.capture import reference as eval_reference
 from tests.helpers.lightning_runs import StepLogger
 from tests.helpers.matrices import V, untied_twin
-from tests.helpers.references import reference as float64_stats
 from tests.helpers.trainer_matrix import (
     ATOL,
     FAMILIES,
@@ -37,6 +35,7 @@ from tests.helpers.trainer_matrix import (
     T,
     assert_grads,
     assert_logits,
+    assert_unlabelled,
     family,
     headwatch_warnings,
     is_tied,
@@ -306,20 +305,7 @@ def test_lightning(tmp_path, name, feature):
         if (
             feature == "no_labels"
         ):  # refused: the target statistics; entropy over every attended position exact
-            ref = float64_stats(logits[0], None, None)
-            assert (
-                got[f"{H}/logits/positions"] == B * T
-                and got[f"{H}/debug/capture/labelled_positions"] == 0
-            )
-            assert got[f"{H}/logits/entropy"] == pytest.approx(
-                ref["entropy"].mean(), abs=ATOL
-            )
-            assert got[f"{H}/logits/max_prob"] == pytest.approx(
-                ref["max_prob"].mean(), abs=ATOL
-            )
-            assert math.isnan(got[f"{H}/logits/target_nll"]) and math.isnan(
-                got[f"{H}/logits/ece"]
-            )
+            assert_unlabelled(got, logits[0])  # every attended position: no labels select them
         else:
             want = logits_reference(logits, batches)
             assert_logits(got, want)
