@@ -309,25 +309,29 @@ def summarize(values: Tensor, select: Tensor | None = None) -> Summary:
     return summarize_groups(values, {"": select if select is not None else torch.ones_like(values, dtype=torch.bool)})[""]
 
 
-def _sorted_summary(ordered: Tensor, selected: Tensor) -> Summary:
-    """:class:`Summary` of the entries of the ascending ``ordered`` (float64 ``(V,)``, ``V > 0``) where
-    ``selected`` (bool ``(V,)``): fixed-size operations only, no host sync.
+def _sorted_summaries(ordered: Tensor, selected: list[Tensor]) -> Summary:
+    """:class:`Summary` of the entries of the ascending ``ordered`` (float64 ``(V,)``, ``V > 0``) selected by each
+    of ``selected`` (``G`` bool ``(V,)``): fields of shape ``(G,)``, fixed-size operations only, no host sync.
 
     The ``k``-th selected value (0-based) is at the first index where the running count of selected
-    entries reaches ``k + 1`` (a ``searchsorted`` in that count); the quantiles interpolate as
+    entries reaches ``k + 1`` (a ``searchsorted`` in that count, exact in integers); the quantiles interpolate as
     :func:`~headwatch.functional.quantiles.sorted_quantiles` between the selected values at
-    ``floor`` and ``ceil`` of ``q (n - 1)``.
+    ``floor`` and ``ceil`` of ``q (n - 1)``. Every group in one call: a Python loop over groups would pay each
+    small op's dispatch once per group (about 0.2 ms a group at ``V`` 32000 on a CPU core).
     """
-    running = selected.cumsum(0, dtype=torch.float64)
-    n = running[-1]
-    positions = [q * (n - 1) for q in (0.5, 0.95)]
-    ranks = torch.stack([r for p in positions for r in (p.floor(), p.ceil())] + [n - 1]).clamp(min=0.0)
-    index = torch.searchsorted(running, ranks + 1).clamp(max=ordered.numel() - 1)
-    at = ordered.index_select(0, index)
-    p50, p95 = (at[2 * i] + (at[2 * i + 1] - at[2 * i]) * (p - ranks[2 * i]) for i, p in enumerate(positions))
-    mean = torch.where(selected, ordered, 0.0).sum() / n
+    # row by row: 1-D cumsums are several times faster on the CPU than one along dim 1 of (G, V)
+    running = torch.stack([row.cumsum(0, dtype=torch.int64) for row in selected])  # (G, V), exact counts
+    n = running[:, -1].double()  # (G,)
+    p50, p95 = 0.5 * (n - 1), 0.95 * (n - 1)
+    ranks = torch.stack([p50.floor(), p50.ceil(), p95.floor(), p95.ceil(), n - 1], dim=1).clamp(min=0.0)  # (G, 5)
+    index = torch.searchsorted(running, ranks.long() + 1).clamp(max=ordered.numel() - 1)
+    at = ordered.index_select(0, index.reshape(-1)).view(index.shape)  # (G, 5)
+    q50 = at[:, 0] + (at[:, 1] - at[:, 0]) * (p50 - ranks[:, 0])
+    q95 = at[:, 2] + (at[:, 3] - at[:, 2]) * (p95 - ranks[:, 2])
+    # one sum per group over the whole (V,) row: the same reduction, bit for bit, as a 1-D tensor's sum
+    mean = torch.stack([torch.where(row, ordered, 0.0).sum() for row in selected]) / n
     some = n > 0
-    return Summary(*(torch.where(some, x, float("nan")) for x in (mean, at[-1], p50, p95)), n)
+    return Summary(*(torch.where(some, x, float("nan")) for x in (mean, at[:, 4], q50, q95)), n)
 
 
 def summarize_groups(values: Tensor, groups: dict[str, Tensor]) -> dict[str, Summary]:
@@ -336,15 +340,14 @@ def summarize_groups(values: Tensor, groups: dict[str, Tensor]) -> dict[str, Sum
     Args:
         values: ``(V,)``; groups: name -> ``(V,)`` bool mask.
     """
+    if values.numel() == 0 or not groups:
+        nan = torch.full((), float("nan"), dtype=torch.float64, device=values.device)
+        none = torch.zeros((), dtype=torch.float64, device=values.device)
+        return {name: Summary(nan, nan, nan, nan, none) for name in groups}
     ordered, order = torch.sort(values.double())
-    out = {}
-    for name, mask in groups.items():
-        if values.numel() == 0:
-            nan = torch.full((), float("nan"), dtype=torch.float64, device=values.device)
-            out[name] = Summary(nan, nan, nan, nan, torch.zeros((), dtype=torch.float64, device=values.device))
-            continue
-        out[name] = _sorted_summary(ordered, mask.to(order.device).index_select(0, order))
-    return out
+    selected = [mask.to(order.device).index_select(0, order) for mask in groups.values()]  # G x (V,)
+    both = _sorted_summaries(ordered, selected)
+    return {name: Summary(*(field[i] for field in both)) for i, name in enumerate(groups)}
 
 
 def rankdata(values: Tensor) -> Tensor:
