@@ -174,6 +174,23 @@ def test_summarize_and_summarize_groups_match_numpy():
     assert empty.count.item() == 0 and math.isnan(empty.mean.item()) and math.isnan(empty.p95.item())
 
 
+def test_groups_summarized_together_equal_each_alone_bitwise():
+    """summarize_groups measures every group in one pass of small ops: each group's values are those of a call
+    for that group alone, bit for bit (ties, NaN values, an empty and a full group, groups of 1 and 2 rows)."""
+    values = torch.cat([_gen(300, seed=9).abs(), torch.tensor([0.0, 0.0, float("nan"), 2.0, 2.0])])
+    n = values.numel()
+    idx = torch.arange(n)
+    groups = {"thirds": idx % 3 == 0, "none": torch.zeros(n, dtype=torch.bool), "all": torch.ones(n, dtype=torch.bool),
+              "one": idx == 7, "two": (idx == 5) | (idx == n - 1), "tail": idx >= n - 6}  # fmt: skip
+    together = summarize_groups(values, groups)
+    for name, mask in groups.items():
+        alone = summarize_groups(values, {name: mask})[name]
+        for got, want in zip(together[name], alone):
+            assert got.shape == () and torch.equal(got.view(torch.int64), want.view(torch.int64)), name
+    want = values[groups["one"]].double().item()
+    assert together["one"].p50.item() == together["one"].p95.item() == together["one"].max.item() == want
+
+
 def test_rankdata_and_spearman_edge_cases():
     assert rankdata(torch.zeros(0)).numel() == 0
     assert rankdata(torch.tensor([5.0, 1.0, 5.0, 3.0])).tolist() == [3.5, 1.0, 3.5, 2.0]
