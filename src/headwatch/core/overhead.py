@@ -415,10 +415,10 @@ class Overhead:
         if self.closing is not None:
             statistics, probe, wall, probed = self.closing
             if probed > 0 or self.probing:
-                statistics, probe, probed = statistics + tail - drawn, probe + drawn, 1.0
+                statistics, probe = statistics + tail - drawn, probe + drawn
             else:
                 statistics += tail
-            self.window = [statistics, probe, wall + now - self.closed_at, probed]
+            self.window = [statistics, probe, wall + now - self.closed_at, 1.0 if probe > 0 else 0.0]
             self.closing, self.closed = None, self.closed + 1
             if probe > 0:
                 self.last_probe = probe
