@@ -32,7 +32,8 @@ of training and closing included) over the watched run's time against the bench'
 logging and probe step's own watched - bare, the end of training's, and the quiet steps at their median extra (a
 quiet step's extra is far below the noise of one pair: summed, 50 pairs' noise would be the figure; the sum of
 every pair is printed beside it). Both sides in the seconds of ``--clock``: with ``--clock cpu`` headwatch's own
-clock reads the process's CPU seconds too.
+clock reads the process's CPU seconds too. ``--aa`` adds an A/A run per door (the real run's length, neither slot
+watched): the median step difference between the two slots, the bench's own bias, is taken off every step's extra.
 
 **Pass** (printed per criterion): a logging step <= 1.12x bare; quiet steps <= 1.005x; the priced whole run
 <= 1.01x with its 95% upper bound <= 1.02x; headwatch's seconds of a window within 20% of the bench's;
@@ -136,10 +137,16 @@ class Run:
     overhead: Any = None
     """The watched run's ``Overhead`` (its ``run_seconds`` after training: headwatch's seconds over the run)."""
     error: BaseException | None = None
+    aa: bool = False
+    """An A/A run: the run in the watched slot trains bare too (the bench's own bias between the two slots)."""
     _i: int = 0
     _start: float = 0.0
     _cpu: float = 0.0
     cpu_end: float = 0.0
+
+    @property
+    def watching(self) -> bool:
+        return self.watched and not self.aa
 
     @property
     def name(self) -> str:
@@ -273,7 +280,7 @@ def train_loop(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, out: Pat
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     writer = SummaryWriter(str(out))
-    hw = headwatch.Headwatch(model, writer=writer, log_every_n_steps=run.log_every) if run.watched else None
+    hw = headwatch.Headwatch(model, writer=writer, log_every_n_steps=run.log_every) if run.watching else None
     for step, rows in enumerate(ids.split(shapes.batch)):
         run.boundary()
         batch = {"input_ids": rows, "labels": rows}
@@ -313,7 +320,7 @@ def train_hf(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, out: Path)
         learning_rate=1e-4, report_to=["tensorboard"], use_cpu=True, save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, **every,
     )  # fmt: skip
-    callbacks = [Boundaries()] + ([HeadwatchCallback()] if run.watched else [])
+    callbacks = [Boundaries()] + ([HeadwatchCallback()] if run.watching else [])
     trainer = Trainer(model=model, args=args, train_dataset=Rows(ids), callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # the logged dicts on stdout (disable_tqdm), in both runs alike
     trainer.train()
@@ -347,7 +354,7 @@ def train_lightning(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, out
             run.boundary()
 
     watch = [headwatch.TokenFrequency(), headwatch.LogitStatsMonitor(), headwatch.GradientDensityMonitor(),
-             headwatch.SynonymCollisionMonitor()] if run.watched else []  # fmt: skip
+             headwatch.SynonymCollisionMonitor()] if run.watching else []  # fmt: skip
     trainer = pl.Trainer(
         default_root_dir=str(out), max_steps=ids.shape[0] // shapes.batch, log_every_n_steps=run.log_every,
         logger=TensorBoardLogger(str(out)), callbacks=[Boundaries(), *watch], enable_progress_bar=False,
@@ -360,10 +367,11 @@ def train_lightning(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, out
 TRAIN: dict[str, Callable[..., None]] = {"loop": train_loop, "hf": train_hf, "lightning": train_lightning}
 
 
-def interleaved(door: str, shapes: Shapes, steps: int, log_every: int, seed: int) -> tuple[Run, Run]:
+def interleaved(door: str, shapes: Shapes, steps: int, log_every: int, seed: int, aa: bool = False) -> tuple[Run, Run]:
     """A bare and a watched run of ``door``, ``steps`` steps each, in turns of one step (set-up and teardown in
-    turns too, untimed, but for the end of training: :attr:`Run.end`). Returns ``(bare, watched)``."""
-    bare, watched = (Run(door, w, steps, log_every, Baton([])) for w in (False, True))
+    turns too, untimed, but for the end of training: :attr:`Run.end`). ``aa``: the watched slot trains bare too.
+    Returns ``(bare, watched)``."""
+    bare, watched = (Run(door, w, steps, log_every, Baton([]), aa=aa) for w in (False, True))
     schedule = [bare.name, watched.name]  # set-up
     for k in range(steps):
         schedule += [bare.name, watched.name] if k % 2 == 0 else [watched.name, bare.name]
@@ -480,7 +488,8 @@ class Verdict:
 
 
 def door_report(
-    door: str, shape: str, price_runs: tuple[Run, Run], real_runs: tuple[Run, Run], args: Any, verdict: Verdict
+    door: str, shape: str, price_runs: tuple[Run, Run], real_runs: tuple[Run, Run], args: Any, verdict: Verdict,
+    aa_runs: tuple[Run, Run] | None = None,
 ) -> dict[str, Any]:
     bare, watched = price_runs
     pairs = paired(bare, watched, args.warmup)
@@ -512,10 +521,15 @@ def door_report(
     # (every - 1) quiet steps and one logging step, each extra the median of watched - bare over its paired steps
     # (the quiet steps of the pricing and the real run together: a quiet step's extra is small against the noise).
     # In the seconds of --clock: headwatch's clock reads them too (main)
+    # With --aa, the bench's own bias between the two slots (an A/A run's median step difference) is taken off every
+    # step's extra.
     rb, rw = real_runs
     real_pairs = paired(rb, rw, args.warmup)
-    quiet = statistics.median(w - b for w, b in pairs["quiet"] + real_pairs["quiet"])
-    logging_extra = statistics.median(w - b for w, b in pairs["logging"])
+    bias = statistics.median(w - b for w, b in paired(*aa_runs, args.warmup)["quiet"]) if aa_runs else 0.0
+    if aa_runs:
+        print(f"    A/A run of {args.real_steps} steps: the watched slot {1e3 * bias:+.1f} ms a step (median), taken off every step")
+    quiet = statistics.median(w - b for w, b in pairs["quiet"] + real_pairs["quiet"]) - bias
+    logging_extra = statistics.median(w - b for w, b in pairs["logging"]) - bias
     own = [p["spent"] for p in watched.published if p["probe"] == 0]
     bench = (watched.log_every - 1) * quiet + logging_extra
     if own:
@@ -549,7 +563,7 @@ def door_report(
         # noise of one pair, their median (summed, the pairs' noise would be the figure)
         own_w, own_b = sum(rw.times) + rw.end, sum(rb.times) + rb.end
         hw_run = rw.overhead.run_seconds[0] / own_w
-        diffs = [(k, w - b) for k, w, b in zip(rw.kinds(), rw.times, rb.times)]
+        diffs = [(k, w - b - bias) for k, w, b in zip(rw.kinds(), rw.times, rb.times)]
         extra_run = sum(d for k, d in diffs if k != "quiet") + quiet * sum(k == "quiet" for k, _ in diffs) + rw.end - rb.end
         bench_run = extra_run / own_w
         print(f"    real run: headwatch's seconds {rw.overhead.run_seconds[0]:.2f} s, the bench's extra {extra_run:.2f} s "
@@ -575,6 +589,8 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "cpu", "thread"), default="wall",
                         help="time steps, and headwatch's own clock, in wall seconds (default), in the process's CPU seconds, or in the "
                              "run's thread's CPU seconds with torch at one thread (both less moved by other jobs)")  # fmt: skip
+    parser.add_argument("--aa", action="store_true",
+                        help="also an A/A run per door (neither slot watched): the slots' own bias is taken off every step's extra")
     parser.add_argument("--json", type=Path, help="also write every step time (seconds) and the figures to this file")
     args = parser.parse_args()
     if args.quick:
@@ -619,14 +635,15 @@ def main() -> None:
         for door in args.doors:
             pricing = interleaved(door, SHAPES[shape], args.price_steps, args.price_every, args.seed)
             real = interleaved(door, SHAPES[shape], args.real_steps, DEFAULT_LOG_EVERY[door], args.seed)
+            aa = interleaved(door, SHAPES[shape], args.real_steps, DEFAULT_LOG_EVERY[door], args.seed, aa=True) if args.aa else None
             times[f"{door}/{shape}"] = {f"{kind} {r.name}": {"wall": r.times, "cpu": r.cpu, "end": r.end, "cpu_end": r.cpu_end,
                                                              "kinds": r.kinds(), "published": r.published}
                                         for kind, runs in (("pricing", pricing), ("real", real)) for r in runs}  # fmt: skip
             if args.clock != "wall":  # the figures from CPU seconds; the pairing stays in wall time
-                for r in (*pricing, *real):
+                for r in (*pricing, *real, *(aa or ())):
                     r.wall = (r.times, r.end)
                     r.times, r.end = r.cpu, r.cpu_end
-            results[f"{door}/{shape}"] = door_report(door, shape, pricing, real, args, verdict)
+            results[f"{door}/{shape}"] = door_report(door, shape, pricing, real, args, verdict, aa)
             print(f"    (load {os.getloadavg()[0]:.2f}, {time.perf_counter() - wall0:.0f} s so far)", flush=True)
             if args.json is not None:  # after every door: a run cut short keeps what it measured
                 args.json.write_text(json.dumps({"results": results, "times": times, "criteria": verdict.rows}, indent=1))
