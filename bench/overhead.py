@@ -22,18 +22,26 @@ a 95% upper bound for it (bootstrap: the ratios of each kind resampled, 2000 tim
 
 **Checked by one real run.** A bare and a watched run of ``--real-steps`` (at most 300) at the door's defaults,
 in turns of one step as above, timed whole (the end of training, with its end probe, included): the measured
-ratio beside the priced one for the same number of steps. headwatch's own ``overhead/fraction`` (per window, on
-logging steps) and ``overhead/fraction_run`` are compared with the bench's: on logging steps, headwatch's seconds
-of a window (``fraction`` x the window's wall time) against the bench's watched-minus-bare time of the logging
-step (medians); over the run, ``fraction_run`` against ``(watched - bare) / watched``.
+ratio beside the priced one for the same number of steps. headwatch's own accounting (``overhead/fraction``,
+``fraction_run``) is compared with the bench's. A window is the steps from the end of one logging step's work to
+the end of the next one's (``--price-every`` steps, its publishing included): headwatch's seconds of a pricing-run
+window without a probe (median over windows) against the bench's extra seconds of the same steps,
+``(every - 1) x quiet extra + logging extra``, each extra the median of watched - bare over its paired steps (the
+quiet ones of the pricing and the real run together). Over the real run, headwatch's seconds (every window, the end
+of training and closing included) over the watched run's time against the bench's extra over the same: each
+logging and probe step's own watched - bare, the end of training's, and the quiet steps at their median extra (a
+quiet step's extra is far below the noise of one pair: summed, 50 pairs' noise would be the figure; the sum of
+every pair is printed beside it). Both sides in the seconds of ``--clock``: with ``--clock cpu`` headwatch's own
+clock reads the process's CPU seconds too. ``--aa`` adds an A/A run per door (the real run's length, neither slot
+watched): the median step difference between the two slots, the bench's own bias, is taken off every step's extra.
 
 **Pass** (printed per criterion): a logging step <= 1.12x bare; quiet steps <= 1.005x; the priced whole run
-<= 1.01x with its 95% upper bound <= 1.02x; headwatch's seconds on logging steps within 20% of the bench's;
+<= 1.01x with its 95% upper bound <= 1.02x; headwatch's seconds of a window within 20% of the bench's;
 ``fraction_run`` within 0.5 points of the bench's. The load average, torch's thread count and the share of the
 CPU used by other processes while measuring (``/proc/stat``) are printed: on a busy machine the timings do
 not mean much.
 
-``--quick``: the ``logits`` shape, 12 pricing steps (logging every 4), real runs of 50 steps: a smoke run.
+``--quick``: the ``logits`` shape, 16 pricing steps (logging every 2), real runs of 50 steps: a smoke run.
 About 25 minutes on 2 quiet cores with the defaults (from the step times: 30 + 60 steps a door and shape, bare
 and watched, and 3 probes). ``--json PATH`` writes every step time.
 
@@ -69,6 +77,8 @@ DEFAULT_LOG_EVERY = {"loop": 50, "hf": 500, "lightning": 50}
 """Each door's logging interval when nobody sets one: ``Headwatch(log_every_n_steps=50)``,
 ``TrainingArguments.logging_steps`` (500), ``lightning.Trainer(log_every_n_steps=50)``."""
 BUDGET = 0.01
+CPU_CLOCK = time.process_time
+"""The CPU seconds of ``--clock cpu``; ``--clock thread``: ``time.thread_time`` (torch at one thread)."""
 """``overhead_budget``'s default on every door."""
 
 
@@ -113,7 +123,7 @@ class Run:
     baton: Baton
     times: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
-    """The same steps in CPU seconds of the process (``time.process_time``: one run works at a time)."""
+    """The same steps in CPU seconds (:data:`CPU_CLOCK`: the process's, one run works at a time; or the thread's)."""
     starts: list[float] = field(default_factory=list)
     """``time.perf_counter()`` at the start of each step (pairs bare and watched steps in time)."""
     end: float = 0.0
@@ -121,16 +131,22 @@ class Run:
     flags: dict[int, tuple[bool, bool]] = field(default_factory=dict)
     """headwatch's step -> (logging step, probe step), from ``Overhead.begin``."""
     published: list[dict[str, float]] = field(default_factory=list)
-    """``Overhead.publishable``'s values and window, each logging step."""
+    """Each window headwatch completed (``Overhead.settle``): its seconds, wall time and published values."""
     wall: tuple[list[float], float] | None = None
     """The wall-clock step times and end when the figures are in CPU seconds (``--clock cpu``)."""
     overhead: Any = None
     """The watched run's ``Overhead`` (its ``run_seconds`` after training: headwatch's seconds over the run)."""
     error: BaseException | None = None
+    aa: bool = False
+    """An A/A run: the run in the watched slot trains bare too (the bench's own bias between the two slots)."""
     _i: int = 0
     _start: float = 0.0
     _cpu: float = 0.0
     cpu_end: float = 0.0
+
+    @property
+    def watching(self) -> bool:
+        return self.watched and not self.aa
 
     @property
     def name(self) -> str:
@@ -141,18 +157,18 @@ class Run:
         now = time.perf_counter()
         if 0 < self._i <= self.steps:
             self.times.append(now - self._start)
-            self.cpu.append(time.process_time() - self._cpu)
+            self.cpu.append(CPU_CLOCK() - self._cpu)
         if self._i <= self.steps:
             self.baton.release(self.name)
             self.baton.wait(self.name)
         self._i += 1
-        self._start, self._cpu = time.perf_counter(), time.process_time()
+        self._start, self._cpu = time.perf_counter(), CPU_CLOCK()
         if self._i <= self.steps:
             self.starts.append(self._start)
 
     def finished(self) -> None:
         """Training returned: the time since the last boundary (the end of training) is :attr:`end`."""
-        self.end, self.cpu_end = time.perf_counter() - self._start, time.process_time() - self._cpu
+        self.end, self.cpu_end = time.perf_counter() - self._start, CPU_CLOCK() - self._cpu
 
     def kinds(self) -> list[str]:
         """``quiet``, ``logging`` or ``probe`` for each timed step (headwatch's steps in order)."""
@@ -167,11 +183,12 @@ _RUNS: dict[str, Run] = {}
 
 
 def record_overhead() -> None:
-    """Wrap ``Overhead.begin`` and ``Overhead.publishable`` to record, for the calling thread's run, which steps log
-    and probe and what headwatch publishes as its overhead (the values themselves are untouched)."""
+    """Wrap ``Overhead.begin`` and ``Overhead.settle`` to record, for the calling thread's run, which steps log and
+    probe and each window headwatch completes (its seconds and wall time, and the values it published at its
+    logging step); the values themselves are untouched."""
     from headwatch.core.overhead import Overhead
 
-    begin, publishable = Overhead.begin, Overhead.publishable
+    begin, settle = Overhead.begin, Overhead.settle
 
     def begin_recorded(self: Overhead, step: int, logging: bool, first: bool) -> None:
         begin(self, step, logging, first)
@@ -179,18 +196,19 @@ def record_overhead() -> None:
         if run is not None:
             run.flags[step] = (logging, self.probing)
 
-    def publishable_recorded(self: Overhead) -> dict[str, float]:
-        out = publishable(self)
+    def settle_recorded(self: Overhead) -> None:
+        closed = self.closed
+        settle(self)
         run = _RUNS.get(threading.current_thread().name)
         if run is not None:
             run.overhead = self
-            fraction = next(v for k, v in out.items() if k.endswith("overhead/fraction"))
-            run_fraction = next(v for k, v in out.items() if k.endswith("overhead/fraction_run"))
-            run.published.append({"fraction": fraction, "fraction_run": run_fraction, "spent": self.window[0] + self.window[1],
-                                  "wall": self.window[2], "probe": self.window[1], "at": len(run.times)})  # fmt: skip
-        return out
+            if self.closed > closed:
+                fraction = next(v for k, v in self.last.items() if k.endswith("overhead/fraction"))
+                run_fraction = next(v for k, v in self.last.items() if k.endswith("overhead/fraction_run"))
+                run.published.append({"fraction": fraction, "fraction_run": run_fraction, "spent": self.window[0] + self.window[1],
+                                      "wall": self.window[2], "probe": self.window[1], "at": len(run.times)})  # fmt: skip
 
-    Overhead.begin, Overhead.publishable = begin_recorded, publishable_recorded  # type: ignore[method-assign]
+    Overhead.begin, Overhead.settle = begin_recorded, settle_recorded  # type: ignore[method-assign]
 
 
 # ----------------------------------------------------------------------------- the model and data
@@ -262,7 +280,7 @@ def train_loop(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, out: Pat
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     writer = SummaryWriter(str(out))
-    hw = headwatch.Headwatch(model, writer=writer, log_every_n_steps=run.log_every) if run.watched else None
+    hw = headwatch.Headwatch(model, writer=writer, log_every_n_steps=run.log_every) if run.watching else None
     for step, rows in enumerate(ids.split(shapes.batch)):
         run.boundary()
         batch = {"input_ids": rows, "labels": rows}
@@ -302,7 +320,7 @@ def train_hf(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, out: Path)
         learning_rate=1e-4, report_to=["tensorboard"], use_cpu=True, save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, **every,
     )  # fmt: skip
-    callbacks = [Boundaries()] + ([HeadwatchCallback()] if run.watched else [])
+    callbacks = [Boundaries()] + ([HeadwatchCallback()] if run.watching else [])
     trainer = Trainer(model=model, args=args, train_dataset=Rows(ids), callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # the logged dicts on stdout (disable_tqdm), in both runs alike
     trainer.train()
@@ -336,7 +354,7 @@ def train_lightning(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, out
             run.boundary()
 
     watch = [headwatch.TokenFrequency(), headwatch.LogitStatsMonitor(), headwatch.GradientDensityMonitor(),
-             headwatch.SynonymCollisionMonitor()] if run.watched else []  # fmt: skip
+             headwatch.SynonymCollisionMonitor()] if run.watching else []  # fmt: skip
     trainer = pl.Trainer(
         default_root_dir=str(out), max_steps=ids.shape[0] // shapes.batch, log_every_n_steps=run.log_every,
         logger=TensorBoardLogger(str(out)), callbacks=[Boundaries(), *watch], enable_progress_bar=False,
@@ -349,10 +367,11 @@ def train_lightning(run: Run, model: Any, ids: torch.Tensor, shapes: Shapes, out
 TRAIN: dict[str, Callable[..., None]] = {"loop": train_loop, "hf": train_hf, "lightning": train_lightning}
 
 
-def interleaved(door: str, shapes: Shapes, steps: int, log_every: int, seed: int) -> tuple[Run, Run]:
+def interleaved(door: str, shapes: Shapes, steps: int, log_every: int, seed: int, aa: bool = False) -> tuple[Run, Run]:
     """A bare and a watched run of ``door``, ``steps`` steps each, in turns of one step (set-up and teardown in
-    turns too, untimed, but for the end of training: :attr:`Run.end`). Returns ``(bare, watched)``."""
-    bare, watched = (Run(door, w, steps, log_every, Baton([])) for w in (False, True))
+    turns too, untimed, but for the end of training: :attr:`Run.end`). ``aa``: the watched slot trains bare too.
+    Returns ``(bare, watched)``."""
+    bare, watched = (Run(door, w, steps, log_every, Baton([]), aa=aa) for w in (False, True))
     schedule = [bare.name, watched.name]  # set-up
     for k in range(steps):
         schedule += [bare.name, watched.name] if k % 2 == 0 else [watched.name, bare.name]
@@ -469,7 +488,8 @@ class Verdict:
 
 
 def door_report(
-    door: str, shape: str, price_runs: tuple[Run, Run], real_runs: tuple[Run, Run], args: Any, verdict: Verdict
+    door: str, shape: str, price_runs: tuple[Run, Run], real_runs: tuple[Run, Run], args: Any, verdict: Verdict,
+    aa_runs: tuple[Run, Run] | None = None,
 ) -> dict[str, Any]:
     bare, watched = price_runs
     pairs = paired(bare, watched, args.warmup)
@@ -496,20 +516,30 @@ def door_report(
     verdict.check(f"{door}/{shape}: quiet steps", f"{med['quiet']:.4f}x", "<= 1.005x", med["quiet"] <= 1.005)
     verdict.check(f"{door}/{shape}: whole run ({args.run_steps} steps), priced", f"{whole:.4f}x", "<= 1.01x", whole <= 1.01)
     verdict.check(f"{door}/{shape}: whole run, 95% upper bound", f"{upper:.4f}x", "<= 1.02x", upper <= 1.02)
-    # headwatch's own timing on logging steps (the pricing run's windows that held no probe)
+    # headwatch's own seconds of a window (the steps from the end of one logging step's work to the end of the
+    # next one's; the pricing run's windows that held no probe) against the bench's extra seconds of the same steps:
+    # (every - 1) quiet steps and one logging step, each extra the median of watched - bare over its paired steps
+    # (the quiet steps of the pricing and the real run together: a quiet step's extra is small against the noise).
+    # In the seconds of --clock: headwatch's clock reads them too (main)
+    # With --aa, the bench's own bias between the two slots (an A/A run's median step difference) is taken off every
+    # step's extra.
+    rb, rw = real_runs
+    real_pairs = paired(rb, rw, args.warmup)
+    bias = statistics.median(w - b for w, b in paired(*aa_runs, args.warmup)["quiet"]) if aa_runs else 0.0
+    if aa_runs:
+        print(f"    A/A run of {args.real_steps} steps: the watched slot {1e3 * bias:+.1f} ms a step (median), taken off every step")
+    quiet = statistics.median(w - b for w, b in pairs["quiet"] + real_pairs["quiet"]) - bias
+    logging_extra = statistics.median(w - b for w, b in pairs["logging"]) - bias
     own = [p["spent"] for p in watched.published if p["probe"] == 0]
-    logging_wall = pairs["logging"]
-    if watched.wall is not None and bare.wall is not None:  # headwatch times itself in wall seconds
-        kept, (bare.times, watched.times) = (bare.times, watched.times), (bare.wall[0], watched.wall[0])
-        logging_wall = paired(bare, watched, args.warmup)["logging"]
-        bare.times, watched.times = kept
-    bench = statistics.median(w - b for w, b in logging_wall)
+    bench = (watched.log_every - 1) * quiet + logging_extra
     if own:
         mine = statistics.median(own)
-        verdict.check(f"{door}/{shape}: headwatch's seconds on a logging step vs bench", f"{1e3 * mine:.0f} ms vs {1e3 * bench:.0f} ms",
+        print(f"    a window of {watched.log_every} steps: headwatch {1e3 * mine:.0f} ms (median of {len(own)} windows); bench "
+              f"{watched.log_every - 1} x {1e3 * quiet:.1f} ms quiet ({len(pairs['quiet']) + len(real_pairs['quiet'])} "
+              f"pairs) + {1e3 * logging_extra:.0f} ms logging ({len(pairs['logging'])} pairs)")  # fmt: skip
+        verdict.check(f"{door}/{shape}: headwatch's seconds of a logging window vs bench", f"{1e3 * mine:.0f} ms vs {1e3 * bench:.0f} ms",
                       "within 20%", abs(mine - bench) <= 0.2 * abs(bench))  # fmt: skip
     # the real run at the door's default
-    rb, rw = real_runs
     wall_w, wall_b = sum(rw.times) + rw.end, sum(rb.times) + rb.end
     measured = wall_w / wall_b
     priced_real = price(med, args.real_steps, every, bare_s)
@@ -526,15 +556,22 @@ def door_report(
     }
     if rw.overhead is not None:
         # headwatch's wall time also holds the bare run's turns (the runs alternate): its fraction_run is read as
-        # its own seconds over the run (run_seconds, the probes' publishing included) over the watched run's time
-        # in wall seconds, as headwatch times itself
-        (tw, ew), (tb, eb) = rw.wall or (rw.times, rw.end), rb.wall or (rb.times, rb.end)
-        own_w, own_b = sum(tw) + ew, sum(tb) + eb
+        # its own seconds over the run (run_seconds: every window, the end of training and closing included) over
+        # the watched run's time, both in the seconds of --clock
+        # the bench's extra: each logging or probe step's own watched - bare (step i of one run against step i of
+        # the other, adjacent in time), the end of training's, and for the quiet steps, whose extra is far below the
+        # noise of one pair, their median (summed, the pairs' noise would be the figure)
+        own_w, own_b = sum(rw.times) + rw.end, sum(rb.times) + rb.end
         hw_run = rw.overhead.run_seconds[0] / own_w
-        bench_run = (own_w - own_b) / own_w
+        diffs = [(k, w - b - bias) for k, w, b in zip(rw.kinds(), rw.times, rb.times)]
+        extra_run = sum(d for k, d in diffs if k != "quiet") + quiet * sum(k == "quiet" for k, _ in diffs) + rw.end - rb.end
+        bench_run = extra_run / own_w
+        print(f"    real run: headwatch's seconds {rw.overhead.run_seconds[0]:.2f} s, the bench's extra {extra_run:.2f} s "
+              f"(every pair summed: {own_w - own_b:.2f} s) of {own_w:.1f} s watched")  # fmt: skip
         verdict.check(f"{door}/{shape}: fraction_run vs bench (real run)", f"{100 * hw_run:.2f}% vs {100 * bench_run:.2f}%",
                       "within 0.5 points", abs(hw_run - bench_run) <= 0.005)  # fmt: skip
-        result.update(fraction_run=hw_run, published_fraction_run=rw.published[-1]["fraction_run"], bench_fraction_run=bench_run)
+        result.update(fraction_run=hw_run, published_fraction_run=rw.published[-1]["fraction_run"], bench_fraction_run=bench_run,
+                      bench_extra_all_pairs=own_w - own_b)  # fmt: skip
     return result
 
 
@@ -547,14 +584,17 @@ def main() -> None:
     parser.add_argument("--real-steps", type=int, default=60, help="steps of each real run, at most 300 (default 60)")
     parser.add_argument("--run-steps", type=int, default=2000, help="the run priced (default 2000 steps)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out (default 2)")
-    parser.add_argument("--quick", action="store_true", help="the logits shape, 12 pricing steps, real runs of 50: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="the logits shape, 16 pricing steps logging every 2, real runs of 50: a smoke run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="time steps in wall seconds (default) or in the process's CPU seconds (less moved by other jobs)")  # fmt: skip
+    parser.add_argument("--clock", choices=("wall", "cpu", "thread"), default="wall",
+                        help="time steps, and headwatch's own clock, in wall seconds (default), in the process's CPU seconds, or in the "
+                             "run's thread's CPU seconds with torch at one thread (both less moved by other jobs)")  # fmt: skip
+    parser.add_argument("--aa", action="store_true",
+                        help="also an A/A run per door (neither slot watched): the slots' own bias is taken off every step's extra")
     parser.add_argument("--json", type=Path, help="also write every step time (seconds) and the figures to this file")
     args = parser.parse_args()
     if args.quick:
-        args.shapes, args.price_steps, args.price_every, args.real_steps = ["logits"], 12, 4, 50
+        args.shapes, args.price_steps, args.price_every, args.real_steps = ["logits"], 16, 2, 50
     if not 0 < args.real_steps <= 300:
         parser.error(f"--real-steps must be in 1..300, got {args.real_steps}")
 
@@ -570,6 +610,16 @@ def main() -> None:
     import headwatch
 
     record_overhead()
+    if args.clock != "wall":  # headwatch's own clock counts the same seconds as the bench (one run works at a time)
+        import types
+
+        from headwatch.core import overhead
+
+        global CPU_CLOCK
+        if args.clock == "thread":  # all of a step's work on its run's thread: torch at one thread
+            CPU_CLOCK = time.thread_time
+            torch.set_num_threads(1)
+        overhead.time = types.SimpleNamespace(perf_counter=CPU_CLOCK)  # type: ignore[assignment]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads (os.cpu_count: {os.cpu_count()}), "
           f"{platform.machine()}; python {platform.python_version()}, transformers {transformers.__version__}, "
           f"lightning {lightning.__version__}, headwatch {headwatch.__version__}")  # fmt: skip
@@ -585,14 +635,15 @@ def main() -> None:
         for door in args.doors:
             pricing = interleaved(door, SHAPES[shape], args.price_steps, args.price_every, args.seed)
             real = interleaved(door, SHAPES[shape], args.real_steps, DEFAULT_LOG_EVERY[door], args.seed)
+            aa = interleaved(door, SHAPES[shape], args.real_steps, DEFAULT_LOG_EVERY[door], args.seed, aa=True) if args.aa else None
             times[f"{door}/{shape}"] = {f"{kind} {r.name}": {"wall": r.times, "cpu": r.cpu, "end": r.end, "cpu_end": r.cpu_end,
                                                              "kinds": r.kinds(), "published": r.published}
                                         for kind, runs in (("pricing", pricing), ("real", real)) for r in runs}  # fmt: skip
-            if args.clock == "cpu":  # the figures from CPU seconds; the pairing stays in wall time
-                for r in (*pricing, *real):
+            if args.clock != "wall":  # the figures from CPU seconds; the pairing stays in wall time
+                for r in (*pricing, *real, *(aa or ())):
                     r.wall = (r.times, r.end)
                     r.times, r.end = r.cpu, r.cpu_end
-            results[f"{door}/{shape}"] = door_report(door, shape, pricing, real, args, verdict)
+            results[f"{door}/{shape}"] = door_report(door, shape, pricing, real, args, verdict, aa)
             print(f"    (load {os.getloadavg()[0]:.2f}, {time.perf_counter() - wall0:.0f} s so far)", flush=True)
             if args.json is not None:  # after every door: a run cut short keeps what it measured
                 args.json.write_text(json.dumps({"results": results, "times": times, "criteria": verdict.rows}, indent=1))

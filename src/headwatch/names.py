@@ -260,10 +260,11 @@ METRICS: tuple[Metric, ...] = (
     # ---- overhead (with an overhead budget: `overhead_budget=`, default 0.01)
     Metric("overhead/fraction", "fraction",
            "headwatch's share of the wall time since the last logging step (this process's: rank zero's in TensorBoard)",
-           _O, formula="`(t_statistics + t_probe + t_figures + t_publish) / t_wall` between two logging steps' transfers",
+           _O, formula="`(t_statistics + t_probe + t_figures + t_publish) / t_wall` from the end of the last logging step's "
+           "headwatch work to this step's transfer",
            headline=False, better="lower"),
     Metric("overhead/fraction_run", "fraction", "headwatch's share of the wall time since the run's first step", _O,
-           formula="`sum t_headwatch / sum t_wall` over every logging window of the run", headline=False, better="lower"),
+           formula="`sum t_headwatch / sum t_wall` over the run's windows to this step's transfer", headline=False, better="lower"),
     Metric("overhead/probe_interval", "steps",
            "steps between two probe steps (the collision measurement, figures, histograms): a power of two times the "
            "logging interval, the same on every process", _O, formula="`2^j * log_every`", headline=False),

@@ -131,11 +131,11 @@ class Orchestrator:
         self.sampling_temperature: float | None = None  # an RL run's sampling temperature (sample_at); None: not RL
         self.rl_start: dict[str, float] | None = None
         """The entropy and rare share of the run's first RL logging step (``rl/rare_share_of_entropy_drop``)."""
-        self.check = SelfCheck(prefix, self.reducer)
-        """The self-check (docs/self_check.md): doors hand it the trainer's figures (``check.step_loss``, ...)."""
-        self.check.strict = strict
         self.cost = Overhead(overhead_budget, prefix)
         """The overhead budget: the clock, the probe steps, the ``overhead/`` values (:mod:`headwatch.core.overhead`)."""
+        self.check = SelfCheck(prefix, self.reducer)
+        """The self-check (docs/self_check.md): doors hand it the trainer's figures (``check.step_loss``, ...)."""
+        self.check.strict, self.check.clock = strict, self.cost.clock  # the clock times its hook's work (CopySafeHook)
         self.val_check = SelfCheck(f"{prefix}/val", self.reducer, evaluation=True)  # evaluations: the model's own loss
         self.val_check.strict, self.check.evaluation_check = strict, self.val_check  # one hook on the model serves both
         self.vocabulary = VocabularyWatch()  # the vocabulary-sized matrices as attached, checked on logging steps
@@ -276,10 +276,10 @@ class Orchestrator:
 
     @contextmanager
     def guard(self, where: str) -> Iterator[None]:
-        """Inside, any exception is a monitoring failure (warned once, training goes on; ``strict`` raises):
-        what a front door wraps around each trainer hook."""
+        """Around a door's trainer hooks: timed as headwatch's; an exception warns once, training goes on (``strict`` raises)."""
         try:
-            yield
+            with self.cost.clock.kind(None):
+                yield
         except Exception as err:  # noqa: BLE001
             if getattr(err, "strict", False) is True:  # a strict part of the run raised on purpose
                 raise

@@ -95,6 +95,8 @@ class OverheadClock:
         self._spans: list[tuple[str, Any, Any]] = []
         self.seconds = dict.fromkeys(KINDS, 0.0)
         """Seconds read so far by kind (:meth:`read`); :meth:`take` empties them."""
+        self.on_idle: Any = None
+        """Called (no arguments) each time the outermost span ends: headwatch's work of the moment is over."""
 
     @staticmethod
     def _mark() -> tuple[float, Any]:
@@ -123,6 +125,8 @@ class OverheadClock:
             self._spans.append((k, began, end))
             if self._stack:
                 self._stack[-1][1] = end
+            elif self.on_idle is not None:
+                self.on_idle()
 
     def read(self) -> None:
         """Add the spans that are complete to :attr:`seconds` (call after a host sync: no sync here)."""
@@ -168,6 +172,8 @@ class Overhead:
         self.budget = check_budget(budget)
         self.prefix = prefix
         self.clock: OverheadClock = OverheadClock() if self.budget is not None else NO_CLOCK
+        if self.budget is not None:
+            self.clock.on_idle = self.settle
         self.every = 0
         self.multiple = FIRST_MULTIPLE
         """The probe interval in logging intervals (a power of two)."""
@@ -202,6 +208,14 @@ class Overhead:
         self.probe_seconds = 0.0
         self.probing = False
         self.last: dict[str, float] = {}
+        self.last_probe = 0.0
+        self.closing: list[float] | None = None
+        """The window a logging step closes (:meth:`publishable`), until its step's work is over (:meth:`settle`)."""
+        self.closed_at = 0.0
+        self.closed = 0
+        """Windows completed in the run."""
+        self.ended = False
+        """Training ended (:meth:`ends`): headwatch's later work joins the run's totals."""
 
     def state_dict(self) -> dict[str, Any]:
         """The probe schedule of the run (the same on every rank): a resumed run probes on the steps it would have."""
@@ -257,6 +271,7 @@ class Overhead:
     def ends(self, step: int, monitors: Sequence[Any]) -> list[Any]:
         """Training ended at ``step``: the probe monitors that measure it now (none when ``step`` was a probe step or
         without a budget); the probe's cost is published with its values."""
+        self.ended = True
         if not self.on or self.probed_at == step:
             return []
         probes = [m for m in monitors if getattr(m, "probe", False) and not self.explicit(m)]
@@ -266,8 +281,10 @@ class Overhead:
     def begin(self, step: int, logging: bool, first: bool) -> None:
         """A training step starts (``logging``: a logging step of the run)."""
         now = time.perf_counter()
-        if self.started is None:
+        if self.started is None:  # the run's first step: its set-up (attaching) is outside every window
             self.started = self.window_start = now
+            self.clock.read()
+            self.clock.take()
         if logging and self.first is None:
             self.first = step
         self.probing = self.on and logging and self.is_probe_step(step, first)
@@ -362,46 +379,61 @@ class Overhead:
             self.policy.note_once(key, message)
 
     def publishable(self) -> dict[str, float]:
-        """Read the clock (after the host sync) and close the window: the ``overhead/`` values of this step."""
+        """Read the clock (after the host sync) and start closing the window: the ``overhead/`` values of this step.
+
+        The window ends when this step's work is over (:meth:`settle`: its sinks, the rest of the door's call); the
+        values published now hold the window up to this step's transfer."""
         self.clock.read()
         seconds = self.clock.take()
         now = time.perf_counter()
         wall = now - (self.window_start if self.window_start is not None else now)
-        self.window_start = now
         spent = sum(seconds.values())
         probe = seconds["probe"] + seconds["figures"]
-        self.window = [spent - probe, probe, wall, 1.0 if probe > 0 else 0.0]
-        if probe > 0:
-            self.last_probe = probe
-        self.run_seconds = [self.run_seconds[0] + spent, self.run_seconds[1] + wall]
+        self.closing, self.closed_at = [spent - probe, probe, wall, 1.0 if probe > 0 else 0.0], now
+        run_spent, run_wall = self.run_seconds[0] + spent, self.run_seconds[1] + wall
         p = f"{self.prefix}/overhead"
         self.last = {
             f"{p}/fraction": spent / wall if wall > 0 else 0.0,
-            f"{p}/fraction_run": self.run_seconds[0] / self.run_seconds[1] if self.run_seconds[1] > 0 else 0.0,
+            f"{p}/fraction_run": run_spent / run_wall if run_wall > 0 else 0.0,
             f"{p}/probe_interval": float(self.multiple * self.every),
-            f"{p}/probe_seconds": getattr(self, "last_probe", 0.0),
+            f"{p}/probe_seconds": probe if probe > 0 else self.last_probe,
         }
         return dict(self.last)
 
-    @contextmanager
-    def publishing(self, val: bool = False) -> Iterator[None]:
-        """The sinks publish a step's values inside (timed as ``publish``). A probe step's sinks draw and write its
-        figures and histograms after its window closed (:meth:`publishable`): that time is the probe's, so it is
-        moved into the window just closed (its probe seconds and wall time, and the run's totals), where the next
-        decision reads it as the probe's cost; else the next window would count it as its logging statistics."""
-        with self.clock.kind("publish"):
-            yield
-        if not self.on or val or not self.probing:
+    def settle(self) -> None:
+        """headwatch's work of the moment is over (the clock's outermost span ended). After :meth:`publishable`, the
+        step's later work (its sinks, the rest of the door's call) joins the closing window, which ends now: a
+        window holds whole steps, from the end of one logging step's work to the end of the next one's. On a probe
+        step its sinks' work (drawing and writing its figures and histograms) is the probe's. After the end of
+        training, headwatch's last work (the end of training's sinks, closing) joins the run's totals."""
+        if self.closing is None and not self.ended:
             return
         self.clock.read()  # spans not complete yet (a GPU stream behind) stay with the next window
-        tail, self.clock.seconds["publish"] = self.clock.seconds["publish"], 0.0
-        if tail <= 0:
-            return
-        self.window = [self.window[0], self.window[1] + tail, self.window[2] + tail, 1.0]
-        self.run_seconds = [self.run_seconds[0] + tail, self.run_seconds[1] + tail]
-        if self.window_start is not None:
-            self.window_start += tail  # the next window's wall time starts after it
-        self.last_probe = getattr(self, "last_probe", 0.0) + tail
+        seconds = self.clock.take()
+        tail, drawn = sum(seconds.values()), seconds["probe"] + seconds["figures"] + seconds["publish"]
+        now = time.perf_counter()
+        if self.closing is not None:
+            statistics, probe, wall, probed = self.closing
+            if probed > 0 or self.probing:
+                statistics, probe = statistics + tail - drawn, probe + drawn
+            else:
+                statistics += tail
+            self.window = [statistics, probe, wall + now - self.closed_at, 1.0 if probe > 0 else 0.0]
+            self.closing, self.closed = None, self.closed + 1
+            if probe > 0:
+                self.last_probe = probe
+            spent, wall = statistics + probe, self.window[2]
+        else:
+            spent, wall = tail, now - (self.window_start if self.window_start is not None else now)
+        self.run_seconds = [self.run_seconds[0] + spent, self.run_seconds[1] + wall]
+        self.window_start = now
+
+    @contextmanager
+    def publishing(self, val: bool = False) -> Iterator[None]:
+        """The sinks publish a step's values inside (timed as ``publish``; on a probe step, as the probe's, by
+        :meth:`settle`)."""
+        with self.clock.kind("publish"):
+            yield
 
     def follow_figures(self, monitors: Sequence[Any]) -> None:
         """Under a budget, ``monitors`` that draw figures (``figure_every`` > 0) draw them on probe steps only

@@ -190,19 +190,22 @@ class Headwatch(Driver):
                 self.new_run()
             self.step_index = int(step)
         self._open = True
-        if self.run.step != self.step_index:
-            self.run.begin_step(self.step_index)
-        self.run.step_start(batch)
+        with self.run.cost.clock.kind(None):  # headwatch's work, for the overhead budget
+            if self.run.step != self.step_index:
+                self.run.begin_step(self.step_index)
+            self.run.step_start(batch)
 
     def before_optimizer_step(self, loss_scale: float | Tensor | None = None) -> None:
         """Gradients are final (after accumulation and ``scaler.unscale_``; pass ``scaler.get_scale()`` then), before
         clipping: the tied split sets the lookup flow captured in the backward against ``.grad``, so a ``.grad``
         scaled since (``clip_grad_norm_``) needs ``loss_scale=1 / coefficient``."""
         self._gradients_read = True
-        self.run.gradients_ready(loss_scale)
+        with self.run.cost.clock.kind(None):
+            self.run.gradients_ready(loss_scale)
 
     def after_optimizer_step(self) -> None:
-        self.run.optimizer_stepped()
+        with self.run.cost.clock.kind(None):
+            self.run.optimizer_stepped()
 
     def step_end(self, loss: Tensor | float | None = None) -> dict[str, float]:
         """After the optimizer step: on a logging step, compute (every rank), write (rank 0), return the values.
@@ -229,7 +232,10 @@ class Headwatch(Driver):
             if isinstance(loss, Tensor) and loss.numel() != 1:  # numel: the shape, no device read
                 raise HeadwatchError(f"`loss` must be a scalar tensor or a number, got a tensor of shape {tuple(loss.shape)}")
         self._open = False
-        step = self.step_index
+        with self.run.cost.clock.kind(None):
+            return self._step_end(self.step_index, loss)
+
+    def _step_end(self, step: int, loss: Tensor | float | None) -> dict[str, float]:
         if loss is not None and self.run.logging:
             self.run.check.step_loss(loss)
         if not self._gradients_read and any(isinstance(m, GradientDensity) for m in self.run.logging):

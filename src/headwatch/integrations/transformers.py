@@ -214,7 +214,8 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
             self._trl_marks = trl_marks(self.trainer) if self.run.logging else {}
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.run.batch_end()
+        with self.run.cost.clock.kind(None):  # headwatch's work, for the overhead budget
+            self.run.batch_end()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         with self.run.guard("reading the gradients"):
@@ -222,13 +223,15 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
             self.run.gradients_ready(scale if self.run.logging else None)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.run.optimizer_stepped()
-        self.run.batch_end()
+        with self.run.cost.clock.kind(None):
+            self.run.optimizer_stepped()
+            self.run.batch_end()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._control = control
-        if self.run.logging and not control.should_log and self.flow_decided():
-            self.run.warn_once("should_log", "HeadwatchCallback measured a step the Trainer does not log. (warned once)")
+        with self.run.cost.clock.kind(None):
+            if self.run.logging and not control.should_log and self.flow_decided():
+                self.run.warn_once("should_log", "HeadwatchCallback measured a step the Trainer does not log. (warned once)")
         with self.run.guard("publishing the step"):
             if self.run.logging:  # TRL's own entropy and token accuracy of this step, for the self-check
                 self.run.check.trainer_metrics(**trl_step_values(self.trainer, getattr(self, "_trl_marks", {})))
@@ -245,7 +248,8 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
 
     # ---------------------------------------------------------------- evaluation
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.run.validation_batch_end()
+        with self.run.cost.clock.kind(None):
+            self.run.validation_batch_end()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict | None = None, **kwargs: Any) -> None:
         """Publish the evaluation under the Trainer's name for it (``metric_key_prefix``, read from its
@@ -267,7 +271,8 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Write the monitors' state to ``<output_dir>/checkpoint-<step>/headwatch_state.pt``: every rank
         takes the (collective) state, the process that saves the Trainer's state (``args.should_save``) writes."""
-        save_state(self, args, state)
+        with self.run.cost.clock.kind(None):
+            save_state(self, args, state)
 
 
 def attach(trainer: Trainer, callback: HeadwatchCallback | None = None, **kwargs: Any) -> HeadwatchCallback:

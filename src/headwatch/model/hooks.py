@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 Reader = Callable[[nn.Module, dict, dict], Any]
@@ -25,7 +26,11 @@ class CopySafeHook:
     """A hook headwatch puts on a user's module: calls ``fn``. ``copy.deepcopy`` of the module (an EMA or SWA copy,
     ``torch.optim.swa_utils.AveragedModel``, a reference model) and a pickle (``torch.save(model)``) carry an
     :class:`InertHook` instead, so a copy neither feeds the monitor nor drags it (its locks, its writer) along;
-    the original keeps measuring."""
+    the original keeps measuring.
+
+    The hook's work is timed on the overhead clock (:class:`~headwatch.core.overhead.OverheadClock`, as the kind
+    around it) of the object ``fn`` is a method of: its ``clock``, else what its ``timer`` returns; neither: not
+    timed. Inside ``torch.compile`` it is not timed (no host clock in a traced graph)."""
 
     __slots__ = ("fn",)
 
@@ -33,7 +38,14 @@ class CopySafeHook:
         self.fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
+        owner = getattr(self.fn, "__self__", None)
+        clock = getattr(owner, "clock", None)
+        if clock is None and (timer := getattr(owner, "timer", None)) is not None:
+            clock = timer()
+        if clock is None or torch.compiler.is_compiling():
+            return self.fn(*args, **kwargs)
+        with clock.kind(None):
+            return self.fn(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> InertHook:
         return InertHook()
