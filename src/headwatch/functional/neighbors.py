@@ -241,6 +241,17 @@ def nearest_neighbours_masked(
     return nearest_neighbours_masked_sets(matrix, [queries], valid, max_chunk_bytes)[0]
 
 
+def merge_maxima(values: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
+    """The largest of ``W`` running maxima of each query and its key id: ``(W, Q)`` values and ids (-1: none) ->
+    ``(Q,)`` each. Among equal maxima the lowest id wins (that of one pass over the keys in order); an id of -1
+    never wins (its value is ``-inf``)."""
+    value, index = values[0], indices[0]
+    for v, i in zip(values[1:], indices[1:]):
+        take = (v > value) | ((v == value) & (i >= 0) & ((index < 0) | (i < index)))
+        value, index = torch.where(take, v, value), torch.where(take, i, index)
+    return value, index
+
+
 @torch.no_grad()
 def nearest_neighbours_masked_sets(
     matrix: Tensor,
@@ -320,11 +331,7 @@ def nearest_neighbours_masked_sets(
             for q0 in query_starts:
                 unit[q0] = unit_queries(q0)
         map_rows_single_threaded(search, key_starts, workers)
-    value, index = best[0], best_idx[0]
-    for other in range(1, workers):  # each worker's keys in increasing order: the lowest id among equal maxima
-        v, i = best[other], best_idx[other]
-        take = (v > value) | ((v == value) & (i >= 0) & ((index < 0) | (i < index)))
-        value, index = torch.where(take, v, value), torch.where(take, i, index)
+    value, index = merge_maxima(best, best_idx)
     value = torch.where(finite, value, float("nan")).clamp(max=1.0)
     index = torch.where(finite, index, -1)
     return [Neighbours(c, i) for c, i in zip(value.split(sizes), index.split(sizes))]
