@@ -37,7 +37,7 @@ from headwatch.distributed.sharded_drift import (
 )
 from headwatch.functional.drift import default_k
 from headwatch.functional.drift_pairs import FixedCollision, corrected_collision_groups, ordered_pairs, synonym_statistics_masked
-from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
+from headwatch.functional.frequency import BUCKETS, FrequencySnapshot, bucket_capacity
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import synonym_confusion, synonym_table
 from headwatch.model.weights import effective_weight
@@ -416,7 +416,10 @@ class SynonymCollision(Monitor):
             f"{c}/unseen_count": (snap.valid & (snap.counts == 0)).sum(dtype=torch.float64),
             f"{c}/invalid_count": (~snap.valid).sum(dtype=torch.float64),
         }
-        buckets = {name: sample_mask(snap.bucket == i, self.max_per_bucket, generator) for i, name in enumerate(BUCKETS)}
+        buckets = {  # a bucket's sample slots: at most the rows it can hold (the same rows, in the same slots)
+            name: sample_mask(snap.bucket == i, min(self.max_per_bucket, bucket_capacity(name, rare.numel())), generator)
+            for i, name in enumerate(BUCKETS)
+        }
         host: dict[str, Tensor] = {"rare_sample": sample, "rare_taken": taken}
         for name, weight in self._matrices().items():
             self._measure_matrix(name, weight, snap, (sample, taken), buckets, scalars, host)
