@@ -25,7 +25,13 @@ from headwatch.functional import (
     synonym_table,
     top_colliding_pairs,
 )
-from headwatch.functional.neighbors import Neighbours, merge_maxima, nearest_neighbours_masked_sets, row_max, similarity_chunks
+from headwatch.functional.neighbors import (
+    Neighbours,
+    merge_maxima,
+    nearest_neighbours_masked_sets,
+    row_max,
+    similarity_chunks,
+)
 
 
 def brute_force(matrix: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

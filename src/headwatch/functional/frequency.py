@@ -8,7 +8,6 @@ Buckets by count rank among the seen valid tokens (highest first, ties by token 
 from __future__ import annotations
 
 import math
-
 from typing import NamedTuple
 
 import torch
