@@ -25,7 +25,13 @@ from headwatch.functional import (
     synonym_table,
     top_colliding_pairs,
 )
-from headwatch.functional.neighbors import Neighbours, row_max, similarity_chunks
+from headwatch.functional.neighbors import (
+    Neighbours,
+    merge_maxima,
+    nearest_neighbours_masked_sets,
+    row_max,
+    similarity_chunks,
+)
 
 
 def brute_force(matrix: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +133,44 @@ def test_on_a_tie_the_lowest_row_id_is_the_neighbour_across_key_chunks(budget):
     assert got.index.tolist()[0] == 3
     assert got.index.tolist()[1:] == [9, 3]  # each copy's neighbour is the other one, never itself
     assert got.cosine[1:].tolist() == pytest.approx([1.0, 1.0], abs=1e-6)
+
+
+@pytest.mark.parametrize("budget", [1200, 2**26])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_query_sets_searched_in_one_pass_equal_brute_force_per_set(budget, threads):
+    """Several sets in one pass over the keys (each thread its own chunks of keys, merged): each set's values are
+    the float64 search's, a tie goes to the lowest row id across threads, a NaN query has none, an empty set is empty."""
+    matrix = _gen(40, 6, seed=4)
+    matrix[29] = matrix[3] * 2.0  # the same direction (exactly: a power of two), far from row 3 in the keys
+    matrix[0] = matrix[3] + 1e-3 * _gen(6, seed=5)  # nearest to both copies: row 3 must win
+    matrix[7] = math.nan
+    valid = torch.ones(40, dtype=torch.bool)
+    valid[[5, 11]] = False
+    sets = [torch.tensor([0, 3, 29, 7]), torch.zeros(0, dtype=torch.long), torch.arange(40), torch.tensor([5, 5, 11])]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        found = nearest_neighbours_masked_sets(matrix, sets, valid, max_chunk_bytes=budget)
+    finally:
+        torch.set_num_threads(previous)
+    finite = torch.isfinite(matrix).all(dim=1)
+    for queries, got in zip(sets, found):
+        assert got.cosine.shape == queries.shape and got.index.shape == queries.shape
+        ok = finite[queries]
+        best, arg = brute_force(matrix[finite], torch.searchsorted(finite.nonzero().flatten(), queries[ok]), valid[finite])
+        torch.testing.assert_close(got.cosine[ok].double(), best, atol=2e-6, rtol=0)
+        assert got.index[ok].tolist() == finite.nonzero().flatten()[arg].tolist()
+        assert got.cosine[~ok].isnan().all() and (got.index[~ok] == -1).all()
+    assert found[0].index.tolist()[:3] == [3, 29, 3]  # the tie: the lowest id, whichever thread read it
+
+
+def test_running_maxima_merge_to_the_largest_with_the_lowest_id_on_a_tie():
+    inf = math.inf
+    values = torch.tensor([[0.5, 0.25, -inf, 0.125, -inf], [0.5, 0.75, 0.0, 0.125, -inf], [0.25, 0.75, -inf, 0.375, -inf]])
+    ids = torch.tensor([[8, 1, -1, 3, -1], [2, 6, 4, 9, -1], [0, 5, -1, 7, -1]])
+    value, index = merge_maxima(values, ids)
+    assert value.tolist() == [0.5, 0.75, 0.0, 0.375, -inf]
+    assert index.tolist() == [2, 5, 4, 7, -1]
 
 
 def test_queries_need_not_be_valid_and_edge_rows():

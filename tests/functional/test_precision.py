@@ -22,6 +22,7 @@ from headwatch.functional import (
     logit_statistics_from_hidden,
 )
 from headwatch.functional.neighbors import nearest_neighbours, pair_cosine
+from headwatch.functional.precision import SMALL_DENSE, single_threaded
 from headwatch.functional.rows import row_cosine, row_norms, summarize
 from tests.helpers.references import reference
 
@@ -255,3 +256,21 @@ def test_cpu_threads_share_the_memory_budget():
     outputs = 2048 * 4 * 16  # the (N,) per-position tensors, with room for their temporaries
     assert peak <= budget + outputs
     assert_matches(out, reference(x), atol=1e-5)
+
+
+def test_a_small_dense_factorisation_runs_on_one_cpu_thread_and_the_count_comes_back():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with single_threaded(torch.device("cpu"), SMALL_DENSE):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with single_threaded(torch.device("cpu"), SMALL_DENSE + 1):  # a large one keeps every thread
+            assert torch.get_num_threads() == 2
+        with single_threaded(torch.device("meta"), 4):  # not the CPU: nothing changes
+            assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="inside"), single_threaded(torch.device("cpu"), 4):
+            raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)

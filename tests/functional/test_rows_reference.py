@@ -37,6 +37,7 @@ from headwatch.functional import (
     token_scalars,
     zero_rows,
 )
+from headwatch.functional.frequency import bucket_capacity
 from headwatch.functional.precision import full_precision, map_rows_single_threaded
 
 
@@ -304,6 +305,23 @@ def test_bucket_sizes_of_one_hundred_seen_tokens_by_hand():
     assert scalars["rare_count"].item() == 50
     with pytest.raises(HeadwatchError, match=r"counts and valid of shape \(V,\)"):
         frequency_buckets(counts, valid[:-1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 400), st.floats(0.0, 1.0), st.integers(0, 2**31 - 1))
+def test_no_bucket_holds_more_rows_than_its_capacity_and_a_fully_seen_vocabulary_fills_it(V, seen_share, seed):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(1, 50, (V,), generator=g) * (torch.rand(V, generator=g) < seen_share)
+    full = torch.randint(1, 50, (V,), generator=g)  # every row seen
+    valid = torch.ones(V, dtype=torch.bool)
+    for c in (counts, full):
+        bucket = frequency_buckets(c, valid)
+        for i, name in enumerate(BUCKETS):
+            assert int((bucket == i).sum()) <= bucket_capacity(name, V)
+    top1 = int((frequency_buckets(full, valid) == 0).sum())
+    assert top1 == bucket_capacity("top1", V)  # the bound is reached: no slot more than needed
+    with pytest.raises(HeadwatchError, match="`bucket` must be one of"):
+        bucket_capacity("rare", V)
 
 
 @settings(max_examples=60, deadline=None)

@@ -36,10 +36,10 @@ from headwatch.distributed.sharded_drift import (
     synonym_statistics_rows,
 )
 from headwatch.functional.drift import default_k
-from headwatch.functional.drift_pairs import FixedCollision, corrected_collision_masked, ordered_pairs, synonym_statistics_masked
-from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
+from headwatch.functional.drift_pairs import FixedCollision, corrected_collision_groups, ordered_pairs, synonym_statistics_masked
+from headwatch.functional.frequency import BUCKETS, FrequencySnapshot, bucket_capacity
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
-from headwatch.functional.neighbors import nearest_neighbours_masked, synonym_confusion, synonym_table
+from headwatch.functional.neighbors import synonym_confusion, synonym_table
 from headwatch.model.weights import effective_weight
 
 __all__ = ["DEFAULT_TAU", "PANEL_HALF_WIDTH", "PANEL_START", "SynonymCollision", "decode_token", "encode_group"]
@@ -416,7 +416,10 @@ class SynonymCollision(Monitor):
             f"{c}/unseen_count": (snap.valid & (snap.counts == 0)).sum(dtype=torch.float64),
             f"{c}/invalid_count": (~snap.valid).sum(dtype=torch.float64),
         }
-        buckets = {name: sample_mask(snap.bucket == i, self.max_per_bucket, generator) for i, name in enumerate(BUCKETS)}
+        buckets = {  # a bucket's sample slots: at most the rows it can hold (the same rows, in the same slots)
+            name: sample_mask(snap.bucket == i, min(self.max_per_bucket, bucket_capacity(name, rare.numel())), generator)
+            for i, name in enumerate(BUCKETS)
+        }
         host: dict[str, Tensor] = {"rare_sample": sample, "rare_taken": taken}
         for name, weight in self._matrices().items():
             self._measure_matrix(name, weight, snap, (sample, taken), buckets, scalars, host)
@@ -444,12 +447,12 @@ class SynonymCollision(Monitor):
         if rows.sharded:
             res, corr_rows, cosines = self._neighbours_sharded(rows, ids, taken, groups, p.mask, k)
         else:
-            res, corr_rows = corrected_collision_masked(rows.local, ids, taken, p.mask, self.tau, k, budget)
-            cosines = {
-                g: torch.full(i.shape, math.nan, device=dev) if g == "unseen" and not self.include_unseen  # never pairable
-                else nearest_neighbours_masked(corr_rows, i, p.mask, budget).cosine
-                for g, (i, _) in groups.items()
-            }  # fmt: skip
+            searched = [g for g in groups if g != "unseen" or self.include_unseen]  # unseen rows: never pairable
+            res, corr_rows, found = corrected_collision_groups(
+                rows.local, ids, taken, p.mask, self.tau, k, budget, [groups[g][0] for g in searched]
+            )  # one pass over the corrected rows for the panel and every group
+            cosines = {g: torch.full(i.shape, math.nan, device=dev) for g, (i, _) in groups.items()}
+            cosines.update({g: n.cosine for g, n in zip(searched, found)})
         scalars[f"{c}/rare_rate_{name}"] = res.rate
         n = res.measured.sum(dtype=torch.float64)
         low, high = wilson_interval((res.measured & (res.cosine >= self.tau)).sum(dtype=torch.float64), n)

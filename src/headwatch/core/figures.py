@@ -140,7 +140,7 @@ def entropy_over_run(steps: list[int], histograms: list[Tensor], max_entropy: fl
 
 def nn_similarity_by_bucket(cosines: dict[str, Tensor], tau: float, title: str) -> Any:
     """Histograms of nearest-neighbour cosine, one per frequency bucket, with the threshold tau."""
-    fig = _figure()
+    fig = _figure(layout=None)  # fixed margins: the constrained layout took a third of the drawing (two per probe)
     ax = fig.add_subplot()
     edges = torch.linspace(-1, 1, 81).numpy()
     for name, values in cosines.items():
@@ -151,7 +151,8 @@ def nn_similarity_by_bucket(cosines: dict[str, Tensor], tau: float, title: str) 
     ax.axvline(tau, color="red", linestyle="--", label=f"tau = {tau}")
     ax.set_xlabel("cosine with the nearest other row")
     ax.set_ylabel("density")
-    _title(fig, ax, title)
+    lines = _title(fig, ax, title)
+    fig.subplots_adjust(left=0.11, right=0.97, bottom=0.12, top=0.96 - 0.045 * lines)
     ax.legend(loc="best", fontsize=8)
     return fig
 

@@ -41,6 +41,7 @@ from torch import Tensor
 from headwatch.errors import HeadwatchError
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.neighbors import nearest_neighbours
+from headwatch.functional.precision import single_threaded
 
 DEFAULT_TAU = 0.9
 _OVERSAMPLE = 10  # extra columns of the randomized subspace (Halko et al. recommend 5-10)
@@ -232,7 +233,8 @@ def _exact_directions(
     for xc in _centred_chunks(rows, ids, mean64, step, torch.float64):
         cov.addmm_(xc.T, xc)
     cov = total(cov)
-    values, vectors = torch.linalg.eigh(cov)  # ascending
+    with single_threaded(cov.device, d):
+        values, vectors = torch.linalg.eigh(cov)  # ascending
     return vectors.flip(1)[:, :k].float(), values.flip(0)[:k].clamp(min=0.0), cov.diagonal().sum()
 
 
@@ -262,7 +264,8 @@ def _randomized_directions(
         projected += (xc.T @ (xc @ b32)).double()
     both = total(torch.cat([projected, trace.reshape(1, 1).expand(1, projected.shape[1])]))  # one collective
     projected, trace = both[:-1], both[-1, 0]
-    values, vectors = torch.linalg.eigh(basis.T @ projected)  # (q, q), ascending
+    with single_threaded(basis.device, q):
+        values, vectors = torch.linalg.eigh(basis.T @ projected)  # (q, q), ascending
     directions = torch.linalg.qr(basis @ vectors.flip(1)[:, :k]).Q
     return directions.float(), values.flip(0)[:k].clamp(min=0.0), trace
 

@@ -34,7 +34,10 @@ from headwatch.functional.drift import (
 )
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 from headwatch.functional.precision import full_precision
-from headwatch.functional.neighbors import Neighbours, nearest_neighbours, nearest_neighbours_masked, pair_cosine, similarity_chunks, unit_rows
+from headwatch.functional.neighbors import (
+    Neighbours, nearest_neighbours, nearest_neighbours_masked, nearest_neighbours_masked_sets, pair_cosine, similarity_chunks,
+    unit_rows,
+)  # fmt: skip
 
 
 class CorrectedCollision(NamedTuple):
@@ -185,12 +188,34 @@ def corrected_collision_masked(
         ``(FixedCollision, corrected (V, d) float32 rows)``. Fewer than 2 pairable rows do not raise:
         ``basis_rows`` says so, for the caller to check on the host.
     """
+    fixed, corrected, _ = corrected_collision_groups(rows, queries, given, pairable, tau, k, max_chunk_bytes)
+    return fixed, corrected
+
+
+@torch.no_grad()
+def corrected_collision_groups(
+    rows: Tensor,
+    queries: Tensor,
+    given: Tensor,
+    pairable: Tensor,
+    tau: float = DEFAULT_TAU,
+    k: int = 1,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    groups: Sequence[Tensor] = (),
+) -> tuple[FixedCollision, Tensor, list[Neighbours]]:
+    """:func:`corrected_collision_masked`, and the nearest neighbours among the corrected pairable rows of each of
+    ``groups`` (``(G_i,)`` row ids in ``[0, V)``, not checked) found in the same pass over the corrected rows
+    (:func:`~headwatch.functional.neighbors.nearest_neighbours_masked_sets`: the values of one search per set).
+
+    Returns:
+        ``(FixedCollision, corrected (V, d) float32 rows, one Neighbours per group)``.
+    """
     device = rows.device
     queries, given, pairable = queries.to(device).long(), given.to(device), pairable.to(device)
     mean, directions, variances, trace, n = principal_directions_masked(rows, pairable, k, max_chunk_bytes=max_chunk_bytes)
     corrected = apply_correction(rows, mean, directions, max_chunk_bytes)
     measured = given & pairable[queries]
-    fixed = nearest_neighbours_masked(corrected, queries, pairable, max_chunk_bytes)
+    fixed, *found = nearest_neighbours_masked_sets(corrected, [queries, *groups], pairable, max_chunk_bytes)
     raw = nearest_neighbours_masked(rows, queries, pairable, max_chunk_bytes)
     m = measured.sum(dtype=torch.float64)
     unit = torch.linalg.vector_norm(unit_row_sum_masked(rows, queries, measured, max_chunk_bytes))
@@ -205,7 +230,7 @@ def corrected_collision_masked(
         raw_cosine=raw.cosine,
         basis_rows=n,
     )
-    return result, corrected
+    return result, corrected, found
 
 
 def collision_from_neighbours(

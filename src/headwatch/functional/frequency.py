@@ -7,6 +7,7 @@ Buckets by count rank among the seen valid tokens (highest first, ties by token 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -15,7 +16,10 @@ from torch import Tensor
 from headwatch.errors import HeadwatchError
 from headwatch.names import BUCKETS
 
-__all__ = ["BUCKETS", "FrequencySnapshot", "count_order", "frequency_buckets", "frequency_snapshot", "rare_tokens", "token_scalars"]
+__all__ = [
+    "BUCKETS", "FrequencySnapshot", "bucket_capacity", "count_order", "frequency_buckets", "frequency_snapshot", "rare_tokens",
+    "token_scalars",
+]  # fmt: skip
 
 _BUCKET_EDGES = (0.01, 0.10, 0.50)
 
@@ -83,6 +87,20 @@ def frequency_buckets(counts: Tensor, valid: Tensor, order: Tensor | None = None
         bucket = torch.where(rank < torch.ceil(_BUCKET_EDGES[index] * n), index, bucket)
     bucket = torch.where(seen, bucket, BUCKETS.index("unseen"))
     return torch.where(valid, bucket, -1)
+
+
+def bucket_capacity(bucket: str, vocab_size: int) -> int:
+    """The most rows bucket ``bucket`` of :func:`frequency_buckets` can hold in a vocabulary of ``vocab_size`` rows,
+    known without reading the counts: ``ceil(edge * V)`` for ``top1``, ``top10``, ``top50`` (ranks below
+    ``ceil(edge * n)`` with ``n <= V`` seen rows), ``V`` for ``tail`` and ``unseen``.
+
+    Raises:
+        HeadwatchError: ``bucket`` is not one of :data:`BUCKETS`.
+    """
+    if bucket not in BUCKETS:
+        raise HeadwatchError(f"`bucket` must be one of {BUCKETS}, got {bucket!r}")
+    index = BUCKETS.index(bucket)
+    return math.ceil(_BUCKET_EDGES[index] * vocab_size) if index < len(_BUCKET_EDGES) else vocab_size
 
 
 def rare_tokens(

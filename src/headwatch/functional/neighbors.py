@@ -15,13 +15,14 @@ the device; the largest temporary is one ``(queries, keys)`` similarity chunk wi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from headwatch.errors import HeadwatchError
-from headwatch.functional.precision import full_precision
+from headwatch.functional.precision import cpu_workers, full_precision, map_rows_single_threaded
 from headwatch.functional.logits import DEFAULT_MAX_CHUNK_BYTES
 
 
@@ -237,44 +238,103 @@ def nearest_neighbours_masked(
     Returns:
         :class:`Neighbours` with ``(Q,)`` tensors, as :func:`nearest_neighbours`.
     """
+    return nearest_neighbours_masked_sets(matrix, [queries], valid, max_chunk_bytes)[0]
+
+
+def merge_maxima(values: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
+    """The largest of ``W`` running maxima of each query and its key id: ``(W, Q)`` values and ids (-1: none) ->
+    ``(Q,)`` each. Among equal maxima the lowest id wins (that of one pass over the keys in order); an id of -1
+    never wins (its value is ``-inf``)."""
+    value, index = values[0], indices[0]
+    for v, i in zip(values[1:], indices[1:]):
+        take = (v > value) | ((v == value) & (i >= 0) & ((index < 0) | (i < index)))
+        value, index = torch.where(take, v, value), torch.where(take, i, index)
+    return value, index
+
+
+@torch.no_grad()
+def nearest_neighbours_masked_sets(
+    matrix: Tensor,
+    query_sets: Sequence[Tensor],
+    valid: Tensor,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> list[Neighbours]:
+    """:func:`nearest_neighbours_masked` of several query sets of one matrix, in one pass over its rows.
+
+    Each key row is read and normalised once for all the sets (not once per set) and each query row once
+    (not once per chunk of keys, when the unit queries fit a quarter of ``max_chunk_bytes``). On the CPU the
+    chunks of keys are shared among torch's threads, each running single-threaded ops with its own running
+    maximum, merged at the end (the lowest key id wins a tie, as in one pass): on a busy machine every
+    multi-threaded op waits for a time slice (:func:`~headwatch.functional.precision.map_rows_single_threaded`),
+    and a search is hundreds of ops. Every query's value is that of :func:`nearest_neighbours_masked` alone.
+
+    Args:
+        matrix: ``(V, d_model)`` floating rows (math in float32).
+        query_sets: ``(Q_i,)`` integer row ids in ``[0, V)`` each (not checked).
+        valid: ``(V,)`` bool, rows that may be neighbours.
+        max_chunk_bytes: bound on the working memory (shared by the threads).
+
+    Returns:
+        one :class:`Neighbours` of ``(Q_i,)`` tensors per set, in order.
+    """
     V, d = matrix.shape
     device = matrix.device
-    queries = queries.to(device).long()
+    sizes = [q.numel() for q in query_sets]
+    queries = torch.cat([q.to(device).long().reshape(-1) for q in query_sets]) if query_sets else torch.zeros(0, dtype=torch.long, device=device)
     valid = valid.to(device)
     Q = queries.numel()
-    best = torch.full((Q,), float("-inf"), dtype=torch.float32, device=device)
-    best_idx = torch.full((Q,), -1, dtype=torch.long, device=device)
     if Q == 0 or V == 0:
-        return Neighbours(best, best_idx)
+        best = torch.full((Q,), float("-inf"), dtype=torch.float32, device=device)
+        return [Neighbours(c, i) for c, i in zip(best.split(sizes), torch.full((Q,), -1, device=device).split(sizes))]
     w = matrix.detach()
-    qc, kc = similarity_chunks(Q, V, d, max_chunk_bytes, device)
-    bad_queries = torch.zeros(Q, dtype=torch.bool, device=device)
+    threads = cpu_workers(device, V)
+    budget = max(1, max_chunk_bytes // threads)
+    qc, kc = similarity_chunks(Q, V, d, budget, device)
+    key_starts = list(range(0, V, kc))
+    workers = cpu_workers(device, len(key_starts))
+    best = torch.full((workers, Q), float("-inf"), dtype=torch.float32, device=device)  # each worker's running max
+    best_idx = torch.full((workers, Q), -1, dtype=torch.long, device=device)
+    finite = torch.empty(Q, dtype=torch.bool, device=device)
+    query_starts = list(range(0, Q, qc))
+    unit: dict[int, Tensor] = {}
+
+    def unit_queries(q0: int, first: bool = True) -> Tensor:
+        rows = w.index_select(0, queries[q0 : q0 + qc]).float()  # (q, d), a copy
+        ok = _normalise_rows_(rows)
+        if first:  # one writer: the first chunk of keys, when the unit queries are not kept
+            finite[q0 : q0 + qc] = ok
+        return rows
+
+    def search(k0: int, worker: int) -> None:
+        keys = w[k0 : k0 + kc].to(torch.float32, copy=True)  # (k, d), a copy (normalised in place)
+        n = keys.shape[0]
+        usable = _normalise_rows_(keys) & valid[k0 : k0 + n]  # a NaN/inf row is nobody's neighbour
+        keys.masked_fill_(~usable.unsqueeze(1), 0.0)
+        bias = torch.where(usable, 0.0, float("-inf")).unsqueeze(0)  # (1, k): -inf for the unusable keys
+        for q0 in query_starts:
+            qs = queries[q0 : q0 + qc]
+            q_rows = unit[q0] if q0 in unit else unit_queries(q0, k0 == 0)
+            sims = torch.addmm(bias, q_rows, keys.T)  # (q, k); the mask added in the product (no extra pass)
+            local = qs - k0  # the query itself, if it is in this key chunk
+            inside = (local >= 0) & (local < n)
+            rows = torch.arange(sims.shape[0], device=device)
+            at = local.clamp(0, n - 1)
+            sims[rows, at] = torch.where(inside, float("-inf"), sims[rows, at])
+            value, arg = row_max(sims)
+            mine, mine_idx = best[worker, q0 : q0 + qc], best_idx[worker, q0 : q0 + qc]
+            better = value > mine  # strictly: this worker's earlier (lower) keys win a tie
+            mine.copy_(torch.where(better, value, mine))
+            mine_idx.copy_(torch.where(better, arg + k0, mine_idx))
+
     with full_precision(device):  # float32 products whatever autocast / TF32 settings say
-        for k0 in range(0, V, kc):
-            keys = w[k0 : k0 + kc].to(torch.float32, copy=True)  # (k, d), a copy (normalised in place)
-            n = keys.shape[0]
-            usable = _normalise_rows_(keys) & valid[k0 : k0 + n]  # a NaN/inf row is nobody's neighbour
-            keys.masked_fill_(~usable.unsqueeze(1), 0.0)
-            bias = torch.where(usable, 0.0, float("-inf")).unsqueeze(0)  # (1, k): -inf for the unusable keys
-            for q0 in range(0, Q, qc):
-                qs = queries[q0 : q0 + qc]
-                q_rows = w.index_select(0, qs).float()  # (q, d), a copy
-                finite_q = _normalise_rows_(q_rows)
-                if k0 == 0:
-                    bad_queries[q0 : q0 + qc] = ~finite_q
-                sims = torch.addmm(bias, q_rows, keys.T)  # (q, k); the mask added in the product (no extra pass)
-                local = qs - k0  # the query itself, if it is in this key chunk
-                inside = (local >= 0) & (local < n)
-                rows = torch.arange(sims.shape[0], device=device)
-                at = local.clamp(0, n - 1)
-                sims[rows, at] = torch.where(inside, float("-inf"), sims[rows, at])
-                value, arg = row_max(sims)
-                better = value > best[q0 : q0 + qc]
-                best[q0 : q0 + qc] = torch.where(better, value, best[q0 : q0 + qc])
-                best_idx[q0 : q0 + qc] = torch.where(better, arg + k0, best_idx[q0 : q0 + qc])
-    best = torch.where(bad_queries, float("nan"), best)
-    best_idx = torch.where(bad_queries, -1, best_idx)
-    return Neighbours(best.clamp(max=1.0), best_idx)
+        if Q * d * 4 <= max_chunk_bytes // 4:  # the unit queries, once
+            for q0 in query_starts:
+                unit[q0] = unit_queries(q0)
+        map_rows_single_threaded(search, key_starts, workers)
+    value, index = merge_maxima(best, best_idx)
+    value = torch.where(finite, value, float("nan")).clamp(max=1.0)
+    index = torch.where(finite, index, -1)
+    return [Neighbours(c, i) for c, i in zip(value.split(sizes), index.split(sizes))]
 
 
 def pair_cosine(matrix: Tensor, a: Tensor, b: Tensor) -> Tensor:

@@ -47,6 +47,27 @@ def full_precision(device: torch.device) -> Iterator[None]:
             torch.set_float32_matmul_precision(previous)
 
 
+SMALL_DENSE = 1024
+"""On the CPU, a dense factorisation of a matrix up to this size (``torch.linalg.eigh`` of a ``(d, d)`` covariance) runs
+single-threaded: it is a sequence of small parallel regions, each of which waits for a time slice for every thread on
+a busy machine (measured at d 256 on 2 cores with other processes running: 0.2-6 s with 2 threads, 7-30 ms with 1)."""
+
+
+@contextmanager
+def single_threaded(device: torch.device, size: int) -> Iterator[None]:
+    """Inside the block, torch's CPU ops run on one thread when ``device`` is the CPU and ``size`` (the matrix's
+    side) is at most :data:`SMALL_DENSE`; the thread count is restored afterwards. Elsewhere nothing changes."""
+    if device.type != "cpu" or size > SMALL_DENSE or torch.get_num_threads() == 1:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def cpu_workers(device: torch.device, tasks: int) -> int:
     """Threads to split ``tasks`` CPU chunks across: torch's intra-op thread count, 1 off the CPU."""
     if device.type != "cpu":
