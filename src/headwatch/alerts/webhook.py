@@ -304,8 +304,9 @@ class WebhookSender:
                         raise _Refused(f"HTTP {err.code} redirect to {shown}, another host than "
                                        f"{self.redacted}, not followed; set the webhook URL to the final address") from None
                     url = location
-                except Exception:
-                    if deadline.expired:
+                except Exception as err:
+                    # the socket's own timeout (the same seconds) may fire before the deadline's timer thread runs
+                    if deadline.expired or isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError):
                         raise RuntimeError(f"no complete answer within {self.timeout:g} s") from None
                     raise
         raise _Refused(f"more than {MAX_REDIRECTS} redirects (307/308); set the webhook URL to the final address")
