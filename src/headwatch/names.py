@@ -265,6 +265,10 @@ METRICS: tuple[Metric, ...] = (
            headline=False, better="lower"),
     Metric("overhead/fraction_run", "fraction", "headwatch's share of the wall time since the run's first step", _O,
            formula="`sum t_headwatch / sum t_wall` over the run's windows to this step's transfer", headline=False, better="lower"),
+    Metric("overhead/probe_fraction_run", "fraction",
+           "the probes' share of the wall time since the run's first step (part of `overhead/fraction_run`)", _O,
+           formula="`sum (t_probe + t_figures) / sum t_wall` over the run's windows, the first, periodic and end probes",
+           headline=False, better="lower"),
     Metric("overhead/probe_interval", "steps",
            "steps between two probe steps (the collision measurement, figures, histograms): a power of two times the "
            "logging interval, the same on every process", _O, formula="`2^j * log_every`", headline=False),

@@ -24,7 +24,7 @@ from headwatch.errors import HeadwatchError
 from tests.helpers.distributed import run_gloo_workers, run_ranks
 from tests.helpers.loop import Tiny, train_step
 
-KEYS = ("fraction", "fraction_run", "probe_interval", "probe_seconds")
+KEYS = ("fraction", "fraction_run", "probe_fraction_run", "probe_interval", "probe_seconds")
 
 
 class FakeTime:
@@ -307,9 +307,36 @@ def test_summary_says_the_cost_against_the_budget(capsys):
             train_step(hw, model, s)
         hw.close()
     (line,) = [x for x in hw.summary.text.splitlines() if x.strip().startswith("overhead")]
-    spent, interval = hw.run.latest["headwatch/overhead/fraction_run"], hw.run.latest["headwatch/overhead/probe_interval"]
-    assert line == f"  overhead         {spent:.2%} of the wall time over the run (budget 1.00%); probes every {interval:.0f} steps"
+    latest = hw.run.latest
+    spent, interval = latest["headwatch/overhead/fraction_run"], latest["headwatch/overhead/probe_interval"]
+    probes = latest["headwatch/overhead/probe_fraction_run"]
+    assert line == (f"  overhead         {spent:.2%} of the wall time over the run (budget 1.00%), {probes:.2%} of it the probes "
+                    f"(the first, the periodic, the end); probes every {interval:.0f} steps")
     assert line in capsys.readouterr().out
+
+
+def test_the_probes_share_of_the_run_holds_their_seconds(monkeypatch):
+    """``overhead/probe_fraction_run`` against the seconds the probes were made to take: each collision measurement
+    sleeps 50 ms, and the run's wall time is read around the loop."""
+    import time
+
+    measure = SynonymCollision.measure
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.05)
+        return measure(self, *args, **kwargs)
+
+    monkeypatch.setattr(SynonymCollision, "measure", slow)
+    start = time.perf_counter()
+    hw, rec, _ = run_loop(9, every=2)
+    wall = time.perf_counter() - start
+    probes = len(rec.steps_with("/collision/"))
+    assert probes >= 2  # the first logging step and the end of training
+    share, spent = hw.run.cost.run_probe_seconds, hw.run.cost.run_seconds
+    assert share >= 0.05 * probes and share <= spent[0] <= wall
+    published = rec.seen[-1][1]
+    assert published["headwatch/overhead/probe_fraction_run"] <= published["headwatch/overhead/fraction_run"]
+    assert published["headwatch/overhead/probe_fraction_run"] * spent[1] >= 0.05 * (probes - 1)  # before the end's
 
 
 def test_a_resumed_run_probes_on_the_steps_it_would_have():

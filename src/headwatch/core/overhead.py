@@ -205,6 +205,8 @@ class Overhead:
         self.started: float | None = None
         self.window_start: float | None = None
         self.run_seconds = [0.0, 0.0]  # headwatch's seconds, wall seconds
+        self.run_probe_seconds = 0.0
+        """The probes' share of ``run_seconds[0]`` (the first, periodic and end probes, their figures included)."""
         self.probe_seconds = 0.0
         self.probing = False
         self.last: dict[str, float] = {}
@@ -395,6 +397,7 @@ class Overhead:
         self.last = {
             f"{p}/fraction": spent / wall if wall > 0 else 0.0,
             f"{p}/fraction_run": run_spent / run_wall if run_wall > 0 else 0.0,
+            f"{p}/probe_fraction_run": (self.run_probe_seconds + probe) / run_wall if run_wall > 0 else 0.0,
             f"{p}/probe_interval": float(self.multiple * self.every),
             f"{p}/probe_seconds": probe if probe > 0 else self.last_probe,
         }
@@ -422,10 +425,12 @@ class Overhead:
             self.closing, self.closed = None, self.closed + 1
             if probe > 0:
                 self.last_probe = probe
-            spent, wall = statistics + probe, self.window[2]
+            spent, wall, probed_s = statistics + probe, self.window[2], probe
         else:
             spent, wall = tail, now - (self.window_start if self.window_start is not None else now)
+            probed_s = drawn if self.probing else seconds["probe"] + seconds["figures"]
         self.run_seconds = [self.run_seconds[0] + spent, self.run_seconds[1] + wall]
+        self.run_probe_seconds += probed_s
         self.window_start = now
 
     @contextmanager

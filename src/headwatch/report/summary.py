@@ -149,12 +149,13 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
         fig["collision_rate_head"] = rate
         ref = f"; {raw:.3g} before the rows' common drift is removed" if raw is not None else ""
         lines.append(f"  collision        {rate:.3g} of rare head rows near-duplicate beyond drift{ref}")
-    spent, interval = g("overhead/fraction_run"), g("overhead/probe_interval")
+    spent, interval, probes = g("overhead/fraction_run"), g("overhead/probe_interval"), g("overhead/probe_fraction_run")
     if spent is not None:
         fig["overhead_fraction_run"] = spent
         budget = f" (budget {s.budget:.2%})" if getattr(s, "budget", None) is not None else ""
+        share = f", {probes:.2%} of it the probes (the first, the periodic, the end)" if probes is not None else ""
         every = f"; probes every {interval:.0f} steps" if interval is not None else ""
-        lines.append(f"  overhead         {spent:.2%} of the wall time over the run{budget}{every}")
+        lines.append(f"  overhead         {spent:.2%} of the wall time over the run{budget}{share}{every}")
     alerts = s.alerts() if s.alerts is not None else None
     if alerts is not None:
         fig["alerts"] = len(alerts)

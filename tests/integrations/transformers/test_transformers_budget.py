@@ -12,7 +12,7 @@ from headwatch import HeadwatchError
 from headwatch.integrations.transformers import HeadwatchCallback
 from tests.helpers.hf import Rows, hf_args, one_batch, tiny_llama
 
-KEYS = {f"headwatch/overhead/{k}" for k in ("fraction", "fraction_run", "probe_interval", "probe_seconds")}
+KEYS = {f"headwatch/overhead/{k}" for k in ("fraction", "fraction_run", "probe_fraction_run", "probe_interval", "probe_seconds")}
 
 
 def _train(tmp_path, **kw):
