@@ -14,7 +14,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -36,13 +35,20 @@ def _free_port() -> str:
         return str(sock.getsockname()[1])
 
 
-def _run(tmp_path: Path, *args: str) -> tuple[dict, dict]:
+SCENARIOS = ("1", "2", "3", "3-after", "2-late", "3-late")
+"""Every run of the worker's (stage, then ``-after`` or ``-late``): one launch of its 2 processes for all of them."""
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory) -> tuple[dict, dict]:
+    """Each rank's results of every scenario of :data:`SCENARIOS` and of the one-process twin."""
     pytest.importorskip("deepspeed", reason=REASON)
+    out = tmp_path_factory.mktemp("zero")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, str(SCRIPT), str(tmp_path), _free_port(), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, str(SCRIPT), str(out), _free_port(), *SCENARIOS]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return tuple(read_measured(tmp_path / f"rank{r}.json") for r in (0, 1))  # type: ignore[return-value]
+    return tuple(read_measured(out / f"rank{r}.json") for r in (0, 1))  # type: ignore[return-value]
 
 
 def _close(a: float, b: float, abs_tol: float = 1e-8) -> bool:
@@ -85,28 +91,29 @@ def _assert_equal_to_one_process(rank0: dict, rank1: dict, run: str, tying: str)
     assert 0 < got[-1]["headwatch/grad/head_row_density"] <= 1  # a measured gradient, not an empty one
 
 
-def test_zero_stages_1_2_3_equal_one_process(tmp_path):
-    rank0, rank1 = _run(tmp_path, "1", "2", "3")
-    for stage in (1, 2, 3):
-        for tying in ("tied", "untied"):
-            run = f"zero{stage}/{tying}"
-            # what ZeRO did to the head: stage 3 leaves an empty placeholder outside the forward
-            expected_seen = {"shape": [0], "ds_id": True, "hp_mapping": False} if stage == 3 else {"shape": [63, 16], "ds_id": False, "hp_mapping": True}
-            assert rank0[run]["seen"] == rank1[run]["seen"] == expected_seen, run
-            _assert_equal_to_one_process(rank0, rank1, run, tying)
-
-
-def test_zero3_headwatch_created_after_initialize(tmp_path):
-    rank0, rank1 = _run(tmp_path, "3", "--after")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_1_2_3_equal_one_process(zero_runs, stage):
+    rank0, rank1 = zero_runs
     for tying in ("tied", "untied"):
-        _assert_equal_to_one_process(rank0, rank1, f"zero3/{tying}", tying)
+        run = f"zero{stage}/{tying}"
+        # what ZeRO did to the head: stage 3 leaves an empty placeholder outside the forward
+        expected_seen = {"shape": [0], "ds_id": True, "hp_mapping": False} if stage == 3 else {"shape": [63, 16], "ds_id": False, "hp_mapping": True}
+        assert rank0[run]["seen"] == rank1[run]["seen"] == expected_seen, run
+        _assert_equal_to_one_process(rank0, rank1, run, tying)
 
 
-def test_gradient_read_after_engine_step_is_refused_once(tmp_path):
+def test_zero3_headwatch_created_after_initialize(zero_runs):
+    rank0, rank1 = zero_runs
+    for tying in ("tied", "untied"):
+        _assert_equal_to_one_process(rank0, rank1, f"zero3-after/{tying}", tying)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_read_after_engine_step_is_refused_once(zero_runs, stage):
     # stage 2 raised on some processes only (a hang or a crash), stage 3 gave the buffer's leftovers
-    rank0, rank1 = _run(tmp_path, "2", "3", "--late")
-    for run in ("zero2/tied", "zero2/untied", "zero3/tied", "zero3/untied"):
-        tying = run.split("/")[1]
+    rank0, rank1 = zero_runs
+    for tying in ("tied", "untied"):
+        run = f"zero{stage}-late/{tying}"
         got, single = _compare(rank0, rank1, run, tying)
         warned = unexpected(rank0[run]["warnings"])
         assert len(warned) == 1 and "`engine.step()` already ran" in warned[0] and "before `engine.step()`" in warned[0], warned
