@@ -40,15 +40,35 @@ SCENARIOS = ("1", "2", "3", "3-after", "2-late", "3-late")
 
 
 @pytest.fixture(scope="module")
-def zero_runs(tmp_path_factory) -> tuple[dict, dict]:
-    """Each rank's results of every scenario of :data:`SCENARIOS` and of the one-process twin."""
+def launches(tmp_path_factory) -> dict:
+    """Both DeepSpeed launches at once, as each waits much of its time on imports and on its peer process: the
+    plain-loop worker's 2 processes with every scenario of :data:`SCENARIOS`, and the Hugging Face Trainer's
+    ZeRO-3 run, whose one-process twin without DeepSpeed runs in this process meanwhile. Where each wrote its
+    results, and each launch's exit status and output."""
     pytest.importorskip("deepspeed", reason=REASON)
+    from tests.workers.hf_ddp import main
+
     out = tmp_path_factory.mktemp("zero")
+    (out / "plain").mkdir()
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, str(SCRIPT), str(out), _free_port(), *SCENARIOS]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return tuple(read_measured(out / f"rank{r}.json") for r in (0, 1))  # type: ignore[return-value]
+    hf = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+          str(WORKERS / "hf_deepspeed.py"), str(out / "hf"), "3"]  # fmt: skip
+    cmds = {"plain": [sys.executable, str(SCRIPT), str(out / "plain"), _free_port(), *SCENARIOS], "hf": hf}
+    procs = {k: subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k, c in cmds.items()}
+    try:
+        main(str(out / "single"))  # no DeepSpeed, the same global batches as the Hugging Face run
+        said = {k: p.communicate(timeout=400)[0] for k, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+    return {"out": out, "said": said, "codes": {k: p.returncode for k, p in procs.items()}}
+
+
+@pytest.fixture(scope="module")
+def zero_runs(launches) -> tuple[dict, dict]:
+    """Each rank's results of every scenario of :data:`SCENARIOS` and of the one-process twin."""
+    assert launches["codes"]["plain"] == 0, launches["said"]["plain"][-6000:]
+    return tuple(read_measured(launches["out"] / "plain" / f"rank{r}.json") for r in (0, 1))  # type: ignore[return-value]
 
 
 def _close(a: float, b: float, abs_tol: float = 1e-8) -> bool:
@@ -138,24 +158,16 @@ def test_without_zero_parameters_nothing_changes_and_deepspeed_is_not_imported()
     assert ("deepspeed" in sys.modules) == ds_before
 
 
-def test_hugging_face_trainer_under_zero3_refuses_gradients_once_and_measures_the_rest(tmp_path):
+def test_hugging_face_trainer_under_zero3_refuses_gradients_once_and_measures_the_rest(launches):
     """accelerate steps the DeepSpeed engine inside ``accelerator.backward``, before ``on_pre_optimizer_step``."""
-    pytest.importorskip("deepspeed", reason=REASON)
-    from tests.workers.hf_ddp import main
-
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(WORKERS / "hf_deepspeed.py"), str(tmp_path / "zero"), "3"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    main(str(tmp_path / "single"))  # meanwhile, in this process: no DeepSpeed, the same global batches
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-4000:]
-    single = read_measured(tmp_path / "single" / "rank0.json")
-    ranks = [read_measured(tmp_path / "zero" / f"rank{r}.json") for r in range(2)]
+    assert launches["codes"]["hf"] == 0, launches["said"]["hf"][-4000:]
+    out = launches["out"]
+    single = read_measured(out / "single" / "rank0.json")
+    ranks = [read_measured(out / "hf" / f"rank{r}.json") for r in range(2)]
     assert ranks[0] == ranks[1] and sorted(ranks[0]) == sorted(single) == ["2", "4"]
-    warned = unexpected(json.loads((tmp_path / "zero" / "warnings0.json").read_text()))
+    warned = unexpected(json.loads((out / "hf" / "warnings0.json").read_text()))
     assert len(warned) == 1 and "inside `accelerator.backward`" in warned[0], warned
-    assert unexpected(json.loads((tmp_path / "zero" / "warnings1.json").read_text())) == []  # said on rank 0 only
+    assert unexpected(json.loads((out / "hf" / "warnings1.json").read_text())) == []  # said on rank 0 only
     for step, values in ranks[0].items():
         missing = set(single[step]) - set(values)
         # the gradient statistics, and the self-check made from them, are refused under ZeRO-3
