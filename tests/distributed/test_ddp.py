@@ -16,18 +16,27 @@ from tests.helpers.paths import WORKERS
 SCRIPT = WORKERS / "ddp_logit_stats.py"
 
 
-def _run(out: Path, devices: int) -> list[dict]:
+def _start(out: Path, devices: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), str(devices), "8"], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cmd = [sys.executable, str(SCRIPT), str(out), str(devices), "8"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _results(proc: subprocess.Popen, out: Path, devices: int) -> list[dict]:
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
 
 
 def test_ddp_two_processes_equal_one_process(tmp_path):
-    (single,) = _run(tmp_path / "single", 1)
-    ranks = _run(tmp_path / "ddp", 2)
+    # both runs at once: each spends much of its time starting (imports, gloo), not computing
+    single_run, ddp_run = _start(tmp_path / "single", 1), _start(tmp_path / "ddp", 2)
+    try:
+        (single,) = _results(single_run, tmp_path / "single", 1)
+        ranks = _results(ddp_run, tmp_path / "ddp", 2)
+    finally:
+        for proc in (single_run, ddp_run):
+            proc.kill()
     assert ranks[0] == ranks[1], "every rank must hold the same synchronised values"
     ddp = ranks[0]
     assert sorted(single["train"]) == sorted(ddp["train"]) == ["0", "1", "2"]

@@ -14,7 +14,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -36,13 +35,40 @@ def _free_port() -> str:
         return str(sock.getsockname()[1])
 
 
-def _run(tmp_path: Path, *args: str) -> tuple[dict, dict]:
+SCENARIOS = ("1", "2", "3", "3-after", "2-late", "3-late")
+"""Every run of the worker's (stage, then ``-after`` or ``-late``): one launch of its 2 processes for all of them."""
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict:
+    """Both DeepSpeed launches at once, as each waits much of its time on imports and on its peer process: the
+    plain-loop worker's 2 processes with every scenario of :data:`SCENARIOS`, and the Hugging Face Trainer's
+    ZeRO-3 run, whose one-process twin without DeepSpeed runs in this process meanwhile. Where each wrote its
+    results, and each launch's exit status and output."""
     pytest.importorskip("deepspeed", reason=REASON)
+    from tests.workers.hf_ddp import main
+
+    out = tmp_path_factory.mktemp("zero")
+    (out / "plain").mkdir()
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, str(SCRIPT), str(tmp_path), _free_port(), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return tuple(read_measured(tmp_path / f"rank{r}.json") for r in (0, 1))  # type: ignore[return-value]
+    hf = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+          str(WORKERS / "hf_deepspeed.py"), str(out / "hf"), "3"]  # fmt: skip
+    cmds = {"plain": [sys.executable, str(SCRIPT), str(out / "plain"), _free_port(), *SCENARIOS], "hf": hf}
+    procs = {k: subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k, c in cmds.items()}
+    try:
+        main(str(out / "single"))  # no DeepSpeed, the same global batches as the Hugging Face run
+        said = {k: p.communicate(timeout=400)[0] for k, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+    return {"out": out, "said": said, "codes": {k: p.returncode for k, p in procs.items()}}
+
+
+@pytest.fixture(scope="module")
+def zero_runs(launches) -> tuple[dict, dict]:
+    """Each rank's results of every scenario of :data:`SCENARIOS` and of the one-process twin."""
+    assert launches["codes"]["plain"] == 0, launches["said"]["plain"][-6000:]
+    return tuple(read_measured(launches["out"] / "plain" / f"rank{r}.json") for r in (0, 1))  # type: ignore[return-value]
 
 
 def _close(a: float, b: float, abs_tol: float = 1e-8) -> bool:
@@ -85,28 +111,29 @@ def _assert_equal_to_one_process(rank0: dict, rank1: dict, run: str, tying: str)
     assert 0 < got[-1]["headwatch/grad/head_row_density"] <= 1  # a measured gradient, not an empty one
 
 
-def test_zero_stages_1_2_3_equal_one_process(tmp_path):
-    rank0, rank1 = _run(tmp_path, "1", "2", "3")
-    for stage in (1, 2, 3):
-        for tying in ("tied", "untied"):
-            run = f"zero{stage}/{tying}"
-            # what ZeRO did to the head: stage 3 leaves an empty placeholder outside the forward
-            expected_seen = {"shape": [0], "ds_id": True, "hp_mapping": False} if stage == 3 else {"shape": [63, 16], "ds_id": False, "hp_mapping": True}
-            assert rank0[run]["seen"] == rank1[run]["seen"] == expected_seen, run
-            _assert_equal_to_one_process(rank0, rank1, run, tying)
-
-
-def test_zero3_headwatch_created_after_initialize(tmp_path):
-    rank0, rank1 = _run(tmp_path, "3", "--after")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_1_2_3_equal_one_process(zero_runs, stage):
+    rank0, rank1 = zero_runs
     for tying in ("tied", "untied"):
-        _assert_equal_to_one_process(rank0, rank1, f"zero3/{tying}", tying)
+        run = f"zero{stage}/{tying}"
+        # what ZeRO did to the head: stage 3 leaves an empty placeholder outside the forward
+        expected_seen = {"shape": [0], "ds_id": True, "hp_mapping": False} if stage == 3 else {"shape": [63, 16], "ds_id": False, "hp_mapping": True}
+        assert rank0[run]["seen"] == rank1[run]["seen"] == expected_seen, run
+        _assert_equal_to_one_process(rank0, rank1, run, tying)
 
 
-def test_gradient_read_after_engine_step_is_refused_once(tmp_path):
+def test_zero3_headwatch_created_after_initialize(zero_runs):
+    rank0, rank1 = zero_runs
+    for tying in ("tied", "untied"):
+        _assert_equal_to_one_process(rank0, rank1, f"zero3-after/{tying}", tying)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_read_after_engine_step_is_refused_once(zero_runs, stage):
     # stage 2 raised on some processes only (a hang or a crash), stage 3 gave the buffer's leftovers
-    rank0, rank1 = _run(tmp_path, "2", "3", "--late")
-    for run in ("zero2/tied", "zero2/untied", "zero3/tied", "zero3/untied"):
-        tying = run.split("/")[1]
+    rank0, rank1 = zero_runs
+    for tying in ("tied", "untied"):
+        run = f"zero{stage}-late/{tying}"
         got, single = _compare(rank0, rank1, run, tying)
         warned = unexpected(rank0[run]["warnings"])
         assert len(warned) == 1 and "`engine.step()` already ran" in warned[0] and "before `engine.step()`" in warned[0], warned
@@ -131,24 +158,16 @@ def test_without_zero_parameters_nothing_changes_and_deepspeed_is_not_imported()
     assert ("deepspeed" in sys.modules) == ds_before
 
 
-def test_hugging_face_trainer_under_zero3_refuses_gradients_once_and_measures_the_rest(tmp_path):
+def test_hugging_face_trainer_under_zero3_refuses_gradients_once_and_measures_the_rest(launches):
     """accelerate steps the DeepSpeed engine inside ``accelerator.backward``, before ``on_pre_optimizer_step``."""
-    pytest.importorskip("deepspeed", reason=REASON)
-    from tests.workers.hf_ddp import main
-
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(WORKERS / "hf_deepspeed.py"), str(tmp_path / "zero"), "3"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    main(str(tmp_path / "single"))  # meanwhile, in this process: no DeepSpeed, the same global batches
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-4000:]
-    single = read_measured(tmp_path / "single" / "rank0.json")
-    ranks = [read_measured(tmp_path / "zero" / f"rank{r}.json") for r in range(2)]
+    assert launches["codes"]["hf"] == 0, launches["said"]["hf"][-4000:]
+    out = launches["out"]
+    single = read_measured(out / "single" / "rank0.json")
+    ranks = [read_measured(out / "hf" / f"rank{r}.json") for r in range(2)]
     assert ranks[0] == ranks[1] and sorted(ranks[0]) == sorted(single) == ["2", "4"]
-    warned = unexpected(json.loads((tmp_path / "zero" / "warnings0.json").read_text()))
+    warned = unexpected(json.loads((out / "hf" / "warnings0.json").read_text()))
     assert len(warned) == 1 and "inside `accelerator.backward`" in warned[0], warned
-    assert unexpected(json.loads((tmp_path / "zero" / "warnings1.json").read_text())) == []  # said on rank 0 only
+    assert unexpected(json.loads((out / "hf" / "warnings1.json").read_text())) == []  # said on rank 0 only
     for step, values in ranks[0].items():
         missing = set(single[step]) - set(values)
         # the gradient statistics, and the self-check made from them, are refused under ZeRO-3

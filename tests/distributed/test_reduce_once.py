@@ -14,6 +14,7 @@ barrier and two gathers), per logging step without / with the collision: DDP 59 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -100,13 +101,17 @@ def _check_run(rank0: dict, rank1: dict, run: str) -> None:
     assert "headwatch/collision/rare_rate_head" in steps0[3]["values"]
 
 
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
 @pytest.fixture(scope="module")
-def ddp_fsdp2(tmp_path_factory) -> tuple[dict, dict]:
-    return _run(tmp_path_factory.mktemp("collectives"), "ddp", "ddp-fail", "fsdp2")
+def engine_runs(tmp_path_factory) -> tuple[dict, dict]:
+    """Every engine's runs, ZeRO-3's where DeepSpeed is installed: one launch of the worker's 2 processes for all."""
+    return _run(tmp_path_factory.mktemp("collectives"), "ddp", "ddp-fail", "fsdp2", *(("zero3",) if HAS_DEEPSPEED else ()))
 
 
-def test_one_all_reduce_per_dtype_on_ddp_and_fsdp2(ddp_fsdp2):
-    rank0, rank1 = ddp_fsdp2
+def test_one_all_reduce_per_dtype_on_ddp_and_fsdp2(engine_runs):
+    rank0, rank1 = engine_runs
     for run in ("ddp/tied", "ddp/untied", "fsdp2/tied", "fsdp2/untied"):
         _check_run(rank0, rank1, run)
     for step in LOGGING:
@@ -116,11 +121,11 @@ def test_one_all_reduce_per_dtype_on_ddp_and_fsdp2(ddp_fsdp2):
         assert tied - untied == Counter({("_captured", "allreduce", "float32"): 1})  # the tied lookup flow, averaged as .grad
 
 
-def test_a_monitor_failing_on_one_process_runs_the_same_collectives_and_is_dropped_everywhere(ddp_fsdp2):
+def test_a_monitor_failing_on_one_process_runs_the_same_collectives_and_is_dropped_everywhere(engine_runs):
     """Rank 1's logit sums fail at step 1, before the step's first collective (its zeros and its failure flag ride
     with the sums: no process waits, the logit statistics are dropped on both); its gradient statistics fail at step 3
     after the sums were reduced (dropped on both by the agreement after computing). Was: the first hung."""
-    rank0, rank1 = ddp_fsdp2
+    rank0, rank1 = engine_runs
     failing, plain = rank0["ddp-fail/untied"], rank0["ddp/untied"]
     for step, (a, b) in enumerate(zip(failing, rank1["ddp-fail/untied"])):
         ops = [(c["op"], c["dtype"], c["numel"]) for c in a["collectives"]]
@@ -136,8 +141,8 @@ def test_a_monitor_failing_on_one_process_runs_the_same_collectives_and_is_dropp
         assert all(_same(got[k], full[k]) for k in got if "/overhead/" not in k), step
 
 
-def test_one_all_reduce_per_dtype_on_deepspeed_zero3(tmp_path):
-    pytest.importorskip("deepspeed", reason="deepspeed is not installed (optional: pip install deepspeed; DS_ACCELERATOR=cpu runs it on CPU)")
-    rank0, rank1 = _run(tmp_path, "zero3")
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (optional: pip install deepspeed; DS_ACCELERATOR=cpu runs it on CPU)")
+def test_one_all_reduce_per_dtype_on_deepspeed_zero3(engine_runs):
+    rank0, rank1 = engine_runs
     for run in ("zero3/tied", "zero3/untied"):
         _check_run(rank0, rank1, run)

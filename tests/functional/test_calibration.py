@@ -114,8 +114,8 @@ def test_bad_inputs():
 
 DDP_SCRIPT = """
 import json, os, sys, torch, torch.distributed as dist
-sys.path.insert(0, {root!r})
-from tests.helpers.calibration import batch, buckets_and_rare
+sys.path.insert(0, {helpers!r})  # tests/helpers itself: its package would import Lightning, for nothing here
+from calibration import batch, buckets_and_rare
 from headwatch.core.metrics_evidence import FrequencyCalibrationMetric
 rank, world, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -134,19 +134,19 @@ dist.destroy_process_group()
 
 def test_ddp_two_processes_equal_one_process(tmp_path):
     script = tmp_path / "ddp_calibration.py"
-    script.write_text(DDP_SCRIPT.format(root=str(ROOT)))
+    script.write_text(DDP_SCRIPT.format(helpers=str(ROOT / "tests" / "helpers")))
     with socket.socket() as sock:  # a free port: other test runs may share the machine
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", str(tmp_path)], env=env) for r in range(2)]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    bucket, rare = buckets_and_rare()
+    bucket, rare = buckets_and_rare()  # the one-process reference, while the processes start
     single = FrequencyCalibrationMetric()
     for s in range(4):
         single.update(*batch(s)[:2], bucket, rare, batch(s)[2])
     expected = {k: v.item() for k, v in single.compute().items()}
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
     for key, value in expected.items():
         assert ranks[0][key] == pytest.approx(value, rel=1e-12, nan_ok=True), key

@@ -149,7 +149,9 @@ def work(rank: int, out_dir: str, port: str, engines: list[str]) -> None:
     torch.set_num_threads(1)
     if "zero3" in engines:
         import deepspeed
+        from deepspeed_plain import without_shared_memory_all_reduce
 
+        without_shared_memory_all_reduce()
         deepspeed.init_distributed(dist_backend="gloo")
     else:
         dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -3,10 +3,14 @@ under a DeepSpeed ZeRO engine (stages 1, 2, 3; fp32; a torch SGD client optimize
 also trains a one-process twin without DeepSpeed on the same global batches and writes both runs' values,
 the warnings headwatch gave, and what the engine did to the head's Parameter.
 
-usage: python tests/workers/deepspeed_plain.py OUT_DIR PORT STAGE [STAGE ...] [--after] [--late]
-  --after: create ``Headwatch`` after ``deepspeed.initialize`` (default: before)
-  --late: call ``before_optimizer_step`` after ``engine.step()`` (a misuse: the gradient is gone)
+usage: python tests/workers/deepspeed_plain.py OUT_DIR PORT SCENARIO [SCENARIO ...] [--bf16]
+  SCENARIO: a ZeRO stage, alone or with one of
+  -after: create ``Headwatch`` after ``deepspeed.initialize`` (default: before), e.g. ``3-after``
+  -late: call ``before_optimizer_step`` after ``engine.step()`` (a misuse: the gradient is gone), e.g. ``2-late``
   --bf16: DeepSpeed's bf16 mode (bf16 weights and forward; the twin stays float32)
+Every scenario runs in the same 2 processes (one start of torch, DeepSpeed and gloo for all); each rank writes
+``rank<r>.json``: the one-process twin's values under ``single/<tying>``, each scenario's under
+``zero<SCENARIO>/<tying>`` (``zero2``, ``zero3-after``, ``zero2-late`` ...).
 """
 
 from __future__ import annotations
@@ -30,6 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fsdp_plain import LM, STEPS, V  # noqa: E402  # the tiny LM of the FSDP tests
+
+
+def without_shared_memory_all_reduce() -> None:
+    """Mark DeepSpeed's shared-memory all_reduce as unavailable before ``deepspeed.init_distributed``, which then neither
+    builds nor loads it: it serves ``inference_all_reduce`` only, never a training step (whose collectives are
+    torch.distributed's, gloo here), and its C++ build (on a machine's first run, and again whenever another build of
+    torch shares the extension cache) costs 30 s on 2 quiet cores, minutes on busy ones, behind a file lock."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def monitors() -> list:
@@ -129,11 +143,12 @@ def run_single(tied: bool, data) -> list[dict[str, float]]:
     return out
 
 
-def work(rank: int, out_dir: str, port: str, stages: list[int], after: bool, late: bool) -> None:
+def work(rank: int, out_dir: str, port: str, scenarios: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     import deepspeed
 
+    without_shared_memory_all_reduce()
     deepspeed.init_distributed(dist_backend="gloo")
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, V, (8, 10), generator=g) for _ in range(STEPS)]
@@ -142,8 +157,10 @@ def work(rank: int, out_dir: str, port: str, stages: list[int], after: bool, lat
         tying = "tied" if tied else "untied"
         if rank == 0:
             result[f"single/{tying}"] = run_single(tied, data)
-        for stage in stages:
-            result[f"zero{stage}/{tying}"] = run_zero(stage, tied, data, rank, after, late)
+        for scenario in scenarios:
+            stage, _, variant = scenario.partition("-")
+            assert variant in ("", "after", "late"), scenario
+            result[f"zero{scenario}/{tying}"] = run_zero(int(stage), tied, data, rank, variant == "after", variant == "late")
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, default=str))
     dist.barrier()
     dist.destroy_process_group()
@@ -151,4 +168,4 @@ def work(rank: int, out_dir: str, port: str, stages: list[int], after: bool, lat
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    mp.spawn(work, args=(args[0], args[1], [int(s) for s in args[2:]], "--after" in sys.argv, "--late" in sys.argv), nprocs=2)
+    mp.spawn(work, args=(args[0], args[1], args[2:]), nprocs=2)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
+from deepspeed_plain import without_shared_memory_all_reduce
 from hf_ddp import GLOBAL_BATCH, V, InOrder, Rows, write_records  # this directory is sys.path[0] under torchrun
 
 from headwatch.integrations.transformers import HeadwatchCallback
@@ -23,6 +24,7 @@ from headwatch.integrations.transformers import HeadwatchCallback
 
 def main(out: str, stage: int) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    without_shared_memory_all_reduce()  # before TrainingArguments, which starts DeepSpeed's process group
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True)  # fmt: skip
