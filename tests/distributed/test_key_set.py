@@ -26,7 +26,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import run_gloo_workers
+from tests.helpers.forked import fork_gloo_workers
 from tests.helpers.distributed import run_ranks
 
 WORKER = r'''
@@ -109,7 +109,7 @@ CASES = ("frozen", "vanished", "unlabelled", "raised", "mismatch", "raised_check
 def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     """Every case in one launch of the 2 processes (each case its own model and ``Headwatch``): each rank's values."""
     out = tmp_path_factory.mktemp("key_set")
-    r0, r1 = run_gloo_workers(WORKER.replace("@CASES@", repr(CASES)), out, 31000)
+    r0, r1 = fork_gloo_workers(WORKER.replace("@CASES@", repr(CASES)), out, 31000)
     return {case: (r0[case], r1[case]) for case in CASES}
 
 
@@ -239,7 +239,7 @@ def test_processes_logging_at_different_intervals_raise_on_every_rank(tmp_path):
     Constructed before the group exists, the check waits for the logging steps: the interval rides with the reduced
     sums (no collective of its own), their first logging steps' reductions pair step 0 with step 1, and each rank sees
     the sum is not twice its own and raises before publishing anything."""
-    r0, r1 = run_gloo_workers(CADENCE_WORKER, tmp_path, 43000, timeout=120.0)
+    r0, r1 = fork_gloo_workers(CADENCE_WORKER, tmp_path, 43000, timeout=120.0)
     assert (r0["late"]["step"], r1["late"]["step"]) == (0, 1) and r0["late"]["published"] == r1["late"]["published"] == []
     for said, own in ((r0, 1), (r1, 2)):
         for error in (said["ddp"], said["late"]["error"]):
