@@ -26,8 +26,8 @@ import math
 import pytest
 import torch
 
-from tests.helpers.forked import fork_gloo_workers
 from tests.helpers.distributed import run_ranks
+from tests.helpers.forked import fork_gloo_workers
 
 WORKER = r'''
 import json, sys
