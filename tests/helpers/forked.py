@@ -26,7 +26,8 @@ def fork_gloo_workers(source: str, tmp_path, port_base: int, timeout: float = 24
     procs = []
     for rank in range(2):
         argv = [str(script), str(rank), port, str(ROOT), str(tmp_path)]
-        procs.append(ctx.Process(target=_run_script, args=(source, argv, Path(tmp_path) / f"rank{rank}.log"), daemon=True))
+        log = Path(tmp_path) / f"rank{rank}.log"
+        procs.append(ctx.Process(target=_run_script, args=(source, argv, log), daemon=True))
         procs[-1].start()
     try:
         for proc in procs:
@@ -37,13 +38,13 @@ def fork_gloo_workers(source: str, tmp_path, port_base: int, timeout: float = 24
                 proc.kill()
         for proc in procs:
             proc.join(timeout=10)
-    logs = [(Path(tmp_path) / f"rank{r}.log").read_text() if (Path(tmp_path) / f"rank{r}.log").exists() else "" for r in range(2)]
+    logs = [log.read_text() if log.exists() else "" for log in (Path(tmp_path) / f"rank{r}.log" for r in range(2))]
     assert [p.exitcode for p in procs] == [0, 0], [log[-3000:] for log in logs]
     return [json.loads((Path(tmp_path) / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def _run_script(source: str, argv: list[str], log: Path) -> None:
-    """The forked process: ``source`` as ``__main__`` with ``argv``; never returns into the test's process (os._exit)."""
+    """The forked process: ``source`` as ``__main__`` with ``argv``; it never returns into the test's process."""
     code = 1
     with open(log, "w", buffering=1) as out:
         os.dup2(out.fileno(), 1)  # torch's and gloo's own output too
@@ -51,7 +52,10 @@ def _run_script(source: str, argv: list[str], log: Path) -> None:
         sys.stdout = sys.stderr = out
         try:
             import torch
+            import torch.distributed as dist
 
+            if dist.is_available() and dist.is_initialized():  # the test process's own group (one process): not ours
+                dist.destroy_process_group()
             torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 for a fresh worker; no OpenMP region after the fork
             warnings.simplefilter("ignore")  # as PYTHONWARNINGS=ignore
             sys.argv = argv
