@@ -1,5 +1,5 @@
 """A rank that dies ends the others within the process group's timeout (2 CPU processes, gloo,
-timeout 20 s, forked; the worker is tests/workers/ddp_rank_dies.py). Rank 1 dies hard (``os._exit`` between two steps, or SIGKILL
+timeout 10 s, forked; the worker is tests/workers/ddp_rank_dies.py). Rank 1 dies hard (``os._exit`` between two steps, or SIGKILL
 right before a logging step's first collective); rank 0, waiting in headwatch's reduction, must end (raise) within
 the timeout instead of hanging, and every step it logged before the death must be in its TensorBoard event file with
 the values ``step_end`` returned. headwatch adds no wait of its own and does not swallow the error."""
