@@ -263,23 +263,39 @@ def test_state_survives_a_checkpoint_and_does_not_refire(tmp_path):
     assert resumed.alerts[0].step == alert.alerts[0].step
 
 
-def _ddp_alert(tmp_path, mode: str) -> list[dict]:
+@pytest.fixture(scope="module")
+def ddp_alerts(tmp_path_factory) -> dict[str, list[dict]]:
+    """tests/workers/ddp_alert.py's two modes, launched together (each mostly waits on its own start and gloo):
+    each rank's result, by mode."""
     script = WORKERS / "ddp_alert.py"
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), mode], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    outs = {mode: tmp_path_factory.mktemp(f"ddp_alert_{mode}") for mode in ("rank0_metric", "rank1")}
+    procs = {}
+    for mode, out in outs.items():
+        with open(out / "output.txt", "w") as sink:
+            procs[mode] = subprocess.Popen([sys.executable, str(script), str(out), mode], env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=300)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    result = {}
+    for mode, out in outs.items():
+        assert procs[mode].returncode == 0, (out / "output.txt").read_text()[-6000:]
+        result[mode] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return result
 
 
-def test_ddp_metric_logged_on_rank_zero_only_neither_hangs_nor_splits(tmp_path):
-    ranks = _ddp_alert(tmp_path, "rank0_metric")
+def test_ddp_metric_logged_on_rank_zero_only_neither_hangs_nor_splits(ddp_alerts):
+    ranks = ddp_alerts["rank0_metric"]
     assert ranks[0]["fired_locally"] == [2]  # the first collision measurement, after step 2
     assert ranks[0]["global_step"] == ranks[1]["global_step"] == 3
     assert ranks[0]["alerts"] == ranks[1]["alerts"] == 1
 
 
-def test_ddp_stop_decision_is_the_same_on_both_processes(tmp_path):
-    ranks = _ddp_alert(tmp_path, "rank1")
+def test_ddp_stop_decision_is_the_same_on_both_processes(ddp_alerts):
+    ranks = ddp_alerts["rank1"]
     # only rank 1's rule fires, yet both processes stop at the same step
     assert ranks[0]["fired_locally"] == [] and ranks[1]["fired_locally"] != []
     assert ranks[0]["global_step"] == ranks[1]["global_step"] < 20

@@ -130,9 +130,9 @@ def test_the_rl_preset_agrees_on_every_rank(tmp_path):
     """gloo, 2 processes, the Hugging Face door's wiring (hf_support.wire_alert): rank 0's entropy collapses,
     rank 1's does not; both ranks fire the same alerts on the same steps and both stop (any rank firing fires
     everywhere); only rank 0 writes the alert file."""
-    from tests.helpers import run_gloo_workers
+    from tests.helpers.forked import fork_gloo_workers
 
-    ranks = run_gloo_workers(AGREE_WORKER, tmp_path, 33500)
+    ranks = fork_gloo_workers(AGREE_WORKER, tmp_path, 33500)
     expected = [[4, "entropy_drop", WARNING], [5, "entropy_drop", CRITICAL]]
     assert ranks[0]["fired"] == ranks[1]["fired"] == expected
     assert ranks[0]["stops"] == ranks[1]["stops"] == 1

@@ -17,8 +17,8 @@ from headwatch.core.schedule import Schedule
 from headwatch.functional import Z95
 from headwatch.functional.collision import panel_mask, panel_order
 from headwatch.names import declaration
-from tests.helpers import run_gloo_workers
 from tests.helpers.collision import collision_monitor, snapshot
+from tests.helpers.forked import fork_gloo_workers
 from tests.helpers.references import wilson_roots
 
 V, D, TAU = 3000, 8, 0.97  # at tau 0.97 these Gaussian rows collide at about 11%: a 1024-row panel is too wide
@@ -227,7 +227,7 @@ dist.destroy_process_group()
 
 
 def test_two_processes_measure_the_same_panel_and_grow_it_together(tmp_path):
-    r0, r1 = run_gloo_workers(WORKER, tmp_path, 37500, timeout=240)
+    r0, r1 = fork_gloo_workers(WORKER, tmp_path, 37500, timeout=240)
     assert r0 == r1  # the same rows, values and panel sizes on both processes, every probe
     assert [p["panel"] for p in r0] == [2 * PANEL_START] * 3  # grown once, after the first probe
     first, second, third = (set(p["rows"]) for p in r0)

@@ -21,7 +21,8 @@ from headwatch.core.overhead import (
     steady_interval,
 )
 from headwatch.errors import HeadwatchError
-from tests.helpers.distributed import run_gloo_workers, run_ranks
+from tests.helpers.distributed import run_ranks
+from tests.helpers.forked import fork_gloo_workers
 from tests.helpers.loop import Tiny, train_step
 
 KEYS = ("fraction", "fraction_run", "probe_fraction_run", "probe_interval", "probe_seconds")
@@ -436,7 +437,7 @@ dist.destroy_process_group()
 def test_two_gloo_processes_probe_on_the_same_steps_when_their_timings_differ(tmp_path):
     """The same on two processes (gloo, ``torch.distributed``'s reducer): rank 1's clock reads 100 s of statistics
     per window, rank 0's none; the probe steps and intervals agree, though each alone would have decided otherwise."""
-    r0, r1 = run_gloo_workers(GLOO_WORKER, tmp_path, 37500, timeout=240)
+    r0, r1 = fork_gloo_workers(GLOO_WORKER, tmp_path, 37500, timeout=240)
     assert r0["steps"] == r1["steps"] and r0["steps"][0] == 1
     assert r0["intervals"] == r1["intervals"] and len(r0["intervals"]) == 8
     assert max(r0["own"]) < MAX_MULTIPLE == min(r1["own"])

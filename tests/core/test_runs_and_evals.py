@@ -191,26 +191,36 @@ def main(out: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_process_evaluations(tmp_path_factory) -> Path:
-    """One torchrun of :func:`main` (2 CPU processes, gloo; both trainers in one launch), and one process."""
+    """Started together: one torchrun of :func:`main` (2 CPU processes, gloo; both trainers in one launch) and
+    Lightning's validation under DDP (:func:`lightning_main`, 2 processes); meanwhile each in this one process."""
     tmp_path = tmp_path_factory.mktemp("evaluations")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", __file__, str(tmp_path / "ddp")]
-    log = tmp_path / "torchrun.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
-        try:
-            main(str(tmp_path / "single"))
+    commands = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", __file__,
+                     str(tmp_path / "ddp")],
+        "lightning": [sys.executable, __file__, "lightning", str(tmp_path / "lightning" / "ddp"), "2"],
+    }  # fmt: skip
+    procs = {}
+    for name, cmd in commands.items():
+        with (tmp_path / f"{name}.log").open("w") as sink:
+            procs[name] = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        main(str(tmp_path / "single"))
+        lightning_main(str(tmp_path / "lightning" / "single"), 1)
+        for proc in procs.values():
             proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=30)
-    assert proc.returncode == 0, log.read_text()[-4000:]
+    for name, proc in procs.items():
+        assert proc.returncode == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
     return tmp_path
 
 
@@ -487,14 +497,10 @@ def lightning_main(out: str, devices: int) -> None:
     (Path(out) / f"rank{trainer.global_rank}.json").write_text(json.dumps({"values": values, "ref": reference(model, rows)}))
 
 
-def test_lightning_two_process_validation_counts_real_rows_once(tmp_path):
+def test_lightning_two_process_validation_counts_real_rows_once(two_process_evaluations):
     """Lightning under DDP (2 CPU processes, gloo): the validation figures of one process over the 5 real
     rows, the row its sampler repeats left out."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__, "lightning", str(tmp_path / "ddp"), "2"], env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lightning_main(str(tmp_path / "single"), 1)
+    tmp_path = two_process_evaluations / "lightning"
     results = [json.loads((tmp_path / run / "rank0.json").read_text()) for run in ("single", "ddp")]
     results.append(json.loads((tmp_path / "ddp" / "rank1.json").read_text()))
     ref = results[0]["ref"]

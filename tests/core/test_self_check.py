@@ -416,33 +416,56 @@ def test_an_auxiliary_loss_is_not_compared():
     assert values[f"{P}/debug/capture/labelled_positions"] == values[f"{P}/debug/capture/positions"] == labelled  # still published
 
 
-DDP_WORKER = r'''
+TWO_PROCESS_WORKER = r'''
 import datetime, json, os, sys, warnings
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[3])
 from tests.helpers.hf import uneven_batch
 from tests.helpers.hf import tiny_llama
 from headwatch import Headwatch
+from headwatch.core import TorchDistributedReducer
+from headwatch.core.self_check import SelfCheck
 rank = int(sys.argv[1])
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
 warnings.simplefilter("ignore")
+result = {}
+# "ddp": the plain loop, the global token mean
 model = tiny_llama(tie=False)
 hw = Headwatch(model, monitors=["logits"], log_every_n_steps=1, figure_every_n_steps=None)
 part = {k: v[2 * rank : 2 * rank + 2] for k, v in uneven_batch().items()}  # rank 0: 13 labels, rank 1: 9
 hw.step_start(part, 0)
 model(**part).loss.backward()
-json.dump(hw.step_end(), open(sys.argv[4] + f"/rank{rank}.json", "w"))
+result["ddp"] = hw.step_end()
+# "trl": TRL's micro-batch entries weighed by their positions over every process
+check = SelfCheck("hw", TorchDistributedReducer())
+check.begin(True)
+local = [10.0, 2.0] if rank == 0 else [2.0, 10.0]  # each micro-batch's labelled positions on this process
+for n in local:
+    check.add_nll_sum(torch.tensor(3.0 * n, dtype=torch.float64), torch.tensor(n))
+check.trainer_metrics(entropy=[1.0, 2.0])  # TRL: each micro-batch's token mean over both processes
+pooled = torch.tensor(1.5, dtype=torch.float64)  # headwatch: every token of the step, both processes (12 + 12)
+out = check.extend({"hw/logits/entropy": pooled, "hw/logits/positions": torch.tensor(24.0),
+                    "hw/logits/target_nll": torch.tensor(3.0, dtype=torch.float64)}, [])
+result["trl"] = {k: float(v) for k, v in out.items() if k.startswith("hw/check/")}
+json.dump(result, open(sys.argv[4] + f"/rank{rank}.json", "w"))
 dist.destroy_process_group()
 '''
 
 
-def test_two_processes_compare_the_global_token_mean(tmp_path):
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> dict[str, list[dict]]:
+    """Both two-process cases in one launch of 2 gloo processes: each case's values, by rank."""
+    from tests.helpers.forked import fork_gloo_workers
+
+    ranks = fork_gloo_workers(TWO_PROCESS_WORKER, tmp_path_factory.mktemp("self_check_gloo"), 31500)
+    return {case: [r[case] for r in ranks] for case in ("ddp", "trl")}
+
+
+def test_two_processes_compare_the_global_token_mean(two_processes):
     """gloo, 2 processes with different label counts: every rank publishes the same check, against the token
     mean over both processes' labels (float64 from the model's logits of the whole batch)."""
-    from tests.helpers import run_gloo_workers
-
-    r0, r1 = run_gloo_workers(DDP_WORKER, tmp_path, 31500)
+    r0, r1 = two_processes["ddp"]
     expected = float64_nll(tiny_llama(tie=False), uneven_batch())
     for r in (r0, r1):
         assert r[f"{P}/debug/capture/labelled_positions"] == r[f"{P}/debug/check/reference_positions"] == 22  # 13 + 9
@@ -487,37 +510,12 @@ def test_sft_label_smoothing_compares_trls_entropy_and_accuracy_not_the_smoothed
     assert r[f"{P}/debug/capture/labelled_positions"] == B * (T - 1) and r[f"{P}/check/mismatch"] == 0
 
 
-TRL_WEIGHTS_WORKER = r'''
-import datetime, json, os, sys
-import torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[3])
-from headwatch.core import TorchDistributedReducer
-from headwatch.core.self_check import SelfCheck
-rank = int(sys.argv[1])
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
-dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
-check = SelfCheck("hw", TorchDistributedReducer())
-check.begin(True)
-local = [10.0, 2.0] if rank == 0 else [2.0, 10.0]  # each micro-batch's labelled positions on this process
-for n in local:
-    check.add_nll_sum(torch.tensor(3.0 * n, dtype=torch.float64), torch.tensor(n))
-check.trainer_metrics(entropy=[1.0, 2.0])  # TRL: each micro-batch's token mean over both processes
-pooled = torch.tensor(1.5, dtype=torch.float64)  # headwatch: every token of the step, both processes (12 + 12)
-out = check.extend({"hw/logits/entropy": pooled, "hw/logits/positions": torch.tensor(24.0),
-                    "hw/logits/target_nll": torch.tensor(3.0, dtype=torch.float64)}, [])
-json.dump({k: float(v) for k, v in out.items() if k.startswith("hw/check/")}, open(sys.argv[4] + f"/rank{rank}.json", "w"))
-dist.destroy_process_group()
-'''
-
-
-def test_trls_micro_batch_entries_are_weighted_by_their_positions_over_every_process(tmp_path):
+def test_trls_micro_batch_entries_are_weighted_by_their_positions_over_every_process(two_processes):
     """gloo, 2 processes, 2 micro-batches whose positions split 10/2 and 2/10 between the processes (12 and 12 in
     all): TRL's entries (1.0 and 2.0 nats) weighed by the global counts give 1.5, the pooled entropy, so the gap is
     0 on both ranks. Weighed by each rank's own counts (before) the ranks published +0.333 and -0.333 and a
     mismatch (seen under GRPO with gradient accumulation)."""
-    from tests.helpers import run_gloo_workers
-
-    ranks = run_gloo_workers(TRL_WEIGHTS_WORKER, tmp_path, 35500)
+    ranks = two_processes["trl"]
     assert ranks[0] == ranks[1]
     assert abs(ranks[0]["hw/check/entropy_gap"]) < 1e-12 and ranks[0]["hw/check/mismatch"] == 0.0
     assert ranks[0]["hw/check/nll_gap"] == pytest.approx(0.0, abs=1e-12)

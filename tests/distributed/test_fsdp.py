@@ -4,7 +4,6 @@ of the whole ``(V, d_model)`` matrix: per-row statistics are computed on each pr
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -17,34 +16,70 @@ from tests.helpers.distributed import read_measured
 from tests.helpers.paths import WORKERS
 
 SCRIPT = WORKERS / "fsdp_monitors.py"
-PLAIN = WORKERS / "fsdp_plain.py"
-OPS = WORKERS / "fsdp_ops.py"
-PLAIN1 = WORKERS / "fsdp1_plain.py"
-DRIFT = WORKERS / "fsdp_drift.py"
+LOOPS = WORKERS / "fsdp_loops.py"
+LOOP_WORKERS = ("fsdp_ops", "fsdp_plain", "fsdp_drift", "fsdp1_plain")  # fsdp1_plain last: it patches classes
+LOOP_OUTPUTS = ("ops.txt", "plain.json", "drift_rank0.json", "drift_rank1.json", "fsdp1_plain.json", "fsdp1_plain_r1.json")
 
 
-def _free_port() -> str:
+def _free_ports(n: int) -> list[str]:
+    """``n`` distinct free ports (held open together while chosen)."""
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [str(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 @pytest.fixture(scope="module")
-def lightning_runs(tmp_path_factory) -> dict[str, dict]:
-    """The one-process run and the two-process runs under FSDP2 and FSDP1, started together."""
-    out = tmp_path_factory.mktemp("lightning_fsdp")
+def launches(tmp_path_factory) -> dict[str, tuple]:
+    """Started together: the one-process Lightning run and the two-process runs under FSDP2 and FSDP1
+    (tests/workers/fsdp_monitors.py), and the plain-loop workers in one launch (tests/workers/fsdp_loops.py).
+    Each launch's exit status, output and folder, by name."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen([sys.executable, str(SCRIPT), mode, str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for mode in ("fsdp", "fsdp1", "single")
-    ]
-    for proc in procs:
-        text, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, text[-4000:]
+    lightning, loops = tmp_path_factory.mktemp("lightning_fsdp"), tmp_path_factory.mktemp("loops_fsdp")
+    commands = {mode: ([str(SCRIPT), mode, str(lightning)], lightning) for mode in ("fsdp", "fsdp1", "single")}
+    commands["loops"] = ([str(LOOPS), ",".join(LOOP_WORKERS), str(loops), ",".join(_free_ports(len(LOOP_WORKERS)))], loops)
+    procs = {}
+    for name, (args, out) in commands.items():
+        with open(out / f"{name}.out", "w") as stdout, open(out / f"{name}.err", "w") as stderr:
+            procs[name] = subprocess.Popen([sys.executable, *args], env=env, stdout=stdout, stderr=stderr, text=True)
+    result = {}
+    try:
+        for name, proc in procs.items():
+            proc.wait(timeout=600)
+            out = commands[name][1]
+            result[name] = (proc.returncode, (out / f"{name}.out").read_text(), (out / f"{name}.err").read_text(), out)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    return result
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(launches) -> dict[str, dict]:
+    """The one-process run and the two-process runs under FSDP2 and FSDP1."""
+    for mode in ("fsdp", "fsdp1", "single"):
+        returncode, stdout, stderr, out = launches[mode]
+        assert returncode == 0, (stdout + stderr)[-4000:]
     names = ("single_rank0", "fsdp_rank0", "fsdp_rank1", "fsdp1_rank0", "fsdp1_rank1")
     return {name: read_measured(out / f"{name}.json") for name in names}
+
+
+@pytest.fixture(scope="module")
+def loops(launches):
+    """The plain-loop workers' folder, once every worker finished."""
+    returncode, stdout, stderr, out = launches["loops"]
+    ok = all((out / name).exists() for name in LOOP_OUTPUTS) and (out / "ops.txt").read_text() == "ok"  # after the checks
+    # gloo now and then aborts a worker at interpreter exit ("terminate called without an active exception"), after
+    # every worker's checks and the barrier that follows them: that exit is not a failed comparison
+    aborted_at_exit = ok and "terminate called without an active exception" in stderr and "AssertionError" not in stderr
+    assert returncode == 0 or aborted_at_exit, stdout[-3000:] + stderr[-3000:]
+    return out
 
 
 def _assert_equal_steps(single: dict, rank0: dict, rank1: dict, tying: str) -> None:
@@ -91,12 +126,8 @@ def test_every_monitor_under_fsdp2_equals_one_process(lightning_runs):
         assert 0 < steps["3"]["headwatch/collision/drift/raw_rate_head"] <= 1  # the raw (drift) rate, headwatch 0.1's headline
 
 
-def test_plain_loop_attached_before_fully_shard_equals_one_process(tmp_path):
-    port = _free_port()
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(PLAIN), str(tmp_path), port], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = read_measured(tmp_path / "plain.json")
+def test_plain_loop_attached_before_fully_shard_equals_one_process(loops):
+    result = read_measured(loops / "plain.json")
     for tying, runs in result.items():
         for step, (expected, got) in enumerate(zip(runs["single"], runs["sharded"])):
             assert set(got) == set(expected), (tying, step, set(got) ^ set(expected))
@@ -106,17 +137,10 @@ def test_plain_loop_attached_before_fully_shard_equals_one_process(tmp_path):
         assert sum(k.startswith("headwatch/grad/") for k in runs["sharded"][-1]) > 70, tying
 
 
-def test_sharded_functions_equal_one_process_functions_on_a_dtensor(tmp_path):
+def test_sharded_functions_equal_one_process_functions_on_a_dtensor(loops):
     # nearest neighbours (no query, tied cosines across shards, NaN, zero and invalid rows), row statistics,
     # zero rows, gathered rows, synonym pairs and the compact lookup flow (padding, two micro-batches)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(OPS), str(tmp_path), _free_port()], env=env, capture_output=True, text=True, timeout=120)
-    ok = (tmp_path / "ops.txt").exists() and (tmp_path / "ops.txt").read_text() == "ok"  # written after both ranks' checks
-    # gloo now and then aborts a worker at interpreter exit ("terminate called without an active exception"), after the
-    # checks and the barrier that follows them: that exit is not a failed comparison
-    aborted_at_exit = ok and "terminate called without an active exception" in proc.stderr and "AssertionError" not in proc.stderr
-    assert proc.returncode == 0 or aborted_at_exit, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert ok
+    assert (loops / "ops.txt").read_text() == "ok"  # written after both ranks' checks
 
 
 def test_every_monitor_under_lightning_fsdp1_equals_one_process(lightning_runs):
@@ -137,13 +161,9 @@ def test_every_monitor_under_lightning_fsdp1_equals_one_process(lightning_runs):
 
 
 @pytest.fixture(scope="module")
-def plain1_run(tmp_path_factory) -> tuple[dict, dict]:
+def plain1_run(loops) -> tuple[dict, dict]:
     """tests/workers/fsdp1_plain.py's output: rank 0's runs and rank 1's values of the ``fail-rank1`` run."""
-    out = tmp_path_factory.mktemp("plain_fsdp1")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(PLAIN1), str(out), _free_port()], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return read_measured(out / "fsdp1_plain.json"), read_measured(out / "fsdp1_plain_r1.json")
+    return read_measured(loops / "fsdp1_plain.json"), read_measured(loops / "fsdp1_plain_r1.json")
 
 
 def test_plain_loop_under_fsdp1_equals_one_process(plain1_run):
@@ -180,12 +200,9 @@ def _table_numbers(text: str) -> list[float]:
     return [float(x) for x in re.findall(r"\| (-?\d\.\d{4}) (?=\|)", text)]
 
 
-def test_drift_corrected_collision_on_local_rows_equals_one_process(tmp_path):
+def test_drift_corrected_collision_on_local_rows_equals_one_process(loops):
     """Was: the sharded path gathered the whole (V, d_model) matrix on every process before the correction."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(DRIFT), str(tmp_path), _free_port()], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [read_measured(tmp_path / f"drift_rank{r}.json") for r in (0, 1)]
+    ranks = [read_measured(loops / f"drift_rank{r}.json") for r in (0, 1)]
     V, d = 1001, 32
     for path in ("exact", "randomized"):
         single = ranks[0][path]["single"]

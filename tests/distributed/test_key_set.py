@@ -26,8 +26,8 @@ import math
 import pytest
 import torch
 
-from tests.helpers import run_gloo_workers
 from tests.helpers.distributed import run_ranks
+from tests.helpers.forked import fork_gloo_workers
 
 WORKER = r'''
 import json, sys
@@ -43,81 +43,94 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank
 import headwatch
 from tests.helpers import TinyCausalLM
 
-CASE = "@CASE@"
 STEPS, EVERY, V = 8, 2, 64
-torch.manual_seed(0)
-model = TinyCausalLM(vocab_size=V, d_model=16, tie_weights=False)
-if CASE == "frozen":
-    model.embed_tokens.weight.requires_grad_(False)
-optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-hw = headwatch.Headwatch(model, log_every_n_steps=EVERY, figure_every_n_steps=0, summary=False)
-g = torch.Generator().manual_seed(100 + rank)
-keys = {}
-for step in range(STEPS):
-    ids = torch.randint(0, V, (4, 12), generator=g)
-    labels = ids.clone()
-    if CASE == "unlabelled" and step == 3 and rank == 1:
-        labels[:] = -100  # rank 1: no labelled position at this logging step
-    if CASE == "unlabelled" and step == 5:
-        labels[:] = -100  # no rank: no labelled position
-    hw.step_start({"input_ids": ids, "labels": labels}, step)
-    zero_head = CASE == "vanished" and ((step == 3 and rank == 1) or step == 5)
-    handle = model.lm_head.weight.register_hook(lambda g: g * 0.0) if zero_head else None
-    loss = None
-    try:
-        if CASE == "raised" and step == 3 and rank == 1:
-            raise RuntimeError("out of memory (injected)")
-        logits = model(ids)
-        if CASE == "raised_checked" and step == 3 and rank == 1:
-            raise RuntimeError("out of memory (injected)")  # after the forward: measured, its loss thrown away
-        valid = labels[:, 1:] != -100
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=-100)
-        (loss if valid.any() else logits.sum() * 0.0).backward()
-    except RuntimeError:
-        pass  # the step goes on without this rank's forward, as after an out-of-memory recovery
-    if handle is not None:
-        handle.remove()
-    for p in model.parameters():  # the gradients summed over processes, as DDP would
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-    hw.before_optimizer_step()
-    optimizer.step()
-    hw.after_optimizer_step()
-    optimizer.zero_grad()
-    wrong = 1.0 if CASE == "mismatch" and step == 5 and rank == 1 else 0.0  # rank 1's loss off by one nat
-    if CASE == "raised_checked":  # the self-check on: each rank hands its loss, none where its forward raised
-        values = hw.step_end(loss=None if loss is None else loss.detach())
-    else:
-        values = hw.step_end(loss=loss.detach() + wrong if CASE == "mismatch" else None)
-    if values:
-        keys[step] = values
-hw.close()
-(out / f"rank{rank}.json").write_text(json.dumps(keys))
+results = {}
+for CASE in @CASES@:
+    torch.manual_seed(0)
+    model = TinyCausalLM(vocab_size=V, d_model=16, tie_weights=False)
+    if CASE == "frozen":
+        model.embed_tokens.weight.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    hw = headwatch.Headwatch(model, log_every_n_steps=EVERY, figure_every_n_steps=0, summary=False)
+    g = torch.Generator().manual_seed(100 + rank)
+    keys = {}
+    for step in range(STEPS):
+        ids = torch.randint(0, V, (4, 12), generator=g)
+        labels = ids.clone()
+        if CASE == "unlabelled" and step == 3 and rank == 1:
+            labels[:] = -100  # rank 1: no labelled position at this logging step
+        if CASE == "unlabelled" and step == 5:
+            labels[:] = -100  # no rank: no labelled position
+        hw.step_start({"input_ids": ids, "labels": labels}, step)
+        zero_head = CASE == "vanished" and ((step == 3 and rank == 1) or step == 5)
+        handle = model.lm_head.weight.register_hook(lambda g: g * 0.0) if zero_head else None
+        loss = None
+        try:
+            if CASE == "raised" and step == 3 and rank == 1:
+                raise RuntimeError("out of memory (injected)")
+            logits = model(ids)
+            if CASE == "raised_checked" and step == 3 and rank == 1:
+                raise RuntimeError("out of memory (injected)")  # after the forward: measured, its loss thrown away
+            valid = labels[:, 1:] != -100
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=-100)
+            (loss if valid.any() else logits.sum() * 0.0).backward()
+        except RuntimeError:
+            pass  # the step goes on without this rank's forward, as after an out-of-memory recovery
+        if handle is not None:
+            handle.remove()
+        for p in model.parameters():  # the gradients summed over processes, as DDP would
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+        hw.before_optimizer_step()
+        optimizer.step()
+        hw.after_optimizer_step()
+        optimizer.zero_grad()
+        wrong = 1.0 if CASE == "mismatch" and step == 5 and rank == 1 else 0.0  # rank 1's loss off by one nat
+        if CASE == "raised_checked":  # the self-check on: each rank hands its loss, none where its forward raised
+            values = hw.step_end(loss=None if loss is None else loss.detach())
+        else:
+            values = hw.step_end(loss=loss.detach() + wrong if CASE == "mismatch" else None)
+        if values:
+            keys[step] = values
+    hw.close()
+    results[CASE] = keys
+(out / f"rank{rank}.json").write_text(json.dumps(results))
 dist.barrier()
 dist.destroy_process_group()
 '''
 
 
-def run(tmp_path, case: str, port: int) -> dict:
-    r0, r1 = run_gloo_workers(WORKER.replace("@CASE@", case), tmp_path, port)
+CASES = ("frozen", "vanished", "unlabelled", "raised", "mismatch", "raised_checked")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+    """Every case in one launch of the 2 processes (each case its own model and ``Headwatch``): each rank's values."""
+    out = tmp_path_factory.mktemp("key_set")
+    r0, r1 = fork_gloo_workers(WORKER.replace("@CASES@", repr(CASES)), out, 31000)
+    return {case: (r0[case], r1[case]) for case in CASES}
+
+
+def run(runs: dict, case: str) -> dict:
+    r0, r1 = runs[case]
     assert sorted(r0) == sorted(r1) == ["1", "3", "5", "7"]
     for step in r0:
         assert sorted(r0[step]) == sorted(r1[step]), step  # the same keys on every rank
     return r0
 
 
-def test_a_matrix_frozen_at_attach_publishes_nothing_for_it_on_any_rank(tmp_path):
-    r0 = run(tmp_path, "frozen", 31000)
+def test_a_matrix_frozen_at_attach_publishes_nothing_for_it_on_any_rank(runs):
+    r0 = run(runs, "frozen")
     for values in r0.values():
         grad_or_update = [k for k in values if k.startswith(("headwatch/grad/", "headwatch/update/", "headwatch/freq/"))]
         assert "headwatch/update/head_row_density" in grad_or_update
         assert not [k for k in grad_or_update if "embedding" in k], grad_or_update
 
 
-def test_a_figure_withheld_for_a_step_is_withheld_on_every_rank(tmp_path):
-    r0 = run(tmp_path, "vanished", 33000)
+def test_a_figure_withheld_for_a_step_is_withheld_on_every_rank(runs):
+    r0 = run(runs, "vanished")
     densities = [k for k in r0["1"] if k.startswith("headwatch/grad/") and k.endswith("head_row_density")]
     assert "headwatch/grad/head_row_density" in densities and len(densities) > 1
     assert r0["3"]["headwatch/check/vanished_gradient"] == 0.0  # rank 0's gradient stands: summed, nothing vanished
@@ -127,8 +140,8 @@ def test_a_figure_withheld_for_a_step_is_withheld_on_every_rank(tmp_path):
     assert "headwatch/grad/embedding_row_density" in r0["5"]  # the embedding's gradient did not vanish
 
 
-def test_labels_on_one_rank_give_the_same_keys_and_values_everywhere(tmp_path):
-    r0 = run(tmp_path, "unlabelled", 35000)
+def test_labels_on_one_rank_give_the_same_keys_and_values_everywhere(runs):
+    r0 = run(runs, "unlabelled")
     assert r0["3"]["headwatch/logits/target_nll"] > 0  # rank 0's positions are enough
     assert r0["3"]["headwatch/logits/positions"] == 4 * 11  # rank 0's rows only
     # no rank had one: no position predicts a label, every figure of the split is NaN ("no data") on every rank
@@ -136,16 +149,16 @@ def test_labels_on_one_rank_give_the_same_keys_and_values_everywhere(tmp_path):
     assert math.isnan(r0["5"]["headwatch/logits/target_nll"]) and math.isnan(r0["5"]["headwatch/logits/entropy"])
 
 
-def test_a_rank_whose_forward_raised_publishes_the_same_keys(tmp_path):
-    r0 = run(tmp_path, "raised", 37000)
+def test_a_rank_whose_forward_raised_publishes_the_same_keys(runs):
+    r0 = run(runs, "raised")
     # rank 0's capture of step 3 stands for the run: the keys of step 5, where both ranks ran their forward (step 1,
     # the first logging step, is a collision probe step too)
     assert sorted(r0["3"]) == sorted(r0["5"])
     assert any(k.startswith("headwatch/collision/") for k in r0["1"]) and "headwatch/logits/entropy" in r0["3"]
 
 
-def test_a_self_check_failing_on_one_ranks_data_withholds_the_logits_on_every_rank(tmp_path):
-    r0 = run(tmp_path, "mismatch", 39000)
+def test_a_self_check_failing_on_one_ranks_data_withholds_the_logits_on_every_rank(runs):
+    r0 = run(runs, "mismatch")
     logits = [k for k in r0["3"] if k.startswith("headwatch/logits/")]
     assert "headwatch/logits/entropy" in logits and len(logits) > 10
     assert r0["3"]["headwatch/check/mismatch"] == 0.0 and r0["3"]["headwatch/check/withheld"] == 0.0
@@ -157,8 +170,8 @@ def test_a_self_check_failing_on_one_ranks_data_withholds_the_logits_on_every_ra
     assert "headwatch/grad/head_row_density" in r0["5"]  # only the failing figures are withheld
 
 
-def test_a_rank_whose_loss_was_thrown_away_fails_the_check_on_every_rank(tmp_path):
-    r0 = run(tmp_path, "raised_checked", 41000)
+def test_a_rank_whose_loss_was_thrown_away_fails_the_check_on_every_rank(runs):
+    r0 = run(runs, "raised_checked")
     assert r0["5"]["headwatch/check/mismatch"] == 0.0 and "headwatch/logits/entropy" in r0["5"]
     # step 3: rank 1's forward was measured (4 rows x 11 labelled positions) but its loss was thrown away: the
     # reference holds rank 0's positions only, the capture both ranks'
@@ -226,7 +239,7 @@ def test_processes_logging_at_different_intervals_raise_on_every_rank(tmp_path):
     Constructed before the group exists, the check waits for the logging steps: the interval rides with the reduced
     sums (no collective of its own), their first logging steps' reductions pair step 0 with step 1, and each rank sees
     the sum is not twice its own and raises before publishing anything."""
-    r0, r1 = run_gloo_workers(CADENCE_WORKER, tmp_path, 43000, timeout=120.0)
+    r0, r1 = fork_gloo_workers(CADENCE_WORKER, tmp_path, 43000, timeout=120.0)
     assert (r0["late"]["step"], r1["late"]["step"]) == (0, 1) and r0["late"]["published"] == r1["late"]["published"] == []
     for said, own in ((r0, 1), (r1, 2)):
         for error in (said["ddp"], said["late"]["error"]):

@@ -127,12 +127,16 @@ def check(rank: int, out_dir: str) -> None:
     head, emb, counts, valid = matrices()
     snap = frequency_snapshot(counts, valid, rare_max_count=1)
     result: dict = {}
-    for path, macs in (("exact", drift._EXACT_MACS), ("randomized", 0)):  # 0: every size takes the randomized path
-        drift._EXACT_MACS = macs
-        sharded = monitor(*(distribute_tensor(w, mesh, [Shard(0)]) for w in (head, emb)), TorchDistributedReducer())
-        result[path] = {"sharded": measure(sharded, snap)}
-        if rank == 0:
-            result[path]["single"] = measure(monitor(head, emb, NoReducer()), snap)
+    exact = drift._EXACT_MACS
+    try:  # restored: the workers run after this one in the same process (tests/workers/fsdp_loops.py) take the default
+        for path, macs in (("exact", exact), ("randomized", 0)):  # 0: every size takes the randomized path
+            drift._EXACT_MACS = macs
+            sharded = monitor(*(distribute_tensor(w, mesh, [Shard(0)]) for w in (head, emb)), TorchDistributedReducer())
+            result[path] = {"sharded": measure(sharded, snap)}
+            if rank == 0:
+                result[path]["single"] = measure(monitor(head, emb, NoReducer()), snap)
+    finally:
+        drift._EXACT_MACS = exact
     Path(out_dir, f"drift_rank{rank}.json").write_text(json.dumps(result))
 
 

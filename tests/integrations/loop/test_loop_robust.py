@@ -9,7 +9,7 @@ import torch
 
 from headwatch import Headwatch, HeadwatchError
 from headwatch.core import TokenCounts
-from tests.helpers import run_gloo_workers
+from tests.helpers.forked import fork_gloo_workers
 from tests.helpers.loop import Tiny, train_step
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ dist.destroy_process_group()
 
 
 def test_a_monitor_failing_on_one_rank_is_dropped_on_every_rank(tmp_path):
-    r0, r1 = run_gloo_workers(WORKER, tmp_path, 29500, timeout=120)  # was: rank 1 raised out of step_end, rank 0 crashed
+    r0, r1 = fork_gloo_workers(WORKER, tmp_path, 29500, timeout=120)  # was: rank 1 raised out of step_end, rank 0 crashed
     assert r0 == r1  # the same keys on every rank, every step
     # the logits (and the self-check of what they captured, and the overhead budget's cost), no gradient statistics
     kept = ("headwatch/logits/", "headwatch/debug/", "headwatch/check/", "headwatch/overhead/")
