@@ -318,21 +318,22 @@ def test_summary_says_the_cost_against_the_budget(capsys):
 
 def test_the_probes_share_of_the_run_holds_their_seconds(monkeypatch):
     """``overhead/probe_fraction_run`` against the seconds the probes were made to take: each collision measurement
-    sleeps 50 ms, and the run's wall time is read around the loop."""
+    sleeps 50 ms (more than the tiny model's measurement takes), and the run's wall time is read around the loop."""
     import time
 
-    measure = SynonymCollision.measure
+    measure, calls = SynonymCollision._measure_on_device, []
 
     def slow(self, *args, **kwargs):
+        calls.append(1)
         time.sleep(0.05)
         return measure(self, *args, **kwargs)
 
-    monkeypatch.setattr(SynonymCollision, "measure", slow)
+    monkeypatch.setattr(SynonymCollision, "_measure_on_device", slow)
     start = time.perf_counter()
     hw, rec, _ = run_loop(9, every=2)
     wall = time.perf_counter() - start
     probes = len(rec.steps_with("/collision/"))
-    assert probes >= 2  # the first logging step and the end of training
+    assert probes >= 2 and len(calls) == probes  # the first logging step and the end of training
     share, spent = hw.run.cost.run_probe_seconds, hw.run.cost.run_seconds
     assert share >= 0.05 * probes and share <= spent[0] <= wall
     published = rec.seen[-1][1]

@@ -29,6 +29,7 @@ from headwatch.functional.collision import (
 from headwatch.functional.frequency import (
     BUCKETS,
     FrequencySnapshot,
+    bucket_capacity,
     count_order,
     frequency_buckets,
     frequency_snapshot,
@@ -50,8 +51,10 @@ from headwatch.functional.hidden import hidden_chunk_plan, logit_scale, logit_so
 from headwatch.functional.neighbors import (
     Neighbours,
     chunk_sizes,
+    merge_maxima,
     nearest_neighbours,
     nearest_neighbours_masked,
+    nearest_neighbours_masked_sets,
     pair_cosine,
     row_max,
     similarity_chunks,
@@ -180,6 +183,7 @@ from headwatch.functional.drift_pairs import (  # noqa: E402
     check_queries,
     collision_from_neighbours,
     corrected_collision,
+    corrected_collision_groups,
     corrected_collision_masked,
     rate_above,
     rate_above_masked,
@@ -227,7 +231,11 @@ __all__ += [
     "top_principal_directions",
     # the collision measurement without host reads (fixed-size selections, masks)
     "FixedCollision",
+    "corrected_collision_groups",
     "corrected_collision_masked",
+    "nearest_neighbours_masked_sets",
+    "merge_maxima",
+    "bucket_capacity",
     "nearest_neighbours_masked",
     "principal_directions_masked",
     "rate_above_masked",
