@@ -536,7 +536,7 @@ class GradientDensity(Monitor):
             if before is None:
                 continue
             rows = local_rows(weight)
-            delta = rows.with_local(before)  # W_before - W_after, made in place block by block as it is measured
+            delta = rows.with_local(before)  # W_before - W_after, made in place (in the copy) as it is measured
             V = rows.num_rows
             valid = snap.valid.to(before.device) if snap is not None else torch.ones(V, dtype=torch.bool, device=before.device)
             out.update(row_statistics(delta, {f"{u}/{name}": valid}, self.reducer, subtract=rows.local)[0])

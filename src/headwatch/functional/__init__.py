@@ -62,7 +62,7 @@ from headwatch.functional.neighbors import (
     synonym_table,
     unit_rows,
 )
-from headwatch.functional.quantiles import nanquantiles, quantiles, sorted_quantiles
+from headwatch.functional.quantiles import nanquantiles, quantiles, sort_key, sorted_quantiles
 from headwatch.functional.rows import (
     Summary,
     dense_rows,
@@ -133,6 +133,7 @@ __all__ = [
     "panel_mask",
     "panel_order",
     "sample_rows",
+    "sort_key",
     "sorted_quantiles",
     "row_norms_and_nonzero",
     "selected_ranks",
