@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from numbers import Real
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ SHRINK_MARGIN = 4
 """The interval halves only when a quarter of it would fit the budget: intervals change rarely."""
 WINDOW = ("statistics", "probe", "wall", "probed")
 """The timings of one window between logging steps that ride with the step's sums (seconds; ``probed``: 1 when
-the window held a probe)."""
+the window held a probe). The process's budget and its square ride after them (:meth:`Overhead.shared`)."""
 
 
 def check_budget(value: Any) -> float | None:
@@ -49,7 +50,7 @@ def check_budget(value: Any) -> float | None:
     """
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+    if isinstance(value, bool) or not isinstance(value, Real) or not 0 < value < 1:  # numpy's floats too
         raise HeadwatchError(f"`overhead_budget` must be None or a float in (0, 1) (a fraction of wall time), got {value!r}")
     return float(value)
 
@@ -200,6 +201,8 @@ class Overhead:
     def reset(self) -> None:
         """A new run: the clock's timings, the window and the interval start again."""
         self.clock.take()
+        self.agreed = self.budget
+        """The budget the decisions use: this process's, or the mean over processes when theirs differ."""
         self.multiple, self.probed_at, self.first, self.fits = FIRST_MULTIPLE, None, None, True
         self.window = [0.0] * len(WINDOW)  # this process's last window read, ridden with the next logging step's sums
         self.started: float | None = None
@@ -301,8 +304,8 @@ class Overhead:
             return []
         from headwatch.distributed.reduce import collective_device
 
-        sums = torch.zeros(len(WINDOW), dtype=torch.float64, device=collective_device())
-        for i, v in enumerate(self.window):
+        sums = torch.zeros(len(WINDOW) + 2, dtype=torch.float64, device=collective_device())
+        for i, v in enumerate([*self.window, self.budget, self.budget**2]):
             if v:
                 sums[i] = v  # a fill, not a host-to-device copy
         return [{"overhead": sums}]
@@ -319,12 +322,25 @@ class Overhead:
 
     def shared(self, numbers: dict[str, float], world_size: int) -> list[float] | None:
         """Pop the reduced window (:meth:`keys`) from a logging step's ``numbers``: the means over processes of the
-        last window's timings, the same on every rank; with one process, its own last window. None: no budget."""
+        last window's timings, the same on every rank; with one process, its own last window. None: no budget.
+
+        Budgets that differ between processes (their mean and mean square ride too) would space the probes
+        differently on each, and the logging step's sums would then differ in layout: every process decides from
+        their mean instead (:attr:`agreed`), and one note says so."""
         if not self.on:
             return None
-        reduced = [numbers.pop(f"{self.prefix}/overhead/_window{i}", None) for i in range(len(WINDOW))]
+        reduced = [numbers.pop(f"{self.prefix}/overhead/_window{i}", None) for i in range(len(WINDOW) + 2)]
         if reduced[0] is not None:
-            return [v / world_size for v in reduced]
+            mean, square = reduced[-2] / world_size, reduced[-1] / world_size
+            if square - mean**2 > 1e-9 * mean**2:
+                self.agreed = mean
+                self._say(
+                    "overhead:budgets",
+                    f"headwatch: overhead_budget differs between processes; every process spaces the probes by their "
+                    f"mean, {mean:g}, so that they probe on the same steps. Pass the same overhead_budget on every "
+                    "process. (said once)",
+                )
+            return [v / world_size for v in reduced[: len(WINDOW)]]
         return list(self.window) if world_size <= 1 else None
 
     def after(self, numbers: dict[str, float], shared: list[float] | None) -> dict[str, float]:
@@ -343,7 +359,7 @@ class Overhead:
             return
         if probed > 0:
             self.probe_seconds = probe / probed
-        step_s, budget = wall / self.every, self.budget or 0.0
+        step_s, budget = wall / self.every, self.agreed or 0.0
         needed, self.fits = probe_interval(statistics, self.probe_seconds, step_s, self.every, budget)
         self.notes(statistics, step_s, budget)
         if self.probe_seconds > 0 or not self.fits:
