@@ -1,14 +1,17 @@
-"""The overhead budget against bad input: budgets of every numeric type, and budgets that differ between two
-processes (gloo)."""
+"""The overhead budget against bad input: budgets of every numeric type, the notes said once whatever the timings,
+and budgets that differ between two processes (gloo)."""
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import pytest
 import torch
 
 import headwatch
-from headwatch.core.overhead import check_budget
+from headwatch.core.monitor import FailurePolicy
+from headwatch.core.overhead import Overhead, check_budget
 from headwatch.errors import HeadwatchError
 from tests.helpers.forked import fork_gloo_workers
 from tests.helpers.loop import Tiny
@@ -27,6 +30,18 @@ def test_a_budget_of_any_real_type_is_that_fraction(value):
 def test_a_budget_outside_the_range_or_not_a_number_is_refused_naming_it(bad):
     with pytest.raises(HeadwatchError, match=r"`overhead_budget` must be None or a float in \(0, 1\)"):
         headwatch.Headwatch(Tiny(), overhead_budget=bad, summary=False)
+
+
+def test_the_statistics_over_budget_note_is_said_once_as_its_share_changes(caplog):
+    """The note that the logging statistics alone exceed the budget holds the share of the window it read; a later
+    window with another share is the same condition, not a new note."""
+    cost = Overhead(0.01, "headwatch")
+    cost.configure(2, [], FailurePolicy())
+    with caplog.at_level(logging.INFO, logger="headwatch"):
+        for statistics in (0.5, 0.7, 0.9):  # seconds of statistics a window of 2 steps of 1 s: 25%, 35%, 45%
+            cost.decide(statistics, 0.0, 2.0, 0.0)
+    said = [r.getMessage() for r in caplog.records if "logging statistics alone" in r.getMessage()]
+    assert len(said) == 1 and "25.0%" in said[0], said
 
 
 DIFFERENT_BUDGETS = r"""

@@ -189,6 +189,8 @@ class Overhead:
         """Says the notes (``note_once(key, message)``, ``info_once(message)``: a ``FailurePolicy``); None: silent."""
         self.door_interval = "the logging interval"
         """How the door names its logging interval (in the note that it alone exceeds the budget)."""
+        self.said: set[str] = set()
+        """The notes' keys said already (:meth:`_say`)."""
         self.warn_statistics = False
         """Say that the logging statistics alone exceed the budget as a warning (the Hugging Face door, whose
         ``logging_steps`` is kept as the user's trainer has it); else at INFO (logger ``headwatch``)."""
@@ -389,8 +391,9 @@ class Overhead:
                     )
 
     def _say(self, key: str, message: str) -> None:
-        if self.policy is None:
+        if self.policy is None or key in self.said:
             return
+        self.said.add(key)  # once per key: the policy's INFO note is once per message, which holds this window's share
         if key == "overhead:statistics" and not self.warn_statistics:
             self.policy.info_once(message)
         else:
