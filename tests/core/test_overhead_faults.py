@@ -45,6 +45,50 @@ def test_the_statistics_over_budget_note_is_said_once_as_its_share_changes(caplo
     assert len(said) == 1 and "25.0%" in said[0], said
 
 
+@pytest.fixture(scope="module")
+def saved():
+    """The loop door's state after 6 steps (logging every 2) and its model."""
+    torch.manual_seed(0)
+    model = Tiny()
+    hw = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s in range(6):
+            train_step(hw, model, s)
+    return hw.state_dict(), model
+
+
+DAMAGED = {
+    "not a dict": "garbage",
+    "a key missing": {"multiple": 8, "first": 1},
+    "a key more": {"multiple": 8, "probe_seconds": 0.1, "first": 1, "interval": 16},
+    "negative seconds": {"multiple": 8, "probe_seconds": -1.0, "first": 1},
+    "NaN seconds": {"multiple": 8, "probe_seconds": float("nan"), "first": 1},
+    "seconds a tensor": {"multiple": 8, "probe_seconds": torch.tensor(0.1), "first": 1},
+    "a huge interval": {"multiple": 2**40, "probe_seconds": 0.1, "first": 1},
+    "an interval not a power of two": {"multiple": 6, "probe_seconds": 0.1, "first": 1},
+    "an interval a string": {"multiple": "8", "probe_seconds": 0.1, "first": 1},
+    "a negative first step": {"multiple": 8, "probe_seconds": 0.1, "first": -1},
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED))
+def test_a_damaged_overhead_state_is_refused_once_and_the_rest_of_the_state_loads(saved, damage):
+    """The overhead part refused with one warning naming it (the schedule starts again), every monitor's part
+    restored as saved, and the next steps run."""
+    state, model = saved
+    resumed = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        resumed.load_state_dict({**state, "overhead": DAMAGED[damage]})
+        assert resumed.run.cost.state_dict() == {"multiple": 8, "probe_seconds": 0.0, "first": None}
+        torch.testing.assert_close(resumed.run.state_dict()["monitors"], state["monitors"], rtol=0, atol=0)
+        for s in range(6, 8):
+            values = train_step(resumed, model, s)
+    assert "headwatch/overhead/probe_interval" in values
+    assert len([w for w in said if "`overhead` must be a dict" in str(w.message)]) == 1, [str(w.message) for w in said]
+
+
 class Figures:
     """A sink that keeps the steps whose publication held figures."""
 
