@@ -368,16 +368,25 @@ class Overhead:
             self.multiple = steady_interval(self.multiple, needed)
 
     def notes(self, statistics: float, step_s: float, budget: float) -> None:
-        """Say once when the logging statistics alone exceed the budget (with the logging interval that fits), and when
-        a probe cadence of the user's does."""
+        """Say once when the logging statistics alone exceed the budget (with the logging interval that fits, and the
+        figure cadences of the user's they hold), and when a probe cadence of the user's does."""
         if statistics / self.every > budget * step_s:
             fits = self.every * 2 ** math.ceil(math.log2(statistics / self.every / (budget * step_s)))
+            # figures at a cadence of the user's are drawn off the probe steps too: timed with the statistics
+            own = [f"{m.name} every {m.figure_every} steps (figure_every_n_steps={m.figure_every})" for m in self.monitors
+                   if getattr(m, "figure_every", 0) > 0 and m not in self.figures]  # fmt: skip
+            figures = (
+                f" They include the figures drawn at a cadence of yours, kept as set: {', '.join(own)}; space them, or "
+                "pass figure_every_n_steps='auto' to draw them on the probe steps."
+                if own
+                else ""
+            )
             self._say(
                 "overhead:statistics",
                 f"headwatch: its logging statistics alone take {statistics / self.every / step_s:.1%} of the training "
                 f"time at a logging interval of {self.every} steps, over overhead_budget={budget:g}; the probes are spaced to "
                 f"the longest interval and `overhead/fraction` says the cost. To fit, raise {self.door_interval} to "
-                f"{fits} or more, or pass overhead_budget=None to accept the cost. (said once)",
+                f"{fits} or more, or pass overhead_budget=None to accept the cost.{figures} (said once)",
             )
         for m in self.monitors:
             if getattr(m, "probe", False) and self.explicit(m) and self.probe_seconds > 0:
