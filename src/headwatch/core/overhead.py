@@ -43,10 +43,11 @@ the window held a probe). The process's budget and its square ride after them (:
 
 
 def check_budget(value: Any) -> float | None:
-    """``overhead_budget``: None (off) or a fraction of training wall time in (0, 1).
+    """``overhead_budget``: None (off) or a fraction of training wall time in (0, 1), a real number of any type (a
+    Python or numpy float), returned as a Python float.
 
     Raises:
-        HeadwatchError: anything else.
+        HeadwatchError: anything else (0, 1, out of range, NaN, infinite, a bool, a string, a tensor).
     """
     if value is None:
         return None
