@@ -329,14 +329,14 @@ class Overhead:
 
         Budgets that differ between processes (their mean and mean square ride too) would space the probes
         differently on each, and the logging step's sums would then differ in layout: every process decides from
-        their mean instead (:attr:`agreed`), and one note says so."""
+        their mean (:attr:`agreed`), and one note says when they differ."""
         if not self.on:
             return None
         reduced = [numbers.pop(f"{self.prefix}/overhead/_window{i}", None) for i in range(len(WINDOW) + 2)]
         if reduced[0] is not None:
             mean, square = reduced[-2] / world_size, reduced[-1] / world_size
+            self.agreed = mean  # even budgets a rounding apart: each process decides with the same number
             if square - mean**2 > 1e-9 * mean**2:
-                self.agreed = mean
                 self._say(
                     "overhead:budgets",
                     f"headwatch: overhead_budget differs between processes; every process spaces the probes by their "
