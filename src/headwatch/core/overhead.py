@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from numbers import Real
 from typing import Any
 
 import torch
@@ -38,18 +39,19 @@ SHRINK_MARGIN = 4
 """The interval halves only when a quarter of it would fit the budget: intervals change rarely."""
 WINDOW = ("statistics", "probe", "wall", "probed")
 """The timings of one window between logging steps that ride with the step's sums (seconds; ``probed``: 1 when
-the window held a probe)."""
+the window held a probe). The process's budget and its square ride after them (:meth:`Overhead.shared`)."""
 
 
 def check_budget(value: Any) -> float | None:
-    """``overhead_budget``: None (off) or a fraction of training wall time in (0, 1).
+    """``overhead_budget``: None (off) or a fraction of training wall time in (0, 1), a real number of any type (a
+    Python or numpy float), returned as a Python float.
 
     Raises:
-        HeadwatchError: anything else.
+        HeadwatchError: anything else (0, 1, out of range, NaN, infinite, a bool, a string, a tensor).
     """
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+    if isinstance(value, bool) or not isinstance(value, Real) or not 0 < value < 1:  # numpy's floats too
         raise HeadwatchError(f"`overhead_budget` must be None or a float in (0, 1) (a fraction of wall time), got {value!r}")
     return float(value)
 
@@ -188,6 +190,8 @@ class Overhead:
         """Says the notes (``note_once(key, message)``, ``info_once(message)``: a ``FailurePolicy``); None: silent."""
         self.door_interval = "the logging interval"
         """How the door names its logging interval (in the note that it alone exceeds the budget)."""
+        self.said: set[str] = set()
+        """The notes' keys said already (:meth:`_say`)."""
         self.warn_statistics = False
         """Say that the logging statistics alone exceed the budget as a warning (the Hugging Face door, whose
         ``logging_steps`` is kept as the user's trainer has it); else at INFO (logger ``headwatch``)."""
@@ -200,6 +204,8 @@ class Overhead:
     def reset(self) -> None:
         """A new run: the clock's timings, the window and the interval start again."""
         self.clock.take()
+        self.agreed = self.budget
+        """The budget the decisions use: this process's, or the mean over processes when theirs differ."""
         self.multiple, self.probed_at, self.first, self.fits = FIRST_MULTIPLE, None, None, True
         self.window = [0.0] * len(WINDOW)  # this process's last window read, ridden with the next logging step's sums
         self.started: float | None = None
@@ -301,8 +307,8 @@ class Overhead:
             return []
         from headwatch.distributed.reduce import collective_device
 
-        sums = torch.zeros(len(WINDOW), dtype=torch.float64, device=collective_device())
-        for i, v in enumerate(self.window):
+        sums = torch.zeros(len(WINDOW) + 2, dtype=torch.float64, device=collective_device())
+        for i, v in enumerate([*self.window, self.budget, self.budget**2]):
             if v:
                 sums[i] = v  # a fill, not a host-to-device copy
         return [{"overhead": sums}]
@@ -319,12 +325,25 @@ class Overhead:
 
     def shared(self, numbers: dict[str, float], world_size: int) -> list[float] | None:
         """Pop the reduced window (:meth:`keys`) from a logging step's ``numbers``: the means over processes of the
-        last window's timings, the same on every rank; with one process, its own last window. None: no budget."""
+        last window's timings, the same on every rank; with one process, its own last window. None: no budget.
+
+        Budgets that differ between processes (their mean and mean square ride too) would space the probes
+        differently on each, and the logging step's sums would then differ in layout: every process decides from
+        their mean (:attr:`agreed`), and one note says when they differ."""
         if not self.on:
             return None
-        reduced = [numbers.pop(f"{self.prefix}/overhead/_window{i}", None) for i in range(len(WINDOW))]
+        reduced = [numbers.pop(f"{self.prefix}/overhead/_window{i}", None) for i in range(len(WINDOW) + 2)]
         if reduced[0] is not None:
-            return [v / world_size for v in reduced]
+            mean, square = reduced[-2] / world_size, reduced[-1] / world_size
+            self.agreed = mean  # even budgets a rounding apart: each process decides with the same number
+            if square - mean**2 > 1e-9 * mean**2:
+                self._say(
+                    "overhead:budgets",
+                    f"headwatch: overhead_budget differs between processes; every process spaces the probes by their "
+                    f"mean, {mean:g}, so that they probe on the same steps. Pass the same overhead_budget on every "
+                    "process. (said once)",
+                )
+            return [v / world_size for v in reduced[: len(WINDOW)]]
         return list(self.window) if world_size <= 1 else None
 
     def after(self, numbers: dict[str, float], shared: list[float] | None) -> dict[str, float]:
@@ -343,23 +362,32 @@ class Overhead:
             return
         if probed > 0:
             self.probe_seconds = probe / probed
-        step_s, budget = wall / self.every, self.budget or 0.0
+        step_s, budget = wall / self.every, self.agreed or 0.0
         needed, self.fits = probe_interval(statistics, self.probe_seconds, step_s, self.every, budget)
         self.notes(statistics, step_s, budget)
         if self.probe_seconds > 0 or not self.fits:
             self.multiple = steady_interval(self.multiple, needed)
 
     def notes(self, statistics: float, step_s: float, budget: float) -> None:
-        """Say once when the logging statistics alone exceed the budget (with the logging interval that fits), and when
-        a probe cadence of the user's does."""
+        """Say once when the logging statistics alone exceed the budget (with the logging interval that fits, and the
+        figure cadences of the user's they hold), and when a probe cadence of the user's does."""
         if statistics / self.every > budget * step_s:
             fits = self.every * 2 ** math.ceil(math.log2(statistics / self.every / (budget * step_s)))
+            # figures at a cadence of the user's are drawn off the probe steps too: timed with the statistics
+            own = [f"{m.name} every {m.figure_every} steps (figure_every_n_steps={m.figure_every})" for m in self.monitors
+                   if getattr(m, "figure_every", 0) > 0 and m not in self.figures]  # fmt: skip
+            figures = (
+                f" They include the figures drawn at a cadence of yours, kept as set: {', '.join(own)}; space them, or "
+                "pass figure_every_n_steps='auto' to draw them on the probe steps."
+                if own
+                else ""
+            )
             self._say(
                 "overhead:statistics",
                 f"headwatch: its logging statistics alone take {statistics / self.every / step_s:.1%} of the training "
                 f"time at a logging interval of {self.every} steps, over overhead_budget={budget:g}; the probes are spaced to "
                 f"the longest interval and `overhead/fraction` says the cost. To fit, raise {self.door_interval} to "
-                f"{fits} or more, or pass overhead_budget=None to accept the cost. (said once)",
+                f"{fits} or more, or pass overhead_budget=None to accept the cost.{figures} (said once)",
             )
         for m in self.monitors:
             if getattr(m, "probe", False) and self.explicit(m) and self.probe_seconds > 0:
@@ -373,8 +401,9 @@ class Overhead:
                     )
 
     def _say(self, key: str, message: str) -> None:
-        if self.policy is None:
+        if self.policy is None or key in self.said:
             return
+        self.said.add(key)  # once per key: the policy's INFO note is once per message, which holds this window's share
         if key == "overhead:statistics" and not self.warn_statistics:
             self.policy.info_once(message)
         else:
