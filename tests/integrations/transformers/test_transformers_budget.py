@@ -49,3 +49,19 @@ def test_no_budget_no_cost_keys_no_note(tmp_path):
 def test_bad_budget_raises():
     with pytest.raises(HeadwatchError, match="overhead_budget"):
         HeadwatchCallback(overhead_budget=2)
+
+
+def test_end_of_training_publishes_no_window_without_a_training_step(tmp_path):
+    # `overhead/fraction` is the share of the window a logging step closes. The run ends on a logging step, so the
+    # end of training's probe closes a "window" with no training step in it: published (at the logging step's
+    # step) its fraction is about 1, a point near 100% on the cost chart of every such run. The end of training
+    # may add to `fraction_run` (docs/definitions.md), not publish a `fraction` of its own.
+    cb = HeadwatchCallback(figure_every_n_steps=None, summary=False)
+    args = hf_args(tmp_path, max_steps=4, logging_steps=2, logging_first_step=False)
+    trainer = Trainer(model=tiny_llama(tie=False), args=args, train_dataset=Rows(one_batch(), 4), callbacks=[cb])
+    trainer.train()
+    history = trainer.state.log_history
+    logging = [r["step"] for r in history if "headwatch/logits/entropy" in r]
+    fraction = [(r["step"], r["headwatch/overhead/fraction"]) for r in history if "headwatch/overhead/fraction" in r]
+    assert logging == [2, 4]
+    assert [step for step, _ in fraction] == logging, fraction
