@@ -387,7 +387,9 @@ class Overhead:
                 f"headwatch: its logging statistics alone take {statistics / self.every / step_s:.1%} of the training "
                 f"time at a logging interval of {self.every} steps, over overhead_budget={budget:g}; the probes are spaced to "
                 f"the longest interval and `overhead/fraction` says the cost. To fit, raise {self.door_interval} to "
-                f"{fits} or more, or pass overhead_budget=None to accept the cost.{figures} (said once)",
+                f"{fits} or more, or pass overhead_budget=None to accept the cost.{figures} The first and the "
+                "end-of-training probes run outside the budget (`overhead/probe_fraction_run` says their share: most of "
+                "a short run's cost). (said once)",
             )
         for m in self.monitors:
             if getattr(m, "probe", False) and self.explicit(m) and self.probe_seconds > 0:
@@ -430,6 +432,8 @@ class Overhead:
             f"{p}/probe_interval": float(self.multiple * self.every),
             f"{p}/probe_seconds": probe if probe > 0 else self.last_probe,
         }
+        if self.ended:  # the end of training's probe closes no window of training steps: its cost is in the run's
+            del self.last[f"{p}/fraction"]  # fractions and in probe_seconds, never a `fraction` near 1 on the chart
         return dict(self.last)
 
     def settle(self) -> None:

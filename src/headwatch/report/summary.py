@@ -153,8 +153,9 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
     if spent is not None:
         fig["overhead_fraction_run"] = spent
         budget = f" (budget {s.budget:.2%})" if getattr(s, "budget", None) is not None else ""
-        share = f", {probes:.2%} of it the probes (the first, the periodic, the end)" if probes is not None else ""
-        every = f"; probes every {interval:.0f} steps" if interval is not None else ""
+        # the probes' share is of the wall time too: a part of `spent`, said in points so that it reads as one
+        share = f", {100 * probes:.2f} points of it the probes (the first, the periodic, the end)" if probes is not None else ""
+        every = f"; periodic probes every {interval:.0f} steps" if interval is not None else ""
         lines.append(f"  overhead         {spent:.2%} of the wall time over the run{budget}{share}{every}")
     alerts = s.alerts() if s.alerts is not None else None
     if alerts is not None:
