@@ -23,7 +23,7 @@ from headwatch.core.overhead import (
 from headwatch.errors import HeadwatchError
 from tests.helpers.distributed import run_ranks
 from tests.helpers.forked import fork_gloo_workers
-from tests.helpers.loop import Tiny, train_step
+from tests.helpers.loop import Tiny, train_step, trained_loop
 
 KEYS = ("fraction", "fraction_run", "probe_fraction_run", "probe_interval", "probe_seconds")
 
@@ -344,13 +344,9 @@ def test_the_probes_share_of_the_run_holds_their_seconds(monkeypatch):
 
 
 def test_a_resumed_run_probes_on_the_steps_it_would_have():
-    torch.manual_seed(0)
-    model = Tiny()
-    first = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False)
+    first, model = trained_loop(6, every=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for s in range(6):
-            train_step(first, model, s)
         state = first.state_dict()
         resumed = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False)
         resumed.load_state_dict(state)

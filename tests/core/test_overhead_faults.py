@@ -15,7 +15,7 @@ from headwatch.core.monitor import FailurePolicy
 from headwatch.core.overhead import Overhead, check_budget
 from headwatch.errors import HeadwatchError
 from tests.helpers.forked import fork_gloo_workers
-from tests.helpers.loop import Tiny, train_step
+from tests.helpers.loop import Tiny, train_step, trained_loop
 
 
 @pytest.mark.parametrize("value", [np.float32(0.25), np.float64(0.25), np.float16(0.25)])
@@ -48,13 +48,7 @@ def test_the_statistics_over_budget_note_is_said_once_as_its_share_changes(caplo
 @pytest.fixture(scope="module")
 def saved():
     """The loop door's state after 6 steps (logging every 2) and its model."""
-    torch.manual_seed(0)
-    model = Tiny()
-    hw = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for s in range(6):
-            train_step(hw, model, s)
+    hw, model = trained_loop(6, every=2)
     return hw.state_dict(), model
 
 
@@ -121,17 +115,23 @@ def test_a_figure_cadence_of_the_users_over_the_budget_is_kept_with_one_note_nam
     assert len(said) == 1 and "every 2 steps (figure_every_n_steps=2)" in said[0] and "kept as set" in said[0], notes
 
 
-DIFFERENT_BUDGETS = r"""
+GLOO = r"""
 import datetime, json, os, sys, time, warnings
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[3])
 from tests.helpers.loop import Tiny, train_step
 from headwatch import Headwatch
+from headwatch.errors import HeadwatchError
 rank = int(sys.argv[1])
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
-dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT))
 torch.manual_seed(0)
 model = Tiny()
+"""
+"""The start of a gloo worker (``fork_gloo_workers``' arguments: rank, port, repository, output folder): the process
+group (``TIMEOUT`` seconds) and the tiny model, seeded."""
+
+DIFFERENT_BUDGETS = GLOO.replace("TIMEOUT", "20") + r"""
 # alone, rank 0 would probe every logging interval (its steps are slow, its budget large), rank 1 at the longest
 budget = 0.9 if rank == 0 else 1e-9
 hw = Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False, overhead_budget=budget)
@@ -165,18 +165,7 @@ def test_budgets_that_differ_between_processes_are_replaced_by_their_mean_on_eve
     assert len(r0["notes"]) == 1 and "0.45" in r0["notes"][0] and r1["notes"] == [], r0["notes"]
 
 
-BUDGET_ON_ONE_PROCESS = r"""
-import datetime, json, os, sys, warnings
-import torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[3])
-from tests.helpers.loop import Tiny, train_step
-from headwatch import Headwatch
-from headwatch.errors import HeadwatchError
-rank = int(sys.argv[1])
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
-dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=5))
-torch.manual_seed(0)
-model = Tiny()
+BUDGET_ON_ONE_PROCESS = GLOO.replace("TIMEOUT", "5") + r"""
 hw = Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False,
                overhead_budget=0.01 if rank == 0 else None)
 refused = None

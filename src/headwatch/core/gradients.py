@@ -514,7 +514,7 @@ class GradientDensity(Monitor):
         seen = snap.seen
         # Spearman's rho of log(count) and the row norm: ranks of the counts are those of their log (a strictly
         # increasing map), computed once for every matrix; unseen rows (count 0) are not selected
-        count_ranks = selected_ranks(snap.counts.double(), seen)
+        count_ranks = selected_ranks(snap.counts, seen)  # int64 counts: their own sort keys
         self._weights = self._matrices()  # kept for the update's "before" copy (gradients_ready)
         for name, weight in self._weights.items():
             norms = row_norms_full(weight, self.reducer)
