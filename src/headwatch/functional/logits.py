@@ -245,15 +245,14 @@ def check_transform(transform: object) -> None:
 
 
 class _Rows(NamedTuple):
-    """Per-row outputs of the chunk loop, written chunk by chunk (disjoint slices); every field but the
-    last three is an ``(N,)`` float buffer in the compute dtype."""
+    """Per-row reductions of the chunk loop, written chunk by chunk (disjoint slices) and finished over every row at
+    once (:func:`_finish`); every field but the last two is an ``(N,)`` float buffer in the compute dtype."""
 
-    entropy: Tensor
-    max_prob: Tensor
-    mean_s: Tensor  # mean_v(s_v), for KL(U || p)
-    log_z: Tensor
-    sum_sq: Tensor  # sum_v exp(s_v)^2 = Z^2 sum_v p_v^2, for H_2
-    finite: Tensor
+    max: Tensor  # m = max_v x_v
+    sum_s: Tensor  # sum_v s_v, for KL(U || p)
+    z: Tensor  # Z = sum_v exp(s_v)
+    norm_e: Tensor  # (sum_v exp(s_v)^2)^(1/2) = Z (sum_v p_v^2)^(1/2), for H_2
+    sum_es2: Tensor  # sum_v exp(s_v) s_v log2(e), for H
     s_target: Tensor | None
     targets: Tensor | None  # (N,) int64, out-of-range ids replaced by 0
 
@@ -272,27 +271,24 @@ def _measure_block(
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise HeadwatchError(f"expected `transform` to return a tensor of shape {tuple(block.shape)}, got {got}")
         x = x.to(dtype)
-    V = x.shape[1]
     rows = slice(start, start + n)  # this block's entries of every (N,) output, written in place (out=)
-    m = x.amax(dim=-1, keepdim=True)  # (n, 1)
-    finite = torch.isfinite(m)  # False for NaN, +inf, or an all -inf row
-    s = torch.sub(x, torch.where(finite, m, 0.0), out=s_buf[:n])  # (n, V), <= 0
-    torch.sum(s, dim=-1, out=out.mean_s[rows]).div_(V)  # -inf when a logit is -inf: KL(U || p) = +inf
-    if out.s_target is not None and out.targets is not None:  # before the clamp: -inf target logit -> nll +inf
+    # only the passes over the block here: the per-row arithmetic runs once over every row in _finish (a block's
+    # dozen small ops cost, on the CPU, about as much as its passes; a row that is not finite gives NaN, dropped there)
+    m = torch.amax(x, dim=-1, keepdim=True, out=out.max[rows].unsqueeze(-1))  # (n, 1)
+    s = torch.sub(x, m, out=s_buf[:n])  # (n, V), <= 0
+    torch.sum(s, dim=-1, out=out.sum_s[rows])  # -inf when a logit is -inf: KL(U || p) = +inf
+    if out.s_target is not None and out.targets is not None:  # a -inf target logit: nll +inf
         torch.gather(s, -1, out.targets[rows].unsqueeze(-1), out=out.s_target[rows].unsqueeze(-1))  # (n, 1)
     # e = exp(s) as exp2(s log2(e)): torch's CPU exp2 runs at twice exp's speed (AVX2; exp is ~60% of a chunk's
     # time); the scaled s2 = s log2(e) rounds to a relative 6e-8, an error of |s| 6e-8 in each exponent
     s2 = s.mul_(_LOG2_E)
     e = torch.exp2(s2, out=e_buf[:n])  # (n, V); exactly 0 at -inf
-    z = e.sum(dim=-1)  # (n,)
-    lz = torch.log(z, out=out.log_z[rows])
+    torch.sum(e, dim=-1, out=out.z[rows])
     # sum_v e_v^2 as a squared norm: one reduction, no (n, V) temporary (about 1/7 of exp's time on the CPU)
-    torch.linalg.vector_norm(e, dim=-1, out=out.sum_sq[rows]).square_()
-    torch.reciprocal(z, out=out.max_prob[rows])
-    # sum_v e_v s_v = ln(2) sum_v e_v s2_v, in place into e (no (n, V) temporary; faster than vecdot on the CPU);
-    # nansum: at a -inf logit e_v s2_v = 0 * -inf is NaN where the term is 0 (a finite row has no other NaN)
-    torch.sub(lz, e.mul_(s2).nansum(dim=-1).mul_(_LN_2).div_(z), out=out.entropy[rows])
-    out.finite[rows] = finite.squeeze(-1)
+    torch.linalg.vector_norm(e, dim=-1, out=out.norm_e[rows])
+    # sum_v e_v s2_v in place into e (no (n, V) temporary; faster than vecdot or bmm on the CPU); nansum: at a -inf
+    # logit e_v s2_v = 0 * -inf is NaN where the term is 0 (a finite row has no other NaN)
+    torch.nansum(e.mul_(s2), dim=-1, out=out.sum_es2[rows])
 
 
 def statistics_from_tasks(
@@ -322,9 +318,8 @@ def statistics_from_tasks(
         # would be a device-side assert on a GPU and kill the run.
         flat_targets = torch.where(target_ok, flat_targets, torch.zeros_like(flat_targets))
     new = partial(torch.empty, N, dtype=dtype, device=device)
-    rows_out = {name: new() for name in _Rows._fields if name not in ("finite", "s_target", "targets")}
-    out = _Rows(**rows_out, finite=torch.empty(N, dtype=torch.bool, device=device),
-                s_target=new() if targets is not None else None, targets=flat_targets)
+    rows_out = {name: new() for name in _Rows._fields if name not in ("s_target", "targets")}
+    out = _Rows(**rows_out, s_target=new() if targets is not None else None, targets=flat_targets)
     buf_rows = min(rows, max(N, 1))
     bufs = [
         (torch.empty(buf_rows, V, dtype=dtype, device=device), torch.empty(buf_rows, V, dtype=dtype, device=device))
@@ -344,24 +339,29 @@ def _finish(
     out: _Rows, lead: torch.Size, V: int, mask: Tensor | None, targets: Tensor | None, ignore_index: int,
     target_ok: Tensor | None,
 ) -> LogitStatistics:
-    """Validity masks, NaN outside them, and the derived fields."""
+    """The per-row arithmetic of the block sums (:class:`_Rows`), validity masks, NaN outside them, and the derived
+    fields."""
     N = math.prod(lead)
-    device = out.entropy.device
+    device = out.z.device
     log_v = math.log(V)
-    # Entropy of an (almost) one-hot row can round to a tiny negative: clamp into [0, log V].
-    entropy = out.entropy.clamp_(min=0.0, max=log_v)
+    finite = torch.isfinite(out.max)  # False for NaN, +inf, or an all -inf row
+    z = out.z
+    log_z = torch.log(z)
+    # H = log Z - sum_v e_v s_v / Z, with s_v = ln(2) s2_v; an (almost) one-hot row can round to a tiny negative
+    entropy = torch.sub(log_z, out.sum_es2.mul_(_LN_2).div_(z)).clamp_(min=0.0, max=log_v)
     # H_2 = 2 log Z - log sum_v exp(2 s_v); rounding can put it a hair outside [0, H]
-    renyi2 = torch.minimum((2 * out.log_z - torch.log(out.sum_sq)).clamp_(min=0.0), entropy)
+    renyi2 = torch.minimum((2 * log_z - torch.log(out.norm_e.square_())).clamp_(min=0.0), entropy)
+    mean_s = out.sum_s.div_(V)
     selected = mask.reshape(N) if mask is not None else torch.ones(N, dtype=torch.bool, device=device)
-    nonfinite = selected & ~out.finite
-    valid = selected & out.finite
+    nonfinite = selected & ~finite
+    valid = selected & finite
     invalid_target = torch.zeros_like(valid)
     nll = is_argmax = None
     if targets is not None and target_ok is not None and out.s_target is not None:
         not_ignored = targets.reshape(N) != ignore_index
         invalid_target = valid & not_ignored & ~target_ok
         valid = valid & not_ignored & target_ok
-        nll = out.log_z - out.s_target
+        nll = log_z - out.s_target
         is_argmax = (out.s_target == 0) & valid
     def _out(t: Tensor) -> Tensor:
         return torch.where(valid, t, float("nan")).reshape(lead)  # a Python NaN: no copy to the device
@@ -369,8 +369,8 @@ def _finish(
     return LogitStatistics(
         entropy=_out(entropy),
         kl_to_uniform=_out(log_v - entropy),
-        kl_from_uniform=_out(torch.clamp(out.log_z - out.mean_s - log_v, min=0.0)),
-        max_prob=_out(out.max_prob),
+        kl_from_uniform=_out(torch.clamp(log_z - mean_s - log_v, min=0.0)),
+        max_prob=_out(torch.reciprocal(z)),
         renyi2_entropy=_out(renyi2),
         nll=_out(nll) if nll is not None else None,
         target_is_argmax=is_argmax.reshape(lead) if is_argmax is not None else None,

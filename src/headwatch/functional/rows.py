@@ -284,18 +284,19 @@ def summarize(values: Tensor, select: Tensor | None = None) -> Summary:
     return summarize_groups(values, {"": select if select is not None else torch.ones_like(values, dtype=torch.bool)})[""]
 
 
-def _sorted_summaries(ordered: Tensor, selected: list[Tensor]) -> Summary:
-    """:class:`Summary` of the entries of the ascending ``ordered`` (float64 ``(V,)``, ``V > 0``) selected by each
-    of ``selected`` (``G`` bool ``(V,)``): fields of shape ``(G,)``, fixed-size operations only, no host sync.
+def _sorted_summaries(ordered: Tensor, selected: list[Tensor], order: Tensor) -> Summary:
+    """:class:`Summary` of the entries of the ascending ``ordered = values[order]`` (float64 ``(V,)``, ``V > 0``)
+    selected by each of ``selected`` (``G`` bool ``(V,)`` masks of ``values``): fields of shape ``(G,)``, fixed-size
+    operations only, no host sync.
 
     The ``k``-th selected value (0-based) is at the first index where the running count of selected
     entries reaches ``k + 1`` (a ``searchsorted`` in that count, exact in integers); the quantiles interpolate as
     :func:`~headwatch.functional.quantiles.sorted_quantiles` between the selected values at
-    ``floor`` and ``ceil`` of ``q (n - 1)``. Every group in one call: a Python loop over groups would pay each
-    small op's dispatch once per group (about 0.2 ms a group at ``V`` 32000 on a CPU core).
+    ``floor`` and ``ceil`` of ``q (n - 1)``. Every group in one call, the ops over the ``(G, V)`` masks at once where
+    that is faster on the CPU (the cumulative counts and the sums; a gather along dim 1 is slower than one per row).
     """
-    # row by row: 1-D cumsums are several times faster on the CPU than one along dim 1 of (G, V)
-    running = torch.stack([row.cumsum(0, dtype=torch.int64) for row in selected])  # (G, V), exact counts
+    masks = torch.stack([mask.index_select(0, order) for mask in selected])  # (G, V), in the order of ``ordered``
+    running = masks.cumsum(1, dtype=torch.int64)  # (G, V), exact counts
     n = running[:, -1].double()  # (G,)
     p50, p95 = 0.5 * (n - 1), 0.95 * (n - 1)
     ranks = torch.stack([p50.floor(), p50.ceil(), p95.floor(), p95.ceil(), n - 1], dim=1).clamp(min=0.0)  # (G, 5)
@@ -303,8 +304,8 @@ def _sorted_summaries(ordered: Tensor, selected: list[Tensor]) -> Summary:
     at = ordered.index_select(0, index.reshape(-1)).view(index.shape)  # (G, 5)
     q50 = at[:, 0] + (at[:, 1] - at[:, 0]) * (p50 - ranks[:, 0])
     q95 = at[:, 2] + (at[:, 3] - at[:, 2]) * (p95 - ranks[:, 2])
-    # one sum per group over the whole (V,) row: the same reduction, bit for bit, as a 1-D tensor's sum
-    mean = torch.stack([torch.where(row, ordered, 0.0).sum() for row in selected]) / n
+    # one sum per group over the whole (V,) row, every row reduced alike (a group's mean the same bits alone or with others)
+    mean = torch.where(masks, ordered, 0.0).sum(dim=1) / n
     some = n > 0
     return Summary(*(torch.where(some, x, float("nan")) for x in (mean, at[:, 4], q50, q95)), n)
 
@@ -321,8 +322,7 @@ def summarize_groups(values: Tensor, groups: dict[str, Tensor]) -> dict[str, Sum
         return {name: Summary(nan, nan, nan, nan, none) for name in groups}
     order = torch.sort(sort_key(values)).indices  # integer keys sort faster than floats, NaN last as torch.sort
     ordered = values.double().index_select(0, order)
-    selected = [mask.to(order.device).index_select(0, order) for mask in groups.values()]  # G x (V,)
-    both = _sorted_summaries(ordered, selected)
+    both = _sorted_summaries(ordered, [mask.to(order.device) for mask in groups.values()], order)
     return {name: Summary(*(field[i] for field in both)) for i, name in enumerate(groups)}
 
 
@@ -348,26 +348,28 @@ def selected_ranks(values: Tensor, selected: Tensor) -> Tensor:
     For :func:`spearman_of_ranks`, when one variable is correlated with several others (its ranks
     computed once). Any strictly increasing transform of ``values`` has the same ranks.
 
-    The selected values are sorted first, ascending (one stable sort, the entries not selected keyed NaN); a
-    tie group starts where the value or the selection changes, and gets the average ``(first + last) / 2 + 1``
-    of its 0-based positions (``rankdata``'s ``end - (count - 1) / 2``).
+    The selected values are sorted first, ascending (one sort, the entries not selected keyed as NaN, last); a tie
+    group is a run of one key, and each entry gets its group's average ``(first + last) / 2 + 1`` of 0-based
+    positions (``rankdata``'s ``end - (count - 1) / 2``): the first position is a running maximum of the group starts,
+    the last a running minimum, from the end, of the group ends.
     """
     n = values.numel()
+    device = values.device
     # one sort of integer keys (sort_key: the values' order, faster than floats): the entries not selected get the
-    # largest key, so the selected values come first in ascending order (selected NaN values too get the largest
-    # key: their ranks are unspecified, and spearman's NaN)
+    # largest key, so the selected values come first in ascending order (selected NaN values get it too: their ranks
+    # are unspecified, and spearman's NaN); ties in any order (the average rank of a tie group does not depend on it)
     key = sort_key(values)
-    by_value, order = torch.sort(torch.where(selected, key, torch.iinfo(key.dtype).max), stable=True)
-    # index_select, not advanced indexing: the same gather, several times faster on a contended CPU
-    chosen = selected.index_select(0, order)
-    start = torch.ones(n, dtype=torch.bool, device=values.device)
-    start[1:] = (by_value[1:] != by_value[:-1]) | (chosen[1:] != chosen[:-1])
-    group = start.cumsum(0) - 1
-    position = torch.arange(n, device=values.device)
-    first = torch.zeros(n, dtype=torch.long, device=values.device).scatter_reduce_(0, group, position, "amin", include_self=False)
-    last = torch.zeros(n, dtype=torch.long, device=values.device).scatter_reduce_(0, group, position, "amax", include_self=False)
-    average = (first + last).index_select(0, group).double() / 2 + 1
-    ranks = torch.empty(n, dtype=torch.float64, device=values.device).scatter_(0, order, average)
+    by_value, order = torch.sort(torch.where(selected, key, torch.iinfo(key.dtype).max))
+    change = by_value[1:] != by_value[:-1]
+    start = torch.ones(n, dtype=torch.bool, device=device)
+    start[1:] = change
+    end = torch.ones(n, dtype=torch.bool, device=device)
+    end[:-1] = change
+    position = torch.arange(n, device=device)
+    first = torch.where(start, position, 0).cummax(0).values
+    last = torch.where(end, position, n).flip(0).cummin(0).values.flip(0)
+    average = (first + last).double() / 2 + 1
+    ranks = torch.empty(n, dtype=torch.float64, device=device).scatter_(0, order, average)
     return torch.where(selected, ranks, 0.0)
 
 
