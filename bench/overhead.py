@@ -445,7 +445,7 @@ def probe_steps(steps: int, every: int, cost: dict[str, float], bare_s: float) -
             probes.add(step)
         statistics_s = cost["logging"]
         probe_s = cost["probe"] - cost["logging"] if probing else 0.0
-        over.decide(statistics_s, probe_s, every * bare_s + statistics_s + probe_s, 1.0 if probing else 0.0)
+        over.decide(statistics_s, probe_s, every * bare_s + statistics_s + probe_s, 1.0 if probing else 0.0, steps=step + 1)
     if steps - 1 not in probes:
         probes.add(steps - 1)  # the end of training probes the last step (Orchestrator.end_run)
     return probes

@@ -115,6 +115,38 @@ def test_probe_interval_is_the_smallest_power_of_two_within_the_budget(statistic
     assert got[0] & (got[0] - 1) == 0  # a power of two
 
 
+def _run_cost(steps: int, fixed_probes_paid: bool) -> float:
+    """headwatch's share of a run of ``steps`` steps of 0.1 s logging every 10 (statistics 1 ms a logging step, a
+    probe 0.5 s), its probe steps decided by :class:`Overhead` as the orchestrator drives it, the end probe included."""
+    cost = Overhead(0.01, "headwatch")
+    cost.configure(10, [])
+    spent, probes = 0.0, 0
+    for step in range(9, steps, 10):
+        probing = cost.is_probe_step(step)
+        cost.first = step if cost.first is None else cost.first
+        probes += probing
+        spent += 0.001 + 0.5 * probing
+        cost.decide(0.001, 0.5 * probing, 1.0 + 0.001 + 0.5 * probing, float(probing), steps=step + 1 if fixed_probes_paid else None)
+    spent += 0.5 if not probing else 0.0  # the end of training probes the last step
+    return spent / (steps * 0.1 + spent)
+
+
+def test_the_first_and_end_probes_are_paid_before_the_periodic_ones():
+    """The first probe (spent) and the end of training's (to come) are amortised over the steps so far and taken off
+    what the periodic probes may spend: early in a run they wait at the longest interval, and a run of 2000 steps that
+    the periodic probes alone would put over the budget stays within it."""
+    assert probe_interval(0.001, 0.5, 0.1, 10, 0.01, fixed=2 * 0.5 / 100) == (MAX_MULTIPLE, False)  # 100 steps in
+    assert probe_interval(0.001, 0.5, 0.1, 10, 0.01, fixed=2 * 0.5 / 5000)[0] == 128  # not 64: 0.2 ms a step kept for them
+    assert probe_interval(0.001, 0.5, 0.1, 10, 0.01)[0] == 64
+    cost = Overhead(0.01, "headwatch")
+    cost.configure(10, [])
+    cost.decide(0.001, 0.5, 1.0, 1.0, steps=100)
+    assert cost.multiple == MAX_MULTIPLE
+    assert _run_cost(2000, fixed_probes_paid=False) > 0.0105  # the former schedule: the two fixed probes on top
+    assert _run_cost(2000, fixed_probes_paid=True) <= 0.01
+    assert _run_cost(100_000, fixed_probes_paid=True) <= 0.01
+
+
 def test_interval_changes_rarely():
     assert steady_interval(8, 64) == 64  # over budget: up at once
     assert steady_interval(8, 4) == 8  # under, but not by a margin: unchanged

@@ -58,6 +58,7 @@ DAMAGED = {
     "a key more": {"multiple": 8, "probe_seconds": 0.1, "first": 1, "interval": 16},
     "negative seconds": {"multiple": 8, "probe_seconds": -1.0, "first": 1},
     "NaN seconds": {"multiple": 8, "probe_seconds": float("nan"), "first": 1},
+    "seconds beyond a day": {"multiple": 8, "probe_seconds": 1e300, "first": 1},
     "seconds a tensor": {"multiple": 8, "probe_seconds": torch.tensor(0.1), "first": 1},
     "a huge interval": {"multiple": 2**40, "probe_seconds": 0.1, "first": 1},
     "an interval not a power of two": {"multiple": 6, "probe_seconds": 0.1, "first": 1},

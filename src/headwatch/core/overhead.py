@@ -37,6 +37,9 @@ FIRST_MULTIPLE = 8
 """The probe interval, in logging intervals, until a cost was measured (about the former collision cadence of 10)."""
 SHRINK_MARGIN = 4
 """The interval halves only when a quarter of it would fit the budget: intervals change rarely."""
+MAX_PROBE_SECONDS = 86400.0
+"""A probe's cost read from a checkpoint is at most a day: a larger one is a damaged state, not a measurement (it
+would keep the probes at the longest interval until the next probe measured again)."""
 WINDOW = ("statistics", "probe", "wall", "probed")
 """The timings of one window between logging steps that ride with the step's sums (seconds; ``probed``: 1 when
 the window held a probe). The process's budget and its square ride after them (:meth:`Overhead.shared`)."""
@@ -56,9 +59,11 @@ def check_budget(value: Any) -> float | None:
     return float(value)
 
 
-def probe_interval(statistics: float, probe: float, step_seconds: float, every: int, budget: float) -> tuple[int, bool]:
+def probe_interval(
+    statistics: float, probe: float, step_seconds: float, every: int, budget: float, fixed: float = 0.0
+) -> tuple[int, bool]:
     """The smallest power of two ``m`` (1 to :data:`MAX_MULTIPLE`) with
-    ``statistics / every + probe / (m * every) <= budget * step_seconds``.
+    ``statistics / every + fixed + probe / (m * every) <= budget * step_seconds``.
 
     Args:
         statistics: seconds of headwatch's work per logging step, probes excluded.
@@ -66,11 +71,13 @@ def probe_interval(statistics: float, probe: float, step_seconds: float, every: 
         step_seconds: wall seconds of one training step.
         every: the logging interval (steps).
         budget: the fraction of wall time headwatch may take.
+        fixed: seconds per step already promised (the first and the end-of-training probes, amortised over the
+            steps so far: :meth:`Overhead.decide`).
 
     Returns:
         ``(m, fits)``: ``fits`` is False when even :data:`MAX_MULTIPLE` is over the budget (then ``m`` is it).
     """
-    allowed = budget * step_seconds - statistics / every
+    allowed = budget * step_seconds - statistics / every - fixed
     m = 1
     while m < MAX_MULTIPLE and probe / (m * every) > allowed:
         m *= 2
@@ -207,6 +214,8 @@ class Overhead:
         self.agreed = self.budget
         """The budget the decisions use: this process's, or the mean over processes when theirs differ."""
         self.multiple, self.probed_at, self.first, self.fits = FIRST_MULTIPLE, None, None, True
+        self.step: int | None = None
+        """The step that began last (0-based, the run's own count: a resumed run goes on counting)."""
         self.window = [0.0] * len(WINDOW)  # this process's last window read, ridden with the next logging step's sums
         self.started: float | None = None
         self.window_start: float | None = None
@@ -237,10 +246,10 @@ class Overhead:
         ok = isinstance(state, dict) and set(state) == {"multiple", "probe_seconds", "first"}
         m, seconds, first = (state.get("multiple"), state.get("probe_seconds"), state.get("first")) if ok else (0, 0, 0)
         ok = ok and isinstance(m, int) and not isinstance(m, bool) and 1 <= m <= MAX_MULTIPLE and m & (m - 1) == 0
-        ok = ok and isinstance(seconds, float) and math.isfinite(seconds) and seconds >= 0
+        ok = ok and isinstance(seconds, float) and math.isfinite(seconds) and 0 <= seconds <= MAX_PROBE_SECONDS
         ok = ok and (first is None or (isinstance(first, int) and not isinstance(first, bool) and first >= 0))
         if not ok:
-            return f"`overhead` must be a dict of a power-of-two `multiple` <= {MAX_MULTIPLE}, `probe_seconds` >= 0 and `first`, got {state!r}"
+            return f"`overhead` must be a dict of a power-of-two `multiple` <= {MAX_MULTIPLE}, `probe_seconds` in [0, {MAX_PROBE_SECONDS:g}] and `first`, got {state!r}"
         self.multiple, self.probe_seconds, self.first = m, seconds, first
         return None
 
@@ -298,6 +307,7 @@ class Overhead:
         self.probing = self.on and logging and self.is_probe_step(step, first)
         if self.probing:
             self.probed_at = step
+        self.step = step
         for m in self.figures:  # their rule, (step + 1) % figure_every == 0, then holds on probe steps only
             m.figure_every = step + 1 if self.probing else step + 2
 
@@ -353,17 +363,23 @@ class Overhead:
         if not self.on:
             return numbers
         if shared is not None:
-            self.decide(*shared)
+            self.decide(*shared, steps=self.step + 1 if self.step is not None else None)
         return {**numbers, **self.publishable()}
 
-    def decide(self, statistics: float, probe: float, wall: float, probed: float) -> None:
-        """The probe interval from one window's timings, the same on every rank (means over processes)."""
+    def decide(self, statistics: float, probe: float, wall: float, probed: float, steps: int | None = None) -> None:
+        """The probe interval from one window's timings, the same on every rank (means over processes).
+
+        ``steps``: the steps run so far. The first probe (spent) and the end of training's (to come), each costing
+        about the last probe, are amortised over them and taken off what the periodic probes may spend, so that a run
+        ending now would have kept its whole cost, both fixed probes included, within the budget once it is long
+        enough to hold them (early in a run the periodic probes wait at the longest interval)."""
         if wall <= 0 or self.every <= 0:
             return
         if probed > 0:
             self.probe_seconds = probe / probed
         step_s, budget = wall / self.every, self.agreed or 0.0
-        needed, self.fits = probe_interval(statistics, self.probe_seconds, step_s, self.every, budget)
+        fixed = 2 * self.probe_seconds / steps if steps else 0.0
+        needed, self.fits = probe_interval(statistics, self.probe_seconds, step_s, self.every, budget, fixed)
         self.notes(statistics, step_s, budget)
         if self.probe_seconds > 0 or not self.fits:
             self.multiple = steady_interval(self.multiple, needed)
@@ -388,8 +404,8 @@ class Overhead:
                 f"time at a logging interval of {self.every} steps, over overhead_budget={budget:g}; the probes are spaced to "
                 f"the longest interval and `overhead/fraction` says the cost. To fit, raise {self.door_interval} to "
                 f"{fits} or more, or pass overhead_budget=None to accept the cost.{figures} The first and the "
-                "end-of-training probes run outside the budget (`overhead/probe_fraction_run` says their share: most of "
-                "a short run's cost). (said once)",
+                "end-of-training probes run in every run (`overhead/probe_fraction_run` says their share: most of a "
+                "short run's cost). (said once)",
             )
         for m in self.monitors:
             if getattr(m, "probe", False) and self.explicit(m) and self.probe_seconds > 0:
