@@ -393,6 +393,30 @@ def test_a_resumed_run_probes_on_the_steps_it_would_have():
     assert bad.run.cost.multiple == FIRST_MULTIPLE
 
 
+def test_a_resumed_run_goes_on_with_the_runs_cost_and_its_last_probe():
+    """After a resume the run's fractions hold the seconds before the checkpoint (the first probe's among them) and
+    `probe_seconds` is the saved probe's, not 0, until the next probe (none at step 7: the interval is 16 steps)."""
+    import time
+
+    first, model = trained_loop(6, every=2)
+    saved_spent, saved_wall = first.run.cost.run_seconds
+    saved_probe, last_probe = first.run.cost.run_probe_seconds, first.run.cost.probe_seconds
+    assert saved_probe > 0 and last_probe > 0  # the first logging step (step 1) probed
+    resumed = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the state loads whole, without a refusal
+        resumed.load_state_dict(first.state_dict())
+    start = time.perf_counter()
+    for s in range(6, 8):
+        values = train_step(resumed, model, s)
+    after = time.perf_counter() - start
+    assert not resumed.run.cost.is_probe_step(7)
+    assert values["headwatch/overhead/probe_seconds"] == pytest.approx(last_probe, rel=1e-12)
+    assert values["headwatch/overhead/probe_fraction_run"] >= saved_probe / (saved_wall + after)
+    assert saved_wall < resumed.run.cost.run_seconds[1] <= saved_wall + after
+    assert resumed.run.cost.run_seconds[0] > saved_spent
+
+
 def test_loop_logs_every_50_steps_by_default():
     hw = headwatch.Headwatch(Tiny(), summary=False)
     assert hw.run.every == 50 and hw.run.cost.budget == 0.01

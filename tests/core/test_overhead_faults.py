@@ -64,6 +64,9 @@ DAMAGED = {
     "an interval not a power of two": {"multiple": 6, "probe_seconds": 0.1, "first": 1},
     "an interval a string": {"multiple": "8", "probe_seconds": 0.1, "first": 1},
     "a negative first step": {"multiple": 8, "probe_seconds": 0.1, "first": -1},
+    "run seconds over the wall": {"multiple": 8, "probe_seconds": 0.1, "first": 1, "run": [2.0, 1.0, 0.5]},
+    "run seconds NaN": {"multiple": 8, "probe_seconds": 0.1, "first": 1, "run": [0.1, float("nan"), 0.0]},
+    "run seconds two": {"multiple": 8, "probe_seconds": 0.1, "first": 1, "run": [0.1, 1.0]},
 }
 
 
@@ -76,7 +79,7 @@ def test_a_damaged_overhead_state_is_refused_once_and_the_rest_of_the_state_load
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         resumed.load_state_dict({**state, "overhead": DAMAGED[damage]})
-        assert resumed.run.cost.state_dict() == {"multiple": 8, "probe_seconds": 0.0, "first": None}
+        assert resumed.run.cost.state_dict() == {"multiple": 8, "probe_seconds": 0.0, "first": None, "run": [0.0] * 3}
         torch.testing.assert_close(resumed.run.state_dict()["monitors"], state["monitors"], rtol=0, atol=0)
         for s in range(6, 8):
             values = train_step(resumed, model, s)

@@ -235,22 +235,35 @@ class Overhead:
         """Training ended (:meth:`ends`): headwatch's later work joins the run's totals."""
 
     def state_dict(self) -> dict[str, Any]:
-        """The probe schedule of the run (the same on every rank): a resumed run probes on the steps it would have."""
-        return {"multiple": self.multiple, "probe_seconds": self.probe_seconds, "first": self.first}
+        """The probe schedule of the run (the same on every rank): a resumed run probes on the steps it would have;
+        and the run's totals (``run``: headwatch's seconds, wall seconds, the probes' seconds; the saving process's),
+        so that a resumed run's ``fraction_run`` and ``probe_fraction_run`` go on over the whole run."""
+        run = [float(self.run_seconds[0]), float(self.run_seconds[1]), float(self.run_probe_seconds)]
+        return {"multiple": self.multiple, "probe_seconds": self.probe_seconds, "first": self.first, "run": run}
 
     def load_state_dict(self, state: Any) -> str | None:
         """Restore :meth:`state_dict` (None, a checkpoint from before the budget: nothing); returns the problem of an
         invalid state (then nothing is restored), else None."""
         if state is None:
             return None
-        ok = isinstance(state, dict) and set(state) == {"multiple", "probe_seconds", "first"}
+        keys = {"multiple", "probe_seconds", "first"}
+        ok = isinstance(state, dict) and set(state) in (keys, keys | {"run"})  # without `run`: before the totals
         m, seconds, first = (state.get("multiple"), state.get("probe_seconds"), state.get("first")) if ok else (0, 0, 0)
+        run = state.get("run", [0.0, 0.0, 0.0]) if ok else None
+        ok = ok and isinstance(run, list) and len(run) == 3 and all(type(v) is float and math.isfinite(v) for v in run)
+        ok = ok and 0 <= run[2] <= run[1] and 0 <= run[0] <= run[1]
         ok = ok and isinstance(m, int) and not isinstance(m, bool) and 1 <= m <= MAX_MULTIPLE and m & (m - 1) == 0
         ok = ok and isinstance(seconds, float) and math.isfinite(seconds) and 0 <= seconds <= MAX_PROBE_SECONDS
         ok = ok and (first is None or (isinstance(first, int) and not isinstance(first, bool) and first >= 0))
         if not ok:
-            return f"`overhead` must be a dict of a power-of-two `multiple` <= {MAX_MULTIPLE}, `probe_seconds` in [0, {MAX_PROBE_SECONDS:g}] and `first`, got {state!r}"
+            return (
+                f"`overhead` must be a dict of a power-of-two `multiple` <= {MAX_MULTIPLE}, `probe_seconds` in "
+                f"[0, {MAX_PROBE_SECONDS:g}], `first` and (optional) `run`: three finite seconds, none above the "
+                f"second (the wall time), got {state!r}"
+            )
         self.multiple, self.probe_seconds, self.first = m, seconds, first
+        self.last_probe = seconds  # published as `probe_seconds` until the next probe: the cost the schedule uses
+        self.run_seconds, self.run_probe_seconds = [run[0], run[1]], run[2]
         return None
 
     def configure(self, every: int, monitors: Sequence[Any], policy: Any = None) -> None:
