@@ -21,6 +21,7 @@ from headwatch.core.overhead import (
     steady_interval,
 )
 from headwatch.errors import HeadwatchError
+from headwatch.report.summary import summary_lines
 from tests.helpers.distributed import run_ranks
 from tests.helpers.forked import fork_gloo_workers
 from tests.helpers.loop import Tiny, train_step, trained_loop
@@ -186,6 +187,10 @@ def test_decision_reads_the_shared_window():
     assert cost.multiple == 16 and not notes
     cost.decide(0.02, 0.001, 1.0, 1.0)  # the statistics alone at twice the budget
     assert cost.multiple == MAX_MULTIPLE and not cost.fits
+    assert not notes  # one window over: not said yet (one window on a busy machine can be several times another)
+    cost.decide(0.03, 0.001, 1.0, 1.0)
+    cost.decide(0.02, 0.001, 1.0, 1.0)  # three windows over: said, with the smallest share
+    assert len(notes) == 1 and "take 2.0% of" in notes[0]
     assert len(notes) == 1 and "raise the logging interval to 20 or more" in notes[0], notes
     cost.decide(0.02, 0.001, 1.0, 1.0)
     assert len(notes) == 1  # once by its key, whatever the policy (here: a plain list)
@@ -345,9 +350,13 @@ def test_summary_says_the_cost_against_the_budget(capsys):
     latest = hw.run.latest
     spent, interval = latest["headwatch/overhead/fraction_run"], latest["headwatch/overhead/probe_interval"]
     probes = latest["headwatch/overhead/probe_fraction_run"]
-    assert line == (f"  overhead         {spent:.2%} of the wall time over the run (budget 1.00%), {100 * probes:.2f} points of it "
-                    f"the probes (the first, the periodic, the end); periodic probes every {interval:.0f} steps")
+    head = (f"  overhead         {spent:.2%} of the wall time over the run (budget 1.00%), {100 * probes:.2f} points of it "
+            "the probes (the first, the periodic, the end)")  # fmt: skip
+    assert interval > 6  # early in a run the periodic probes wait at the longest interval
+    assert line == f"{head}; no periodic probe (their interval, {interval:.0f} steps, is longer than the run)"
     assert line in capsys.readouterr().out
+    later = [x for x in summary_lines(hw.summary, 10**6)[0] if x.strip().startswith("overhead")]
+    assert later == [f"{head}; periodic probes every {interval:.0f} steps"]  # a run longer than the interval
 
 
 def test_the_probes_share_of_the_run_holds_their_seconds(monkeypatch):

@@ -111,9 +111,9 @@ def test_a_figure_cadence_of_the_users_over_the_budget_is_kept_with_one_note_nam
     hw.run.sinks.append(sink)
     with warnings.catch_warnings(record=True) as said, caplog.at_level(logging.INFO, logger="headwatch"):
         warnings.simplefilter("always")
-        for s in range(6):
+        for s in range(8):  # the note waits for three windows over the budget
             train_step(hw, model, s)
-    assert sink.steps == [1, 3, 5]  # the user's cadence wins
+    assert sink.steps == [1, 3, 5, 7]  # the user's cadence wins
     notes = [str(w.message) for w in said] + [r.getMessage() for r in caplog.records]
     said = [n for n in notes if "figure_every_n_steps=2" in n]
     assert len(said) == 1 and "every 2 steps (figure_every_n_steps=2)" in said[0] and "kept as set" in said[0], notes

@@ -40,6 +40,8 @@ SHRINK_MARGIN = 4
 MAX_PROBE_SECONDS = 86400.0
 """A probe's cost read from a checkpoint is at most a day: a larger one is a damaged state, not a measurement (it
 would keep the probes at the longest interval until the next probe measured again)."""
+NOTE_WINDOWS = 3
+"""The windows whose statistics must all exceed the budget before the note says so (and the smallest share is said)."""
 WINDOW = ("statistics", "probe", "wall", "probed")
 """The timings of one window between logging steps that ride with the step's sums (seconds; ``probed``: 1 when
 the window held a probe). The process's budget and its square ride after them (:meth:`Overhead.shared`)."""
@@ -215,6 +217,8 @@ class Overhead:
         """The budget the decisions use: this process's, or the mean over processes when theirs differ."""
         self.multiple, self.probed_at, self.first, self.fits = FIRST_MULTIPLE, None, None, True
         self.step: int | None = None
+        self.shares: list[float] = []
+        """The logging statistics' share of the last windows (:meth:`notes`)."""
         """The step that began last (0-based, the run's own count: a resumed run goes on counting)."""
         self.window = [0.0] * len(WINDOW)  # this process's last window read, ridden with the next logging step's sums
         self.started: float | None = None
@@ -398,10 +402,14 @@ class Overhead:
             self.multiple = steady_interval(self.multiple, needed)
 
     def notes(self, statistics: float, step_s: float, budget: float) -> None:
-        """Say once when the logging statistics alone exceed the budget (with the logging interval that fits, and the
-        figure cadences of the user's they hold), and when a probe cadence of the user's does."""
-        if statistics / self.every > budget * step_s:
-            fits = self.every * 2 ** math.ceil(math.log2(statistics / self.every / (budget * step_s)))
+        """Say once when the logging statistics alone exceed the budget on each of the last :data:`NOTE_WINDOWS`
+        windows (the smallest of their shares is said, with the logging interval it fits: one window on a busy
+        machine can be several times another), with the figure cadences of the user's they hold; and when a probe
+        cadence of the user's exceeds it."""
+        self.shares = [*self.shares[1 - NOTE_WINDOWS :], statistics / self.every / step_s if step_s > 0 else math.inf]
+        share = min(self.shares)
+        if len(self.shares) == NOTE_WINDOWS and share > budget:
+            fits = self.every * 2 ** math.ceil(math.log2(share / budget))
             # figures at a cadence of the user's are drawn off the probe steps too: timed with the statistics
             own = [f"{m.name} every {m.figure_every} steps (figure_every_n_steps={m.figure_every})" for m in self.monitors
                    if getattr(m, "figure_every", 0) > 0 and m not in self.figures]  # fmt: skip
@@ -413,7 +421,7 @@ class Overhead:
             )
             self._say(
                 "overhead:statistics",
-                f"headwatch: its logging statistics alone take {statistics / self.every / step_s:.1%} of the training "
+                f"headwatch: its logging statistics alone take {share:.1%} of the training "
                 f"time at a logging interval of {self.every} steps, over overhead_budget={budget:g}; the probes are spaced to "
                 f"the longest interval and `overhead/fraction` says the cost. To fit, raise {self.door_interval} to "
                 f"{fits} or more, or pass overhead_budget=None to accept the cost.{figures} The first and the "

@@ -156,6 +156,8 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
         # the probes' share is of the wall time too: a part of `spent`, said in points so that it reads as one
         share = f", {100 * probes:.2f} points of it the probes (the first, the periodic, the end)" if probes is not None else ""
         every = f"; periodic probes every {interval:.0f} steps" if interval is not None else ""
+        if interval is not None and interval > step + 1:  # the interval of a short run: longer than the run itself
+            every = f"; no periodic probe (their interval, {interval:.0f} steps, is longer than the run)"
         lines.append(f"  overhead         {spent:.2%} of the wall time over the run{budget}{share}{every}")
     alerts = s.alerts() if s.alerts is not None else None
     if alerts is not None:
