@@ -251,6 +251,7 @@ class Overhead:
         if not ok:
             return f"`overhead` must be a dict of a power-of-two `multiple` <= {MAX_MULTIPLE}, `probe_seconds` in [0, {MAX_PROBE_SECONDS:g}] and `first`, got {state!r}"
         self.multiple, self.probe_seconds, self.first = m, seconds, first
+        self.last_probe = seconds  # published as the last probe's cost until this run probes: not 0 s
         return None
 
     def configure(self, every: int, monitors: Sequence[Any], policy: Any = None) -> None:
