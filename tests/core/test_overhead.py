@@ -148,6 +148,22 @@ def test_the_first_and_end_probes_are_paid_before_the_periodic_ones():
     assert _run_cost(100_000, fixed_probes_paid=True) <= 0.01
 
 
+def test_the_fixed_probes_are_amortised_over_the_steps_this_run_has_watched():
+    """A door that counts its steps from a late one without a checkpoint's state (watching starts mid-training) pays
+    its first probe now: it is amortised over the steps watched since, not over the steps before; a resumed run's
+    checkpoint says when its run began, and its earlier steps count."""
+    window = [0.001, 0.5, 1.5, 1.0]  # statistics, the first probe (0.5 s), wall of 10 steps, a probe in it
+    resumed = {"multiple": 8, "probe_seconds": 0.5, "first": 9}
+    for start, state, want in [(0, None, MAX_MULTIPLE), (100_000, None, MAX_MULTIPLE), (100_000, resumed, 64)]:
+        cost = Overhead(0.01, "headwatch")
+        cost.configure(10, [])
+        cost.load_state_dict(state)
+        cost.begin(start + 9, True, False)
+        assert cost.probing == (state is None)
+        cost.after({}, window)
+        assert cost.multiple == want, (start, state)
+
+
 def test_interval_changes_rarely():
     assert steady_interval(8, 64) == 64  # over budget: up at once
     assert steady_interval(8, 4) == 8  # under, but not by a margin: unchanged

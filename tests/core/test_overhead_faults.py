@@ -87,6 +87,19 @@ def test_a_damaged_overhead_state_is_refused_once_and_the_rest_of_the_state_load
     assert len([w for w in said if "`overhead` must be a dict" in str(w.message)]) == 1, [str(w.message) for w in said]
 
 
+def test_a_resumed_run_publishes_the_checkpoints_probe_cost_until_it_probes_again(saved):
+    """A resumed run's logging steps before its next probe publish the probe cost of the checkpoint, never 0 s."""
+    state, model = saved
+    resumed = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False)
+    resumed.load_state_dict(state)
+    assert not resumed.run.cost.is_probe_step(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        values = [train_step(resumed, model, s) for s in range(6, 8)][-1]
+    assert "headwatch/overhead/probe_interval" in values and not any("/collision/" in k for k in values)
+    assert values["headwatch/overhead/probe_seconds"] == state["overhead"]["probe_seconds"] > 0
+
+
 class Figures:
     """A sink that keeps the steps whose publication held figures."""
 

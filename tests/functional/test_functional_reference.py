@@ -430,3 +430,14 @@ def test_quantiles_of_nothing_are_nan_and_of_any_shape_are_flattened():
     grid = torch.tensor([[4.0, 1.0], [3.0, 2.0]])
     assert quantiles(grid, (0.0, 0.5, 1.0)).tolist() == [1.0, 2.5, 4.0]
     assert quantiles(grid.to(torch.int64), (0.25,)).dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])
+def test_narrow_integer_targets_are_compared_with_ignore_index_as_integers(dtype):
+    # -100 cast to uint8 is 156: a uint8 target 156 must stay a measured prediction
+    logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(0))
+    targets = torch.tensor([156, 1, 199], dtype=dtype)
+    stats = logit_statistics(logits, targets=targets)
+    assert stats.valid.tolist() == [True, True, True]
+    want = ref64(logits, targets.long())["nll"]
+    torch.testing.assert_close(stats.nll.double(), want, rtol=1e-5, atol=1e-6)

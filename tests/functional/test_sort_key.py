@@ -57,3 +57,16 @@ def test_ranks_and_summaries_match_float64_references(dtype):
     assert summary.p50.item() == pytest.approx(np.quantile(picked, 0.5), rel=1e-15)
     assert summary.p95.item() == pytest.approx(np.quantile(picked, 0.95), rel=1e-15)
     assert summary.mean.item() == pytest.approx(picked.mean(), rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([2**63 - 1, -(2**63), 0, 1, 2**63 - 2]), st.booleans()), max_size=12))
+def test_a_selected_value_with_the_largest_key_is_not_tied_with_the_entries_left_out(pairs):
+    # int64 values are their own keys: 2**63 - 1 is the key the entries not selected are given
+    values = torch.tensor([v for v, _ in pairs], dtype=torch.int64).reshape(-1)
+    selected = torch.tensor([s for _, s in pairs], dtype=torch.bool).reshape(-1)
+    a = np.array([v for v, s in pairs if s], dtype=object)  # exact integers
+    want = np.array([sum(b < x for b in a) + (sum(b == x for b in a) + 1) / 2 for x in a], dtype=np.float64)
+    ranks = selected_ranks(values, selected)
+    np.testing.assert_array_equal(ranks[selected].numpy(), want)
+    assert (ranks[~selected] == 0).all()

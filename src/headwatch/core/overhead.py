@@ -380,13 +380,22 @@ class Overhead:
         if not self.on:
             return numbers
         if shared is not None:
-            self.decide(*shared, steps=self.step + 1 if self.step is not None else None)
+            self.decide(*shared, steps=self.steps_watched())
         return {**numbers, **self.publishable()}
+
+    def steps_watched(self) -> int | None:
+        """The steps of the run up to the one that began last, from the start of its first logging interval (the
+        checkpoint's :attr:`first` in a resumed run: its earlier steps count; a door counting from a late step without
+        one, watching from mid-training, counts only the steps watched). None before the first step."""
+        if self.step is None:
+            return None
+        begun = max(0, self.first + 1 - self.every) if self.first is not None else 0
+        return max(1, self.step + 1 - begun)
 
     def decide(self, statistics: float, probe: float, wall: float, probed: float, steps: int | None = None) -> None:
         """The probe interval from one window's timings, the same on every rank (means over processes).
 
-        ``steps``: the steps run so far. The first probe (spent) and the end of training's (to come), each costing
+        ``steps``: the steps run so far (:meth:`steps_watched`). The first probe (spent) and the end of training's (to come), each costing
         about the last probe, are amortised over them and taken off what the periodic probes may spend, so that a run
         ending now would have kept its whole cost, both fixed probes included, within the budget once it is long
         enough to hold them (early in a run the periodic probes wait at the longest interval)."""

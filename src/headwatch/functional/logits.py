@@ -358,7 +358,7 @@ def _finish(
     invalid_target = torch.zeros_like(valid)
     nll = is_argmax = None
     if targets is not None and target_ok is not None and out.s_target is not None:
-        not_ignored = targets.reshape(N) != ignore_index
+        not_ignored = targets.reshape(N).long() != ignore_index  # int64: -100 would wrap to 156 in a uint8 compare
         invalid_target = valid & not_ignored & ~target_ok
         valid = valid & not_ignored & target_ok
         nll = log_z - out.s_target

@@ -359,7 +359,8 @@ def selected_ranks(values: Tensor, selected: Tensor) -> Tensor:
     # largest key, so the selected values come first in ascending order (selected NaN values get it too: their ranks
     # are unspecified, and spearman's NaN); ties in any order (the average rank of a tie group does not depend on it)
     key = sort_key(values)
-    by_value, order = torch.sort(torch.where(selected, key, torch.iinfo(key.dtype).max))
+    largest = torch.iinfo(key.dtype).max
+    by_value, order = torch.sort(torch.where(selected, key, largest))
     change = by_value[1:] != by_value[:-1]
     start = torch.ones(n, dtype=torch.bool, device=device)
     start[1:] = change
@@ -370,7 +371,11 @@ def selected_ranks(values: Tensor, selected: Tensor) -> Tensor:
     last = torch.where(end, position, n).flip(0).cummin(0).values.flip(0)
     average = (first + last).double() / 2 + 1
     ranks = torch.empty(n, dtype=torch.float64, device=device).scatter_(0, order, average)
-    return torch.where(selected, ranks, 0.0)
+    # selected values keyed as the largest (an int64 2**63 - 1) sort among the entries not selected, in any order:
+    # they are the largest selected ones, ranked count - (c - 1) / 2 with c of them
+    top = selected & (key == largest)
+    tie = selected.sum(dtype=torch.float64) - (top.sum(dtype=torch.float64) - 1) / 2
+    return torch.where(top, tie, torch.where(selected, ranks, 0.0))
 
 
 def spearman(x: Tensor, y: Tensor, select: Tensor | None = None) -> Tensor:
