@@ -573,7 +573,7 @@ def door_report(
               f"(every pair summed: {own_w - own_b:.2f} s) of {own_w:.1f} s watched")  # fmt: skip
         verdict.check(f"{door}/{shape}: fraction_run vs bench (real run)", f"{100 * hw_run:.2f}% vs {100 * bench_run:.2f}%",
                       "within 0.5 points", abs(hw_run - bench_run) <= 0.005)  # fmt: skip
-        result.update(fraction_run=hw_run, published_fraction_run=rw.published[-1]["fraction_run"], bench_fraction_run=bench_run,
+        result.update(fraction_run=hw_run, published_fraction_run=rw.published[-1]["fraction_run"] if rw.published else None, bench_fraction_run=bench_run,
                       bench_extra_all_pairs=own_w - own_b)  # fmt: skip
     return result
 
