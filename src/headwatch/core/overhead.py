@@ -217,9 +217,9 @@ class Overhead:
         """The budget the decisions use: this process's, or the mean over processes when theirs differ."""
         self.multiple, self.probed_at, self.first, self.fits = FIRST_MULTIPLE, None, None, True
         self.step: int | None = None
+        """The step that began last (0-based, the run's own count: a resumed run goes on counting)."""
         self.shares: list[float] = []
         """The logging statistics' share of the last windows (:meth:`notes`)."""
-        """The step that began last (0-based, the run's own count: a resumed run goes on counting)."""
         self.window = [0.0] * len(WINDOW)  # this process's last window read, ridden with the next logging step's sums
         self.started: float | None = None
         self.window_start: float | None = None
@@ -395,10 +395,11 @@ class Overhead:
     def decide(self, statistics: float, probe: float, wall: float, probed: float, steps: int | None = None) -> None:
         """The probe interval from one window's timings, the same on every rank (means over processes).
 
-        ``steps``: the steps run so far (:meth:`steps_watched`). The first probe (spent) and the end of training's (to come), each costing
-        about the last probe, are amortised over them and taken off what the periodic probes may spend, so that a run
-        ending now would have kept its whole cost, both fixed probes included, within the budget once it is long
-        enough to hold them (early in a run the periodic probes wait at the longest interval)."""
+        ``steps``: the steps run so far (:meth:`steps_watched`). The first probe (spent) and the end of training's
+        (to come), each costing about the last probe, are amortised over them and taken off what the periodic probes
+        may spend, so that a run ending now would have kept its whole cost, both fixed probes included, within the
+        budget once it is long enough to hold them (early in a run the periodic probes wait at the longest
+        interval)."""
         if wall <= 0 or self.every <= 0:
             return
         if probed > 0:
