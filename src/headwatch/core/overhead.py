@@ -416,7 +416,8 @@ class Overhead:
         windows (the smallest of their shares is said, with the logging interval it fits: one window on a busy
         machine can be several times another), with the figure cadences of the user's they hold; and when a probe
         cadence of the user's exceeds it."""
-        self.shares = [*self.shares[1 - NOTE_WINDOWS :], statistics / self.every / step_s if step_s > 0 else math.inf]
+        share_now = statistics / self.every / step_s if step_s > 0 else math.inf
+        self.shares = [*self.shares[1 - NOTE_WINDOWS :], share_now]
         share = min(self.shares)
         if len(self.shares) == NOTE_WINDOWS and share > budget:
             fits = self.every * 2 ** math.ceil(math.log2(share / budget))

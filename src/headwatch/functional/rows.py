@@ -304,7 +304,8 @@ def _sorted_summaries(ordered: Tensor, selected: list[Tensor], order: Tensor) ->
     at = ordered.index_select(0, index.reshape(-1)).view(index.shape)  # (G, 5)
     q50 = at[:, 0] + (at[:, 1] - at[:, 0]) * (p50 - ranks[:, 0])
     q95 = at[:, 2] + (at[:, 3] - at[:, 2]) * (p95 - ranks[:, 2])
-    # one sum per group over the whole (V,) row, every row reduced alike (a group's mean the same bits alone or with others)
+    # one sum per group over the whole (V,) row, every row reduced alike: a group's mean has the same bits alone or
+    # with others
     mean = torch.where(masks, ordered, 0.0).sum(dim=1) / n
     some = n > 0
     return Summary(*(torch.where(some, x, float("nan")) for x in (mean, at[:, 4], q50, q95)), n)
