@@ -519,3 +519,11 @@ def test_trls_micro_batch_entries_are_weighted_by_their_positions_over_every_pro
     assert ranks[0] == ranks[1]
     assert abs(ranks[0]["hw/check/entropy_gap"]) < 1e-12 and ranks[0]["hw/check/mismatch"] == 0.0
     assert ranks[0]["hw/check/nll_gap"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_tally_counts_narrow_integer_labels_against_ignore_index_as_integers():
+    """uint8 labels: -100 would wrap to 156 in their own dtype, and a label 156 would be counted as ignored."""
+    tally = CaptureTally()
+    tally.add(torch.tensor([[156, 1, 2]], dtype=torch.uint8), -100)
+    tally.add(torch.tensor([[5, -100]], dtype=torch.int16), -100)
+    assert tally.take()[1].item() == 4

@@ -32,7 +32,7 @@ class CaptureTally:
             self.dtype = dtype
         self.vocab_size = max(self.vocab_size, vocab_size)
         if targets is not None:
-            n = (targets != ignore_index).sum()
+            n = (targets.long() != ignore_index).sum()  # int64: -100 wraps in a uint8 compare
             self.labelled = n if self.labelled is None else self.labelled + n.to(self.labelled.device)
 
     def take(self) -> tuple[int, Tensor | None]:

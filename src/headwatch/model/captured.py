@@ -126,7 +126,7 @@ def _with_given(
     nan = torch.full((), float("nan"), device=given.nll.device)
     valid = given.valid & torch.isfinite(given.nll) & (mask if mask is not None else True)
     if targets is not None and targets.shape == valid.shape:  # rows the door left out (a distributed split's repeats)
-        valid = valid & (targets != ignore_index)
+        valid = valid & (targets.long() != ignore_index)  # int64: -100 wraps in a uint8 compare
     reproduced = mass = gap = None
     if captured.hidden is not None:
         out = _chunked_from_hidden(captured, mask, targets, ignore_index, vocab_size, max_chunk_bytes)
