@@ -438,14 +438,14 @@ def probe_steps(steps: int, every: int, cost: dict[str, float], bare_s: float) -
     over.configure(every, [])
     probes: set[int] = set()
     for step in range(every - 1, steps, every):
-        probing = over.is_probe_step(step)
-        if over.first is None:
-            over.first = step
+        over.begin(step, True, False)  # as the orchestrator: the first logging step, the probe decision, the step count
+        probing = over.probing
         if probing:
             probes.add(step)
         statistics_s = cost["logging"]
         probe_s = cost["probe"] - cost["logging"] if probing else 0.0
-        over.decide(statistics_s, probe_s, every * bare_s + statistics_s + probe_s, 1.0 if probing else 0.0, steps=step + 1)
+        wall = every * bare_s + statistics_s + probe_s
+        over.decide(statistics_s, probe_s, wall, 1.0 if probing else 0.0, steps=over.steps_watched())
     if steps - 1 not in probes:
         probes.add(steps - 1)  # the end of training probes the last step (Orchestrator.end_run)
     return probes
