@@ -175,6 +175,20 @@ def test_summarize_and_summarize_groups_match_numpy():
     assert empty.count.item() == 0 and math.isnan(empty.mean.item()) and math.isnan(empty.p95.item())
 
 
+def test_a_group_holding_a_nan_is_nan_in_every_field_as_numpy():
+    """numpy's mean, max and percentiles of values holding a NaN are NaN: so is every field of such a group (its
+    quantiles are not those of its other values); a group without the NaN keeps its figures."""
+    values = torch.tensor([3.0, float("nan"), 1.0, 2.0, 5.0, 4.0])
+    groups = {"with_nan": torch.tensor([True, True, True, True, False, False]), "without": torch.tensor([True, False, True, True, True, True])}
+    got = summarize_groups(values, groups)
+    v = values[groups["with_nan"]].double().numpy()
+    want = (v.mean(), v.max(), np.percentile(v, 50), np.percentile(v, 95))
+    assert all(math.isnan(w) for w in want)
+    assert all(math.isnan(x.item()) for x in got["with_nan"][:4]) and got["with_nan"].count.item() == 4
+    w = values[groups["without"]].double().numpy()
+    assert [x.item() for x in got["without"][:4]] == pytest.approx([w.mean(), w.max(), np_quantile(w, 0.5), np_quantile(w, 0.95)], rel=1e-12)
+
+
 def test_groups_summarized_together_equal_each_alone_bitwise():
     """summarize_groups measures every group in one pass of small ops: each group's values are those of a call
     for that group alone, bit for bit (ties, NaN values, an empty and a full group, groups of 1 and 2 rows)."""

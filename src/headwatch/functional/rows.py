@@ -270,7 +270,8 @@ def row_cosine(
 
 
 class Summary(NamedTuple):
-    """Mean, max, median and 95th percentile of selected values (NaN when none is selected)."""
+    """Mean, max, median and 95th percentile of selected values (NaN when none is selected, or one is NaN), and
+    their count."""
 
     mean: Tensor
     max: Tensor
@@ -307,7 +308,9 @@ def _sorted_summaries(ordered: Tensor, selected: list[Tensor], order: Tensor) ->
     # one sum per group over the whole (V,) row, every row reduced alike: a group's mean has the same bits alone or
     # with others
     mean = torch.where(masks, ordered, 0.0).sum(dim=1) / n
-    some = n > 0
+    # NaN sorts last: a group holding a NaN has it as its largest value, and every field NaN (as numpy's mean, max
+    # and percentile), not quantiles of its other values
+    some = (n > 0) & ~torch.isnan(at[:, 4])
     return Summary(*(torch.where(some, x, float("nan")) for x in (mean, at[:, 4], q50, q95)), n)
 
 
