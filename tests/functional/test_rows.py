@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from headwatch import HeadwatchError
-from headwatch.functional.frequency import BUCKETS, frequency_buckets, rare_tokens
+from headwatch.functional.frequency import BUCKETS, frequency_buckets, frequency_snapshot, rare_tokens, seen_count_ranks
 from headwatch.functional.rows import (
     lookup_gradient,
     rankdata,
@@ -193,6 +193,25 @@ def test_spearman_of_shared_count_ranks_matches_scipy_of_log_counts(counts, seed
     if seen.any():
         y[int(seen.nonzero()[0, 0])] = float("nan")
         assert math.isnan(spearman_of_ranks(ranks, y, seen).item())
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(0, 10_000))
+def test_count_ranks_read_from_the_snapshot_order_are_scipys_rankdata_of_the_seen_counts(counts, seed):
+    """The count ranks the gradient monitor reads from its frequency snapshot's order (no second sort): SciPy's
+    rankdata of the seen rows' counts (ties averaged), 0 at the rows not seen (count 0, or not valid); the same
+    bits as ranking them afresh."""
+    c = torch.tensor(counts, dtype=torch.long)
+    valid = torch.rand(len(counts), generator=torch.Generator().manual_seed(seed)) > 0.2
+    snap = frequency_snapshot(c, valid)
+    got = seen_count_ranks(snap)
+    seen = (valid & (c > 0)).numpy()
+    want = np.zeros(len(counts))
+    if seen.any():
+        want[seen] = stats.rankdata(c.numpy()[seen])
+    assert got.dtype == torch.float64 and got.tolist() == want.tolist()
+    assert torch.equal(got, selected_ranks(c, snap.seen))
+    assert torch.equal(seen_count_ranks(snap._replace(order=None)), got)  # a snapshot without its order: ranked afresh
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -16,8 +16,8 @@ from headwatch.distributed.sharded import (ShardedLookup, is_sharded, local_rows
                                            tied_flow_statistics, tied_flow_sums, tied_flow_values)
 from headwatch.distributed.zero import full_gradient, gradient_ready, zero_held
 from headwatch.errors import StateReader, check_bool, check_int, check_module_or_name
-from headwatch.functional.frequency import BUCKETS, FrequencySnapshot
-from headwatch.functional.rows import dense_rows, norm_ratio, selected_ranks, spearman_of_ranks
+from headwatch.functional.frequency import BUCKETS, FrequencySnapshot, seen_count_ranks
+from headwatch.functional.rows import dense_rows, norm_ratio, spearman_of_ranks
 from headwatch.model.adapters import trainable_matrices
 from headwatch.model.find import Matrices, resolve_matrices
 from headwatch.model.flows import HeadFlowCapture, LookupFlowCapture, compiles_a_member
@@ -514,7 +514,7 @@ class GradientDensity(Monitor):
         seen = snap.seen
         # Spearman's rho of log(count) and the row norm: ranks of the counts are those of their log (a strictly
         # increasing map), computed once for every matrix; unseen rows (count 0) are not selected
-        count_ranks = selected_ranks(snap.counts, seen)  # int64 counts: their own sort keys
+        count_ranks = seen_count_ranks(snap)  # from the snapshot's count order: no second sort
         self._weights = self._matrices()  # kept for the update's "before" copy (gradients_ready)
         for name, weight in self._weights.items():
             norms = row_norms_full(weight, self.reducer)

@@ -34,6 +34,7 @@ from headwatch.functional.frequency import (
     frequency_buckets,
     frequency_snapshot,
     rare_tokens,
+    seen_count_ranks,
     token_scalars,
 )
 from headwatch.functional.logits import (
@@ -82,6 +83,7 @@ from headwatch.functional.rows import (
     spearman_of_ranks,
     summarize,
     summarize_groups,
+    tie_groups,
 )
 from headwatch.functional.intervals import Z95, wilson_interval
 from headwatch.functional.padding import padded_mass
@@ -136,6 +138,7 @@ __all__ = [
     "sort_key",
     "sorted_quantiles",
     "row_norms_and_nonzero",
+    "seen_count_ranks",
     "selected_ranks",
     "spearman",
     "spearman_of_ranks",
@@ -144,6 +147,7 @@ __all__ = [
     "synonym_confusion",
     "synonym_pair_rate",
     "synonym_table",
+    "tie_groups",
     "tied_flow_statistics",
     "token_scalars",
     "padded_mass",

@@ -14,11 +14,12 @@ import torch
 from torch import Tensor
 
 from headwatch.errors import HeadwatchError
+from headwatch.functional.rows import selected_ranks, tie_groups
 from headwatch.names import BUCKETS
 
 __all__ = [
     "BUCKETS", "FrequencySnapshot", "bucket_capacity", "count_order", "frequency_buckets", "frequency_snapshot", "rare_tokens",
-    "token_scalars",
+    "seen_count_ranks", "token_scalars",
 ]  # fmt: skip
 
 _BUCKET_EDGES = (0.01, 0.10, 0.50)
@@ -35,6 +36,9 @@ class FrequencySnapshot(NamedTuple):
     """int64 index into :data:`BUCKETS`; -1 for rows that are not valid."""
     rare: Tensor
     """bool, the rare tokens (seen, and rare by the tracker's one definition)."""
+    order: Tensor | None = None
+    """int64, :func:`count_order` of the counts (the permutation the buckets and the rare set were ranked by), when
+    known."""
 
     @property
     def seen(self) -> Tensor:
@@ -141,7 +145,28 @@ def frequency_snapshot(
         valid=valid,
         bucket=frequency_buckets(counts, valid, order),
         rare=rare_tokens(counts, valid, rare_max_count, rare_fraction, order),
+        order=order,
     )
+
+
+def seen_count_ranks(snap: FrequencySnapshot) -> Tensor:
+    """Ranks ``1..n`` of the counts of the ``n`` seen rows (ascending, ties given their average rank, as
+    ``scipy.stats.rankdata``), 0 at the rows not seen: ``(V,)`` float64, equal to
+    :func:`~headwatch.functional.rows.selected_ranks` ``(snap.counts, snap.seen)``, read from the snapshot's count order
+    without a second sort (fixed-size operations, no host sync).
+
+    In :func:`count_order` the seen rows come first, by count, highest first: a tie group at positions ``a..b``
+    holds ascending ranks ``n - b .. n - a``, whose average is ``n - (a + b) / 2``.
+    """
+    seen = snap.seen
+    if snap.order is None:
+        return selected_ranks(snap.counts, seen)
+    order = snap.order
+    key = torch.where(seen, -snap.counts.long(), 1).index_select(0, order)  # count_order's keys, ascending
+    first, last = tie_groups(key)
+    average = seen.sum(dtype=torch.float64) - (first + last).double() / 2
+    ranks = torch.empty(order.numel(), dtype=torch.float64, device=order.device).scatter_(0, order, average)
+    return torch.where(seen, ranks, 0.0)
 
 
 def token_scalars(snap: FrequencySnapshot) -> dict[str, Tensor]:

@@ -345,6 +345,23 @@ def rankdata(values: Tensor) -> Tensor:
     return torch.empty(n, dtype=torch.float64, device=values.device).scatter_(0, order, average.index_select(0, inverse))
 
 
+def tie_groups(ordered: Tensor) -> tuple[Tensor, Tensor]:
+    """The first and last position of each entry's tie group (a run of equal entries) in a sorted 1-D tensor,
+    ``(n,) -> ((n,), (n,))`` int64: fixed-size operations, no host sync (the first position is a running maximum of
+    the group starts, the last a running minimum, from the end, of the group ends)."""
+    n = ordered.numel()
+    device = ordered.device
+    change = ordered[1:] != ordered[:-1]
+    start = torch.ones(n, dtype=torch.bool, device=device)
+    start[1:] = change
+    end = torch.ones(n, dtype=torch.bool, device=device)
+    end[:-1] = change
+    position = torch.arange(n, device=device)
+    first = torch.where(start, position, 0).cummax(0).values
+    last = torch.where(end, position, n).flip(0).cummin(0).values.flip(0)
+    return first, last
+
+
 def selected_ranks(values: Tensor, selected: Tensor) -> Tensor:
     """:func:`rankdata` of ``values[selected]``, in place (0 at the entries not selected): fixed-size
     operations only, no host sync. ``(n,), (n,) bool -> (n,)`` float64.
@@ -365,14 +382,7 @@ def selected_ranks(values: Tensor, selected: Tensor) -> Tensor:
     key = sort_key(values)
     largest = torch.iinfo(key.dtype).max
     by_value, order = torch.sort(torch.where(selected, key, largest))
-    change = by_value[1:] != by_value[:-1]
-    start = torch.ones(n, dtype=torch.bool, device=device)
-    start[1:] = change
-    end = torch.ones(n, dtype=torch.bool, device=device)
-    end[:-1] = change
-    position = torch.arange(n, device=device)
-    first = torch.where(start, position, 0).cummax(0).values
-    last = torch.where(end, position, n).flip(0).cummin(0).values.flip(0)
+    first, last = tie_groups(by_value)
     average = (first + last).double() / 2 + 1
     ranks = torch.empty(n, dtype=torch.float64, device=device).scatter_(0, order, average)
     # selected values keyed as the largest (an int64 2**63 - 1) sort among the entries not selected, in any order:
