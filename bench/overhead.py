@@ -11,8 +11,9 @@ AdamW, CPU):
 - ``quarter``: V 8000, d_model 512, 4 layers, batch 4 x 128: the head is about a quarter of the arithmetic
   (as in Llama 3.2 1B, where it is 21%); the printed header gives the share computed from the shapes.
 
-**Pricing.** A bare run (no headwatch) and a watched run of the door (logging every ``--price-every`` steps, to
-collect many logging steps; everything else at the defaults) train in one process, in two threads that take
+**Pricing.** A bare run (no headwatch) and a watched run of the door (logging every ``--price-every`` steps, 2: to
+collect many logging steps, and a window whose one quiet step's extra, the noisiest figure on a shared machine,
+weighs once in the bench's side of the window comparison; everything else at the defaults) train in one process, in two threads that take
 turns of one step (set-up and teardown untimed), so the two never compete for the cores and a shared machine's
 drift cancels. Each watched step is divided by the bare step nearest in time, and headwatch says which steps
 were logging and which probe steps (``Overhead.begin``). From the medians of those ratios (quiet, logging,
@@ -583,7 +584,7 @@ def main() -> None:
     parser.add_argument("--doors", nargs="+", choices=list(DOORS), default=list(DOORS))
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--price-steps", type=int, default=40, help="steps of each pricing run (default 40)")
-    parser.add_argument("--price-every", type=int, default=4, help="logging interval of the pricing runs (default 4)")
+    parser.add_argument("--price-every", type=int, default=2, help="logging interval of the pricing runs (default 2)")
     parser.add_argument("--real-steps", type=int, default=60, help="steps of each real run, at most 300 (default 60)")
     parser.add_argument("--run-steps", type=int, default=2000, help="the run priced (default 2000 steps)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out (default 2)")
