@@ -42,7 +42,7 @@ def test_after_an_untie_the_tied_values_are_not_said():
 
 
 def test_an_rl_runs_nll_is_said_as_the_sampled_tokens_not_as_the_loss():
-    """Under an RL trainer the labels are the sampled tokens and the reference is TRL's fused head on them, not the
+    """Under an RL trainer the labels are the sampled tokens and the reference is the trainer's NLL of them, not the
     policy-gradient loss (near 0, of either sign): the line names the sampled tokens and the temperature."""
     checked = {"logits/target_nll": 0.6293, "debug/check/reference_nll": 0.6293, "check/nll_gap": 0.0}
     text = said([(40, {**checked, "rl/temperature": 0.7})])

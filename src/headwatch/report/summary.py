@@ -125,7 +125,7 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
             temperature = g("rl/temperature")
             if temperature is not None:  # an RL run: the labels are the sampled tokens, the reference not the loss
                 lines.append(f"  sampled NLL      {nll:.4g} nats at the last logging step, of the sampled tokens at T = "
-                             f"{temperature:.3g} (not a label NLL, not the RL loss); TRL's fused head on the same tokens "
+                             f"{temperature:.3g} (not a label NLL, not the RL loss); the trainer's NLL of the same tokens "
                              f"{ref_nll:.4g} (gap {gap:.2g}, {verdict} the self-check's tolerance)")
             else:
                 lines.append(f"  target NLL       {nll:.4g} nats at the last logging step; the loss computed on it "
