@@ -149,7 +149,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("rl/temperature", "", "the sampling temperature `T` the statistics are measured at", _L),
     Metric("rl/entropy_share/{bucket}", "nats",
            "the bucket's part of `logits/entropy`: its share of completion positions times their mean entropy "
-           "(by the sampled token's bucket); the buckets add up to `logits/entropy`", _L,
+           "(by the sampled token's bucket); the buckets add up to `logits/entropy`, less the part of the positions "
+           "whose sampled token is in no bucket (the embedding's `padding_idx` row, rows past `vocab_size`)", _L,
            formula="`(n_b / n) H_b`"),
     Metric("rl/rare_share_of_entropy_drop", "fraction",
            "the part of the entropy lost since the run's first RL logging step that rare sampled tokens account for "

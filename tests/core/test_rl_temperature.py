@@ -1,5 +1,6 @@
 """The sampling temperature in the core (docs/rl.md): ``LogitStats(temperature=T)`` measures
-softmax(logits / T) on both capture paths, equal to a float64 recomputation from the model's own logits."""
+softmax(logits / T) on both capture paths, equal to a float64 recomputation from the model's own logits; a sampled
+token in no frequency bucket (the padding row) leaves its part of the entropy out of the buckets' shares."""
 
 from __future__ import annotations
 
@@ -98,3 +99,39 @@ def test_near_collapse_headwatch_keeps_float64_precision_where_trls_fused_entrop
     assert abs(ours - H64) <= 1e-5 * H64
     bound = 8 * torch.finfo(torch.float32).eps * float(z64.abs().max())
     assert abs(theirs - H64) <= bound and abs(ours - theirs) <= bound
+
+
+def test_a_sampled_padding_token_is_in_no_bucket_and_its_part_of_the_entropy_is_in_no_share():
+    """A policy can sample the token of its embedding's ``padding_idx`` (a column of the head like any other): that
+    row is no valid row, so the position is in no frequency bucket; the buckets' positions add up to
+    ``logits/positions`` less those positions and the shares to ``logits/entropy`` less their part (docs/rl.md),
+    against a float64 entropy of softmax(logits / T) per position."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from headwatch.functional.frequency import BUCKETS
+
+    V, PAD, T = 32, 30, 0.7
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=PAD))  # fmt: skip
+    ids = torch.randint(0, 20, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids[0, 3], ids[1, 5] = PAD, PAD  # sampled, inside the completion: labelled
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    hw = Headwatch(model, monitors=["tokens", "logits"], log_every_n_steps=1, figure_every_n_steps=None,
+                   overhead_budget=None, summary=False)  # fmt: skip
+    hw.run.sample_at(T, "the test")
+    hw.step_start(batch, 0)
+    out = model(**batch)
+    out.loss.backward()
+    values = hw.step_end()
+    hw.close()
+    logp = torch.log_softmax(out.logits.detach()[:, :-1].double() / T, -1)
+    H, pad = -(logp.exp() * logp).sum(-1), ids[:, 1:] == PAD
+    n = H.numel()
+    p = "headwatch"
+    assert values[f"{p}/logits/positions"] == n and int(pad.sum()) == 2
+    assert sum(values[f"{p}/logits/{b}/positions"] for b in BUCKETS) == n - 2
+    assert values[f"{p}/logits/entropy"] == pytest.approx(float(H.mean()), abs=2e-5)
+    shares = sum(values[f"{p}/rl/entropy_share/{b}"] for b in BUCKETS)
+    assert shares == pytest.approx(float(H[~pad].sum()) / n, abs=2e-5)
+    assert values[f"{p}/logits/entropy"] - shares == pytest.approx(float(H[pad].sum()) / n, abs=2e-5)

@@ -1,5 +1,6 @@
 """The end-of-training summary's words match its figures: a rise is called a rise, a collision rate is called a
-rate, and the values of a matrix the run no longer has (after an untie) are not said as its last word."""
+rate, an RL run's NLL is that of the sampled tokens, and the values of a matrix the run no longer has (after an
+untie) are not said as its last word."""
 
 from __future__ import annotations
 
@@ -38,6 +39,17 @@ def test_after_an_untie_the_tied_values_are_not_said():
     # a tied run keeps them
     text = said([(9, tied), (19, tied)])
     assert "shared 1" in text and "0.56 of the rows pulled both ways" in text
+
+
+def test_an_rl_runs_nll_is_said_as_the_sampled_tokens_not_as_the_loss():
+    """Under an RL trainer the labels are the sampled tokens and the reference is the trainer's NLL of them, not the
+    policy-gradient loss (near 0, of either sign): the line names the sampled tokens and the temperature."""
+    checked = {"logits/target_nll": 0.6293, "debug/check/reference_nll": 0.6293, "check/nll_gap": 0.0}
+    text = said([(40, {**checked, "rl/temperature": 0.7})])
+    assert "sampled NLL      0.6293 nats at the last logging step, of the sampled tokens at T = 0.7" in text
+    assert "not the RL loss" in text and "the loss computed on it" not in text and "target NLL" not in text
+    text = said([(40, checked)])  # a supervised run keeps its words
+    assert "target NLL       0.6293 nats at the last logging step; the loss computed on it 0.6293" in text
 
 
 def test_a_resumed_run_summarises_the_whole_run(tmp_path):

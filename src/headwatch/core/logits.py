@@ -307,7 +307,10 @@ class LogitStats(Monitor):
                 self.note_once(f"path:{report.reason}", f"{report.note} (said once)")
             for source in report.sources:
                 if source != "forward":
-                    self.info_once(f"headwatch: LogitStats measures at the loss: {SOURCES.get(source, source)}.")
+                    self.info_once(
+                        f"headwatch: LogitStats measures at the loss, for the forwards whose loss call it reads (in "
+                        f"place of the tensor said when it attached): {SOURCES.get(source, source)}."
+                    )
         self._sink, self._view = None, None
 
     def forward_batch(self, batch: Any) -> None:

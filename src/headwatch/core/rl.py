@@ -36,8 +36,10 @@ def rl_scalars(scalars: dict[str, Any], prefix: str, temperature: float, start: 
     - ``rl/sampled_top1_rate`` (fraction): sampled tokens that were the policy's top-1;
     - ``rl/temperature``: ``T``;
     - ``rl/entropy_share/<bucket>`` (nats; buckets and ``rare``): ``w_b H_b``, the bucket's share of positions
-      times its mean entropy; over the buckets (not ``rare``) they add up to ``logits/entropy``, so the
-      drop of one bucket's share between two steps is its part of the entropy drop (``docs/rl.md``);
+      times its mean entropy; over the buckets (not ``rare``) they add up to ``logits/entropy``, less the part of
+      the positions whose sampled token has no bucket (the embedding's ``padding_idx`` row, rows past the
+      tokenizer's ``vocab_size``), so the drop of one bucket's share between two steps is its part of the entropy
+      drop (``docs/rl.md``);
     - ``rl/rare_share_of_entropy_drop`` (fraction), with ``start`` (the host values of the run's first RL logging
       step, :func:`drop_reference`): ``(S_rare(start) - S_rare(now)) / (H(start) - H(now))``, ``S_rare`` the rare
       tokens' ``entropy_share``, ``H`` the entropy; the part of the entropy lost since the start that rare tokens

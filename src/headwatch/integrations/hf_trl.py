@@ -6,6 +6,7 @@
   (:meth:`~headwatch.core.orchestrator.Orchestrator.sample_at`, ``docs/rl.md``);
 - TRL's own per-micro-batch training metrics of a step, for the self-check (:func:`trl_marks`,
   :func:`trl_step_values`);
+- the note that TRL's logged metrics are a logging window's means (:func:`window_note`);
 - the note that TRL's fused LM head never calls the head (:func:`fused_head_note`).
 """
 
@@ -103,12 +104,39 @@ def understand_trainer(run: Any, trainer: Any) -> None:
         for m in run.all_monitors:
             if isinstance(m, LogitStats):
                 m.fused_head_in_float32 = fp32
+    window_note(run, trainer)
     temperature = sampling_temperature(trainer)
     if temperature is not None:
         run.sample_at(
             temperature,
             f"{type(trainer).__name__}.temperature, from its args.temperature",
         )
+
+
+def window_note(run: Any, trainer: Any) -> None:
+    """Say once, under a TRL trainer that logs its own ``entropy`` with a logging window of several steps, that TRL's
+    logged figure is the window's mean while ``logits/entropy`` and ``check/entropy_gap`` are the logging step's own:
+    the two curves differ by the entropy's change within the window (0.55 nats of 3.85 on a tiny collapsing GRPO
+    run at ``logging_steps=5``), which no gap shows."""
+    name = trl_trainer(trainer)
+    args = getattr(trainer, "args", None)
+    steps = getattr(args, "logging_steps", 1)
+    strategy = getattr(args, "logging_strategy", "steps")
+    strategy = getattr(strategy, "value", strategy)  # an IntervalStrategy or its string
+    if name not in UNDERSTOOD_TRL or strategy != "steps" or steps == 1:
+        return
+    from headwatch.core.logits import LogitStats
+
+    if not any(isinstance(m, LogitStats) for m in run.monitors):
+        return
+    run.note_once(
+        "trl_logging_window",
+        f"headwatch: {name} logs `entropy` as the mean of its values over each logging window (logging_steps={steps}: "
+        f"the steps since its previous log), while headwatch/logits/entropy is the logging step's own batch, and "
+        f"check/entropy_gap compares it with TRL's value of that same step. The two logged curves differ by the "
+        f"entropy's change within the window (TRL's lags while the entropy falls); with logging_steps=1 they are "
+        f"equal (docs/rl.md). (said once)",
+    )
 
 
 def fused_head_note(run: Any, kwargs: Mapping[str, Any]) -> None:

@@ -122,8 +122,14 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
             # the self-check's own verdict: its tolerance follows the dtype the loss scored (docs/self_check.md)
             verdict = "BEYOND" if (g("check/mismatch") or 0.0) > 0 else "within"
             fig.update(reference_nll=ref_nll, nll_gap=gap)
-            lines.append(f"  target NLL       {nll:.4g} nats at the last logging step; the loss computed on it {ref_nll:.4g} "
-                         f"(gap {gap:.2g}, {verdict} the self-check's tolerance)")
+            temperature = g("rl/temperature")
+            if temperature is not None:  # an RL run: the labels are the sampled tokens, the reference not the loss
+                lines.append(f"  sampled NLL      {nll:.4g} nats at the last logging step, of the sampled tokens at T = "
+                             f"{temperature:.3g} (not a label NLL, not the RL loss); the trainer's NLL of the same tokens "
+                             f"{ref_nll:.4g} (gap {gap:.2g}, {verdict} the self-check's tolerance)")
+            else:
+                lines.append(f"  target NLL       {nll:.4g} nats at the last logging step; the loss computed on it "
+                             f"{ref_nll:.4g} (gap {gap:.2g}, {verdict} the self-check's tolerance)")
         else:
             lines.append(f"  target NLL       {nll:.4g} nats (no trainer loss to compare)")
     val_nll = g("val/logits/target_nll", s.val_last)

@@ -129,3 +129,36 @@ def test_rloo_trainer_shares_the_path(tmp_path):
     assert sorted(ours) == sorted(theirs) == [1, 2]
     assert max(abs(ours[s] - theirs[s]) / theirs[s] for s in theirs) <= 1e-4
     assert cb.latest["headwatch/rl/temperature"] == 0.7
+
+
+def test_a_logging_window_of_several_steps_is_said_once_where_trls_entropy_is_its_mean():
+    """TRL logs ``entropy`` as the mean over the steps of each logging window, headwatch the logging step's own (and
+    ``check/entropy_gap`` against TRL's value of that step): with ``logging_steps > 1`` the two curves differ while
+    the gap reads 0, so one note says it, naming the window; nothing with ``logging_steps=1``, a logging strategy
+    other than steps, no logit statistics, or a trainer outside TRL."""
+    import warnings
+    import weakref
+    from types import SimpleNamespace
+
+    from transformers import IntervalStrategy
+
+    def said(name, module="trl.trainer.grpo_trainer", monitors=None, **args):
+        cb = HeadwatchCallback(monitors=monitors, figure_every_n_steps=0)
+        trainer = type(name, (), {"__module__": module})()
+        trainer.args = SimpleNamespace(**{"logging_strategy": IntervalStrategy.STEPS, "logging_steps": 5, **args})
+        trainer.temperature = 0.7
+        cb._trainer = weakref.ref(trainer)  # as set_trainer holds it
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cb.understand_trainer()
+            cb.understand_trainer()  # on_train_begin of a second train(): still once
+        return [str(w.message) for w in caught if "logging window" in str(w.message)]
+
+    for name in ("GRPOTrainer", "SFTTrainer"):
+        notes = said(name)
+        assert len(notes) == 1 and f"{name} logs `entropy`" in notes[0]
+        assert "logging_steps=5" in notes[0] and "check/entropy_gap" in notes[0] and "logging_steps=1" in notes[0]
+    assert said("GRPOTrainer", logging_steps=1) == []
+    assert said("GRPOTrainer", logging_strategy=IntervalStrategy.EPOCH) == []
+    assert said("GRPOTrainer", monitors=["gradients"]) == []
+    assert said("Trainer", module="transformers.trainer") == []
