@@ -61,6 +61,28 @@ def check_budget(value: Any) -> float | None:
     return float(value)
 
 
+def agree_budgets(budgets: Sequence[float | None], rank: int) -> None:
+    """Every process's ``overhead_budget`` (by rank, gathered at start-up with the logging interval:
+    :meth:`~headwatch.core.self_check.SelfCheck.agree_interval`), read by process ``rank``. Budgets that differ are
+    kept (every process spaces the probes by their mean: :meth:`Overhead.shared`); a budget on some processes and
+    None on others is refused: their logging steps would measure different monitors, so the steps' sums would differ
+    in layout (gloo aborts, NCCL hangs) before any shared value could say so.
+
+    Raises:
+        HeadwatchError: some budgets are None and others not (on every process alike, marked ``strict``: the run is
+            misconfigured, not a monitoring failure).
+    """
+    if len({b is None for b in budgets}) > 1:
+        error = HeadwatchError(
+            f"headwatch: overhead_budget is set on some processes and None on others (by rank: "
+            f"{', '.join(repr(b) for b in budgets)}; this process, rank {rank}: {budgets[rank]!r}); their logging "
+            "steps would probe differently and the run would abort at the first one. Pass the same overhead_budget "
+            "on every process (None on all of them turns the budget off)."
+        )
+        error.strict = True  # type: ignore[attr-defined]
+        raise error
+
+
 def probe_interval(
     statistics: float, probe: float, step_seconds: float, every: int, budget: float, fixed: float = 0.0
 ) -> tuple[int, bool]:
