@@ -23,7 +23,7 @@ def _rows() -> torch.Tensor:
     one_high = torch.full((V,), -3e38)
     one_high[5] = 3e38  # x - max = -6e38 overflows: KL(U || p) 6e38 (127 / 128) is beyond float32 too (inf)
     ordinary = torch.randn(V, generator=g) * 3
-    wide = torch.linspace(-1e36, 1e36, V)  # sum overflows, x - max does not: KL 1e36
+    wide = torch.linspace(-3e36, 3e36, V)  # the sum of x - max, -3e36 * 128, overflows; x - max does not: KL 3e36
     masked = torch.randn(V, generator=g)
     masked[3] = -math.inf  # a -inf logit: KL(U || p) is +inf exactly, not a row to recompute
     return torch.stack([half, ordinary, one_high, wide, masked, ordinary.flip(0)])
@@ -63,7 +63,7 @@ def test_kl_from_uniform_of_finite_rows_whose_float32_sums_overflow_is_the_float
     stats = logit_statistics(x, targets=targets)
     _check(stats, x, targets)
     kl = stats.kl_from_uniform
-    assert kl[0] == pytest.approx(1e38, rel=1e-6) and kl[3] == pytest.approx(1e36, rel=1e-5)
+    assert kl[0] == pytest.approx(1e38, rel=1e-6) and kl[3] == pytest.approx(3e36, rel=1e-5)
     assert math.isinf(kl[2]) and math.isinf(kl[4])  # 6e38 is beyond float32; a -inf logit: p_v = 0
     assert torch.isfinite(stats.entropy).all() and stats.valid.all()
 
@@ -83,11 +83,10 @@ def test_two_logits_three_e38_apart_by_six_e38_give_a_finite_kl():
 @pytest.mark.parametrize("path", ["non-viewable", "transform", "hidden", "bfloat16"])
 def test_every_path_recomputes_the_overflowed_rows(case, path):
     x, targets = case
-    if path == "non-viewable":  # (2, 6, V) seen through a transpose: blocks are copied, rows found by their index
-        both = torch.stack([x, x.flip(0)], dim=1)  # (6, 2, V)
-        logits = both.transpose(0, 1)  # (2, 6, V), not viewable as (12, V)
-        stats = logit_statistics(logits, targets=torch.stack([targets, targets.flip(0)]), max_chunk_bytes=3 * V * 4)
-        _check(stats, logits.reshape(-1, V), torch.stack([targets, targets.flip(0)]).reshape(-1))
+    if path == "non-viewable":  # seen through a transpose: blocks are copied, rows found by their position
+        logits, t = x.view(2, 3, V).transpose(0, 1), targets.view(2, 3).T  # (3, 2, V), not viewable as (6, V)
+        stats = logit_statistics(logits, targets=t, max_chunk_bytes=3 * V * 4)
+        _check(stats, logits.reshape(-1, V), t.reshape(-1))
     elif path == "transform":  # the statistics are those of the transformed logits, recomputed rows too
         stats = logit_statistics(x / 4, targets=targets, transform=logit_scale(4.0))
         _check(stats, x / 4 * 4.0, targets)
@@ -101,6 +100,19 @@ def test_every_path_recomputes_the_overflowed_rows(case, path):
     else:  # bfloat16 holds +-1e38 and 3e38 (its range is float32's)
         b = x.to(torch.bfloat16)
         _check(logit_statistics(b, targets=targets), b.float(), targets)
+
+
+def test_beyond_the_rows_read_again_the_smallest_maxima_keep_inf(monkeypatch):
+    """Two overflowed rows and one read again: the one with the largest ``|max|`` gets its value, the other keeps the
+    float32 sum's ``+inf``, as before (a diverged run); the -inf row, the ordinary one, unchanged."""
+    from headwatch.functional import logits
+
+    monkeypatch.setattr(logits, "OVERFLOW_ROWS", 1)
+    x = _rows()[[0, 3, 4, 1]]  # +-1e38 (|max| 1e38), +-3e36 (3e36), a -inf logit, ordinary
+    got = logits.logit_statistics(x).kl_from_uniform
+    want = _reference(x, torch.zeros(4, dtype=torch.long))["kl_from_uniform"].float()
+    assert got[0] == pytest.approx(float(want[0]), rel=1e-6) and math.isinf(got[1]) and math.isfinite(want[1])
+    assert math.isinf(got[2]) and got[3] == pytest.approx(float(want[3]), rel=1e-5)
 
 
 def test_the_recomputation_makes_no_host_sync(case):
