@@ -407,7 +407,7 @@ def test_a_resumed_run_probes_on_the_steps_it_would_have():
         state = first.state_dict()
         resumed = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False)
         resumed.load_state_dict(state)
-        assert resumed.run.cost.state_dict() == first.run.cost.state_dict()
+        assert resumed.run.cost.state_dict() == {**first.run.cost.state_dict(), "ends": 1}  # the first segment's end
         assert resumed.run.cost.first == 1  # the run's first logging step was step 1: none forced at step 7
         assert resumed.run.cost.is_probe_step(7) == ((7 + 1) % (first.run.cost.multiple * 2) == 0)
         fresh = headwatch.Headwatch(model, log_every_n_steps=2, figure_every_n_steps=None, summary=False)

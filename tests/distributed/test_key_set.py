@@ -274,6 +274,30 @@ def test_the_intervals_are_compared_at_construction_on_every_rank(intervals):
         assert all(f"logs every {n} step(s), by rank: 1, 2, 3." in e for n, e in zip(intervals, errors, strict=True))
 
 
+@pytest.mark.parametrize("budgets", [(0.01, 0.02, 0.03), (0.01, None, 0.01), (None, None, None)])
+def test_the_budgets_are_compared_with_the_intervals_in_the_same_gather(budgets):
+    """The one gather at construction carries ``overhead_budget`` too: a budget on some ranks and None on others raises
+    on every rank, naming each rank's value; budgets that all differ but are all set are kept (their mean decides)."""
+    from headwatch import Headwatch
+    from headwatch.errors import HeadwatchError
+    from tests.helpers import TinyCausalLM
+
+    def started(rank, reducer):
+        try:
+            Headwatch(TinyCausalLM(vocab_size=32, d_model=8), reducer=reducer, summary=False, overhead_budget=budgets[rank])
+        except HeadwatchError as err:
+            return str(err), reducer
+        return None, reducer
+
+    results = run_ranks(3, started)
+    errors = [e for e, _ in results]
+    assert results[0][1].world.calls == 1
+    if len({b is None for b in budgets}) == 1:
+        assert errors == [None, None, None]
+    else:
+        assert all(f"by rank: 0.01, None, 0.01; this process, rank {r}: {budgets[r]!r})" in e for r, e in enumerate(errors))
+
+
 class _OtherInterval:
     """The reducer of rank 0 of 2 processes whose other process logs at another interval (one more step): what every
     door's one gather before the first step sees. Its other collectives are those of equal processes."""

@@ -61,6 +61,28 @@ def check_budget(value: Any) -> float | None:
     return float(value)
 
 
+def agree_budgets(budgets: Sequence[float | None], rank: int) -> None:
+    """Every process's ``overhead_budget`` (by rank, gathered at start-up with the logging interval:
+    :meth:`~headwatch.core.self_check.SelfCheck.agree_interval`), read by process ``rank``. Budgets that differ are
+    kept (every process spaces the probes by their mean: :meth:`Overhead.shared`); a budget on some processes and
+    None on others is refused: their logging steps would measure different monitors, so the steps' sums would differ
+    in layout (gloo aborts, NCCL hangs) before any shared value could say so.
+
+    Raises:
+        HeadwatchError: some budgets are None and others not (on every process alike, marked ``strict``: the run is
+            misconfigured, not a monitoring failure).
+    """
+    if len({b is None for b in budgets}) > 1:
+        error = HeadwatchError(
+            f"headwatch: overhead_budget is set on some processes and None on others (by rank: "
+            f"{', '.join(repr(b) for b in budgets)}; this process, rank {rank}: {budgets[rank]!r}); their logging "
+            "steps would probe differently and the run would abort at the first one. Pass the same overhead_budget "
+            "on every process (None on all of them turns the budget off)."
+        )
+        error.strict = True  # type: ignore[attr-defined]
+        raise error
+
+
 def probe_interval(
     statistics: float, probe: float, step_seconds: float, every: int, budget: float, fixed: float = 0.0
 ) -> tuple[int, bool]:
@@ -73,8 +95,8 @@ def probe_interval(
         step_seconds: wall seconds of one training step.
         every: the logging interval (steps).
         budget: the fraction of wall time headwatch may take.
-        fixed: seconds per step already promised (the first and the end-of-training probes, amortised over the
-            steps so far: :meth:`Overhead.decide`).
+        fixed: seconds per step already promised (the first probe, the end-of-training probes of the run's earlier
+            segments and its own, amortised over the steps so far: :meth:`Overhead.decide`).
 
     Returns:
         ``(m, fits)``: ``fits`` is False when even :data:`MAX_MULTIPLE` is over the budget (then ``m`` is it).
@@ -227,6 +249,9 @@ class Overhead:
         self.run_probe_seconds = 0.0
         """The probes' share of ``run_seconds[0]`` (the first, periodic and end probes, their figures included)."""
         self.probe_seconds = 0.0
+        self.segment_ends = 0
+        """The end-of-training probes of the run's earlier segments (each resume from a checkpoint counts one: the
+        segment that saved it ended with one, unless killed; an upper bound), reserved for in :meth:`decide`."""
         self.probing = False
         self.last: dict[str, float] = {}
         self.last_probe = 0.0
@@ -241,9 +266,11 @@ class Overhead:
     def state_dict(self) -> dict[str, Any]:
         """The probe schedule of the run (the same on every rank): a resumed run probes on the steps it would have;
         and the run's totals (``run``: headwatch's seconds, wall seconds, the probes' seconds; the saving process's),
-        so that a resumed run's ``fraction_run`` and ``probe_fraction_run`` go on over the whole run."""
+        so that a resumed run's ``fraction_run`` and ``probe_fraction_run`` go on over the whole run; and ``ends``,
+        the end-of-training probes of the run's segments before this one (:attr:`segment_ends`)."""
         run = [float(self.run_seconds[0]), float(self.run_seconds[1]), float(self.run_probe_seconds)]
-        return {"multiple": self.multiple, "probe_seconds": self.probe_seconds, "first": self.first, "run": run}
+        state = {"multiple": self.multiple, "probe_seconds": self.probe_seconds, "first": self.first, "run": run}
+        return {**state, "ends": self.segment_ends}
 
     def load_state_dict(self, state: Any) -> str | None:
         """Restore :meth:`state_dict` (None, a checkpoint from before the budget: nothing); returns the problem of an
@@ -251,7 +278,7 @@ class Overhead:
         if state is None:
             return None
         keys = {"multiple", "probe_seconds", "first"}
-        ok = isinstance(state, dict) and set(state) in (keys, keys | {"run"})  # without `run`: before the totals
+        ok = isinstance(state, dict) and set(state) in (keys, keys | {"run"}, keys | {"run", "ends"})  # older: fewer
         m, seconds, first = (state.get("multiple"), state.get("probe_seconds"), state.get("first")) if ok else (0, 0, 0)
         run = state.get("run", [0.0, 0.0, 0.0]) if ok else None
         ok = ok and isinstance(run, list) and len(run) == 3 and all(type(v) is float and math.isfinite(v) for v in run)
@@ -259,15 +286,18 @@ class Overhead:
         ok = ok and isinstance(m, int) and not isinstance(m, bool) and 1 <= m <= MAX_MULTIPLE and m & (m - 1) == 0
         ok = ok and isinstance(seconds, float) and math.isfinite(seconds) and 0 <= seconds <= MAX_PROBE_SECONDS
         ok = ok and (first is None or (isinstance(first, int) and not isinstance(first, bool) and first >= 0))
+        ends = state.get("ends", 0) if ok else 0
+        ok = ok and isinstance(ends, int) and not isinstance(ends, bool) and ends >= 0
         if not ok:
             return (
                 f"`overhead` must be a dict of a power-of-two `multiple` <= {MAX_MULTIPLE}, `probe_seconds` in "
                 f"[0, {MAX_PROBE_SECONDS:g}], `first` and (optional) `run`: three finite seconds, none above the "
-                f"second (the wall time), got {state!r}"
+                f"second (the wall time), and (optional) `ends`: a count >= 0, got {state!r}"
             )
         self.multiple, self.probe_seconds, self.first = m, seconds, first
         self.last_probe = seconds  # published as `probe_seconds` until the next probe: the cost the schedule uses
         self.run_seconds, self.run_probe_seconds = [run[0], run[1]], run[2]
+        self.segment_ends = ends + 1  # the segment that saved this state has ended since, with its end probe
         return None
 
     def configure(self, every: int, monitors: Sequence[Any], policy: Any = None) -> None:
@@ -395,9 +425,10 @@ class Overhead:
     def decide(self, statistics: float, probe: float, wall: float, probed: float, steps: int | None = None) -> None:
         """The probe interval from one window's timings, the same on every rank (means over processes).
 
-        ``steps``: the steps run so far (:meth:`steps_watched`). The first probe (spent) and the end of training's
+        ``steps``: the steps run so far (:meth:`steps_watched`). The first probe (spent), the end-of-training probes of
+        the run's earlier segments (spent: :attr:`segment_ends`, a run resumed from checkpoints) and this segment's
         (to come), each costing about the last probe, are amortised over them and taken off what the periodic probes
-        may spend, so that a run ending now would have kept its whole cost, both fixed probes included, within the
+        may spend, so that a run ending now would have kept its whole cost, every fixed probe included, within the
         budget once it is long enough to hold them (early in a run the periodic probes wait at the longest
         interval)."""
         if wall <= 0 or self.every <= 0:
@@ -405,7 +436,7 @@ class Overhead:
         if probed > 0:
             self.probe_seconds = probe / probed
         step_s, budget = wall / self.every, self.agreed or 0.0
-        fixed = 2 * self.probe_seconds / steps if steps else 0.0
+        fixed = (2 + self.segment_ends) * self.probe_seconds / steps if steps else 0.0
         needed, self.fits = probe_interval(statistics, self.probe_seconds, step_s, self.every, budget, fixed)
         self.notes(statistics, step_s, budget)
         if self.probe_seconds > 0 or not self.fits:

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from headwatch.core.capture_tally import CaptureTally
 from headwatch.core.monitor import FailurePolicy
+from headwatch.core.overhead import agree_budgets
 from headwatch.core.tolerance import (  # noqa: F401 - their home before
     EPS,
     TOLERANCES,
@@ -442,8 +443,7 @@ class SelfCheck(FailurePolicy):
         which would read as a measured 0. The flags and the gaps themselves are published."""
         p = self.prefix
         out: dict[str, str] = {}
-        interval = numbers.pop(f"{p}/debug/check/_interval", None)
-        if interval is not None:
+        if (interval := numbers.pop(f"{p}/debug/check/_interval", None)) is not None:
             self.same_interval(interval)
         references = numbers.pop(f"{p}/debug/check/_references", None)  # the loss forwards over processes
         if references == 0:  # no process had a reference: its keys are not published (on every rank alike)
@@ -468,14 +468,17 @@ class SelfCheck(FailurePolicy):
         if total != world * self.interval:
             raise self._interval_error(f"the mean over the {world} processes is {total / world:g}")
 
-    def agree_interval(self) -> None:
-        """Before the first step (a door's start: every process at the same point), every process's logging interval,
-        gathered (one collective, on no step), so that different ones raise (as :meth:`same_interval`) before a step
-        pairs its reductions with another step's or, DDP-wrapped, with DDP's gradient all-reduce (a hang)."""
+    def agree_interval(self, budget: float | None) -> None:
+        """Before the first step (every process at the same point), every process's logging interval and ``budget`` (its
+        overhead_budget), gathered (one collective, on no step): different intervals raise (as :meth:`same_interval`),
+        and so does a budget on some processes only (:func:`agree_budgets`), before a step pairs its reductions with
+        another step's or, DDP-wrapped, with DDP's gradient all-reduce (a hang)."""
         if self.reducer.world_size > 1:
-            every = stacked(self.reducer, torch.tensor([float(self.interval)], dtype=torch.float64, device=collective_device()))
-            if len(set(every := [float(x) for x in every.flatten().tolist()])) > 1:  # a host read at start-up
+            mine = torch.tensor([float(self.interval), math.nan if budget is None else budget], dtype=torch.float64)
+            both = stacked(self.reducer, mine.to(collective_device())).reshape(-1, 2).tolist()  # a host read at start-up
+            if len(set(every := [float(x) for x, _ in both])) > 1:
                 raise self._interval_error("by rank: " + ", ".join(f"{x:g}" for x in every))
+            agree_budgets([None if math.isnan(b) else b for _, b in both], self.rank)  # NaN: no budget
 
     def _interval_error(self, others: str) -> HeadwatchError:
         error = HeadwatchError(
@@ -500,8 +503,7 @@ class SelfCheck(FailurePolicy):
 
     def published(self, numbers: dict[str, float]) -> None:
         """Warn once per kind (rank zero) from the published floats: a gap beyond tolerance, a vanished gradient."""
-        p = self.prefix
-        get = numbers.get
+        p, get = self.prefix, numbers.get
         if get(f"{p}/check/mismatch", 0.0) > 0:
             self.mismatched_steps += 1
             self._warn_mismatch(numbers)
@@ -518,9 +520,7 @@ class SelfCheck(FailurePolicy):
             )
 
     def _warn_mismatch(self, numbers: dict[str, float]) -> None:
-        p, get = self.prefix, numbers.get
-        nan = float("nan")
-        parts = []
+        p, get, nan, parts = self.prefix, numbers.get, float("nan"), []
         nll_gap = get(f"{p}/check/nll_gap")
         nll_tol = self.tolerance("nll")
         lab, ref_pos = get(f"{p}/debug/capture/labelled_positions", nan), get(f"{p}/debug/check/reference_positions", nan)

@@ -143,7 +143,13 @@ def logit_statistics_from_hidden(
     pbuf = torch.empty(rows, vocab_step, device=w.device) if w.dtype != torch.float32 else None
 
     def project(start: int) -> Tensor:
-        h = flat[start : start + rows].float()  # (n, d)
+        return projected(flat[start : start + rows].float())
+
+    def rows_of(idx: Tensor) -> Tensor:  # rows read again (overflowed sums), `rows` at a time: the buffers' size
+        parts = [flat.index_select(0, idx[i : i + rows]).float() for i in range(0, idx.numel(), rows)]
+        return torch.cat([projected(h) for h in parts])
+
+    def projected(h: Tensor) -> Tensor:  # (n, d) float32 -> (n, V) float32 logits
         x = torch.empty(h.shape[0], V, dtype=torch.float32, device=h.device)  # (n, V)
         if wbuf is None or pbuf is None:  # a float32 head: one product straight into x
             return torch.mm(h, w.T, out=x) if b is None else torch.addmm(b, h, w.T, out=x)
@@ -157,4 +163,4 @@ def logit_statistics_from_hidden(
     tasks: list[Task] = [(start, partial(project, start)) for start in range(0, flat.shape[0], rows)]
     with full_precision(hidden.device):  # also covers the projections, made lazily inside
         return statistics_from_tasks(tasks, lead, V, hidden.device, rows, mask, targets, ignore_index,
-                                     transform=transform, workers=1)
+                                     transform=transform, workers=1, rows_of=rows_of)

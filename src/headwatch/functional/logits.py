@@ -22,6 +22,15 @@ All of them follow from one pass over each row: with ``m = max_v x_v``,
 ``H_2 = 2 log Z - log sum_v exp(2 s_v)`` (``sum_v exp(s_v)^2``, a norm of the same buffer);
 ``exp(s_v)`` is computed as ``exp2(s_v log2(e))`` (twice as fast on the CPU, the same accuracy: worst
 entropy error against float64 1.0e-6 nats at V 32000, logit scales 0.01 to 100).
+Finite logits near float32's largest value (``+-1e38``) overflow float32 sums: ``sum_v s_v`` when
+``|sum_v s_v| > 3.4e38``, and ``s_v`` itself when ``m - x_v > 3.4e38``. Such a row's ``sum_v s_v`` reads ``-inf``, as a
+row holding a ``-inf`` logit does rightly; the first :data:`OVERFLOW_ROWS` of these rows (by largest ``|m|``) are read
+again and their ``mean_v s_v`` summed as ``sum_v (x_v / V - m / V)``, terms that cannot overflow (fixed-size ops, no
+host sync), so that ``KL(U || p)`` is the float64 value to float32 precision (``+inf`` only beyond float32's range or
+for a ``-inf`` logit; ``tests/functional/test_logits_overflow.py``). The other statistics need no such care: an
+overflowed ``s_v = -inf`` gives ``exp(s_v) = 0`` where the true probability is below ``e^-3.4e38``, zero to float32
+precision, and it contributes 0 to ``H``, ``Z`` and ``sum_v p_v^2`` (``nll`` of such a target is ``+inf``, its float64
+value being beyond float32's range).
 ``-inf`` logits contribute exactly ``0 * log 0 = 0`` to the entropy and 0 to ``sum_v p_v^2``. Rows containing
 NaN or ``+inf`` (or made only of ``-inf``) have no defined distribution: they are
 reported as non-finite and excluded, never propagated into means.
@@ -48,7 +57,7 @@ import torch
 from torch import Tensor
 
 from headwatch.errors import HeadwatchError
-from headwatch.functional.precision import cpu_workers, full_precision, map_rows_single_threaded
+from headwatch.functional.precision import cpu_workers, full_precision, map_rows_single_threaded, single_threaded
 
 __all__ = [  # check_inputs, check_transform, statistics_from_tasks: building blocks of functional.hidden
     "DEFAULT_MAX_CHUNK_BYTES", "LogitStatistics", "compute_dtype", "entropy", "kl_from_uniform", "kl_to_uniform",
@@ -62,6 +71,11 @@ DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 # chunk then hit L2/L3 instead of DRAM); on accelerators big chunks amortise launches.
 _LOG2_E, _LN_2 = 1.0 / math.log(2.0), math.log(2.0)
 _CPU_CHUNK_BYTES = 4 * 2**20  # measured: 0.5 MiB 120 ms, 2 MiB 72 ms, 4 MiB 64 ms, 16 MiB 84 ms (bench/README.md)
+OVERFLOW_ROWS = 4
+"""Rows read again per call to recompute ``KL(U || p)`` where the float32 sum of ``x - max`` read ``-inf`` (a fixed
+number, with no host sync: ``4 * V`` logits read from memory, most of the cost, then three passes over them, 0.4 ms
+in a 42 ms call on (1024, 32000) on a busy CPU; beyond 4 such rows, those with the smallest ``|max|`` keep
+``+inf``)."""
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -233,7 +247,23 @@ def logit_statistics(
     return statistics_from_tasks(
         tasks, logits.shape[:-1], V, logits.device, rows, mask, targets, ignore_index,
         compute_dtype(logits.dtype), transform, workers=min(workers, max(1, len(tasks))),
+        rows_of=partial(_logit_rows, logits),
     )
+
+
+def _logit_rows(logits: Tensor, idx: Tensor) -> Tensor:
+    """The ``(k, V)`` rows ``idx`` of ``logits`` flattened to ``(N, V)``, gathered (a copy) without flattening it."""
+    try:
+        flat: Tensor | None = logits.view(-1, logits.shape[-1])
+    except RuntimeError:  # not viewable as 2-D: each row's position in the leading dimensions
+        flat = None
+    if flat is not None:
+        return flat.index_select(0, idx)  # several times faster than indexing by positions
+    index: list[Tensor] = []
+    for size in reversed(logits.shape[:-1]):  # row-major
+        index.insert(0, idx % size)
+        idx = idx // size
+    return logits[tuple(index)]
 
 
 def check_transform(transform: object) -> None:
@@ -303,11 +333,14 @@ def statistics_from_tasks(
     dtype: torch.dtype = torch.float32,
     transform: LogitTransform | None = None,
     workers: int = 1,
+    rows_of: Callable[[Tensor], Tensor] | None = None,
 ) -> LogitStatistics:
     """The row math over lazily made ``(offset, (n, V) logits)`` blocks covering ``prod(lead)`` rows.
 
     Runs with autocast disabled; with ``workers > 1`` (CPU) the blocks are shared among
     that many single-threaded threads, each with its own pair of ``(rows, V)`` buffers.
+    ``rows_of(idx)``: the ``(k, V)`` logits of the flat rows ``idx`` (before ``transform``), read again for the rows
+    whose float32 sums overflowed (see the module docstring); None: those rows keep ``KL(U || p) = +inf``.
     """
     N = math.prod(lead)
     flat_targets = target_ok = None
@@ -332,12 +365,14 @@ def statistics_from_tasks(
 
     with full_precision(device):
         map_rows_single_threaded(run, tasks, workers)
-    return _finish(out, lead, V, mask, targets, ignore_index, target_ok)
+        bufs.clear()  # before rows are read again (_exact_overflowed): the memory budget holds either, never both
+        exact = partial(_exact_overflowed, rows_of, transform)
+        return _finish(out, lead, V, mask, targets, ignore_index, target_ok, exact)
 
 
 def _finish(
     out: _Rows, lead: torch.Size, V: int, mask: Tensor | None, targets: Tensor | None, ignore_index: int,
-    target_ok: Tensor | None,
+    target_ok: Tensor | None, exact: Callable[[Tensor, _Rows, Tensor, Tensor, int], Tensor],
 ) -> LogitStatistics:
     """The per-row arithmetic of the block sums (:class:`_Rows`), validity masks, NaN outside them, and the derived
     fields."""
@@ -369,7 +404,7 @@ def _finish(
     return LogitStatistics(
         entropy=_out(entropy),
         kl_to_uniform=_out(log_v - entropy),
-        kl_from_uniform=_out(torch.clamp(log_z - mean_s - log_v, min=0.0)),
+        kl_from_uniform=_out(exact(torch.clamp(log_z - mean_s - log_v, min=0.0), out, finite, log_z, V)),
         max_prob=_out(torch.reciprocal(z)),
         renyi2_entropy=_out(renyi2),
         nll=_out(nll) if nll is not None else None,
@@ -378,6 +413,29 @@ def _finish(
         nonfinite=nonfinite.reshape(lead),
         invalid_target=invalid_target.reshape(lead),
     )
+
+
+def _exact_overflowed(
+    rows_of: Callable[[Tensor], Tensor] | None, transform: LogitTransform | None, kl: Tensor, out: _Rows,
+    finite: Tensor, log_z: Tensor, V: int,
+) -> Tensor:
+    """``kl`` (``KL(U || p)`` of every row, ``(N,)``) with the rows whose float32 ``sum_v s_v`` read ``-inf`` recomputed
+    from their logits read again (``rows_of``, then ``transform`` as in the chunk loop), without overflow: the first
+    :data:`OVERFLOW_ROWS` of them by largest ``|m|`` (a fixed-size ``topk``, no host sync); a row holding a ``-inf``
+    logit comes out ``+inf`` again."""
+    k = min(OVERFLOW_ROWS, kl.numel())
+    if rows_of is None or k == 0 or kl.dtype == torch.float64:  # float64 sums do not overflow at finite logits
+        return kl
+    suspect = finite & torch.isinf(out.sum_s)
+    idx = torch.topk(torch.where(suspect, out.max.abs(), -1.0), k, sorted=False).indices  # every suspect, if <= k
+    with single_threaded(kl.device, 0):  # small ops: on a busy CPU each parallel region would wait for every thread
+        x = rows_of(idx).to(kl.dtype)  # (k, V) float32, a copy: the transform may work in place
+        x = transform(x).to(kl.dtype) if transform is not None else x
+        # mean_v s_v as sum_v (x_v / V - m / V): terms of one sign (<= 0), so no partial sum exceeds the total, which
+        # exceeds float32's range only where KL(U || p) does; in place, no float64 copy
+        mean_s = x.div_(V).sub_(out.max.index_select(0, idx).div(V).unsqueeze(-1)).sum(dim=-1)  # (k,)
+    fixed = (log_z.index_select(0, idx) - mean_s - math.log(V)).clamp_(min=0.0)
+    return kl.index_copy(0, idx, torch.where(suspect.index_select(0, idx), fixed, kl.index_select(0, idx)))
 
 
 def entropy(logits: Tensor, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> Tensor:

@@ -128,7 +128,7 @@ class Headwatch(Driver):
         if summary:
             self.run.sinks.append(self.summary)
         self.run.configure(log_every_n_steps)
-        self.run.check.agree_interval()  # every process constructs it: different intervals raise here, not at a step
+        self.run.check.agree_interval(self.run.cost.budget)  # every process constructs it: different ones raise here
         self.run.attach(model)  # FSDP1 / DeepSpeed ZeRO-3: full shapes while resolving (a collective)
         self.figure_every_n_steps = figure_every_n_steps
         set_figures(self.run.named, figure_every_n_steps)

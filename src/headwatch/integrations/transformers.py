@@ -190,7 +190,7 @@ class HeadwatchCallback(TrainerLink, TrainerCallback):
             )
         self._first = bool(args.logging_first_step)
         self.attach_model(model, every)
-        self.run.check.agree_interval()  # every process, before the first step: different logging_steps raise here
+        self.run.check.agree_interval(self.run.cost.budget)  # every process, before the first step: differences raise
         self._control = control
         wire_alert(self, args)
         restore_state(self, args, state)  # the monitors' and the alert's state of the checkpoint's step

@@ -237,7 +237,7 @@ class HeadwatchDriver(Driver, Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every process, before the first batch: a different ``log_every_n_steps`` on some process raises here."""
         with self.run.guard("starting training"):
-            self.run.check.agree_interval()
+            self.run.check.agree_interval(self.run.cost.budget)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         with self.run.guard("starting a batch"):
