@@ -115,7 +115,12 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
         fall = (h_first[1] - h_last) / h_first[1] if h_first[1] > 0 else float("nan")
         moved = f"fell {fall:.0%}" if not fall < 0 else f"rose {-fall:.0%}"
         lines.append(f"  entropy          {h_first[1]:.3g} -> {h_last:.3g} nats{ref}; {moved} since step {h_first[0]}")
-    nll, ref_nll, gap = g("logits/target_nll"), g("debug/check/reference_nll"), g("check/nll_gap")
+    nll = g("logits/target_nll")
+    # the self-check's figures of the NLL's own step: a later step's non-finite loss publishes none, and an earlier
+    # step's are not those of the same tokens
+    at = s.last.get(f"{s.prefix}/logits/target_nll", (None, None))[0]
+    ref_nll, gap = (g(name) if s.last.get(f"{s.prefix}/{name}", (None,))[0] == at else None
+                    for name in ("debug/check/reference_nll", "check/nll_gap"))  # fmt: skip
     if nll is not None:
         fig["target_nll"] = nll
         if ref_nll is not None and gap is not None:
