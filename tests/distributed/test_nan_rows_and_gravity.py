@@ -1,8 +1,9 @@
 """A NaN gradient row and the frequency-gravity Spearman through the plain-loop door, on 1 and 2 gloo processes
 (each process trains its own copy, the gradients summed over processes by hand as DDP would).
 
-- ``freq/<matrix>_norm_spearman`` equals SciPy's ``spearmanr`` of ``log(count)`` (the counts summed over processes)
-  and the weight rows' L2 norms (before the optimizer step) over the seen rows;
+- ``freq/<matrix>_norm_spearman`` equals SciPy's ``spearmanr`` of ``log(count)`` (the counts summed over processes,
+  those before a resume from the run's state included) and the weight rows' L2 norms (before the optimizer step)
+  over the seen rows;
 - a NaN written into one row of the head's gradient on rank 1 only (summed: NaN on every rank) makes every field of
   each row-norm summary whose group holds that row NaN (as numpy's mean, max and percentile), the other groups'
   finite, with the same keys on every rank at every step.
@@ -63,6 +64,11 @@ def train(rank, world):
         values = hw.step_end()
         if values:
             steps[step] = {"values": values, "counts": counts.tolist(), "weights": weights}
+        if step == 1:  # resumed from a checkpoint: the counts so far restored, summed with those counted after
+            state = hw.state_dict()
+            hw.close()
+            hw = headwatch.Headwatch(model, log_every_n_steps=EVERY, figure_every_n_steps=0, summary=False)
+            hw.load_state_dict(state)
     hw.close()
     return steps
 '''
@@ -113,6 +119,7 @@ def test_the_gravity_spearman_equals_scipys_of_log_count_and_row_norm(ranks, ste
     norms = np.linalg.norm(np.array(logged["weights"][matrix]), axis=1)
     want = spearmanr(np.log(counts[seen]), norms[seen]).statistic
     for rank in ranks:
+        assert rank[step]["values"]["headwatch/tokens/total"] == counts.sum()  # the restored counts too
         assert rank[step]["values"][f"headwatch/freq/{matrix}_norm_spearman"] == pytest.approx(want, abs=1e-12)
 
 
