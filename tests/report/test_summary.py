@@ -60,7 +60,12 @@ def test_the_nll_is_compared_with_the_loss_of_its_own_step_only():
     nan = float("nan")
     last = {"rl/temperature": 0.7, "logits/target_nll": 3.0, "debug/check/reference_nll": nan, "check/nll_gap": nan}
     text = said([(2, checked), (4, last)])
-    assert "  target NLL       3 nats (no trainer loss to compare)" in text and "gap" not in text
+    assert "  target NLL       3 nats (no trainer loss of that step to compare)" in text and "gap" not in text
+    # a check that failed at the last step withheld its logits/*: said as a failure, not paired with the NLL before
+    failed = {"debug/check/reference_nll": 2.0, "check/nll_gap": -1.0, "check/mismatch": 1.0}
+    text = said([(2, checked), (4, failed)])
+    assert "target NLL       1 nats at step 2; the self-check failed at step 4, beyond its tolerance" in text
+    assert "gap" not in text and "within" not in text
 
 
 def test_a_resumed_run_summarises_the_whole_run(tmp_path):

@@ -136,7 +136,14 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
                 lines.append(f"  target NLL       {nll:.4g} nats at the last logging step; the loss computed on it "
                              f"{ref_nll:.4g} (gap {gap:.2g}, {verdict} the self-check's tolerance)")
         else:
-            lines.append(f"  target NLL       {nll:.4g} nats (no trainer loss to compare)")
+            failed = s.last.get(f"{s.prefix}/check/mismatch")
+            if failed is not None and failed[1] > 0 and failed[0] > at:  # a failed check withholds its step's logits/*
+                lines.append(f"  target NLL       {nll:.4g} nats at step {at}; the self-check failed at step {failed[0]}, "
+                             f"beyond its tolerance (that step's logits/* withheld)")
+            elif f"{s.prefix}/debug/check/reference_nll" in s.last:
+                lines.append(f"  target NLL       {nll:.4g} nats (no trainer loss of that step to compare)")
+            else:
+                lines.append(f"  target NLL       {nll:.4g} nats (no trainer loss to compare)")
     val_nll = g("val/logits/target_nll", s.val_last)
     if val_nll is not None:
         fig["val_target_nll"] = val_nll
