@@ -15,8 +15,8 @@ def said(published: list[tuple[int, dict[str, float]]]) -> str:
     for step, numbers in published:
         sink.publish({f"{P}/{k}": v for k, v in numbers.items()}, None, step, False)
     sink.end(published[-1][0])
-    assert len(out) == 1
-    return out[0]
+    assert len(out) <= 1
+    return out[0] if out else ""
 
 
 def test_an_entropy_that_rose_is_said_to_have_risen():
@@ -50,6 +50,22 @@ def test_an_rl_runs_nll_is_said_as_the_sampled_tokens_not_as_the_loss():
     assert "not the RL loss" in text and "the loss computed on it" not in text and "target NLL" not in text
     text = said([(40, checked)])  # a supervised run keeps its words
     assert "target NLL       0.6293 nats at the last logging step; the loss computed on it 0.6293" in text
+    assert said([(40, {"rl/temperature": 0.7})]) == ""  # the temperature without an NLL: no NLL line
+
+
+def test_the_nll_is_compared_with_the_loss_of_its_own_step_only():
+    """A last step whose loss is not finite publishes no reference NLL nor gap: the summary must not pair its NLL
+    with an earlier step's reference (other tokens) and call the gap 0."""
+    checked = {"rl/temperature": 0.7, "logits/target_nll": 1.0, "debug/check/reference_nll": 1.0, "check/nll_gap": 0.0}
+    nan = float("nan")
+    last = {"rl/temperature": 0.7, "logits/target_nll": 3.0, "debug/check/reference_nll": nan, "check/nll_gap": nan}
+    text = said([(2, checked), (4, last)])
+    assert "  target NLL       3 nats (no trainer loss of that step to compare)" in text and "gap" not in text
+    # a check that failed at the last step withheld its logits/*: said as a failure, not paired with the NLL before
+    failed = {"debug/check/reference_nll": 2.0, "check/nll_gap": -1.0, "check/mismatch": 1.0}
+    text = said([(2, checked), (4, failed)])
+    assert "target NLL       1 nats at step 2; the self-check failed at step 4, beyond its tolerance" in text
+    assert "gap" not in text and "within" not in text
 
 
 def test_a_resumed_run_summarises_the_whole_run(tmp_path):

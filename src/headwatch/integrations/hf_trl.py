@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -123,7 +124,18 @@ def window_note(run: Any, trainer: Any) -> None:
     steps = getattr(args, "logging_steps", 1)
     strategy = getattr(args, "logging_strategy", "steps")
     strategy = getattr(strategy, "value", strategy)  # an IntervalStrategy or its string
-    if name not in UNDERSTOOD_TRL or strategy != "steps" or steps == 1:
+    if name not in UNDERSTOOD_TRL or strategy != "steps":
+        return
+    window = f"logging_steps={steps}"
+    if 0 < steps < 1:
+        # a fraction of the run: the window is ceil(max_steps * logging_steps) steps (TrainerState.compute_steps),
+        # known once training starts; before (the Trainer's construction) nothing is said, training says it
+        max_steps = getattr(getattr(trainer, "state", None), "max_steps", 0) or 0
+        if max_steps <= 0:
+            return
+        steps = math.ceil(max_steps * steps)
+        window = f"{window} of {max_steps} steps: {steps} steps"
+    if steps == 1:
         return
     from headwatch.core.logits import LogitStats
 
@@ -131,7 +143,7 @@ def window_note(run: Any, trainer: Any) -> None:
         return
     run.note_once(
         "trl_logging_window",
-        f"headwatch: {name} logs `entropy` as the mean of its values over each logging window (logging_steps={steps}: "
+        f"headwatch: {name} logs `entropy` as the mean of its values over each logging window ({window}: "
         f"the steps since its previous log), while headwatch/logits/entropy is the logging step's own batch, and "
         f"check/entropy_gap compares it with TRL's value of that same step. The two logged curves differ by the "
         f"entropy's change within the window (TRL's lags while the entropy falls); with logging_steps=1 they are "

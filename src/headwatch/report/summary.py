@@ -115,7 +115,12 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
         fall = (h_first[1] - h_last) / h_first[1] if h_first[1] > 0 else float("nan")
         moved = f"fell {fall:.0%}" if not fall < 0 else f"rose {-fall:.0%}"
         lines.append(f"  entropy          {h_first[1]:.3g} -> {h_last:.3g} nats{ref}; {moved} since step {h_first[0]}")
-    nll, ref_nll, gap = g("logits/target_nll"), g("debug/check/reference_nll"), g("check/nll_gap")
+    nll = g("logits/target_nll")
+    # the self-check's figures of the NLL's own step: a later step's non-finite loss publishes none, and an earlier
+    # step's are not those of the same tokens
+    at = s.last.get(f"{s.prefix}/logits/target_nll", (None, None))[0]
+    ref_nll, gap = (g(name) if s.last.get(f"{s.prefix}/{name}", (None,))[0] == at else None
+                    for name in ("debug/check/reference_nll", "check/nll_gap"))  # fmt: skip
     if nll is not None:
         fig["target_nll"] = nll
         if ref_nll is not None and gap is not None:
@@ -131,7 +136,14 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
                 lines.append(f"  target NLL       {nll:.4g} nats at the last logging step; the loss computed on it "
                              f"{ref_nll:.4g} (gap {gap:.2g}, {verdict} the self-check's tolerance)")
         else:
-            lines.append(f"  target NLL       {nll:.4g} nats (no trainer loss to compare)")
+            failed = s.last.get(f"{s.prefix}/check/mismatch")
+            if failed is not None and failed[1] > 0 and failed[0] > at:  # a failed check withholds its step's logits/*
+                lines.append(f"  target NLL       {nll:.4g} nats at step {at}; the self-check failed at step {failed[0]}, "
+                             f"beyond its tolerance (that step's logits/* withheld)")
+            elif f"{s.prefix}/debug/check/reference_nll" in s.last:
+                lines.append(f"  target NLL       {nll:.4g} nats (no trainer loss of that step to compare)")
+            else:
+                lines.append(f"  target NLL       {nll:.4g} nats (no trainer loss to compare)")
     val_nll = g("val/logits/target_nll", s.val_last)
     if val_nll is not None:
         fig["val_target_nll"] = val_nll

@@ -142,10 +142,11 @@ def test_a_logging_window_of_several_steps_is_said_once_where_trls_entropy_is_it
 
     from transformers import IntervalStrategy
 
-    def said(name, module="trl.trainer.grpo_trainer", monitors=None, **args):
+    def said(name, module="trl.trainer.grpo_trainer", monitors=None, max_steps=0, **args):
         cb = HeadwatchCallback(monitors=monitors, figure_every_n_steps=0)
         trainer = type(name, (), {"__module__": module})()
         trainer.args = SimpleNamespace(**{"logging_strategy": IntervalStrategy.STEPS, "logging_steps": 5, **args})
+        trainer.state = SimpleNamespace(max_steps=max_steps)  # 0 until train() starts
         trainer.temperature = 0.7
         cb._trainer = weakref.ref(trainer)  # as set_trainer holds it
         with warnings.catch_warnings(record=True) as caught:
@@ -162,3 +163,10 @@ def test_a_logging_window_of_several_steps_is_said_once_where_trls_entropy_is_it
     assert said("GRPOTrainer", logging_strategy=IntervalStrategy.EPOCH) == []
     assert said("GRPOTrainer", monitors=["gradients"]) == []
     assert said("Trainer", module="transformers.trainer") == []
+    assert said("GRPOTrainer", logging_strategy="no") == [] and said("GRPOTrainer", logging_strategy="epoch") == []
+    assert said("GRPOTrainer", logging_steps=1.0) == []
+    # a fraction of the run (0 < logging_steps < 1): ceil(max_steps * logging_steps) steps, known once training starts
+    assert said("GRPOTrainer", logging_steps=0.1) == []  # the Trainer's construction: the run's length unknown
+    assert said("GRPOTrainer", logging_steps=0.1, max_steps=10) == []  # a window of 1 step
+    (note,) = said("GRPOTrainer", logging_steps=0.1, max_steps=25)
+    assert "(logging_steps=0.1 of 25 steps: 3 steps:" in note
