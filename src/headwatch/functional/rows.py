@@ -303,8 +303,9 @@ def _sorted_summaries(ordered: Tensor, selected: list[Tensor], order: Tensor) ->
     ranks = torch.stack([p50.floor(), p50.ceil(), p95.floor(), p95.ceil(), n - 1], dim=1).clamp(min=0.0)  # (G, 5)
     index = torch.searchsorted(running, ranks.long() + 1).clamp(max=ordered.numel() - 1)
     at = ordered.index_select(0, index.reshape(-1)).view(index.shape)  # (G, 5)
-    q50 = at[:, 0] + (at[:, 1] - at[:, 0]) * (p50 - ranks[:, 0])
-    q95 = at[:, 2] + (at[:, 3] - at[:, 2]) * (p95 - ranks[:, 2])
+    # between two equal neighbours the quantile is their value: two infinite norms give inf, not inf - inf = NaN
+    q50 = torch.where(at[:, 1] == at[:, 0], at[:, 0], at[:, 0] + (at[:, 1] - at[:, 0]) * (p50 - ranks[:, 0]))
+    q95 = torch.where(at[:, 3] == at[:, 2], at[:, 2], at[:, 2] + (at[:, 3] - at[:, 2]) * (p95 - ranks[:, 2]))
     # one sum per group over the whole (V,) row, every row reduced alike: a group's mean has the same bits alone or
     # with others
     mean = torch.where(masks, ordered, 0.0).sum(dim=1) / n
