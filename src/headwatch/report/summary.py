@@ -119,13 +119,15 @@ def summary_lines(s: SummarySink, step: int) -> tuple[list[str], dict[str, Any]]
     # the self-check's figures of the NLL's own step: a later step's non-finite loss publishes none, and an earlier
     # step's are not those of the same tokens
     at = s.last.get(f"{s.prefix}/logits/target_nll", (None, None))[0]
-    ref_nll, gap = (g(name) if s.last.get(f"{s.prefix}/{name}", (None,))[0] == at else None
-                    for name in ("debug/check/reference_nll", "check/nll_gap"))  # fmt: skip
+    def of_at(name: str) -> float | None:
+        return g(name) if s.last.get(f"{s.prefix}/{name}", (None,))[0] == at else None
+
+    ref_nll, gap = of_at("debug/check/reference_nll"), of_at("check/nll_gap")
     if nll is not None:
         fig["target_nll"] = nll
         if ref_nll is not None and gap is not None:
             # the self-check's own verdict: its tolerance follows the dtype the loss scored (docs/self_check.md)
-            verdict = "BEYOND" if (g("check/mismatch") or 0.0) > 0 else "within"
+            verdict = "BEYOND" if (of_at("check/mismatch") or 0.0) > 0 else "within"  # a later step's is not this one's
             fig.update(reference_nll=ref_nll, nll_gap=gap)
             temperature = g("rl/temperature")
             if temperature is not None:  # an RL run: the labels are the sampled tokens, the reference not the loss
